@@ -1,0 +1,417 @@
+"""The wire format: msgpack KV-event batches decoded straight into typed Structs, and encoded back.
+
+protocol.md §3 is the spec. Two event encodings exist and both decode: the *map form*
+(``{"type": "BlockStored", ...}``, vLLM ≥ 0.24, SGLang ≥ 0.5.21) and the *tagged-array form*
+(``["BlockStored", f1, f2, ...]``, older releases). The common case — an array batch of
+map-form events of known types — decodes in one msgspec call into `EventBatch`; anything
+else (array-form events, a map-shaped batch, an unknown event type) takes a slower path
+that decodes event by event, so an unknown ``type`` is skipped and counted instead of
+failing the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgspec
+
+from ._errors import DecodeError
+
+__all__ = [
+    "AllBlocksCleared",
+    "BatchDecoder",
+    "BlockRemoved",
+    "BlockStored",
+    "EngineEvent",
+    "EventBatch",
+    "Limits",
+    "decode_batch",
+    "encode_batch",
+]
+
+_MASK64 = (1 << 64) - 1
+_INT64_MIN = -(1 << 63)
+
+#: A block hash as engines send it: uint64 (vLLM), int64 (SGLang) or raw bytes (vLLM with
+#: non-int hashes). Decoded hashes are normalised: ints to the uint64 space, bytes kept.
+BlockHash = Union[int, bytes]
+
+#: One element of a block's ``extra_keys`` (multimodal hashes, cache salt, LoRA name, ...):
+#: engines put str, int, bytes and tuples of them here, so it is kept as decoded.
+ExtraKey = Any
+
+
+def _normalize_hashes(hashes: list[BlockHash]) -> list[BlockHash]:
+    """Fold signed int64 hashes (SGLang) onto uint64 so a block has one key whatever the form."""
+    try:
+        if not hashes or min(hashes) >= 0:  # type: ignore[type-var]
+            return hashes
+    except TypeError:  # bytes mixed with ints: rare, take the slow path
+        pass
+    out: list[BlockHash] = []
+    for h in hashes:
+        if isinstance(h, int):
+            if h < _INT64_MIN or h > _MASK64:
+                raise ValueError(f"block hash {h} out of 64-bit range")
+            h &= _MASK64
+        out.append(h)
+    return out
+
+
+def _normalize_hash(h: BlockHash | None) -> BlockHash | None:
+    if isinstance(h, int) and h < 0:
+        if h < _INT64_MIN:
+            raise ValueError(f"block hash {h} out of 64-bit range")
+        return h & _MASK64
+    return h
+
+
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=True, omit_defaults=True):
+    """Blocks entered an engine's prefix cache (one event may carry a chain of several).
+
+    Field names and order are the engines' (protocol.md §3). ``token_ids`` holds
+    ``block_size`` tokens per hash; SGLang's last page may be short.
+    """
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[list[ExtraKey] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+    lookahead_token_ids: list[int] | None = None
+    cache_salt: Any = None
+
+    def __post_init__(self) -> None:
+        n = len(self.block_hashes)
+        bs = self.block_size
+        if bs < 1:
+            raise ValueError(f"block_size {bs} < 1")
+        nt = len(self.token_ids)
+        # Full blocks: exactly bs tokens each. SGLang's last page may be short (protocol.md §3).
+        if nt != bs * n and not (n and bs * (n - 1) < nt < bs * n):
+            raise ValueError(f"{nt} token_ids do not fit {n} blocks of {bs}")
+        if self.extra_keys is not None and len(self.extra_keys) != n:
+            raise ValueError(f"{len(self.extra_keys)} extra_keys entries for {n} blocks")
+        self.block_hashes = _normalize_hashes(self.block_hashes)
+        if self.parent_block_hash is not None:
+            self.parent_block_hash = _normalize_hash(self.parent_block_hash)
+
+
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, omit_defaults=True):
+    """Blocks left an engine's cache on one ``medium`` (nil = GPU)."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: Any = None
+    ownership: Any = None
+
+    def __post_init__(self) -> None:
+        self.block_hashes = _normalize_hashes(self.block_hashes)
+
+
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    """The engine dropped its whole prefix cache (sent on reset_prefix_cache, not on restart)."""
+
+
+EngineEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class EventBatch(msgspec.Struct, array_like=True):
+    """One published message: the events of one engine step, with the engine's wall-clock ``ts``."""
+
+    ts: float
+    events: list[EngineEvent]
+    data_parallel_rank: int | None = None
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """Caps on what one decoded batch may hold; past one, the batch is a `DecodeError`.
+
+    Defaults are far above what engines send (vLLM publishes one step's events per batch; a
+    step stores at most max_num_batched_tokens / block_size blocks) yet keep a hostile
+    publisher from making kvroute hold or hash unbounded data.
+    """
+
+    max_events_per_batch: int = 100_000
+    max_blocks_per_event: int = 65_536
+    max_block_size: int = 65_536
+
+
+# --- the array form (old engines): positional fields, trailing ones optional ---------------
+
+
+class _ArrBlockStored(msgspec.Struct, tag="BlockStored", array_like=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[list[ExtraKey] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+    lookahead_token_ids: list[int] | None = None
+    cache_salt: Any = None
+
+
+class _ArrBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: Any = None
+    ownership: Any = None
+
+
+class _ArrAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+_ArrEvent = Union[_ArrBlockStored, _ArrBlockRemoved, _ArrAllBlocksCleared]
+
+
+class _ArrEventBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_ArrEvent]
+    data_parallel_rank: int | None = None
+
+
+class _RawArrBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _RawMapBatch(msgspec.Struct):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _Tag(msgspec.Struct):
+    type: str
+
+
+# vLLM writes these BlockStored / BlockRemoved fields even when nil (protocol.md §3), so
+# the map-form encoder uses twins where they have no default and omit_defaults skips
+# only the rest — this is what makes re-encoding the golden payloads byte-exact.
+class _OutBlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[list[ExtraKey] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+    lookahead_token_ids: list[int] | None = None
+    cache_salt: Any = None
+
+
+class _OutBlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: Any = None
+    ownership: Any = None
+
+
+_BS_FIELDS = BlockStored.__struct_fields__
+_BR_FIELDS = BlockRemoved.__struct_fields__
+# The array form of the oldest engines stops after lora_name (7 fields); later fields are
+# written only as far as the last non-nil one, the way each newer release appended them.
+_ARR_MIN_BS_FIELDS = 7
+_ARR_MIN_BR_FIELDS = 2
+
+_KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+_MAP_FIRST_BYTES = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
+_ARR_FIRST_BYTES = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+
+_fast_decoder = msgspec.msgpack.Decoder(EventBatch)
+_arr_decoder = msgspec.msgpack.Decoder(_ArrEventBatch)
+_raw_arr_decoder = msgspec.msgpack.Decoder(_RawArrBatch)
+_raw_map_decoder = msgspec.msgpack.Decoder(_RawMapBatch)
+_map_event_decoder = msgspec.msgpack.Decoder(EngineEvent)
+_arr_event_decoder = msgspec.msgpack.Decoder(_ArrEvent)
+_tag_decoder = msgspec.msgpack.Decoder(_Tag)
+_raw_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_str_decoder = msgspec.msgpack.Decoder(str)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _from_array(ev: _ArrBlockStored | _ArrBlockRemoved | _ArrAllBlocksCleared) -> EngineEvent:
+    if isinstance(ev, _ArrBlockStored):
+        return BlockStored(**msgspec.structs.asdict(ev))
+    if isinstance(ev, _ArrBlockRemoved):
+        return BlockRemoved(**msgspec.structs.asdict(ev))
+    return AllBlocksCleared()
+
+
+def _reason(exc: Exception) -> str:
+    msg = str(exc)
+    return msg if len(msg) <= 200 else msg[:197] + "..."
+
+
+class BatchDecoder:
+    """Decodes payloads into `EventBatch`, remembering which form a source speaks.
+
+    One per source: ``unknown_events`` counts events of a ``type`` this kvroute does not know,
+    which are skipped while the rest of their batch decodes. Array-form sources are
+    detected on their first batch and decoded on their own fast path from then on.
+    """
+
+    __slots__ = ("limits", "unknown_events", "_array_form")
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self.unknown_events = 0
+        self._array_form = False
+
+    def decode(self, payload: bytes | memoryview) -> EventBatch:
+        """Decode one payload; raises `DecodeError` with a short reason on any malformed input."""
+        try:
+            batch = self._decode(payload)
+        except DecodeError:
+            raise
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
+            raise DecodeError(_reason(exc)) from None
+        self._check_limits(batch)
+        return batch
+
+    def _decode(self, payload: bytes | memoryview) -> EventBatch:
+        fast = _arr_decoder if self._array_form else _fast_decoder
+        try:
+            batch = fast.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        else:
+            if isinstance(batch, _ArrEventBatch):
+                return EventBatch(batch.ts, [_from_array(e) for e in batch.events], batch.data_parallel_rank)
+            return batch
+        if not payload:
+            raise DecodeError("empty payload")
+        if payload[0] in _MAP_FIRST_BYTES:
+            raw: _RawArrBatch | _RawMapBatch = _raw_map_decoder.decode(payload)
+        else:
+            raw = _raw_arr_decoder.decode(payload)
+        events: list[EngineEvent] = []
+        array_events = 0
+        for item in raw.events:
+            ev = self._decode_event(item)
+            if ev is None:
+                continue
+            if ev[1]:
+                array_events += 1
+            events.append(ev[0])
+        if array_events and array_events == len(events):
+            self._array_form = True
+        elif events and not array_events:
+            self._array_form = False
+        return EventBatch(raw.ts, events, raw.data_parallel_rank)
+
+    def _decode_event(self, item: msgspec.Raw) -> tuple[EngineEvent, bool] | None:
+        data = bytes(item)
+        if not data:
+            raise DecodeError("empty event")
+        first = data[0]
+        if first in _MAP_FIRST_BYTES:
+            tag = _tag_decoder.decode(data).type
+            if tag not in _KNOWN_TAGS:
+                self.unknown_events += 1
+                return None
+            return _map_event_decoder.decode(data), False
+        if first in _ARR_FIRST_BYTES:
+            parts = _raw_list_decoder.decode(data)
+            if not parts:
+                raise DecodeError("empty array event")
+            tag = _str_decoder.decode(parts[0])
+            if tag not in _KNOWN_TAGS:
+                self.unknown_events += 1
+                return None
+            return _from_array(_arr_event_decoder.decode(data)), True
+        raise DecodeError(f"event is neither a map nor an array (first byte 0x{first:02x})")
+
+    def _check_limits(self, batch: EventBatch) -> None:
+        lim = self.limits
+        if len(batch.events) > lim.max_events_per_batch:
+            raise DecodeError(f"{len(batch.events)} events in one batch exceed the cap of {lim.max_events_per_batch}")
+        for ev in batch.events:
+            if isinstance(ev, AllBlocksCleared):
+                continue
+            if len(ev.block_hashes) > lim.max_blocks_per_event:
+                raise DecodeError(f"{len(ev.block_hashes)} blocks in one event exceed the cap of {lim.max_blocks_per_event}")
+            if isinstance(ev, BlockStored) and ev.block_size > lim.max_block_size:
+                raise DecodeError(f"block_size {ev.block_size} exceeds the cap of {lim.max_block_size}")
+
+
+_default_decoder = BatchDecoder()
+
+
+def decode_batch(payload: bytes | memoryview) -> EventBatch:
+    """Decode one msgpack payload (either event form) into an `EventBatch`.
+
+    Raises `DecodeError` on malformed input. Unknown event types are skipped; use a
+    `BatchDecoder` to count them.
+    """
+    return _default_decoder.decode(payload)
+
+
+def _signed(h: BlockHash | None) -> BlockHash | None:
+    if isinstance(h, int) and h > 0x7FFF_FFFF_FFFF_FFFF:
+        return h - (1 << 64)
+    return h
+
+
+def _to_wire(ev: EngineEvent, form: Literal["map", "array"], signed: bool) -> Any:
+    if isinstance(ev, AllBlocksCleared):
+        return ["AllBlocksCleared"] if form == "array" else ev
+    values = list(msgspec.structs.astuple(ev))
+    if signed:
+        values[0] = [_signed(h) for h in values[0]]
+        if isinstance(ev, BlockStored):
+            values[1] = _signed(values[1])
+    if form == "map":
+        return _OutBlockStored(*values) if isinstance(ev, BlockStored) else _OutBlockRemoved(*values)
+    floor = _ARR_MIN_BS_FIELDS if isinstance(ev, BlockStored) else _ARR_MIN_BR_FIELDS
+    end = len(values)
+    while end > floor and values[end - 1] is None:
+        end -= 1
+    return [type(ev).__name__, *values[:end]]
+
+
+def encode_batch(
+    batch: EventBatch,
+    *,
+    form: Literal["map", "array"] = "map",
+    signed_hashes: bool = False,
+) -> bytes:
+    """Encode a batch the way an engine publishes it.
+
+    ``form="map"`` is vLLM ≥ 0.24 / SGLang ≥ 0.5.21; ``form="array"`` the tagged-array form
+    of older releases. ``signed_hashes=True`` writes int hashes as int64, as SGLang does.
+    ``decode_batch(encode_batch(b, ...)) == b`` for every form.
+    """
+    if form not in ("map", "array"):
+        raise ValueError(f"unknown form {form!r}")
+    events = [_to_wire(e, form, signed_hashes) for e in batch.events]
+    return _encoder.encode([batch.ts, events, batch.data_parallel_rank])
