@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import msgspec
 
@@ -67,3 +67,37 @@ def normalize_medium(medium: str | None) -> str:
     if tier is None:
         tier = _MEDIUM_ALIASES.get(medium.upper() if medium else None, EXTERNAL)
     return tier
+
+
+class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """What the subscriber knows of one worker's index state, as the router reads it.
+
+    ``state``: "syncing" (connecting, cold-start replay, or an identity check in flight),
+    "synced" (caught up: the index holds what the worker holds, as far as the replay buffer
+    reached), "resyncing" (a gap or restart is being recovered; claims are held back).
+    ``partial``: the worker's history before its replay buffer is unknown, so the index
+    holds only a subset of what it caches.
+    """
+
+    state: str
+    partial: bool = False
+
+    @property
+    def synced(self) -> bool:
+        """True when the index is caught up with this worker."""
+        return self.state == "synced"
+
+
+class WorkerStates(Protocol):
+    """Where a router learns which workers exist and whether their index state can be trusted.
+
+    `KvEventClient` implements it; tests and static setups may supply their own.
+    """
+
+    def worker_status(self, worker: WorkerKey) -> WorkerStatus | None:
+        """The worker's status, or None when it is not (or no longer) known."""
+        ...
+
+    def live_workers(self) -> set[WorkerKey]:
+        """Every worker currently subscribed (discovered and not removed)."""
+        ...
