@@ -1,0 +1,648 @@
+"""The Router: send a prompt to the worker where prefill still to do plus load already there costs least.
+
+Cost of a candidate (the model of NVIDIA Dynamo's KV router, whose defaults are kept)::
+
+    cost = overlap_weight * prefill_blocks + load_blocks
+
+- ``prefill_blocks``: the prompt's tokens the worker would still have to prefill — all of them
+  minus its cached leading blocks, a block on a slower tier credited only in part
+  (`CostModel`) — divided by the router's ``block_size``, the unit of every figure here.
+- ``load_blocks``: the worker's active load: the prompt tokens of the requests routed to it and
+  not finished (tracked by `Router.on_start` / `Router.on_finish`), or what the caller supplies.
+
+Lowest cost wins; exact ties are broken uniformly at random; a positive ``temperature`` samples
+instead from the softmax of ``-cost / temperature``, spreading load.
+
+Trust: a worker's index overlap counts only when its state is "synced" (and, unless
+``trust_partial``, not partial) — a worker not yet synced, resyncing or partial counts as
+holding nothing. Workers the discovery layer removed are never chosen. *Approximate* workers
+(engines with events off) are assumed to hold what was routed to them for ``approximate_ttl``
+seconds; the index is not consulted for them.
+
+Hot path: one ``find_matches``; per-worker Python work only for workers with overlap, load or an
+approximate store. Every other candidate is *idle*: nothing cached, no load, one shared cost —
+they are counted, and one is drawn at random only if the idle group wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from itertools import islice
+from typing import Any
+
+import msgspec
+
+from ._errors import KvRouteError, NoWorkersError
+from ._hashing import chain_keys
+from ._index import OverlapScores, PrefixIndex
+from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, WorkerStates
+
+__all__ = ["CandidateScore", "CostModel", "Router", "RouterError", "RouterStats", "RoutingDecision"]
+
+_log = logging.getLogger("kvroute.router")
+
+# Costs computed by different paths (index overlap, approximate store, idle) can differ in the
+# last bits for equal inputs; closer than this relative margin they are a tie.
+_TIE_EPS = 1e-9
+
+
+class RouterError(KvRouteError, ValueError):
+    """A `Router` or `CostModel` was given a setting or an input it cannot use."""
+
+
+def _key(worker: WorkerKey) -> WorkerKey:
+    try:
+        return WorkerKey(*worker)
+    except TypeError:
+        raise RouterError(f"not a WorkerKey (worker_id, dp_rank): {worker!r}") from None
+
+
+def _check_block_size(block_size: int) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise RouterError(f"block_size must be an int >= 1, got {block_size!r}")
+
+
+def _check_fraction(name: str, value: float) -> None:
+    if not (0.0 <= value <= 1.0):
+        raise RouterError(f"{name} must be within [0, 1], got {value!r}")
+
+
+class CostModel(msgspec.Struct, frozen=True, kw_only=True):
+    """The weights of the routing cost; subclass and override `cost` / `credited_blocks` for another policy.
+
+    ``overlap_weight`` (1.0, Dynamo's default): weight of the prefill still to do against the
+    load; 0 ignores caches entirely (pure load balancing), larger favours cache hits over spread.
+    ``cpu_credit`` / ``disk_credit`` / ``external_credit``: the fraction of a block's prefill saved
+    when it is cached on that tier instead of GPU (a GPU hit saves all of it). CPU 0.8 is llm-d's
+    default weight for CPU-offloaded blocks; DISK and EXTERNAL (LMCache / Mooncake-style stores)
+    default to 0.5: loading from them is slower than PCIe but still well below recomputing.
+    ``temperature`` (0.0, Dynamo's default): 0 picks the cheapest worker; above 0 samples with
+    probability ∝ exp(-cost / temperature), cost in blocks of the router's ``block_size``.
+
+    Overrides must be pure functions of their arguments: the router evaluates the cost of all
+    idle workers once.
+    """
+
+    overlap_weight: float = 1.0
+    cpu_credit: float = 0.8
+    disk_credit: float = 0.5
+    external_credit: float = 0.5
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.overlap_weight) and self.overlap_weight >= 0.0):
+            raise RouterError(f"overlap_weight must be finite and >= 0, got {self.overlap_weight!r}")
+        _check_fraction("cpu_credit", self.cpu_credit)
+        _check_fraction("disk_credit", self.disk_credit)
+        _check_fraction("external_credit", self.external_credit)
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise RouterError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+
+    @property
+    def full_credit(self) -> bool:
+        """True when every tier counts as a GPU hit (the per-tier split is then never needed)."""
+        return self.cpu_credit == 1.0 and self.disk_credit == 1.0 and self.external_credit == 1.0
+
+    def credited_blocks(self, overlap: int, gpu: int, cpu: int, disk: int, external: int) -> float:
+        """Cached blocks as GPU-hit equivalents, from the leading run on any tier and on each tier.
+
+        Block i of the run counts with the best credit among the tiers whose own leading run
+        covers it; a block covered by no single tier's run (held on a mix) gets the lowest
+        credit of the slower tiers, a lower bound of what it saves.
+        """
+        runs = sorted(
+            ((1.0, gpu), (self.cpu_credit, cpu), (self.disk_credit, disk), (self.external_credit, external)),
+            reverse=True,
+        )
+        credited = 0.0
+        covered = 0
+        for credit, run in runs:
+            run = min(run, overlap)
+            if run > covered:
+                credited += (run - covered) * credit
+                covered = run
+        if covered < overlap:
+            credited += (overlap - covered) * min(self.cpu_credit, self.disk_credit, self.external_credit)
+        return credited
+
+    def cost(self, prefill_blocks: float, load_blocks: float) -> float:
+        """A candidate's cost: ``overlap_weight * prefill_blocks + load_blocks`` (lower is better)."""
+        return self.overlap_weight * prefill_blocks + load_blocks
+
+
+class CandidateScore(msgspec.Struct, frozen=True, kw_only=True):
+    """What the router weighed for one candidate.
+
+    ``claimed_blocks``: leading blocks the index (or the approximate store) says the worker holds;
+    ``overlap_blocks``: those it counted (0 when the worker's state cannot back the claim).
+    Both are in the worker's own blocks of ``block_size`` tokens (None: nothing known of it).
+    ``prefill_blocks``, ``load_blocks`` and ``cost`` are in blocks of the router's ``block_size``.
+    ``source``: "index" or "approximate".
+    """
+
+    worker: WorkerKey
+    source: str
+    claimed_blocks: int
+    overlap_blocks: int
+    block_size: int | None
+    prefill_blocks: float
+    load_blocks: float
+    cost: float
+
+
+class RoutingDecision(msgspec.Struct, frozen=True, kw_only=True):
+    """The chosen worker and the figures it was chosen from.
+
+    ``candidates`` lists every candidate that had a claim, an overlap or load, and the chosen
+    worker; the ``idle_workers`` other candidates held nothing and had no load, each at
+    ``idle_cost``. ``overlap_blocks``: the chosen worker's counted leading blocks (its own block
+    size); ``query_tokens``: the prompt's length.
+    """
+
+    worker: WorkerKey
+    overlap_blocks: int
+    cost: float
+    query_tokens: int
+    candidates: tuple[CandidateScore, ...]
+    idle_workers: int
+    idle_cost: float
+
+
+class RouterStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Counters of a `Router`."""
+
+    selections: int
+    active_requests: int
+    approximate_workers: int
+    approximate_blocks: int
+    unknown_finishes: int
+
+
+class _Approx:
+    """What an approximate worker is assumed to hold: content key -> expiry, oldest first.
+
+    One TTL for all and a monotonic clock make insertion order expiry order, so expired keys
+    are always at the front and purging is amortised O(1) per key.
+    """
+
+    __slots__ = ("block_size", "expiry")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.expiry: dict[int, float] = {}
+
+    def purge(self, now: float) -> None:
+        expiry = self.expiry
+        while expiry:
+            first = next(iter(expiry))
+            if expiry[first] > now:
+                return
+            del expiry[first]
+
+    def leading(self, keys: list[int]) -> int:
+        expiry = self.expiry
+        n = 0
+        for k in keys:
+            if k not in expiry:
+                break
+            n += 1
+        return n
+
+    def note(self, keys: list[int], until: float) -> None:
+        expiry = self.expiry
+        pop = expiry.pop
+        for k in keys:
+            pop(k, None)  # re-inserting moves the key to the back: expiry order stays insertion order
+            expiry[k] = until
+
+
+class _Query:
+    """One prompt with its content keys per block size, hashed only when an approximate worker asks."""
+
+    __slots__ = ("_keys", "extra_keys", "lora_name", "token_ids")
+
+    def __init__(
+        self, token_ids: Sequence[int], lora_name: str | None, extra_keys: Sequence[Sequence[Any] | None] | None
+    ) -> None:
+        self.token_ids = token_ids
+        self.lora_name = lora_name
+        self.extra_keys = extra_keys
+        self._keys: dict[int, list[int]] = {}
+
+    def keys(self, block_size: int) -> list[int]:
+        got = self._keys.get(block_size)
+        if got is None:
+            try:
+                got = chain_keys(self.token_ids, block_size, lora_name=self.lora_name, extra_keys=self.extra_keys)
+            except OverflowError:
+                got = []  # a token outside uint32 is never a held block (kvroute._hashing)
+            except (TypeError, msgspec.EncodeError) as exc:
+                raise RouterError(f"token_ids / extra_keys: not ints / encodable keys: {exc}") from None
+            self._keys[block_size] = got
+        return got
+
+
+class Router:
+    """Picks a worker for each prompt from the prefix index, worker states and load; see the module docstring.
+
+    ``index``: the `PrefixIndex` to read. ``states``: where live workers and their sync state
+    come from (a `KvEventClient`); None trusts the index for every worker it holds.
+    ``cost``: a `CostModel` (or subclass). ``block_size`` (16, vLLM's default block size): tokens
+    per cost block, the unit of prefill, load, cost and temperature — set it to the fleet's
+    engine block size. ``trust_partial`` (False): count the overlap of a synced worker whose
+    history the replay buffer did not cover; its index is a subset of its cache, so this only
+    ever under-claims. ``approximate_ttl`` (120 s, Dynamo's default for routers without KV
+    events): how long an approximate worker is assumed to keep what was routed to it.
+    ``seed``: seeds tie-breaking and temperature sampling. ``clock``: a monotonic clock in seconds.
+
+    Not thread-safe: use it from one thread (or one event loop), like the index it reads.
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        states: WorkerStates | None = None,
+        cost: CostModel | None = None,
+        block_size: int = 16,
+        trust_partial: bool = False,
+        approximate_ttl: float = 120.0,
+        seed: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        _check_block_size(block_size)
+        if not (math.isfinite(approximate_ttl) and approximate_ttl > 0):
+            raise RouterError(f"approximate_ttl must be finite and > 0, got {approximate_ttl!r}")
+        self.index = index
+        self.states = states
+        self.cost_model = cost if cost is not None else CostModel()
+        self.block_size = block_size
+        self.trust_partial = trust_partial
+        self.approximate_ttl = float(approximate_ttl)
+        self._rng = random.Random(seed)
+        self._clock = clock
+        self._registered: set[WorkerKey] = set()
+        self._approx: dict[WorkerKey, _Approx] = {}
+        self._block_sizes: dict[WorkerKey, int] = {}
+        self._load: dict[WorkerKey, int] = {}  # active prompt tokens per worker
+        self._active: dict[WorkerKey, dict[Hashable, int]] = {}
+        self._request_worker: dict[Hashable, WorkerKey] = {}
+        self._selections = 0
+        self._unknown_finishes = 0
+
+    # --- workers -------------------------------------------------------------------------
+
+    def add_worker(self, worker: WorkerKey, *, approximate: bool = False, block_size: int | None = None) -> None:
+        """Make ``worker`` a candidate (again, to change its settings).
+
+        ``approximate``: the engine publishes no KV events; assume it holds what was routed to
+        it for ``approximate_ttl`` seconds. Switching it off forgets that store. ``block_size``:
+        the engine's block size, for approximate hashing (default: the router's ``block_size``).
+        A registered worker stays a candidate, whatever the states provider says, until
+        `remove_worker`.
+        """
+        if block_size is not None:
+            _check_block_size(block_size)
+        worker = _key(worker)
+        self._registered.add(worker)
+        if block_size is None:
+            self._block_sizes.pop(worker, None)
+        else:
+            self._block_sizes[worker] = block_size
+        bs = block_size or self.block_size
+        store = self._approx.get(worker)
+        if not approximate:
+            self._approx.pop(worker, None)
+        elif store is None or store.block_size != bs:
+            self._approx[worker] = _Approx(bs)
+
+    def remove_worker(self, worker: WorkerKey) -> None:
+        """Forget a registered worker: its registration, approximate store and tracked load."""
+        worker = _key(worker)
+        self._registered.discard(worker)
+        self._approx.pop(worker, None)
+        self._block_sizes.pop(worker, None)
+        self._load.pop(worker, None)
+        for rid in self._active.pop(worker, {}):
+            del self._request_worker[rid]
+
+    def is_approximate(self, worker: WorkerKey) -> bool:
+        """Whether ``worker`` is routed in approximate mode."""
+        return worker in self._approx
+
+    def workers(self) -> set[WorkerKey]:
+        """The current candidate universe (before any ``candidates`` restriction)."""
+        if self.states is not None:
+            return self.states.live_workers() | self._registered
+        return self.index.workers() | self._registered
+
+    # --- load ----------------------------------------------------------------------------
+
+    def on_start(
+        self,
+        request_id: Hashable,
+        worker: WorkerKey,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        extra_keys: Sequence[Sequence[Any] | None] | None = None,
+    ) -> None:
+        """Record that request ``request_id`` with prompt ``token_ids`` runs on ``worker`` (routed elsewhere).
+
+        Its prompt tokens count as load on ``worker`` until `on_finish`; an approximate worker is
+        assumed to cache the prompt. Starting an id that is still active moves it.
+        """
+        worker = _key(worker)
+        self._start(request_id, worker, len(token_ids))
+        store = self._approx.get(worker)
+        if store is not None:
+            keys = _Query(token_ids, lora_name, extra_keys).keys(store.block_size)
+            store.note(keys, self._clock() + self.approximate_ttl)
+
+    def _start(self, request_id: Hashable, worker: WorkerKey, tokens: int) -> None:
+        try:
+            known = request_id in self._request_worker
+        except TypeError:
+            raise RouterError(f"request_id must be hashable, got {type(request_id).__name__}") from None
+        if known:
+            self.on_finish(request_id)
+        self._request_worker[request_id] = worker
+        self._active.setdefault(worker, {})[request_id] = tokens
+        self._load[worker] = self._load.get(worker, 0) + tokens
+
+    def on_finish(self, request_id: Hashable) -> bool:
+        """Release a request's load; False (counted, logged at debug) when the id is not active."""
+        try:
+            worker = self._request_worker.pop(request_id, None)
+        except TypeError:
+            worker = None
+        if worker is None:
+            self._unknown_finishes += 1
+            _log.debug("on_finish for unknown request %r ignored", request_id)
+            return False
+        active = self._active[worker]
+        left = self._load[worker] - active.pop(request_id)
+        if active:
+            self._load[worker] = left
+        else:
+            del self._active[worker]
+            del self._load[worker]
+        return True
+
+    def load_blocks(self, worker: WorkerKey) -> float:
+        """The load tracked on ``worker``, in blocks of ``block_size`` tokens."""
+        return self._load.get(worker, 0) / self.block_size
+
+    def stats(self) -> RouterStats:
+        """A snapshot of the router's counters."""
+        return RouterStats(
+            selections=self._selections,
+            active_requests=len(self._request_worker),
+            approximate_workers=len(self._approx),
+            approximate_blocks=sum(len(s.expiry) for s in self._approx.values()),
+            unknown_finishes=self._unknown_finishes,
+        )
+
+    # --- selection -----------------------------------------------------------------------
+
+    def _universe(self, candidates: Iterable[WorkerKey] | None) -> set[WorkerKey]:
+        if candidates is None:
+            return self.workers()
+        try:
+            wanted = set(candidates)
+        except TypeError as exc:
+            raise RouterError(f"candidates must be an iterable of WorkerKey: {exc}") from None
+        if self.states is None:
+            return wanted  # the caller vouches for them: there is no discovery to contradict it
+        return (wanted & self.states.live_workers()) | (wanted & self._registered)
+
+    def _trusted(self, worker: WorkerKey) -> bool:
+        states = self.states
+        if states is None:
+            return True
+        status = states.worker_status(worker)
+        return status is not None and status.state == "synced" and (self.trust_partial or not status.partial)
+
+    def select(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        extra_keys: Sequence[Sequence[Any] | None] | None = None,
+        candidates: Iterable[WorkerKey] | None = None,
+        load: Mapping[WorkerKey, float] | None = None,
+        request_id: Hashable | None = None,
+    ) -> RoutingDecision:
+        """Choose the worker for a prompt; see the module docstring for the cost.
+
+        ``lora_name`` / ``extra_keys``: the adapter and per-block extra keys the engine hashes
+        with. ``candidates``: restrict the choice to these workers (removed ones still never
+        win). ``load``: active load per worker in blocks of ``block_size`` tokens, replacing the
+        tracked load for this call (absent = 0). ``request_id``: record the prompt as load on
+        the chosen worker until `on_finish`. A chosen approximate worker is assumed to cache the
+        prompt either way. Raises `NoWorkersError` when no candidate is left, `RouterError`
+        on bad input.
+        """
+        try:
+            ntok = len(token_ids)
+            scores = self.index.find_matches(token_ids, lora_name=lora_name, extra_keys=extra_keys)
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise RouterError(f"token_ids / extra_keys: not ints / encodable keys: {exc}") from None
+        universe = self._universe(candidates)
+        if not universe:
+            if candidates is None:
+                raise NoWorkersError("no live or registered worker to route to")
+            raise NoWorkersError("none of the given candidates is a live or registered worker")
+        query = _Query(token_ids, lora_name, extra_keys)
+        unit = self.block_size
+        model = self.cost_model
+        cost_of = model.cost
+        idle_prefill = ntok / unit
+        entries: list[CandidateScore] = []
+        seen: set[WorkerKey] = set()
+
+        if load is None:
+            tracked = self._load
+            loads: Mapping[WorkerKey, float] = {w: t / unit for w, t in tracked.items()} if tracked else {}
+        else:
+            loads = load
+
+        def load_of(w: WorkerKey) -> float:
+            value = loads.get(w, 0.0)
+            if not (math.isfinite(value) and value >= 0.0):
+                raise RouterError(f"load of {w} must be finite and >= 0, got {value!r}")
+            return value
+
+        approx = self._approx
+        if approx:
+            now = self._clock()
+            for w, store in approx.items():
+                if w not in universe:
+                    continue
+                store.purge(now)
+                held = store.leading(query.keys(store.block_size)) if store.expiry else 0
+                w_load = load_of(w)
+                if not held and not w_load:
+                    continue
+                bs = store.block_size
+                prefill = (ntok - held * bs) / unit
+                seen.add(w)
+                entries.append(
+                    CandidateScore(
+                        worker=w,
+                        source="approximate",
+                        claimed_blocks=held,
+                        overlap_blocks=held,
+                        block_size=bs,
+                        prefill_blocks=prefill,
+                        load_blocks=w_load,
+                        cost=cost_of(prefill, w_load),
+                    )
+                )
+
+        if scores:
+            entries.extend(self._scored(scores, universe, seen, ntok, idle_prefill, load_of))
+
+        for w in loads:
+            if w in seen or w not in universe:
+                continue
+            w_load = load_of(w)
+            if not w_load:
+                continue
+            seen.add(w)
+            # Approximate workers with load were all seen above: this one is an index worker.
+            entries.append(
+                CandidateScore(
+                    worker=w,
+                    source="index",
+                    claimed_blocks=0,
+                    overlap_blocks=0,
+                    block_size=self.index.block_size(w),
+                    prefill_blocks=idle_prefill,
+                    load_blocks=w_load,
+                    cost=cost_of(idle_prefill, w_load),
+                )
+            )
+
+        idle_count = len(universe) - len(seen)
+        idle_cost = cost_of(idle_prefill, 0.0)
+        pick = self._pick(entries, idle_count, idle_cost, model.temperature)
+        if pick is None:
+            idle = universe - seen
+            chosen_w = next(islice(iter(idle), self._rng.randrange(len(idle)), None))
+            chosen = CandidateScore(
+                worker=chosen_w,
+                source="approximate" if chosen_w in approx else "index",
+                claimed_blocks=0,
+                overlap_blocks=0,
+                block_size=approx[chosen_w].block_size if chosen_w in approx else self.index.block_size(chosen_w),
+                prefill_blocks=idle_prefill,
+                load_blocks=0.0,
+                cost=idle_cost,
+            )
+            entries.append(chosen)
+            idle_count -= 1
+        else:
+            chosen = pick
+        worker = chosen.worker
+
+        chosen_store = approx.get(worker)
+        if chosen_store is not None:
+            chosen_store.note(query.keys(chosen_store.block_size), self._clock() + self.approximate_ttl)
+        if request_id is not None:
+            self._start(request_id, worker, ntok)
+        self._selections += 1
+        return RoutingDecision(
+            worker=worker,
+            overlap_blocks=chosen.overlap_blocks,
+            cost=chosen.cost,
+            query_tokens=ntok,
+            candidates=tuple(entries),
+            idle_workers=idle_count,
+            idle_cost=idle_cost,
+        )
+
+    def _scored(
+        self,
+        scores: OverlapScores,
+        universe: set[WorkerKey],
+        seen: set[WorkerKey],
+        ntok: int,
+        idle_prefill: float,
+        load_of: Callable[[WorkerKey], float],
+    ) -> list[CandidateScore]:
+        """Figures of the workers the index claims overlap for (approximate ones excluded)."""
+        out: list[CandidateScore] = []
+        unit = self.block_size
+        model = self.cost_model
+        cost_of = model.cost
+        full_credit = model.full_credit
+        gpu_runs = scores.tier(GPU)
+        approx = self._approx
+        block_size_of = self.index.block_size
+        for w, claimed in scores.items():
+            if w in seen or w in approx or w not in universe:
+                continue
+            w_load = load_of(w)
+            bs = block_size_of(w)
+            if bs is not None and self._trusted(w):
+                overlap = claimed
+                gpu = gpu_runs.get(w, 0)
+                if full_credit or gpu >= claimed:
+                    credited: float = claimed
+                else:
+                    credited = model.credited_blocks(
+                        claimed,
+                        gpu,
+                        scores.tier(CPU).get(w, 0),
+                        scores.tier(DISK).get(w, 0),
+                        scores.tier(EXTERNAL).get(w, 0),
+                    )
+                prefill = (ntok - credited * bs) / unit
+            else:
+                overlap = 0
+                prefill = idle_prefill
+            seen.add(w)
+            out.append(
+                CandidateScore(
+                    worker=w,
+                    source="index",
+                    claimed_blocks=claimed,
+                    overlap_blocks=overlap,
+                    block_size=bs,
+                    prefill_blocks=prefill,
+                    load_blocks=w_load,
+                    cost=cost_of(prefill, w_load),
+                )
+            )
+        return out
+
+    def _pick(
+        self, entries: list[CandidateScore], idle_count: int, idle_cost: float, temperature: float
+    ) -> CandidateScore | None:
+        """The winning entry, or None when the idle group wins (the caller draws one idle worker)."""
+        best = min((e.cost for e in entries), default=math.inf)
+        if idle_count:
+            best = min(best, idle_cost)
+        rng = self._rng
+        if temperature > 0.0:
+            weights = [math.exp((best - e.cost) / temperature) for e in entries]
+            total = math.fsum(weights)
+            idle_weight = idle_count * math.exp((best - idle_cost) / temperature) if idle_count else 0.0
+            r = rng.random() * (total + idle_weight)
+            for e, wgt in zip(entries, weights):
+                r -= wgt
+                if r < 0.0:
+                    return e
+            if idle_count:
+                return None
+            return entries[-1]  # rounding left r a hair above zero: the last entry's share
+        margin = _TIE_EPS * max(1.0, abs(best))
+        tied = [e for e in entries if e.cost - best <= margin]
+        idle_tied = idle_count if idle_count and idle_cost - best <= margin else 0
+        r = rng.randrange(len(tied) + idle_tied)
+        return tied[r] if r < len(tied) else None
