@@ -11,7 +11,7 @@ failing the batch.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
@@ -34,7 +34,7 @@ _INT64_MIN = -(1 << 63)
 
 #: A block hash as engines send it: uint64 (vLLM), int64 (SGLang) or raw bytes (vLLM with
 #: non-int hashes). Decoded hashes are normalised: ints to the uint64 space, bytes kept.
-BlockHash = Union[int, bytes]
+BlockHash = int | bytes
 
 #: One element of a block's ``extra_keys`` (multimodal hashes, cache salt, LoRA name, ...):
 #: engines put str, int, bytes and tuples of them here, so it is kept as decoded.
@@ -44,7 +44,7 @@ ExtraKey = Any
 def _normalize_hashes(hashes: list[BlockHash]) -> list[BlockHash]:
     """Fold signed int64 hashes (SGLang) onto uint64 so a block has one key whatever the form."""
     try:
-        if not hashes or min(hashes) >= 0:  # type: ignore[type-var]
+        if not hashes or min(hashes) >= 0:  # type: ignore[operator]
             return hashes
     except TypeError:  # bytes mixed with ints: rare, take the slow path
         pass
@@ -123,7 +123,7 @@ class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type")
     """The engine dropped its whole prefix cache (sent on reset_prefix_cache, not on restart)."""
 
 
-EngineEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+EngineEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventBatch(msgspec.Struct, array_like=True):
@@ -181,7 +181,7 @@ class _ArrAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=Tr
     pass
 
 
-_ArrEvent = Union[_ArrBlockStored, _ArrBlockRemoved, _ArrAllBlocksCleared]
+_ArrEvent = _ArrBlockStored | _ArrBlockRemoved | _ArrAllBlocksCleared
 
 
 class _ArrEventBatch(msgspec.Struct, array_like=True):
@@ -280,7 +280,7 @@ class BatchDecoder:
     detected on their first batch and decoded on their own fast path from then on.
     """
 
-    __slots__ = ("limits", "unknown_events", "_array_form")
+    __slots__ = ("_array_form", "limits", "unknown_events")
 
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
@@ -359,7 +359,9 @@ class BatchDecoder:
             if isinstance(ev, AllBlocksCleared):
                 continue
             if len(ev.block_hashes) > lim.max_blocks_per_event:
-                raise DecodeError(f"{len(ev.block_hashes)} blocks in one event exceed the cap of {lim.max_blocks_per_event}")
+                raise DecodeError(
+                    f"{len(ev.block_hashes)} blocks in one event exceed the cap of {lim.max_blocks_per_event}"
+                )
             if isinstance(ev, BlockStored) and ev.block_size > lim.max_block_size:
                 raise DecodeError(f"block_size {ev.block_size} exceeds the cap of {lim.max_block_size}")
 

@@ -1,0 +1,318 @@
+"""PrefixIndex against a brute-force model: per worker, the set of stored prefixes and their copies per tier."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvroute import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, PrefixIndex, WorkerKey
+from kvroute._hashing import chain_keys
+from kvroute._models import TIERS, normalize_medium
+
+W = [WorkerKey("a", 0), WorkerKey("a", 1), WorkerKey("b", 0), WorkerKey("c", 0)]
+BLOCK_SIZE = {W[0]: 2, W[1]: 2, W[2]: 4, W[3]: 2}
+MEDIA = [None, "GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL"]
+
+
+@dataclass
+class MBlock:
+    """One engine hash as the model sees it: its full identity (None = unclaimable) and copies per tier."""
+
+    ident: tuple[object, ...] | None
+    copies: dict[str, int] = field(default_factory=dict)
+
+
+def held_idents(blocks: dict[int, MBlock], tier: str | None) -> set[tuple[object, ...]]:
+    """Identities the worker holds (on ``tier``, or on any tier)."""
+    out = set()
+    for b in blocks.values():
+        if b.ident is None:
+            continue
+        if (tier is None and any(b.copies.values())) or (tier is not None and b.copies.get(tier, 0) > 0):
+            out.add(b.ident)
+    return out
+
+
+def model_score(blocks: dict[int, MBlock], bs: int, tokens: list[int], lora: str | None, tier: str | None) -> int:
+    """Leading full blocks of ``tokens`` whose whole prefix identity the worker holds."""
+    held = held_idents(blocks, tier)
+    n = 0
+    for i in range(len(tokens) // bs):
+        if (lora, bs, tuple(tokens[: (i + 1) * bs])) not in held:
+            break
+        n += 1
+    return n
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Random store / remove / clear / query sequences; the index must agree with the model exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = PrefixIndex()
+        self.model: dict[WorkerKey, dict[int, MBlock]] = {w: {} for w in W}
+        self.next_hash = 1
+
+    def _fresh_hash(self) -> int:
+        self.next_hash += 1
+        return self.next_hash * 0x9E3779B97F4A7C15 % (1 << 64)
+
+    @rule(
+        w=st.sampled_from(W),
+        parent_pick=st.integers(0, 1000),
+        parent_mode=st.sampled_from(["root", "known", "unknown"]),
+        nblocks=st.integers(1, 3),
+        alphabet=st.lists(st.integers(0, 3), min_size=12, max_size=12),
+        lora=st.sampled_from([None, "ad1"]),
+        medium=st.sampled_from(MEDIA),
+        reuse_hash=st.booleans(),
+        kind=st.sampled_from([None, "full_attention", "sliding_window"]),
+    )
+    def store(
+        self,
+        w: WorkerKey,
+        parent_pick: int,
+        parent_mode: str,
+        nblocks: int,
+        alphabet: list[int],
+        lora: str | None,
+        medium: str | None,
+        reuse_hash: bool,
+        kind: str | None,
+    ) -> None:
+        bs = BLOCK_SIZE[w]
+        blocks = self.model[w]
+        parent_hash: int | None = None
+        prefix: tuple[int, ...] | None = ()
+        plora = lora
+        if parent_mode == "known" and blocks:
+            parent_hash = sorted(blocks)[parent_pick % len(blocks)]
+            ident = blocks[parent_hash].ident
+            prefix = None if ident is None else ident[2]  # type: ignore[assignment]
+            plora = None if ident is None else ident[0]  # type: ignore[assignment]
+        elif parent_mode == "unknown":
+            parent_hash = self._fresh_hash()
+            prefix = None
+        tokens = alphabet[: bs * nblocks]
+        hashes = []
+        idents: list[tuple[object, ...] | None] = []
+        cur = prefix
+        for i in range(nblocks):
+            if reuse_hash and blocks and i == 0:
+                hashes.append(sorted(blocks)[parent_pick % len(blocks)])
+            else:
+                hashes.append(self._fresh_hash())
+            cur = None if cur is None else cur + tuple(tokens[i * bs : (i + 1) * bs])
+            # The block's chain starts with the adapter of the event that rooted it.
+            idents.append(None if cur is None else (plora if parent_hash is not None else lora, bs, cur))
+        ev = BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent_hash,
+            token_ids=tokens,
+            block_size=bs,
+            lora_name=lora,
+            medium=medium,
+            kv_cache_spec_kind=kind,
+            group_idx=1 if kind == "sliding_window" else 0,
+        )
+        self.index.apply_batch(w, EventBatch(1.0, [ev], 0))
+        if kind == "sliding_window":
+            return
+        tier = normalize_medium(medium)
+        for h, ident in zip(hashes, idents):
+            b = blocks.get(h)
+            if b is None:
+                blocks[h] = b = MBlock(ident)
+            b.copies[tier] = b.copies.get(tier, 0) + 1
+
+    @precondition(lambda self: any(self.model.values()))
+    @rule(w=st.sampled_from(W), picks=st.lists(st.integers(0, 1000), min_size=1, max_size=3),
+          medium=st.sampled_from(MEDIA), unknown=st.booleans())
+    def remove(self, w: WorkerKey, picks: list[int], medium: str | None, unknown: bool) -> None:
+        blocks = self.model[w]
+        hashes = [sorted(blocks)[p % len(blocks)] for p in picks] if blocks else []
+        if unknown or not hashes:
+            hashes.append(self._fresh_hash())
+        self.index.apply(w, BlockRemoved(block_hashes=hashes, medium=medium))
+        tier = normalize_medium(medium)
+        for h in hashes:
+            b = blocks.get(h)
+            if b is None or b.copies.get(tier, 0) == 0:
+                continue
+            b.copies[tier] -= 1
+            if not any(b.copies.values()):
+                del blocks[h]
+
+    @rule(w=st.sampled_from(W))
+    def clear(self, w: WorkerKey) -> None:
+        self.index.apply(w, AllBlocksCleared())
+        self.model[w] = {}
+
+    @rule(w=st.sampled_from(W))
+    def remove_worker(self, w: WorkerKey) -> None:
+        self.index.remove_worker(w)
+        self.model[w] = {}
+
+    @rule(w=st.sampled_from(W), pick=st.integers(0, 1000), extra=st.lists(st.integers(0, 3), max_size=6),
+          lora=st.sampled_from([None, "ad1"]))
+    def query(self, w: WorkerKey, pick: int, extra: list[int], lora: str | None) -> None:
+        blocks = self.model[w]
+        idents = [b.ident for b in blocks.values() if b.ident is not None]
+        if idents:
+            ident = sorted(idents, key=repr)[pick % len(idents)]
+            tokens = list(ident[2]) + extra  # type: ignore[call-overload]
+            lora = ident[0]  # type: ignore[assignment]
+        else:
+            tokens = extra
+        self.check_query(tokens, lora)
+
+    def check_query(self, tokens: list[int], lora: str | None) -> None:
+        scores = self.index.find_matches(tokens, lora_name=lora)
+        for w in W:
+            bs = BLOCK_SIZE[w]
+            assert scores[w] == model_score(self.model[w], bs, tokens, lora, None), (w, tokens, lora)
+            for tier in TIERS:
+                assert scores.tier(tier).get(w, 0) == model_score(self.model[w], bs, tokens, lora, tier), (w, tier)
+
+    @invariant()
+    def sizes_agree(self) -> None:
+        for w in W:
+            assert self.index.num_blocks(w) == len(self.model[w])
+        assert self.index.workers() == {w for w in W if self.model[w]}
+        assert self.index.num_blocks() == sum(len(b) for b in self.model.values())
+
+    @invariant()
+    def no_residue(self) -> None:
+        idx = self.index
+        if not any(self.model.values()):
+            assert not idx._holders and not idx._gpu_missing and not idx._bs_members
+            assert not any(idx._tier_holders.values())
+            assert not idx._workers and not idx._by_bit
+
+
+TestIndexModel = IndexMachine.TestCase
+TestIndexModel.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+def test_chain_and_lora_namespaces() -> None:
+    idx = PrefixIndex()
+    w = WorkerKey("w", 0)
+    idx.apply(w, BlockStored(block_hashes=[1, 2], token_ids=[1, 2, 3, 4], block_size=2, lora_name="x"))
+    assert idx.find_matches([1, 2, 3, 4, 5], lora_name="x")[w] == 2
+    assert idx.find_matches([1, 2, 3, 4, 5])[w] == 0
+    assert idx.find_matches([1, 2, 9, 9], lora_name="x")[w] == 1
+
+
+def test_extra_keys_match_only_the_same_keys() -> None:
+    idx = PrefixIndex()
+    w = WorkerKey("w", 0)
+    idx.apply(w, BlockStored(block_hashes=[1, 2], token_ids=[1, 2, 3, 4], block_size=2, extra_keys=[None, ["img1"]]))
+    assert idx.find_matches([1, 2, 3, 4])[w] == 1
+    assert idx.find_matches([1, 2, 3, 4], extra_keys=[None, ["img2"]])[w] == 1
+    assert idx.find_matches([1, 2, 3, 4], extra_keys=[None, ["img1"]])[w] == 2
+
+
+def test_unknown_parent_never_claims_and_descendants_stay_unclaimable() -> None:
+    idx = PrefixIndex()
+    w = WorkerKey("w", 0)
+    idx.apply(w, BlockStored(block_hashes=[7], parent_block_hash=99, token_ids=[3, 4], block_size=2))
+    idx.apply(w, BlockStored(block_hashes=[8], parent_block_hash=7, token_ids=[5, 6], block_size=2))
+    assert idx.find_matches([3, 4, 5, 6]) == {}
+    assert idx.num_blocks(w) == 2
+    assert idx.stats().unknown_parent_blocks == 1
+    idx.apply(w, BlockRemoved(block_hashes=[7, 8]))
+    assert idx.workers() == set()
+
+
+def test_copies_are_counted() -> None:
+    idx = PrefixIndex()
+    w = WorkerKey("w", 0)
+    ev = BlockStored(block_hashes=[5], token_ids=[1, 2], block_size=2)
+    idx.apply(w, ev)
+    idx.apply(w, ev)
+    idx.apply(w, BlockRemoved(block_hashes=[5]))
+    assert idx.find_matches([1, 2])[w] == 1
+    idx.apply(w, BlockRemoved(block_hashes=[5]))
+    assert idx.find_matches([1, 2]) == {}
+    idx.apply(w, BlockRemoved(block_hashes=[5]))
+    assert idx.stats().unknown_removals == 1
+
+
+def test_block_sizes_and_hybrid_groups() -> None:
+    idx = PrefixIndex()
+    a, b = WorkerKey("a", 0), WorkerKey("b", 0)
+    toks = list(range(32))
+    idx.apply(a, BlockStored(block_hashes=[1, 2], token_ids=toks[:32], block_size=16))
+    idx.apply(b, BlockStored(block_hashes=[1, 2, 3, 4], token_ids=toks[:16], block_size=4, group_idx=0,
+                             kv_cache_spec_kind="full_attention"))
+    # A sliding-window group's removal of the same engine hash must not touch the full group.
+    idx.apply(b, BlockStored(block_hashes=[1], token_ids=toks[:4], block_size=4, group_idx=1,
+                             kv_cache_spec_kind="sliding_window"))
+    idx.apply(b, BlockRemoved(block_hashes=[1], group_idx=1))
+    scores = idx.find_matches(toks)
+    assert scores[a] == 2 and scores[b] == 4
+    assert scores.query_blocks(a) == 2 and scores.query_blocks(b) == 8
+
+
+def test_sglang_short_last_page_is_held_not_claimed() -> None:
+    idx = PrefixIndex()
+    w = WorkerKey("w", 0)
+    idx.apply(w, BlockStored(block_hashes=[-1, -2], token_ids=[1, 2, 3], block_size=2))
+    assert idx.find_matches([1, 2, 3, 4])[w] == 1
+    assert idx.num_blocks(w) == 2
+    idx.apply(w, BlockRemoved(block_hashes=[(1 << 64) - 1, -2]))
+    assert idx.workers() == set()
+
+
+def test_find_matches_stops_early() -> None:
+    """Lazy hashing: a mismatch at block 0 of a huge prompt costs one chunk, not the prompt."""
+    idx = PrefixIndex()
+    w = WorkerKey("w", 0)
+    idx.apply(w, BlockStored(block_hashes=[1], token_ids=[1] * 16, block_size=16))
+    scores = idx.find_matches([2] * 8192)
+    assert scores == {}
+    assert len(scores._keys[16]) == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_leak_after_churn(seed: int) -> None:
+    rng = random.Random(seed)
+    idx = PrefixIndex()
+    workers = [WorkerKey(f"w{i}", i % 2) for i in range(20)]
+    held: dict[WorkerKey, list[int]] = {w: [] for w in workers}
+    h = 0
+    for _ in range(3000):
+        w = rng.choice(workers)
+        if held[w] and rng.random() < 0.45:
+            victims = [held[w].pop(rng.randrange(len(held[w]))) for _ in range(min(3, len(held[w])))]
+            idx.apply(w, BlockRemoved(block_hashes=victims, medium=rng.choice(["GPU", None])))
+        else:
+            n = rng.randint(1, 4)
+            hashes = list(range(h, h + n))
+            h += n
+            idx.apply(w, BlockStored(block_hashes=hashes, token_ids=[rng.randrange(50) for _ in range(4 * n)],
+                                     block_size=4, medium=rng.choice(["GPU", "CPU"])))
+            held[w].extend(hashes)
+    for w in workers:
+        if rng.random() < 0.5:
+            idx.apply(w, AllBlocksCleared())
+        else:
+            idx.remove_worker(w)
+    assert idx.num_blocks() == 0
+    assert not idx._holders and not idx._gpu_missing and not idx._workers and not idx._bs_members
+    assert not any(idx._tier_holders.values())
+
+
+def test_chain_keys_are_stable() -> None:
+    """The content hash is part of the snapshot format and shared across replicas: pin its values."""
+    assert chain_keys([1, 2, 3, 4], 2) == chain_keys([1, 2, 3, 4, 5], 2)
+    assert chain_keys([1, 2, 3, 4], 2, lora_name="x") != chain_keys([1, 2, 3, 4], 2)
+    # Computed once from the definition in kvroute/_hashing.py; a change here breaks snapshots.
+    assert chain_keys([1, 2], 2)[0] == 0x83D27F6DBF9586FBE4649E63993873C
