@@ -1,0 +1,187 @@
+"""The one async ZMQ seam: waiting on sockets under anyio (asyncio and trio), socket setup, monitors, CURVE.
+
+pyzmq's own async integration is asyncio-only, so kvroute uses plain (sync) pyzmq sockets and
+waits on their file descriptor with `anyio.wait_readable`. That descriptor is edge-triggered
+(libzmq signals a state change, not a level): always read ``zmq.EVENTS`` before waiting, and
+drain with ``NOBLOCK`` until EAGAIN or a batch cap, or a wakeup is missed and the reader hangs.
+Reading ``zmq.EVENTS`` before every wait makes that safe: when it says "nothing to read", any
+later arrival signals the descriptor again. An idle socket costs nothing: no polling.
+
+Only one task may wait on a socket at a time (anyio raises BusyResourceError otherwise). A task
+that closes a socket another task may be waiting on calls `close` here, which notifies the
+waiter (it gets `anyio.ClosedResourceError`) before the descriptor goes away.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple, cast
+
+import anyio
+import anyio.lowlevel
+import zmq
+
+__all__ = [
+    "CurveKeys",
+    "MonitorEvent",
+    "close",
+    "connect",
+    "curve_keypair",
+    "open_monitor",
+    "read_monitor",
+    "recv_many",
+    "send_nowait",
+    "wait_readable",
+]
+
+#: libzmq's monitor message: 16-bit event id and 32-bit value, native byte order, no padding
+#: (zmq_socket_monitor(3)).
+_MONITOR_HEAD = struct.Struct("=hi")
+
+
+class CurveKeys(NamedTuple):
+    """A CURVE key pair, both halves z85-encoded (40 characters)."""
+
+    public: str
+    secret: str
+
+
+def curve_keypair() -> CurveKeys:
+    """A fresh CURVE key pair (for tests, the simulator, or a one-off deployment)."""
+    public, secret = zmq.curve_keypair()
+    return CurveKeys(public.decode("ascii"), secret.decode("ascii"))
+
+
+class MonitorEvent(NamedTuple):
+    """One socket monitor notification: the ``zmq.EVENT_*`` id, its value and the peer endpoint."""
+
+    event: int
+    value: int
+    endpoint: str
+
+
+async def wait_readable(sock: zmq.Socket[bytes]) -> None:
+    """Return once ``sock`` has a message to read; raises anyio.ClosedResourceError if it is closed."""
+    while True:
+        if sock.closed:
+            raise anyio.ClosedResourceError
+        if cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            return
+        await anyio.wait_readable(sock.FD)
+
+
+def _drain(sock: zmq.Socket[bytes], max_messages: int, out: list[list[bytes]]) -> None:
+    recv = sock.recv_multipart
+    try:
+        while len(out) < max_messages:
+            out.append(recv(zmq.NOBLOCK))
+    except zmq.Again:
+        pass
+
+
+async def recv_many(sock: zmq.Socket[bytes], max_messages: int) -> list[list[bytes]]:
+    """Wait for at least one message, then take every queued one (up to ``max_messages``) without blocking.
+
+    Each message is its list of frames. Yields to the event loop first, so one busy socket
+    never starves the other tasks: a reader that loops on this is fair by construction.
+    """
+    await anyio.lowlevel.checkpoint()
+    out: list[list[bytes]] = []
+    while True:
+        _drain(sock, max_messages, out)
+        if out:
+            return out
+        await wait_readable(sock)
+
+
+def send_nowait(sock: zmq.Socket[bytes], frames: list[bytes]) -> bool:
+    """Send one message without blocking; False when the socket refused it (past its high-water mark).
+
+    PUB and (non-mandatory) ROUTER sockets never refuse: they drop silently past the mark,
+    which is what engines do (protocol.md §2, §4).
+    """
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
+
+
+def connect(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    socket_type: int,
+    endpoint: str,
+    *,
+    rcvhwm: int | None = None,
+    max_message_size: int | None = None,
+    reconnect_ivl: float | None = None,
+    reconnect_ivl_max: float | None = None,
+    tcp_keepalive: bool = True,
+    curve: CurveKeys | None = None,
+    curve_server_key: str | None = None,
+    subscribe: bytes | None = None,
+) -> zmq.Socket[bytes]:
+    """Create a socket, set its options, and connect it (intervals in seconds).
+
+    ``subscribe`` applies to SUB sockets (b"" = everything). CURVE needs both the client key
+    pair and the server's public key; with only one of them this raises ValueError, so a
+    half-configured secure deployment never silently falls back to plaintext.
+    """
+    if (curve is None) != (curve_server_key is None):
+        raise ValueError("CURVE needs both the client key pair and the server public key")
+    sock: zmq.Socket[bytes] = ctx.socket(socket_type)
+    try:
+        # Unsent replay requests must not hold shutdown up: close at once (linger 0).
+        sock.setsockopt(zmq.LINGER, 0)
+        if rcvhwm is not None:
+            sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        if max_message_size is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+        if reconnect_ivl is not None:
+            sock.setsockopt(zmq.RECONNECT_IVL, max(1, round(reconnect_ivl * 1000)))
+        if reconnect_ivl_max is not None:
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(0, round(reconnect_ivl_max * 1000)))
+        if tcp_keepalive:
+            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        if curve is not None and curve_server_key is not None:
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public.encode("ascii"))
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode("ascii"))
+            sock.setsockopt(zmq.CURVE_SERVERKEY, curve_server_key.encode("ascii"))
+        if subscribe is not None:
+            sock.setsockopt(zmq.SUBSCRIBE, subscribe)
+        sock.connect(endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def open_monitor(sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
+    """Start monitoring ``sock`` for ``events`` (a zmq.EVENT_* mask); returns the PAIR socket to read."""
+    mon: zmq.Socket[bytes] = sock.get_monitor_socket(events)
+    mon.setsockopt(zmq.LINGER, 0)
+    return mon
+
+
+def read_monitor(frames: list[bytes]) -> MonitorEvent | None:
+    """Parse one monitor message; None if it is not the two-frame shape libzmq documents."""
+    if len(frames) != 2 or len(frames[0]) != _MONITOR_HEAD.size:
+        return None
+    event, value = _MONITOR_HEAD.unpack(frames[0])
+    return MonitorEvent(event, value, frames[1].decode("utf-8", "replace"))
+
+
+def close(sock: zmq.Socket[bytes], *, monitor: zmq.Socket[bytes] | None = None) -> None:
+    """Close a socket (and its monitor) at once, waking any task still waiting on either.
+
+    Must run in the event loop's thread. Waking waiters first matters: the descriptor number
+    is reused by the next socket, and a stale registration would swallow its wakeups.
+    """
+    if monitor is not None and not monitor.closed:
+        if not sock.closed:
+            sock.disable_monitor()
+        anyio.notify_closing(monitor.FD)
+        monitor.close(linger=0)
+    if not sock.closed:
+        anyio.notify_closing(sock.FD)
+        sock.close(linger=0)
