@@ -1,0 +1,702 @@
+"""Discovery: ask an engine's gRPC server where its KV-event publishers are (protocol.md §1).
+
+`discover` calls vLLM's ``/vllm.Control/GetKvEventSources`` or SGLang's
+``/sglang.runtime.v1.SglangService/GetServerInfo`` and returns one `EventSource` per
+data-parallel rank, endpoints made connectable (wildcard bind hosts replaced by the host that
+was dialled) and checked against the endpoint policy: what a discovery answer says is data from
+the network, and it decides where the router connects.
+
+Endpoint policy (every endpoint and replay endpoint):
+- ``tcp://`` only by default; ``ipc://`` with ``allow_ipc=True`` and only when the target is
+  this host (a loopback address or ``localhost``); ``inproc://`` and other transports never.
+- A publisher bound to loopback is refused when the target is a remote host: connecting to
+  127.0.0.1 here would reach this machine, not the engine.
+- ``allowed_hosts`` (None = any): IP addresses, CIDR networks and host names (matched as names,
+  case-insensitively, never resolved) an endpoint's host must match after wildcard substitution.
+- At most ``max_sources_per_target`` sources per answer.
+
+Failures are typed (all `DiscoveryError`, carrying ``target`` and ``cause``):
+`TargetUnreachableError` (UNAVAILABLE / DEADLINE_EXCEEDED until the timeout; these are retried
+with jittered exponential backoff inside the caller's one overall timeout), `RpcRejectedError`
+(any other status, not retried), `EventsDisabledError`, `UnusableSourceError`,
+`MalformedAnswerError`, `TooManySourcesError`. Options that cannot work raise
+`InvalidOptionsError` (also a ValueError) before anything is sent.
+
+Threads: grpc's asyncio API runs only on asyncio and kvroute supports trio as well, so each call
+uses grpc's threaded client; the wait for its answer runs in one anyio worker thread, and
+cancelling the caller cancels the call, which frees that thread at once.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Final
+
+import anyio
+import anyio.to_thread
+import grpc
+import msgspec
+import tenacity
+
+from ._errors import DiscoveryError, EventsDisabledError, KvRouteError, UnusableSourceError
+from ._models import EventSource, WorkerKey
+from ._proto import sglang_service_pb2 as sglang_pb
+from ._proto import vllm_control_pb2 as vllm_pb
+
+__all__ = [
+    "ENGINES",
+    "KNOWN_SCHEMA_VERSIONS",
+    "SGLANG_METHOD",
+    "VLLM_METHOD",
+    "DiscoveryOptions",
+    "InvalidOptionsError",
+    "MalformedAnswerError",
+    "RpcRejectedError",
+    "SourceDiff",
+    "TargetUnreachableError",
+    "TlsConfig",
+    "TooManySourcesError",
+    "diff_sources",
+    "discover",
+    "discover_with",
+    "follow_target",
+]
+
+log = logging.getLogger("kvroute.discovery")
+
+VLLM_METHOD: Final = "/vllm.Control/GetKvEventSources"
+SGLANG_METHOD: Final = "/sglang.runtime.v1.SglangService/GetServerInfo"
+ENGINES: Final = ("auto", "vllm", "sglang")
+#: Event schema versions this kvroute decodes (protocol.md §1: vLLM sends 1).
+KNOWN_SCHEMA_VERSIONS: Final = frozenset({1})
+# Bind-all hosts an engine may advertise (protocol.md §1), compared without brackets.
+_WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::"})
+# The statuses the issue names transient: the server is not there yet, or did not answer in time.
+_TRANSIENT: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Backoff between attempts: start small so a server coming up is found quickly; cap at 1 s so a
+# late server is still picked up within about a second of listening (tenacity's jittered backoff).
+_BACKOFF_INITIAL: Final = 0.05
+_BACKOFF_MAX: Final = 1.0
+# The least time worth a last attempt: a loopback or LAN connect plus TLS handshake fits in 50 ms.
+_MIN_ATTEMPT: Final = 0.05
+# A fresh channel per attempt must not share (and wait out) another channel's reconnect backoff,
+# which grpc's process-wide subchannel pool would otherwise impose.
+_CHANNEL_OPTIONS: Final = (("grpc.use_local_subchannel_pool", 1),)
+# Default cap on sources per answer: real deployments run at most a few hundred DP ranks per
+# engine; the cap bounds how many sockets one (possibly hostile) answer can make the router open.
+DEFAULT_MAX_SOURCES: Final = 1024
+# How much of a long list of per-rank problems goes into one error message.
+_MAX_REPORTED_PROBLEMS: Final = 3
+# follow_target logs a persisting failure once a minute: a dead target polled every second must
+# stay visible in the logs without flooding them.
+_REPEAT_LOG_INTERVAL: Final = 60.0
+# gRPC metadata rules (grpc/doc/PROTOCOL-HTTP2.md): lowercase keys; "grpc-" is reserved;
+# "-bin" keys carry bytes, the others printable ASCII.
+_METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
+_METADATA_VALUE = re.compile(r"[\x20-\x7e]*")
+# Host names a discovery answer may use: DNS-ish labels (underscores appear in container names).
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.\-]*[A-Za-z0-9_])?")
+
+
+class InvalidOptionsError(KvRouteError, ValueError):
+    """Discovery options that cannot work (engine name, timeout, metadata, TLS, allow-list, cap)."""
+
+
+class TargetUnreachableError(DiscoveryError):
+    """The target gave no answer within the timeout (every attempt ended UNAVAILABLE or DEADLINE_EXCEEDED)."""
+
+
+class RpcRejectedError(DiscoveryError):
+    """The server answered the call with a permanent error status (not retried); ``code`` is its name."""
+
+    def __init__(self, target: str, code: str, cause: str) -> None:
+        super().__init__(target, cause)
+        self.code = code
+
+
+class MalformedAnswerError(DiscoveryError):
+    """The engine answered something that breaks the discovery contract (bad JSON, missing key, duplicate rank)."""
+
+
+class TooManySourcesError(DiscoveryError):
+    """The answer lists more sources than ``max_sources_per_target`` allows."""
+
+
+class TlsConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """TLS for the discovery channel.
+
+    Each PEM item is given as ``bytes`` (the PEM content itself) or ``str`` (a path to a PEM
+    file, read at every discovery so rotated certificates are picked up). ``root_certificates``
+    None uses grpc's default roots. ``private_key`` and ``certificate_chain`` (both or neither)
+    present a client certificate. ``server_name`` overrides the name the server's certificate
+    is checked against (e.g. when dialling an IP address).
+    """
+
+    root_certificates: bytes | str | None = None
+    private_key: bytes | str | None = None
+    certificate_chain: bytes | str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.private_key is None) != (self.certificate_chain is None):
+            raise InvalidOptionsError("TLS private_key and certificate_chain go together (a client certificate)")
+
+
+class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How to ask a target: engine, overall timeout, TLS, call metadata, naming and endpoint policy.
+
+    ``engine``: "auto" (vLLM, then SGLang when vLLM's method is UNIMPLEMENTED), "vllm" or "sglang".
+    ``timeout``: seconds for the whole discovery, retries included. ``metadata``: (key, value)
+    pairs sent with every call (e.g. ``("authorization", "Bearer <token>")``). ``worker_id``:
+    the name of the target's workers (default: the target string). ``allow_ipc``,
+    ``allowed_hosts``, ``max_sources_per_target``: the endpoint policy (module docstring).
+    """
+
+    engine: str = "auto"
+    timeout: float = 5.0
+    tls: TlsConfig | None = None
+    metadata: Sequence[tuple[str, str | bytes]] = ()
+    worker_id: str | None = None
+    allow_ipc: bool = False
+    allowed_hosts: Sequence[str] | None = None
+    max_sources_per_target: int = DEFAULT_MAX_SOURCES
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise InvalidOptionsError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+        if not self.timeout > 0:
+            raise InvalidOptionsError(f"timeout must be > 0 seconds, not {self.timeout!r}")
+        if self.max_sources_per_target < 1:
+            raise InvalidOptionsError(f"max_sources_per_target must be >= 1, not {self.max_sources_per_target}")
+        if self.worker_id is not None and not self.worker_id:
+            raise InvalidOptionsError("worker_id must not be empty")
+        metadata = tuple((key, value) for key, value in self.metadata)
+        for key, value in metadata:
+            _check_metadata(key, value)
+        msgspec.structs.force_setattr(self, "metadata", metadata)
+        if self.allowed_hosts is not None:
+            hosts = tuple(self.allowed_hosts)
+            _HostAllowList(hosts)  # validates every entry
+            msgspec.structs.force_setattr(self, "allowed_hosts", hosts)
+
+
+def _check_metadata(key: str, value: str | bytes) -> None:
+    if not _METADATA_KEY.fullmatch(key) or key.startswith("grpc-"):
+        raise InvalidOptionsError(f"metadata key {key!r}: lowercase [0-9a-z_.-] only, not starting with 'grpc-'")
+    if key.endswith("-bin"):
+        if not isinstance(value, bytes):
+            raise InvalidOptionsError(f"metadata key {key!r} ends in -bin: its value must be bytes")
+    elif not isinstance(value, str) or not _METADATA_VALUE.fullmatch(value):
+        raise InvalidOptionsError(f"metadata value of {key!r} must be printable ASCII text")
+
+
+class _HostAllowList:
+    """``allowed_hosts`` parsed: IP networks (single addresses are /32 or /128) and host names."""
+
+    def __init__(self, entries: Sequence[str]) -> None:
+        self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        self.names: set[str] = set()
+        for entry in entries:
+            text = entry.strip().strip("[]") if isinstance(entry, str) else ""
+            if not text:
+                raise InvalidOptionsError(f"allowed_hosts entry {entry!r} is empty or not a string")
+            try:
+                self.networks.append(ipaddress.ip_network(text, strict=False))
+                continue
+            except ValueError:
+                pass
+            if "/" in text or not _HOST_NAME.fullmatch(text):
+                raise InvalidOptionsError(
+                    f"allowed_hosts entry {entry!r} is neither an IP, a CIDR network nor a host name"
+                )
+            self.names.add(text.lower())
+
+    def allows(self, host: str) -> bool:
+        address = _ip(host)
+        if address is None:
+            return host.lower() in self.names
+        return any(address.version == net.version and address in net for net in self.networks)
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def _is_local(host: str) -> bool:
+    address = _ip(host)
+    return address.is_loopback if address is not None else host.lower() in ("localhost", "localhost.")
+
+
+def _fmt_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _split_target(target: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` → (host without brackets, port)."""
+    if target.startswith("["):
+        host, sep, port = target[1:].partition("]:")
+        ok = bool(sep) and _ip(host) is not None and (_ip(host) or ipaddress.IPv4Address(0)).version == 6
+    else:
+        host, sep, port = target.rpartition(":")
+        ok = bool(sep) and ":" not in host and _HOST_NAME.fullmatch(host) is not None
+    if not ok or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DiscoveryError(target, "target must be host:port with port 1-65535 (IPv6 in brackets: [::1]:50051)")
+    return host, int(port)
+
+
+class _Unusable(Exception):
+    """One endpoint failed the policy; the message is the reason."""
+
+
+class _Resolver:
+    """Turns advertised endpoints into connectable, policy-checked ones for one dialled host."""
+
+    def __init__(self, dialled: str, options: DiscoveryOptions) -> None:
+        self.dialled = dialled
+        self.dialled_is_local = _is_local(dialled)
+        self.allow_ipc = options.allow_ipc
+        self.allow_list = None if options.allowed_hosts is None else _HostAllowList(options.allowed_hosts)
+
+    def endpoint(self, endpoint: str) -> str:
+        scheme, sep, rest = endpoint.partition("://")
+        scheme = scheme.lower()
+        if not sep:
+            raise _Unusable(f"{endpoint!r} is not a ZMQ endpoint (transport://address)")
+        if scheme == "tcp":
+            return self._tcp(endpoint, rest)
+        if scheme == "ipc":
+            if not self.allow_ipc:
+                raise _Unusable(f"{endpoint}: ipc:// endpoints are refused unless allow_ipc is set")
+            if not self.dialled_is_local:
+                raise _Unusable(f"{endpoint}: ipc:// is a path on the engine's host, and {self.dialled} is remote")
+            if not rest:
+                raise _Unusable(f"{endpoint}: empty ipc path")
+            return endpoint
+        allowed = "tcp://, ipc://" if self.allow_ipc else "tcp://"
+        raise _Unusable(f"{endpoint}: transport {scheme}:// is not supported (accepted: {allowed})")
+
+    def _tcp(self, endpoint: str, rest: str) -> str:
+        if rest.startswith("["):
+            host, sep, port = rest[1:].partition("]:")
+        else:
+            host, sep, port = rest.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            raise _Unusable(f"{endpoint}: needs host:port with a port in 1-65535")
+        if host in _WILDCARD_HOSTS:
+            host = self.dialled
+        elif _ip(host) is None and not _HOST_NAME.fullmatch(host):
+            raise _Unusable(f"{endpoint}: {host!r} is not an IP address or host name")
+        elif _is_local(host) and not self.dialled_is_local:
+            raise _Unusable(f"{endpoint}: bound to loopback on {self.dialled}, unreachable from here")
+        if self.allow_list is not None and not self.allow_list.allows(host):
+            raise _Unusable(f"{endpoint}: host {host} is not in allowed_hosts")
+        return f"tcp://{_fmt_host(host)}:{int(port)}"
+
+
+def _raise_unusable(target: str, problems: list[str]) -> None:
+    if problems:
+        shown = problems[:_MAX_REPORTED_PROBLEMS]
+        more = len(problems) - len(shown)
+        cause = "unusable KV-event source: " + " | ".join(shown) + (f" | ... and {more} more" if more else "")
+        raise UnusableSourceError(target, cause)
+
+
+def _check_count(target: str, count: int, options: DiscoveryOptions) -> None:
+    if count > options.max_sources_per_target:
+        cause = f"answer lists {count} sources, more than max_sources_per_target={options.max_sources_per_target}"
+        log.error("discovery of %s refused: %s", target, cause)
+        raise TooManySourcesError(target, cause)
+
+
+def _vllm_sources(
+    target: str, resolver: _Resolver, options: DiscoveryOptions, answer: vllm_pb.GetKvEventSourcesResponse
+) -> list[EventSource]:
+    if not answer.sources:
+        raise EventsDisabledError(target, "vLLM lists no KV-event sources (started without --kv-events-config?)")
+    _check_count(target, len(answer.sources), options)
+    # data_parallel_rank is always set by vLLM; a list without it is read in order.
+    ranks = [s.data_parallel_rank if s.HasField("data_parallel_rank") else i for i, s in enumerate(answer.sources)]
+    if len(set(ranks)) != len(ranks):
+        raise MalformedAnswerError(target, f"vLLM lists a data_parallel_rank twice: {sorted(ranks)}")
+    worker_id = options.worker_id or target
+    sources: list[EventSource] = []
+    problems: list[str] = []
+    for rank, src in zip(ranks, answer.sources):
+        reasons = []
+        if src.transport != "zmq":
+            reasons.append(f"transport {src.transport!r} is not 'zmq'")
+        if src.encoding != "msgpack":
+            reasons.append(f"encoding {src.encoding!r} is not 'msgpack'")
+        if src.schema_version not in KNOWN_SCHEMA_VERSIONS:
+            known = ", ".join(map(str, sorted(KNOWN_SCHEMA_VERSIONS)))
+            reasons.append(f"schema_version {src.schema_version} is unknown (kvroute reads {known})")
+        endpoint = replay = None
+        try:
+            endpoint = resolver.endpoint(src.endpoint)
+            replay = resolver.endpoint(src.replay_endpoint) if src.replay_endpoint else None
+        except _Unusable as exc:
+            reasons.append(str(exc))
+        if reasons or endpoint is None:
+            problems.append(f"rank {rank}: " + "; ".join(reasons))
+            continue
+        sources.append(
+            EventSource(
+                worker_id=worker_id,
+                dp_rank=rank,
+                endpoint=endpoint,
+                topic=src.topic,
+                replay_endpoint=replay,
+                hwm=src.hwm,
+                buffer_steps=src.buffer_steps,
+                engine="vllm",
+                target=target,
+            )
+        )
+    _raise_unusable(target, problems)
+    return sorted(sources, key=lambda s: s.dp_rank)
+
+
+_Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
+_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _SglangKvEvents(msgspec.Struct):
+    """SGLang's ``kv_events`` descriptor (protocol.md §1); unknown keys are ignored."""
+
+    publisher: str
+    endpoint_host: str
+    endpoint_port_base: _Port
+    topic: str
+    block_size: _Positive
+    dp_size: _Positive
+    replay_endpoint_port_base: _Port | None = None
+
+
+class _SglangInfo(msgspec.Struct):
+    kv_events: _SglangKvEvents | None
+    # A JSON string or object when present; decoded leniently (see _sglang_tuning).
+    kv_events_config: msgspec.Raw = msgspec.Raw()
+
+
+class _SglangTuning(msgspec.Struct):
+    hwm: _NonNegative | None = None
+    buffer_steps: _NonNegative | None = None
+
+
+def _sglang_tuning(target: str, raw: msgspec.Raw) -> _SglangTuning:
+    """hwm / buffer_steps from the top-level ``kv_events_config``; a bad one is logged and ignored.
+
+    They only tune the subscriber; the descriptor itself is valid, so its sources stay usable.
+    """
+    if not raw:
+        return _SglangTuning()
+    try:
+        value = msgspec.json.decode(raw, type=str | _SglangTuning | None)
+        if isinstance(value, str):
+            value = msgspec.json.decode(value, type=_SglangTuning)
+    except msgspec.MsgspecError as exc:
+        log.warning("%s: ignoring SGLang kv_events_config: %s", target, exc)
+        return _SglangTuning()
+    return value or _SglangTuning()
+
+
+def _sglang_sources(target: str, resolver: _Resolver, options: DiscoveryOptions, json_info: str) -> list[EventSource]:
+    try:
+        info = msgspec.json.decode(json_info, type=_SglangInfo)
+    except msgspec.MsgspecError as exc:
+        raise MalformedAnswerError(target, f"SGLang GetServerInfo json_info: {exc}") from None
+    kv = info.kv_events
+    if kv is None:
+        raise EventsDisabledError(target, "SGLang reports kv_events null (started without --kv-events-config)")
+    _check_count(target, kv.dp_size, options)
+    for name, base in (
+        ("endpoint_port_base", kv.endpoint_port_base),
+        ("replay_endpoint_port_base", kv.replay_endpoint_port_base),
+    ):
+        if base is not None and base + kv.dp_size - 1 > 65535:
+            raise MalformedAnswerError(target, f"SGLang {name} {base} + dp_size {kv.dp_size} runs past port 65535")
+    if kv.publisher != "zmq":
+        raise UnusableSourceError(target, f"unusable KV-event source: SGLang publisher {kv.publisher!r} is not 'zmq'")
+    kv_ports = range(kv.endpoint_port_base, kv.endpoint_port_base + kv.dp_size)
+    replay_base = kv.replay_endpoint_port_base
+    if replay_base is not None and replay_base < kv_ports.stop and kv.endpoint_port_base < replay_base + kv.dp_size:
+        # protocol.md §1: SGLang then fails to bind some publisher; the answer is still reported.
+        log.warning(
+            "%s: SGLang replay ports %d-%d overlap event ports %d-%d (dp_size %d): the engine cannot bind them all",
+            target, replay_base, replay_base + kv.dp_size - 1, kv_ports.start, kv_ports.stop - 1, kv.dp_size,
+        )  # fmt: skip
+    tuning = _sglang_tuning(target, info.kv_events_config)
+    host = _fmt_host(kv.endpoint_host.strip("[]"))
+    worker_id = options.worker_id or target
+    sources: list[EventSource] = []
+    problems: list[str] = []
+    for rank in range(kv.dp_size):
+        # protocol.md §1/§5: rank r publishes (and replays) on base + r.
+        try:
+            endpoint = resolver.endpoint(f"tcp://{host}:{kv.endpoint_port_base + rank}")
+            replay = None if replay_base is None else resolver.endpoint(f"tcp://{host}:{replay_base + rank}")
+        except _Unusable as exc:
+            problems.append(f"rank {rank}: {exc}")
+            continue
+        sources.append(
+            EventSource(
+                worker_id=worker_id,
+                dp_rank=rank,
+                endpoint=endpoint,
+                topic=kv.topic,
+                replay_endpoint=replay,
+                hwm=tuning.hwm,
+                buffer_steps=tuning.buffer_steps,
+                block_size=kv.block_size,
+                engine="sglang",
+                target=target,
+            )
+        )
+    _raise_unusable(target, problems)
+    return sources
+
+
+def _read_pem(target: str, name: str, item: bytes | str | None) -> bytes | None:
+    if item is None or isinstance(item, bytes):
+        return item
+    try:
+        return Path(item).read_bytes()
+    except OSError as exc:
+        raise DiscoveryError(target, f"cannot read TLS {name} file {item}: {exc.strerror or exc}") from None
+
+
+def _serialize(message: Any) -> bytes:
+    data: bytes = message.SerializeToString()
+    return data
+
+
+class _Caller:
+    """Unary calls to one target, retried within one deadline, failures mapped to typed errors."""
+
+    def __init__(self, target: str, host: str, port: int, options: DiscoveryOptions) -> None:
+        self.target = target
+        self.address = f"{_fmt_host(host)}:{port}"
+        self.options = options
+        self.deadline = time.monotonic() + options.timeout
+        self.metadata: tuple[tuple[str, str | bytes], ...] = tuple(options.metadata)
+        self.channel_options: list[tuple[str, Any]] = list(_CHANNEL_OPTIONS)
+        self.credentials: grpc.ChannelCredentials | None = None
+        tls = options.tls
+        if tls is not None:
+            self.credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read_pem(target, "root_certificates", tls.root_certificates),
+                private_key=_read_pem(target, "private_key", tls.private_key),
+                certificate_chain=_read_pem(target, "certificate_chain", tls.certificate_chain),
+            )
+            if tls.server_name:
+                self.channel_options.append(("grpc.ssl_target_name_override", tls.server_name))
+
+    def _channel(self) -> grpc.Channel:
+        if self.credentials is None:
+            return grpc.insecure_channel(self.address, options=self.channel_options)
+        return grpc.secure_channel(self.address, self.credentials, options=self.channel_options)
+
+    async def _once(self, method: str, request: Any, parse: Callable[[bytes], Any], seconds: float) -> Any:
+        channel = self._channel()
+        try:
+            call = channel.unary_unary(method, request_serializer=_serialize, response_deserializer=parse)
+            future = call.future(request, timeout=seconds, metadata=self.metadata)
+            try:
+                return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+            finally:
+                # A no-op once answered; on cancellation it ends the call and frees the waiting thread.
+                future.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leaves Future.cancel untyped
+        finally:
+            channel.close()
+
+    async def call(self, method: str, request: Any, parse: Callable[[bytes], Any]) -> Any:
+        attempts = 0
+        backoff = tenacity.wait_exponential_jitter(initial=_BACKOFF_INITIAL, max=_BACKOFF_MAX, jitter=_BACKOFF_INITIAL)
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            # Never sleep past the point where a last attempt still fits in the caller's timeout.
+            return max(0.0, min(backoff(state), self.deadline - time.monotonic() - _MIN_ATTEMPT))
+
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, grpc.RpcError) and e.code() in _TRANSIENT),
+            wait=wait,
+            stop=lambda state: self.deadline - time.monotonic() < _MIN_ATTEMPT,
+            sleep=anyio.sleep,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    attempts += 1
+                    return await self._once(method, request, parse, max(0.0, self.deadline - time.monotonic()))
+        except grpc.RpcError as exc:
+            raise self._error(method, exc, attempts) from None
+        raise AssertionError("unreachable: tenacity either returns or reraises")  # pragma: no cover
+
+    def _error(self, method: str, exc: grpc.RpcError, attempts: int) -> DiscoveryError:
+        code = exc.code()
+        details = exc.details() or ""
+        if code in _TRANSIENT:
+            tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
+            return TargetUnreachableError(
+                self.target, f"no answer within {self.options.timeout:g}s ({tries}; last: {code.name}: {details})"
+            )
+        if code == grpc.StatusCode.INTERNAL and details.startswith("Exception deserializing response"):
+            return MalformedAnswerError(self.target, f"{method} answer is not a valid protobuf message")
+        return RpcRejectedError(self.target, code.name, f"{method} failed: {code.name}: {details}")
+
+
+async def discover(
+    target: str,
+    *,
+    engine: str = "auto",
+    timeout: float = 5.0,  # noqa: ASYNC109  # api.md's signature; it bounds retries too, which fail_after cannot
+    tls: TlsConfig | None = None,
+    metadata: Sequence[tuple[str, str | bytes]] = (),
+    worker_id: str | None = None,
+    allow_ipc: bool = False,
+    allowed_hosts: Sequence[str] | None = None,
+    max_sources_per_target: int = DEFAULT_MAX_SOURCES,
+) -> list[EventSource]:
+    """Ask the engine's gRPC server at ``target`` (``host:port``) for its KV-event sources, one per rank.
+
+    See `DiscoveryOptions` for the parameters and the module docstring for the endpoint policy.
+    Raises a `DiscoveryError` subclass naming the target and the cause, or `InvalidOptionsError`.
+    """
+    options = DiscoveryOptions(
+        engine=engine,
+        timeout=timeout,
+        tls=tls,
+        metadata=metadata,
+        worker_id=worker_id,
+        allow_ipc=allow_ipc,
+        allowed_hosts=allowed_hosts,
+        max_sources_per_target=max_sources_per_target,
+    )
+    return await discover_with(target, options)
+
+
+async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSource]:
+    """`discover` with its options in one `DiscoveryOptions` value (what `follow_target` uses)."""
+    host, port = _split_target(target)
+    caller = _Caller(target, host, port, options)
+    resolver = _Resolver(host, options)
+    if options.engine in ("auto", "vllm"):
+        try:
+            answer = await caller.call(
+                VLLM_METHOD, vllm_pb.GetKvEventSourcesRequest(), vllm_pb.GetKvEventSourcesResponse.FromString
+            )
+        except RpcRejectedError as exc:
+            if options.engine == "vllm" or exc.code != "UNIMPLEMENTED":
+                raise
+            log.debug("%s: no vLLM Control service, trying SGLang", target)
+        else:
+            return _vllm_sources(target, resolver, options, answer)
+    try:
+        info = await caller.call(
+            SGLANG_METHOD, sglang_pb.GetServerInfoRequest(), sglang_pb.GetServerInfoResponse.FromString
+        )
+    except RpcRejectedError as exc:
+        if options.engine == "auto" and exc.code == "UNIMPLEMENTED":
+            raise RpcRejectedError(
+                target, exc.code, f"serves neither {VLLM_METHOD} nor {SGLANG_METHOD} (is it the engine's --grpc-port?)"
+            ) from None
+        raise
+    return _sglang_sources(target, resolver, options, info.json_info)
+
+
+class SourceDiff(msgspec.Struct, frozen=True, kw_only=True):
+    """How a target's sources changed: new ranks, vanished ranks, and ranks whose connection changed.
+
+    ``replaced`` holds the new version of each source whose key stayed but whose endpoint, topic,
+    replay endpoint or block size changed (its subscription must be rebuilt).
+    """
+
+    added: list[EventSource] = msgspec.field(default_factory=list)
+    removed: list[EventSource] = msgspec.field(default_factory=list)
+    replaced: list[EventSource] = msgspec.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.replaced)
+
+
+def _connection(source: EventSource) -> tuple[str, str, str | None, int | None]:
+    return (source.endpoint, source.topic, source.replay_endpoint, source.block_size)
+
+
+def _by_key(sources: Sequence[EventSource], name: str) -> dict[WorkerKey, EventSource]:
+    keyed = {s.key: s for s in sources}
+    if len(keyed) != len(sources):
+        raise KvRouteError(f"diff_sources: {name} lists a WorkerKey more than once")
+    return keyed
+
+
+def diff_sources(old: Sequence[EventSource], new: Sequence[EventSource]) -> SourceDiff:
+    """Compare two source lists by `WorkerKey` (each list must hold a key at most once).
+
+    Lists keep the order of ``new`` (added, replaced) and ``old`` (removed). Changes that do not
+    affect the connection (hwm, buffer_steps) count as unchanged.
+    """
+    before = _by_key(old, "old")
+    after = _by_key(new, "new")
+    return SourceDiff(
+        added=[s for k, s in after.items() if k not in before],
+        removed=[s for k, s in before.items() if k not in after],
+        replaced=[s for k, s in after.items() if k in before and _connection(before[k]) != _connection(s)],
+    )
+
+
+async def follow_target(
+    target: str,
+    options: DiscoveryOptions,
+    on_sources: Callable[[list[EventSource]], Awaitable[None]],
+    on_unreachable: Callable[[BaseException], Awaitable[None]],
+    *,
+    interval: float,
+    grace: float,
+) -> None:
+    """Rediscover ``target`` every ``interval`` seconds, forever; cancel the task to stop it.
+
+    Each success awaits ``on_sources(every current source)``. When discovery has failed for
+    longer than ``grace`` seconds in a row (from the start of the first failing attempt), awaits
+    ``on_unreachable(last_error)`` once; it is called again only after a success in between.
+    Discovery failures are logged (a persisting one once a minute) and never raised; what the
+    callbacks raise propagates.
+    """
+    if not interval > 0 or not grace >= 0:
+        raise InvalidOptionsError(f"follow_target needs interval > 0 and grace >= 0, not {interval!r}, {grace!r}")
+    failing_since: float | None = None
+    notified = False
+    last_logged: tuple[str, float] | None = None
+    while True:
+        started = time.monotonic()
+        try:
+            sources = await discover_with(target, options)
+        except KvRouteError as exc:
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since = started
+            message = str(exc)
+            if last_logged is None or last_logged[0] != message or now - last_logged[1] >= _REPEAT_LOG_INTERVAL:
+                log.warning("discovery of %s failing for %.1fs: %s", target, now - failing_since, message)
+                last_logged = (message, now)
+            if not notified and now - failing_since > grace:
+                notified = True
+                await on_unreachable(exc)
+        else:
+            if failing_since is not None:
+                log.info("discovery of %s answers again (%d sources)", target, len(sources))
+            failing_since = None
+            notified = False
+            last_logged = None
+            await on_sources(sources)
+        await anyio.sleep(interval)
