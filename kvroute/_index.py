@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from ._hashing import block_keys, root_key, tokens_to_bytes
+from ._hashing import block_keys, root_key, tokens_to_bytes, xxh128
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, normalize_medium
 from ._wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EngineEvent, EventBatch
 
@@ -60,12 +60,12 @@ class _Worker:
     def __init__(self, key: WorkerKey, bit: int) -> None:
         self.key = key
         self.bit = bit
-        # engine hash -> content key (0: held, but never claimable)
-        self.blocks: dict[BlockHash, int] = {}
+        # engine hash -> content key (b"": held, but never claimable)
+        self.blocks: dict[BlockHash, bytes] = {}
         # engine hash -> copies per tier [GPU, CPU, DISK, EXTERNAL]; absent = exactly one GPU copy
         self.special: dict[BlockHash, list[int]] = {}
         # content key -> engine hashes present per tier, once two engine hashes map to one key
-        self.multi: dict[int, list[int]] = {}
+        self.multi: dict[bytes, list[int]] = {}
         self.block_sizes: set[int] = set()
         self.nonfull_groups: set[int] = set()
 
@@ -88,7 +88,7 @@ class OverlapScores(Mapping[WorkerKey, int]):
         self,
         scores: dict[WorkerKey, int],
         gpu: dict[WorkerKey, int] | None,
-        keys: dict[int, list[int]],
+        keys: dict[int, list[bytes]],
         n_blocks: dict[int, int],
         index: PrefixIndex,
     ) -> None:
@@ -143,11 +143,11 @@ class PrefixIndex:
         self._by_bit: dict[int, _Worker] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
-        self._holders: dict[int, int] = {}
-        self._gpu_missing: dict[int, int] = {}
-        self._tier_holders: dict[str, dict[int, int]] = {CPU: {}, DISK: {}, EXTERNAL: {}}
+        self._holders: dict[bytes, int] = {}
+        self._gpu_missing: dict[bytes, int] = {}
+        self._tier_holders: dict[str, dict[bytes, int]] = {CPU: {}, DISK: {}, EXTERNAL: {}}
         self._bs_members: dict[int, int] = {}
-        self._roots: dict[str | None, int] = {}
+        self._roots: dict[str | None, bytes] = {}
         self._entries = 0
         self._unknown_parent = 0
         self._unhashable = 0
@@ -241,13 +241,14 @@ class PrefixIndex:
 
     # --- the shared tables ---------------------------------------------------------------
 
-    def _set_mask(self, bit: int, notbit: int, key: int, old: int, new: int) -> None:
+    def _set_mask(self, bit: int, notbit: int, key: bytes, old: int, new: int) -> None:
         """Move one worker's presence on ``key`` from tier mask ``old`` to ``new``."""
         if old == new:
             return
         holders = self._holders
         if not old:
-            holders[key] = holders.get(key, 0) | bit
+            h = holders.get(key, 0)
+            holders[key] = h | bit if h else bit
         elif not new:
             h = holders[key] & notbit
             if h:
@@ -274,7 +275,7 @@ class PrefixIndex:
                     else:
                         del table[key]
 
-    def _worker_mask(self, w: _Worker, key: int) -> int:
+    def _worker_mask(self, w: _Worker, key: bytes) -> int:
         """The worker's current tier mask on ``key``, read back from the shared tables."""
         bit = w.bit
         if not self._holders.get(key, 0) & bit:
@@ -285,7 +286,7 @@ class PrefixIndex:
                 mask |= tbit
         return mask
 
-    def _presence(self, w: _Worker, ehash: BlockHash, key: int, pos: int, delta: int, new_ehash: bool) -> None:
+    def _presence(self, w: _Worker, ehash: BlockHash, key: bytes, pos: int, delta: int, new_ehash: bool) -> None:
         """An engine hash mapping to ``key`` became present (+1) or absent (-1) on tier ``pos``."""
         if not key:
             return
@@ -329,34 +330,11 @@ class PrefixIndex:
         else:
             raise TypeError(f"not an engine event: {type(event).__name__}")
 
-    def _root(self, lora_name: str | None) -> int:
+    def _root(self, lora_name: str | None) -> bytes:
         r = self._roots.get(lora_name)
         if r is None:
             r = self._roots[lora_name] = root_key(lora_name)
         return r
-
-    def _keys_for(self, w: _Worker, ev: BlockStored, n: int) -> list[int]:
-        parent = ev.parent_block_hash
-        if parent is None:
-            pkey = self._root(ev.lora_name)
-        else:
-            pkey = w.blocks.get(parent, 0)
-            if parent not in w.blocks:
-                self._unknown_parent += n
-        if not pkey:
-            return [0] * n
-        bs = ev.block_size
-        tokens = ev.token_ids
-        full = len(tokens) // bs
-        try:
-            data = tokens_to_bytes(tokens if full * bs == len(tokens) else tokens[: full * bs])
-        except OverflowError:
-            self._unhashable += n
-            return [0] * n
-        keys = block_keys(pkey, data, bs, full, ev.extra_keys)
-        if full < n:  # SGLang's short last page: held, but not a full block to match
-            keys.append(0)
-        return keys
 
     def _store(self, worker: WorkerKey, ev: BlockStored) -> None:
         hashes = ev.block_hashes
@@ -377,35 +355,67 @@ class PrefixIndex:
         if bs not in w.block_sizes:
             w.block_sizes.add(bs)
             self._bs_members[bs] = self._bs_members.get(bs, 0) | w.bit
-        keys = self._keys_for(w, ev, n)
-        tier = normalize_medium(ev.medium)
         blocks = w.blocks
-        if tier == GPU and blocks.keys().isdisjoint(hashes):
+        parent = ev.parent_block_hash
+        if parent is None:
+            key = self._root(ev.lora_name)
+        else:
+            key = blocks.get(parent, b"")
+            if parent not in blocks:
+                self._unknown_parent += n
+        tokens = ev.token_ids
+        full = len(tokens) // bs
+        data = b""
+        if key:
+            try:
+                data = tokens_to_bytes(tokens if full * bs == len(tokens) else tokens[: full * bs])
+            except OverflowError:
+                self._unhashable += n
+                key = b""
+        tier = normalize_medium(ev.medium)
+        if key and tier == GPU and ev.extra_keys is None and full == n and blocks.keys().isdisjoint(hashes):
+            # Hot path (nearly every event): n new engine hashes, one GPU copy each, chained
+            # on a known parent. Hash, map and mark in one pass.
+            holders = self._holders
+            bit = w.bit
+            step = 4 * bs
+            off = 0
             before = len(blocks)
-            blocks.update(zip(hashes, keys))
+            for ehash in hashes:
+                key = xxh128(key + data[off : off + step])
+                off += step
+                blocks[ehash] = key
+                h = holders.get(key, 0)
+                if not h:
+                    holders[key] = bit
+                elif not h & bit:
+                    holders[key] = h | bit
+                else:  # content it already holds under another engine hash
+                    self._presence(w, ehash, key, 0, 1, True)
             added = len(blocks) - before
             self._entries += added
-            if added == n:
-                # Hot path: n new engine hashes, one GPU copy each.
-                holders = self._holders
-                bit = w.bit
-                for ehash, k in zip(hashes, keys):
-                    if k:
-                        h = holders.get(k, 0)
-                        if h & bit:  # content it already holds under another engine hash
-                            self._presence(w, ehash, k, 0, 1, True)
-                        else:
-                            holders[k] = h | bit
-                return
-            # The same hash twice in one event: undo and count copies one by one.
-            for ehash in hashes:
-                if blocks.pop(ehash, None) is not None:
-                    self._entries -= 1
+            if added != n:  # the same hash twice in one event (never from vLLM): count copies
+                self._recount_duplicates(w, hashes)
+            return
+        if key:
+            keys = block_keys(key, data, bs, full, ev.extra_keys)
+            if full < n:  # SGLang's short last page: held, but not a full block to match
+                keys.append(b"")
+        else:
+            keys = [b""] * n
         pos = _TIER_POS[tier]
         for ehash, k in zip(hashes, keys):
             self._store_one(w, ehash, k, pos)
 
-    def _store_one(self, w: _Worker, ehash: BlockHash, key: int, pos: int) -> None:
+    def _recount_duplicates(self, w: _Worker, hashes: list[BlockHash]) -> None:
+        """Give an engine hash that appeared k times in one event k GPU copies."""
+        seen: set[BlockHash] = set()
+        for ehash in hashes:
+            if ehash in seen:
+                w.special.setdefault(ehash, [1, 0, 0, 0])[0] += 1
+            seen.add(ehash)
+
+    def _store_one(self, w: _Worker, ehash: BlockHash, key: bytes, pos: int) -> None:
         blocks = w.blocks
         old_key = blocks.get(ehash)
         if old_key is None:
@@ -481,22 +491,23 @@ class PrefixIndex:
         the per-block extra keys (images, cache salt) the engine hashed with, if any.
         """
         scores: dict[WorkerKey, int] = {}
-        gpu: dict[WorkerKey, int] | None = {} if self._gpu_missing else None
-        keys_by_bs: dict[int, list[int]] = {}
+        gm = self._gpu_missing
+        gpu: dict[WorkerKey, int] | None = {} if gm else None
+        keys_by_bs: dict[int, list[bytes]] = {}
         n_by_bs: dict[int, int] = {}
         holders = self._holders
-        gm = self._gpu_missing
         by_bit = self._by_bit
         root = self._root(lora_name)
         ntok = len(token_ids)
         for bs, members in self._bs_members.items():
             n = ntok // bs
             n_by_bs[bs] = n
-            keys: list[int] = []
+            keys: list[bytes] = []
             keys_by_bs[bs] = keys
-            alive = members
-            alive_gpu = members
+            append = keys.append
+            alive = alive_gpu = members
             key = root
+            step = 4 * bs
             i = 0
             chunk = _FIRST_CHUNK_BLOCKS
             while i < n and alive:
@@ -505,14 +516,15 @@ class PrefixIndex:
                 try:
                     data = tokens_to_bytes(token_ids[i * bs : end * bs])
                 except OverflowError:
-                    break  # a token outside uint32 is never a held block
+                    break  # a token outside uint32 is never part of a held block
                 if extra_keys is None:
-                    extras = None
+                    new_keys = None
                 else:
                     extras = [extra_keys[j] if j < len(extra_keys) else None for j in range(i, end)]
-                new_keys = block_keys(key, data, bs, end - i, extras)
-                for k in new_keys:
-                    h = holders.get(k, 0)
+                    new_keys = block_keys(key, data, bs, end - i, extras)
+                for off in range(0, step * (end - i), step):
+                    key = xxh128(key + data[off : off + step]) if new_keys is None else new_keys[off // step]
+                    h = holders.get(key, 0)
                     left = alive & h
                     if left != alive:
                         if i:
@@ -521,14 +533,13 @@ class PrefixIndex:
                         if not alive:
                             break
                     if gpu is not None:
-                        g_left = alive_gpu & h & ~gm.get(k, 0)
+                        g_left = alive_gpu & h & ~gm.get(key, 0)
                         if g_left != alive_gpu:
                             if i:
                                 _record(gpu, by_bit, alive_gpu & ~g_left, i)
                             alive_gpu = g_left
-                    keys.append(k)
+                    append(key)
                     i += 1
-                key = new_keys[-1]
             if alive and i:
                 _record(scores, by_bit, alive, i)
             if gpu is not None and alive_gpu and i:
@@ -536,7 +547,7 @@ class PrefixIndex:
         return OverlapScores(scores, gpu, keys_by_bs, n_by_bs, self)
 
     def _tier_scores(
-        self, tier: str, any_scores: Mapping[WorkerKey, int], keys: dict[int, list[int]]
+        self, tier: str, any_scores: Mapping[WorkerKey, int], keys: dict[int, list[bytes]]
     ) -> dict[WorkerKey, int]:
         table = self._tier_holders[tier]
         out: dict[WorkerKey, int] = {}
