@@ -7,8 +7,12 @@ Cost of a candidate (the model of NVIDIA Dynamo's KV router, whose defaults are 
 - ``prefill_blocks``: the prompt's tokens the worker would still have to prefill — all of them
   minus its cached leading blocks, a block on a slower tier credited only in part
   (`CostModel`) — divided by the router's ``block_size``, the unit of every figure here.
-- ``load_blocks``: the worker's active load: the prompt tokens of the requests routed to it and
-  not finished (tracked by `Router.on_start` / `Router.on_finish`), or what the caller supplies.
+- ``load_blocks``: the worker's active load: the KV the requests routed to it and not yet
+  finished added there (tracked by `Router.on_start` / `Router.on_finish`), or what the caller
+  supplies. A request adds the prompt tokens it did not find cached on its worker: the cached
+  prefix was resident already and is shared, as an engine's block pool shares it (Dynamo counts
+  a worker's active blocks deduplicated the same way). It is an estimate: when the request that
+  brought a shared prefix ends first, the prefix stays pinned by the others but leaves the count.
 
 Lowest cost wins; exact ties are broken uniformly at random; a positive ``temperature`` samples
 instead from the softmax of ``-cost / temperature``, spreading load.
@@ -193,7 +197,7 @@ class _Approx:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.expiry: dict[int, float] = {}
+        self.expiry: dict[bytes, float] = {}
 
     def purge(self, now: float) -> None:
         expiry = self.expiry
@@ -203,7 +207,7 @@ class _Approx:
                 return
             del expiry[first]
 
-    def leading(self, keys: list[int]) -> int:
+    def leading(self, keys: list[bytes]) -> int:
         expiry = self.expiry
         n = 0
         for k in keys:
@@ -212,7 +216,7 @@ class _Approx:
             n += 1
         return n
 
-    def note(self, keys: list[int], until: float) -> None:
+    def note(self, keys: list[bytes], until: float) -> None:
         expiry = self.expiry
         pop = expiry.pop
         for k in keys:
@@ -231,9 +235,9 @@ class _Query:
         self.token_ids = token_ids
         self.lora_name = lora_name
         self.extra_keys = extra_keys
-        self._keys: dict[int, list[int]] = {}
+        self._keys: dict[int, list[bytes]] = {}
 
-    def keys(self, block_size: int) -> list[int]:
+    def keys(self, block_size: int) -> list[bytes]:
         got = self._keys.get(block_size)
         if got is None:
             try:
@@ -288,7 +292,7 @@ class Router:
         self._registered: set[WorkerKey] = set()
         self._approx: dict[WorkerKey, _Approx] = {}
         self._block_sizes: dict[WorkerKey, int] = {}
-        self._load: dict[WorkerKey, int] = {}  # active prompt tokens per worker
+        self._load: dict[WorkerKey, int] = {}  # tokens the active requests added per worker
         self._active: dict[WorkerKey, dict[Hashable, int]] = {}
         self._request_worker: dict[Hashable, WorkerKey] = {}
         self._selections = 0
@@ -348,16 +352,21 @@ class Router:
         worker: WorkerKey,
         token_ids: Sequence[int],
         *,
+        cached_tokens: int = 0,
         lora_name: str | None = None,
         extra_keys: Sequence[Sequence[Any] | None] | None = None,
     ) -> None:
         """Record that request ``request_id`` with prompt ``token_ids`` runs on ``worker`` (routed elsewhere).
 
-        Its prompt tokens count as load on ``worker`` until `on_finish`; an approximate worker is
-        assumed to cache the prompt. Starting an id that is still active moves it.
+        Its prompt tokens beyond the first ``cached_tokens`` (those already cached on ``worker``,
+        e.g. ``decision.overlap_blocks`` times its block size) count as load on ``worker`` until
+        `on_finish`; an approximate worker is assumed to cache the prompt. Starting an id that
+        is still active moves it.
         """
         worker = _key(worker)
-        self._start(request_id, worker, len(token_ids))
+        if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int) or cached_tokens < 0:
+            raise RouterError(f"cached_tokens must be an int >= 0, got {cached_tokens!r}")
+        self._start(request_id, worker, max(0, len(token_ids) - cached_tokens))
         store = self._approx.get(worker)
         if store is not None:
             keys = _Query(token_ids, lora_name, extra_keys).keys(store.block_size)
@@ -442,10 +451,10 @@ class Router:
         ``lora_name`` / ``extra_keys``: the adapter and per-block extra keys the engine hashes
         with. ``candidates``: restrict the choice to these workers (removed ones still never
         win). ``load``: active load per worker in blocks of ``block_size`` tokens, replacing the
-        tracked load for this call (absent = 0). ``request_id``: record the prompt as load on
-        the chosen worker until `on_finish`. A chosen approximate worker is assumed to cache the
-        prompt either way. Raises `NoWorkersError` when no candidate is left, `RouterError`
-        on bad input.
+        tracked load for this call (absent = 0). ``request_id``: record the prompt (the part
+        not cached there) as load on the chosen worker until `on_finish`. A chosen approximate
+        worker is assumed to cache the prompt either way. Raises `NoWorkersError` when no
+        candidate is left, `RouterError` on bad input.
         """
         try:
             ntok = len(token_ids)
@@ -554,7 +563,7 @@ class Router:
         if chosen_store is not None:
             chosen_store.note(query.keys(chosen_store.block_size), self._clock() + self.approximate_ttl)
         if request_id is not None:
-            self._start(request_id, worker, ntok)
+            self._start(request_id, worker, ntok - chosen.overlap_blocks * (chosen.block_size or 0))
         self._selections += 1
         return RoutingDecision(
             worker=worker,
