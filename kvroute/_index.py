@@ -18,6 +18,7 @@ Layout (design.md, "Index notes"):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ import msgspec
 
 from ._hashing import block_keys, root_key, tokens_to_bytes, xxh128
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, normalize_medium
+from ._snapshot import Cursor, read_snapshot, write_snapshot
 from ._wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EngineEvent, EventBatch
 
 __all__ = ["IndexStats", "OverlapScores", "PrefixIndex"]
@@ -153,6 +155,8 @@ class PrefixIndex:
         self._unhashable = 0
         self._unknown_removals = 0
         self._ignored_group = 0
+        #: Cursors read by `restore` (empty otherwise): where each source stood at snapshot time.
+        self.restored_cursors: dict[WorkerKey, Cursor] = {}
 
     # --- workers -------------------------------------------------------------------------
 
@@ -475,6 +479,62 @@ class PrefixIndex:
                     self._presence(w, ehash, key, pos, -1, False)
         if not blocks:
             self._release(w)
+
+    # --- warm restart ----------------------------------------------------------------------
+
+    def snapshot(self, path: str | os.PathLike[str], *, cursors: Mapping[WorkerKey, Cursor] | None = None) -> None:
+        """Write the index (and each source's last applied seq, when given) to ``path``, atomically.
+
+        ``KvEventClient.snapshot`` passes its sources' cursors; a client later started with
+        ``index=PrefixIndex.restore(path)`` resumes each source from there.
+        """
+        write_snapshot(self, path, dict(cursors or self.restored_cursors))
+
+    @classmethod
+    def restore(cls, path: str | os.PathLike[str]) -> PrefixIndex:
+        """Load an index written by `snapshot`; its cursors are in ``restored_cursors``. Raises `SnapshotError`."""
+        index = cls()
+        index.restored_cursors = read_snapshot(index, path)
+        return index
+
+    def _load_worker(
+        self,
+        key: WorkerKey,
+        blocks: dict[BlockHash, bytes],
+        special: dict[BlockHash, list[int]],
+        block_sizes: set[int],
+        nonfull_groups: set[int],
+    ) -> None:
+        """Rebuild one worker from snapshot tables (the shared tables follow from them)."""
+        if not blocks or key in self._workers:
+            return
+        w = self._worker(key)
+        w.blocks = blocks
+        w.special = {h: c for h, c in special.items() if h in blocks and len(c) == 4 and any(c)}
+        w.nonfull_groups = nonfull_groups
+        for bs in block_sizes:
+            w.block_sizes.add(bs)
+            self._bs_members[bs] = self._bs_members.get(bs, 0) | w.bit
+        self._entries += len(blocks)
+        per_key: dict[bytes, list[int]] = {}
+        for ehash, ckey in blocks.items():
+            if not ckey:
+                continue
+            counts = w.special.get(ehash)
+            mask = _mask(counts) if counts is not None else 1
+            tiers = per_key.get(ckey)
+            if tiers is None:
+                per_key[ckey] = [mask & 1, mask >> 1 & 1, mask >> 2 & 1, mask >> 3 & 1, 1]
+            else:
+                for i in range(4):
+                    tiers[i] += mask >> i & 1
+                tiers[4] += 1
+        bit = w.bit
+        for ckey, tiers in per_key.items():
+            if tiers[4] > 1:
+                w.multi[ckey] = tiers[:4]
+            self._set_mask(bit, ~bit, ckey, 0, _mask(tiers))
+
 
     # --- queries -------------------------------------------------------------------------
 

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import random
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvroute import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, PrefixIndex, WorkerKey
+from kvroute import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, PrefixIndex, SnapshotError, WorkerKey
 from kvroute._hashing import chain_keys
 from kvroute._models import TIERS, normalize_medium
+from kvroute._snapshot import Cursor
 
 W = [WorkerKey("a", 0), WorkerKey("a", 1), WorkerKey("b", 0), WorkerKey("c", 0)]
 BLOCK_SIZE = {W[0]: 2, W[1]: 2, W[2]: 4, W[3]: 2}
@@ -157,6 +160,16 @@ class IndexMachine(RuleBasedStateMachine):
     def remove_worker(self, w: WorkerKey) -> None:
         self.index.remove_worker(w)
         self.model[w] = {}
+
+    @rule()
+    def snapshot_and_restore(self) -> None:
+        """A restored index behaves exactly like the original from then on (later rules keep using it)."""
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "index.snap"
+            cursors = {w: Cursor(i, float(i)) for i, w in enumerate(W)}
+            self.index.snapshot(path, cursors=cursors)
+            self.index = PrefixIndex.restore(path)
+        assert self.index.restored_cursors == cursors
 
     @rule(w=st.sampled_from(W), pick=st.integers(0, 1000), extra=st.lists(st.integers(0, 3), max_size=6),
           lora=st.sampled_from([None, "ad1"]))
@@ -316,3 +329,20 @@ def test_chain_keys_are_stable() -> None:
     assert chain_keys([1, 2, 3, 4], 2, lora_name="x") != chain_keys([1, 2, 3, 4], 2)
     # Computed once from the definition in kvroute/_hashing.py; a change here breaks snapshots.
     assert chain_keys([1, 2], 2)[0] == bytes.fromhex("e1111f4af611ffd6b1e205143e5b91ab")
+
+
+def test_snapshot_errors(tmp_path: Path) -> None:
+    with pytest.raises(SnapshotError, match="cannot read"):
+        PrefixIndex.restore(tmp_path / "missing")
+    (tmp_path / "junk").write_bytes(b"\x00garbage")
+    with pytest.raises(SnapshotError, match="not a kvroute snapshot"):
+        PrefixIndex.restore(tmp_path / "junk")
+    idx = PrefixIndex()
+    idx.apply(WorkerKey("w", 0), BlockStored(block_hashes=[1], token_ids=[1, 2], block_size=2))
+    idx.snapshot(tmp_path / "ok")
+    data = (tmp_path / "ok").read_bytes()
+    (tmp_path / "cut").write_bytes(data[: len(data) // 2])
+    with pytest.raises(SnapshotError):
+        PrefixIndex.restore(tmp_path / "cut")
+    restored = PrefixIndex.restore(tmp_path / "ok")
+    assert restored.find_matches([1, 2])[WorkerKey("w", 0)] == 1

@@ -1,0 +1,140 @@
+"""Warm restart: the index and each source's position written to one versioned msgpack file.
+
+A snapshot holds, per worker, its engine-hash → content-key map (with copies per tier), and
+per source the last applied seq and that batch's ts. A client started from a snapshot replays
+each source from the saved seq; the ts lets it tell the same engine from a restarted one
+(design.md rule 7) before trusting the restored blocks.
+
+Format: msgpack of `_Snapshot`; ``format`` and ``version`` are checked first, and the content
+hash version must match (keys made by another hash definition would never match a query).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ._errors import SnapshotError
+from ._hashing import HASH_VERSION
+from ._models import WorkerKey
+from ._wire import BlockHash
+
+if TYPE_CHECKING:
+    from ._index import PrefixIndex
+
+__all__ = ["Cursor", "read_snapshot", "write_snapshot"]
+
+_FORMAT = "kvroute-index"
+_VERSION = 1
+
+
+class Cursor(msgspec.Struct, frozen=True, array_like=True):
+    """Where a source stood: the last applied seq and the ts of that batch."""
+
+    seq: int
+    ts: float
+
+
+class _SnapWorker(msgspec.Struct, array_like=True):
+    worker_id: str
+    dp_rank: int
+    block_sizes: list[int]
+    nonfull_groups: list[int]
+    hashes: list[BlockHash]
+    keys: list[bytes]
+    special: list[tuple[BlockHash, list[int]]]
+
+
+class _SnapCursor(msgspec.Struct, array_like=True):
+    worker_id: str
+    dp_rank: int
+    cursor: Cursor
+
+
+class _Snapshot(msgspec.Struct):
+    format: str
+    version: int
+    hash_version: int
+    created: float
+    workers: list[_SnapWorker]
+    cursors: list[_SnapCursor]
+
+
+class _Header(msgspec.Struct):
+    format: str = ""
+    version: int = 0
+
+
+def write_snapshot(index: PrefixIndex, path: str | os.PathLike[str], cursors: dict[WorkerKey, Cursor]) -> None:
+    """Write ``index`` and ``cursors`` to ``path`` atomically (a crash leaves the old file intact)."""
+    workers = [
+        _SnapWorker(
+            worker_id=w.key.worker_id,
+            dp_rank=w.key.dp_rank,
+            block_sizes=sorted(w.block_sizes),
+            nonfull_groups=sorted(w.nonfull_groups),
+            hashes=list(w.blocks.keys()),
+            keys=list(w.blocks.values()),
+            special=[(h, list(c)) for h, c in w.special.items()],
+        )
+        for w in index._workers.values()
+    ]
+    snap = _Snapshot(
+        format=_FORMAT,
+        version=_VERSION,
+        hash_version=HASH_VERSION,
+        created=time.time(),
+        workers=workers,
+        cursors=[_SnapCursor(k.worker_id, k.dp_rank, c) for k, c in cursors.items()],
+    )
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.msgpack.encode(snap))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_snapshot(index: PrefixIndex, path: str | os.PathLike[str]) -> dict[WorkerKey, Cursor]:
+    """Load ``path`` into the empty ``index``; returns the saved cursors. Raises `SnapshotError`."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise SnapshotError(f"cannot read snapshot {path}: {exc.strerror}") from None
+    try:
+        header = msgspec.msgpack.decode(data, type=_Header)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise SnapshotError(f"{path} is not a kvroute snapshot: {exc}") from None
+    if header.format != _FORMAT:
+        raise SnapshotError(f"{path} is not a kvroute snapshot (format {header.format!r})")
+    if header.version != _VERSION:
+        raise SnapshotError(f"{path} has snapshot version {header.version}; this kvroute reads {_VERSION}")
+    try:
+        snap = msgspec.msgpack.decode(data, type=_Snapshot)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise SnapshotError(f"{path} is corrupt: {exc}") from None
+    if snap.hash_version != HASH_VERSION:
+        raise SnapshotError(
+            f"{path} was written with content hash v{snap.hash_version}; this kvroute uses v{HASH_VERSION}"
+        )
+    for sw in snap.workers:
+        if len(sw.hashes) != len(sw.keys):
+            raise SnapshotError(f"{path} is corrupt: worker {sw.worker_id}/{sw.dp_rank} has mismatched tables")
+        index._load_worker(
+            WorkerKey(sw.worker_id, sw.dp_rank),
+            dict(zip(sw.hashes, sw.keys)),
+            dict(sw.special),
+            set(sw.block_sizes),
+            set(sw.nonfull_groups),
+        )
+    return {WorkerKey(c.worker_id, c.dp_rank): c.cursor for c in snap.cursors}
