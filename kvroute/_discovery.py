@@ -169,15 +169,18 @@ class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise InvalidOptionsError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
-        if not self.timeout > 0:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise InvalidOptionsError(f"timeout must be > 0 seconds, not {self.timeout!r}")
-        if self.max_sources_per_target < 1:
-            raise InvalidOptionsError(f"max_sources_per_target must be >= 1, not {self.max_sources_per_target}")
+        cap = self.max_sources_per_target
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise InvalidOptionsError(f"max_sources_per_target must be an int >= 1, not {cap!r}")
         if self.worker_id is not None and not self.worker_id:
             raise InvalidOptionsError("worker_id must not be empty")
-        metadata = tuple((key, value) for key, value in self.metadata)
-        for key, value in metadata:
-            _check_metadata(key, value)
+        metadata = tuple(self.metadata)
+        for item in metadata:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise InvalidOptionsError(f"metadata items are (key, value) pairs, not {item!r}")
+            _check_metadata(*item)
         msgspec.structs.force_setattr(self, "metadata", metadata)
         if self.allowed_hosts is not None:
             hosts = tuple(self.allowed_hosts)
@@ -243,7 +246,8 @@ def _split_target(target: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` → (host without brackets, port)."""
     if target.startswith("["):
         host, sep, port = target[1:].partition("]:")
-        ok = bool(sep) and _ip(host) is not None and (_ip(host) or ipaddress.IPv4Address(0)).version == 6
+        address = _ip(host)
+        ok = bool(sep) and address is not None and address.version == 6
     else:
         host, sep, port = target.rpartition(":")
         ok = bool(sep) and ":" not in host and _HOST_NAME.fullmatch(host) is not None
@@ -520,7 +524,9 @@ class _Caller:
 
     async def call(self, method: str, request: Any, parse: Callable[[bytes], Any]) -> Any:
         attempts = 0
-        backoff = tenacity.wait_exponential_jitter(initial=_BACKOFF_INITIAL, max=_BACKOFF_MAX, jitter=_BACKOFF_INITIAL)
+        backoff = tenacity.wait_exponential(multiplier=_BACKOFF_INITIAL, max=_BACKOFF_MAX) + tenacity.wait_random(
+            0, _BACKOFF_INITIAL
+        )
 
         def wait(state: tenacity.RetryCallState) -> float:
             # Never sleep past the point where a last attempt still fits in the caller's timeout.
