@@ -340,9 +340,8 @@ class Router:
 
     def workers(self) -> set[WorkerKey]:
         """The current candidate universe (before any ``candidates`` restriction)."""
-        if self.states is not None:
-            return self.states.live_workers() | self._registered
-        return self.index.workers() | self._registered
+        found = self.states.live_workers() if self.states is not None else self.index.workers()
+        return found | self._registered if self._registered else found
 
     # --- load ----------------------------------------------------------------------------
 
@@ -466,35 +465,38 @@ class Router:
             if candidates is None:
                 raise NoWorkersError("no live or registered worker to route to")
             raise NoWorkersError("none of the given candidates is a live or registered worker")
-        query = _Query(token_ids, lora_name, extra_keys)
+        query = _Query(token_ids, lora_name, extra_keys) if self._approx else None
         unit = self.block_size
         model = self.cost_model
         cost_of = model.cost
         idle_prefill = ntok / unit
         entries: list[CandidateScore] = []
-        seen: set[WorkerKey] = set()
+        seen: set[WorkerKey] = set()  # listed by the approximate or the index pass
 
+        # Load per worker, and the factor that turns it into cost blocks: tracked load is kept
+        # in tokens (valid by construction); supplied load is in blocks, checked once here.
+        loads: Mapping[WorkerKey, float]
         if load is None:
-            tracked = self._load
-            loads: Mapping[WorkerKey, float] = {w: t / unit for w, t in tracked.items()} if tracked else {}
+            loads, scale = self._load, 1.0 / unit
         else:
-            loads = load
-
-        def load_of(w: WorkerKey) -> float:
-            value = loads.get(w, 0.0)
-            if not (math.isfinite(value) and value >= 0.0):
-                raise RouterError(f"load of {w} must be finite and >= 0, got {value!r}")
-            return value
+            try:
+                bad = [(w, v) for w, v in load.items() if not (0.0 <= v < math.inf)]
+            except TypeError:
+                raise RouterError("load must map workers to numbers") from None
+            if bad:
+                raise RouterError(f"load must be finite and >= 0; got {bad[0][1]!r} for {bad[0][0]}")
+            loads, scale = load, 1.0
+        load_get = loads.get
 
         approx = self._approx
-        if approx:
+        if query is not None:
             now = self._clock()
             for w, store in approx.items():
                 if w not in universe:
                     continue
                 store.purge(now)
                 held = store.leading(query.keys(store.block_size)) if store.expiry else 0
-                w_load = load_of(w)
+                w_load = load_get(w, 0) * scale
                 if not held and not w_load:
                     continue
                 bs = store.block_size
@@ -514,41 +516,40 @@ class Router:
                 )
 
         if scores:
-            entries.extend(self._scored(scores, universe, seen, ntok, idle_prefill, load_of))
+            self._scored(entries, scores, universe, seen, ntok, idle_prefill, loads, scale)
 
-        for w in loads:
-            if w in seen or w not in universe:
-                continue
-            w_load = load_of(w)
-            if not w_load:
-                continue
-            seen.add(w)
-            # Approximate workers with load were all seen above: this one is an index worker.
-            entries.append(
-                CandidateScore(
-                    worker=w,
-                    source="index",
-                    claimed_blocks=0,
-                    overlap_blocks=0,
-                    block_size=self.index.block_size(w),
-                    prefill_blocks=idle_prefill,
-                    load_blocks=w_load,
-                    cost=cost_of(idle_prefill, w_load),
-                )
-            )
-
-        idle_count = len(universe) - len(seen)
+        # Load-only workers: nothing claimed, so the prefill is the whole prompt. Approximate
+        # workers with load were all listed above. The stock model's cost is inlined: this
+        # loop runs for every busy worker.
         idle_cost = cost_of(idle_prefill, 0.0)
+        stock = type(model) is CostModel
+        for w, t in loads.items():
+            if t and w not in seen and w in universe:
+                w_load = t * scale
+                entries.append(
+                    CandidateScore(
+                        worker=w,
+                        source="index",
+                        claimed_blocks=0,
+                        overlap_blocks=0,
+                        block_size=None,
+                        prefill_blocks=idle_prefill,
+                        load_blocks=w_load,
+                        cost=idle_cost + w_load if stock else cost_of(idle_prefill, w_load),
+                    )
+                )
+
+        idle_count = len(universe) - len(entries)
         pick = self._pick(entries, idle_count, idle_cost, model.temperature)
         if pick is None:
-            idle = universe - seen
+            idle = universe.difference([e.worker for e in entries])
             chosen_w = next(islice(iter(idle), self._rng.randrange(len(idle)), None))
             chosen = CandidateScore(
                 worker=chosen_w,
                 source="approximate" if chosen_w in approx else "index",
                 claimed_blocks=0,
                 overlap_blocks=0,
-                block_size=approx[chosen_w].block_size if chosen_w in approx else self.index.block_size(chosen_w),
+                block_size=approx[chosen_w].block_size if chosen_w in approx else None,
                 prefill_blocks=idle_prefill,
                 load_blocks=0.0,
                 cost=idle_cost,
@@ -560,7 +561,7 @@ class Router:
         worker = chosen.worker
 
         chosen_store = approx.get(worker)
-        if chosen_store is not None:
+        if chosen_store is not None and query is not None:
             chosen_store.note(query.keys(chosen_store.block_size), self._clock() + self.approximate_ttl)
         if request_id is not None:
             self._start(request_id, worker, ntok - chosen.overlap_blocks * (chosen.block_size or 0))
@@ -577,28 +578,34 @@ class Router:
 
     def _scored(
         self,
+        out: list[CandidateScore],
         scores: OverlapScores,
         universe: set[WorkerKey],
         seen: set[WorkerKey],
         ntok: int,
         idle_prefill: float,
-        load_of: Callable[[WorkerKey], float],
-    ) -> list[CandidateScore]:
-        """Figures of the workers the index claims overlap for (approximate ones excluded)."""
-        out: list[CandidateScore] = []
+        loads: Mapping[WorkerKey, float],
+        scale: float,
+    ) -> None:
+        """Append the figures of the workers the index claims overlap for (approximate ones excluded)."""
         unit = self.block_size
         model = self.cost_model
         cost_of = model.cost
+        stock = type(model) is CostModel
+        weight = model.overlap_weight
         full_credit = model.full_credit
         gpu_runs = scores.tier(GPU)
         approx = self._approx
         block_size_of = self.index.block_size
+        load_get = loads.get
+        trust_all = self.states is None
+        trusted = self._trusted
         for w, claimed in scores.items():
             if w in seen or w in approx or w not in universe:
                 continue
-            w_load = load_of(w)
+            w_load = load_get(w, 0) * scale
             bs = block_size_of(w)
-            if bs is not None and self._trusted(w):
+            if bs is not None and (trust_all or trusted(w)):
                 overlap = claimed
                 gpu = gpu_runs.get(w, 0)
                 if full_credit or gpu >= claimed:
@@ -625,10 +632,9 @@ class Router:
                     block_size=bs,
                     prefill_blocks=prefill,
                     load_blocks=w_load,
-                    cost=cost_of(prefill, w_load),
+                    cost=weight * prefill + w_load if stock else cost_of(prefill, w_load),
                 )
             )
-        return out
 
     def _pick(
         self, entries: list[CandidateScore], idle_count: int, idle_cost: float, temperature: float

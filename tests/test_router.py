@@ -436,6 +436,8 @@ def test_bad_input_gets_a_typed_error() -> None:
     with pytest.raises(RouterError):
         router.select(PROMPT, load={A: math.nan})
     with pytest.raises(RouterError):
+        router.select(PROMPT, load={A: "busy"})  # type: ignore[dict-item]
+    with pytest.raises(RouterError):
         router.select(PROMPT, candidates=[[1, 2]])  # type: ignore[list-item]
     with pytest.raises(RouterError):
         router.select(PROMPT, request_id=[1])  # type: ignore[arg-type]
