@@ -70,9 +70,17 @@ def _check_block_size(block_size: int) -> None:
         raise RouterError(f"block_size must be an int >= 1, got {block_size!r}")
 
 
-def _check_fraction(name: str, value: float) -> None:
-    if not (0.0 <= value <= 1.0):
-        raise RouterError(f"{name} must be within [0, 1], got {value!r}")
+def _check_range(name: str, value: float, low: float, high: float = math.inf, *, low_open: bool = False) -> None:
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and (low < value if low_open else low <= value)
+        and value <= high
+    )
+    if not ok:
+        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise RouterError(f"{name} must be a finite number within {bound}, got {value!r}")
 
 
 class CostModel(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,13 +106,11 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.overlap_weight) and self.overlap_weight >= 0.0):
-            raise RouterError(f"overlap_weight must be finite and >= 0, got {self.overlap_weight!r}")
-        _check_fraction("cpu_credit", self.cpu_credit)
-        _check_fraction("disk_credit", self.disk_credit)
-        _check_fraction("external_credit", self.external_credit)
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise RouterError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        _check_range("overlap_weight", self.overlap_weight, 0.0)
+        _check_range("cpu_credit", self.cpu_credit, 0.0, 1.0)
+        _check_range("disk_credit", self.disk_credit, 0.0, 1.0)
+        _check_range("external_credit", self.external_credit, 0.0, 1.0)
+        _check_range("temperature", self.temperature, 0.0)
 
     @property
     def full_credit(self) -> bool:
@@ -279,8 +285,7 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         _check_block_size(block_size)
-        if not (math.isfinite(approximate_ttl) and approximate_ttl > 0):
-            raise RouterError(f"approximate_ttl must be finite and > 0, got {approximate_ttl!r}")
+        _check_range("approximate_ttl", approximate_ttl, 0.0, low_open=True)
         self.index = index
         self.states = states
         self.cost_model = cost if cost is not None else CostModel()
@@ -291,7 +296,6 @@ class Router:
         self._clock = clock
         self._registered: set[WorkerKey] = set()
         self._approx: dict[WorkerKey, _Approx] = {}
-        self._block_sizes: dict[WorkerKey, int] = {}
         self._load: dict[WorkerKey, int] = {}  # tokens the active requests added per worker
         self._active: dict[WorkerKey, dict[Hashable, int]] = {}
         self._request_worker: dict[Hashable, WorkerKey] = {}
@@ -313,10 +317,6 @@ class Router:
             _check_block_size(block_size)
         worker = _key(worker)
         self._registered.add(worker)
-        if block_size is None:
-            self._block_sizes.pop(worker, None)
-        else:
-            self._block_sizes[worker] = block_size
         bs = block_size or self.block_size
         store = self._approx.get(worker)
         if not approximate:
@@ -329,7 +329,6 @@ class Router:
         worker = _key(worker)
         self._registered.discard(worker)
         self._approx.pop(worker, None)
-        self._block_sizes.pop(worker, None)
         self._load.pop(worker, None)
         for rid in self._active.pop(worker, {}):
             del self._request_worker[rid]

@@ -147,11 +147,13 @@ def test_credited_blocks_takes_the_best_tier_covering_each_block() -> None:
         {"external_credit": math.nan},
         {"temperature": -1.0},
         {"temperature": math.nan},
+        {"temperature": "hot"},
+        {"overlap_weight": True},
     ],
 )
-def test_cost_model_rejects_bad_settings(bad: dict[str, float]) -> None:
+def test_cost_model_rejects_bad_settings(bad: dict[str, object]) -> None:
     with pytest.raises(RouterError) as info:
-        CostModel(**bad)
+        CostModel(**bad)  # type: ignore[arg-type]
     assert isinstance(info.value, KvRouteError)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert(bad, CostModel)
@@ -447,7 +449,7 @@ def test_bad_input_gets_a_typed_error() -> None:
         router.add_worker(C, block_size=0)
     with pytest.raises(RouterError):
         router.on_start("r", A, PROMPT, cached_tokens=-1)
-    for kwargs in ({"block_size": 0}, {"block_size": True}, {"approximate_ttl": 0.0}, {"approximate_ttl": math.inf}):
+    for kwargs in ({"block_size": 0}, {"block_size": True}, {"approximate_ttl": 0.0}, {"approximate_ttl": "1"}):
         with pytest.raises(RouterError):
             Router(index, **kwargs)
     assert not router.on_finish([1])  # type: ignore[arg-type]
