@@ -32,7 +32,7 @@ PROTO_ROOT = ROOT / "proto"
 PROTO_DIR = PROTO_ROOT / "kvroute" / "_proto"
 OUT_DIR = ROOT / "kvroute" / "_proto"
 # The generated headers embed the protobuf/grpc versions of the tool; pyproject's "test" extra pins it.
-TOOLS_VERSION = "1.85.1"
+TOOLS_VERSION = "1.75.1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 _DEFAULT_POOL = "_descriptor_pool.Default().AddSerializedFile("
 _PRIVATE_POOL = "_descriptor_pool.DescriptorPool().AddSerializedFile("

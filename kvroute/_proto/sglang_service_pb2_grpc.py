@@ -5,7 +5,7 @@ import warnings
 
 from kvroute._proto import sglang_service_pb2 as kvroute_dot___proto_dot_sglang__service__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.75.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvroute/_proto/sglang_service_pb2_grpc.py depends on'
+        + f' but the generated code in kvroute/_proto/sglang_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class SglangServiceStub:
+class SglangServiceStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -41,7 +41,7 @@ class SglangServiceStub:
                 _registered_method=True)
 
 
-class SglangServiceServicer:
+class SglangServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def GetServerInfo(self, request, context):
@@ -66,7 +66,7 @@ def add_SglangServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class SglangService:
+class SglangService(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -5,7 +5,7 @@ import warnings
 
 from kvroute._proto import vllm_control_pb2 as kvroute_dot___proto_dot_vllm__control__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.75.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvroute/_proto/vllm_control_pb2_grpc.py depends on'
+        + f' but the generated code in kvroute/_proto/vllm_control_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class ControlStub:
+class ControlStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -41,7 +41,7 @@ class ControlStub:
                 _registered_method=True)
 
 
-class ControlServicer:
+class ControlServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def GetKvEventSources(self, request, context):
@@ -67,7 +67,7 @@ def add_ControlServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Control:
+class Control(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
