@@ -19,7 +19,10 @@ Layout (design.md, "Index notes"):
 from __future__ import annotations
 
 import os
+from bisect import bisect_right
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import accumulate, repeat
+from operator import and_, neg
 from typing import Any
 
 import msgspec
@@ -555,7 +558,7 @@ class PrefixIndex:
         gpu: dict[WorkerKey, int] | None = {} if gm else None
         keys_by_bs: dict[int, list[bytes]] = {}
         n_by_bs: dict[int, int] = {}
-        holders = self._holders
+        get = self._holders.get
         by_bit = self._by_bit
         root = self._root(lora_name)
         ntok = len(token_ids)
@@ -564,10 +567,8 @@ class PrefixIndex:
             n_by_bs[bs] = n
             keys: list[bytes] = []
             keys_by_bs[bs] = keys
-            append = keys.append
             alive = alive_gpu = members
             key = root
-            step = 4 * bs
             i = 0
             chunk = _FIRST_CHUNK_BLOCKS
             while i < n and alive:
@@ -577,29 +578,19 @@ class PrefixIndex:
                     data = tokens_to_bytes(token_ids[i * bs : end * bs])
                 except OverflowError:
                     break  # a token outside uint32 is never part of a held block
-                if extra_keys is None:
-                    new_keys = None
-                else:
-                    extras = [extra_keys[j] if j < len(extra_keys) else None for j in range(i, end)]
-                    new_keys = block_keys(key, data, bs, end - i, extras)
-                for off in range(0, step * (end - i), step):
-                    key = xxh128(key + data[off : off + step]) if new_keys is None else new_keys[off // step]
-                    h = holders.get(key, 0)
-                    left = alive & h
-                    if left != alive:
-                        if i:
-                            _record(scores, by_bit, alive & ~left, i)
-                        alive = left
-                        if not alive:
-                            break
-                    if gpu is not None:
-                        g_left = alive_gpu & h & ~gm.get(key, 0)
-                        if g_left != alive_gpu:
-                            if i:
-                                _record(gpu, by_bit, alive_gpu & ~g_left, i)
-                            alive_gpu = g_left
-                    append(key)
-                    i += 1
+                extras = None if extra_keys is None else [
+                    extra_keys[j] if j < len(extra_keys) else None for j in range(i, end)
+                ]
+                new_keys = block_keys(key, data, bs, end - i, extras)
+                key = new_keys[-1]
+                keys += new_keys
+                # Holder sets of the chunk's blocks, ANDed along the prefix, all in C.
+                holder_sets = list(map(get, new_keys, repeat(0, len(new_keys))))
+                alive = _walk(alive, holder_sets, i, scores, by_bit)
+                if gpu is not None:
+                    gpu_sets = [h & ~gm.get(k, 0) for k, h in zip(new_keys, holder_sets)]
+                    alive_gpu = _walk(alive_gpu, gpu_sets, i, gpu, by_bit)
+                i = end
             if alive and i:
                 _record(scores, by_bit, alive, i)
             if gpu is not None and alive_gpu and i:
@@ -620,19 +611,32 @@ class PrefixIndex:
                 w = self._workers.get(wk)
                 if w is not None and bs in w.block_sizes:
                     alive |= w.bit
-            i = 0
-            for k in ks:
-                left = alive & table.get(k, 0)
-                if left != alive:
-                    if i:
-                        _record(out, by_bit, alive & ~left, i)
-                    alive = left
-                    if not alive:
-                        break
-                i += 1
-            if alive and i:
-                _record(out, by_bit, alive, i)
+            alive = _walk(alive, [table.get(k, 0) for k in ks], 0, out, by_bit)
+            if alive and ks:
+                _record(out, by_bit, alive, len(ks))
         return out
+
+
+def _walk(
+    alive: int, holder_sets: list[int], base: int, scores: dict[WorkerKey, int], by_bit: dict[int, _Worker]
+) -> int:
+    """AND ``holder_sets`` along the prefix from block ``base``; score the workers that drop out; return who is left.
+
+    The running AND only ever loses bits, so as an integer it never grows: each drop is found
+    by bisection over the accumulated sets instead of a Python step per block.
+    """
+    acc = list(accumulate(holder_sets, and_, initial=alive))
+    last = acc[-1]
+    j = 0
+    v = alive
+    while v != last:
+        # first index whose set is smaller than v: workers in v minus it stop just before it
+        j = bisect_right(acc, -v, lo=j, key=neg)
+        nxt = acc[j]
+        if base + j - 1 > 0:
+            _record(scores, by_bit, v & ~nxt, base + j - 1)
+        v = nxt
+    return last
 
 
 def _record(scores: dict[WorkerKey, int], by_bit: dict[int, _Worker], bits: int, value: int) -> None:
