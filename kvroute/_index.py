@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from ._hashing import block_keys, root_key, tokens_to_bytes, xxh128
+from ._hashing import block_keys, root_key, tokens_to_bytes
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, normalize_medium
 from ._snapshot import Cursor, read_snapshot, write_snapshot
 from ._wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EngineEvent, EventBatch
@@ -382,27 +382,32 @@ class PrefixIndex:
         tier = normalize_medium(ev.medium)
         if key and tier == GPU and ev.extra_keys is None and full == n and blocks.keys().isdisjoint(hashes):
             # Hot path (nearly every event): n new engine hashes, one GPU copy each, chained
-            # on a known parent. Hash, map and mark in one pass.
+            # on a known parent. Hash in one tight loop, then map and mark with C-level
+            # bulk updates; only content this worker already holds goes block by block.
             holders = self._holders
             bit = w.bit
-            step = 4 * bs
-            off = 0
+            keys = block_keys(key, data, bs, n)
             before = len(blocks)
-            for ehash in hashes:
-                key = xxh128(key + data[off : off + step])
-                off += step
-                blocks[ehash] = key
-                h = holders.get(key, 0)
-                if not h:
-                    holders[key] = bit
-                elif not h & bit:
-                    holders[key] = h | bit
-                else:  # content it already holds under another engine hash
-                    self._presence(w, ehash, key, 0, 1, True)
-            added = len(blocks) - before
-            self._entries += added
-            if added != n:  # the same hash twice in one event (never from vLLM): count copies
-                self._recount_duplicates(w, hashes)
+            blocks.update(zip(hashes, keys))
+            if len(blocks) - before != n:
+                # The same hash twice in one event (never from vLLM): undo, count copies below.
+                for ehash in hashes:
+                    blocks.pop(ehash, None)
+                for ehash, k in zip(hashes, keys):
+                    self._store_one(w, ehash, k, 0)
+                return
+            self._entries += n
+            held = list(map(holders.get, keys, repeat(0, n)))
+            if not any(held):
+                holders.update(zip(keys, repeat(bit, n)))
+            elif not any(h & bit for h in held):
+                holders.update(zip(keys, [h | bit if h else bit for h in held]))
+            else:
+                for ehash, k, h in zip(hashes, keys, held):
+                    if h & bit:  # content it already holds under another engine hash
+                        self._presence(w, ehash, k, 0, 1, True)
+                    else:
+                        holders[k] = h | bit if h else bit
             return
         if key:
             keys = block_keys(key, data, bs, full, ev.extra_keys)
@@ -413,14 +418,6 @@ class PrefixIndex:
         pos = _TIER_POS[tier]
         for ehash, k in zip(hashes, keys):
             self._store_one(w, ehash, k, pos)
-
-    def _recount_duplicates(self, w: _Worker, hashes: list[BlockHash]) -> None:
-        """Give an engine hash that appeared k times in one event k GPU copies."""
-        seen: set[BlockHash] = set()
-        for ehash in hashes:
-            if ehash in seen:
-                w.special.setdefault(ehash, [1, 0, 0, 0])[0] += 1
-            seen.add(ehash)
 
     def _store_one(self, w: _Worker, ehash: BlockHash, key: bytes, pos: int) -> None:
         blocks = w.blocks

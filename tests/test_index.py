@@ -258,6 +258,17 @@ def test_copies_are_counted() -> None:
     assert idx.stats().unknown_removals == 1
 
 
+def test_same_hash_twice_in_one_event_counts_copies_and_leaves_no_orphan() -> None:
+    idx = PrefixIndex()
+    w = WorkerKey("w", 0)
+    idx.apply(w, BlockStored(block_hashes=[5, 5], token_ids=[1, 2, 3, 4], block_size=2))
+    assert idx.num_blocks(w) == 1 and idx.find_matches([1, 2, 3, 4])[w] == 1
+    idx.apply(w, BlockRemoved(block_hashes=[5]))
+    assert idx.find_matches([1, 2])[w] == 1
+    idx.apply(w, BlockRemoved(block_hashes=[5]))
+    assert idx.workers() == set() and not idx._holders
+
+
 def test_block_sizes_and_hybrid_groups() -> None:
     idx = PrefixIndex()
     a, b = WorkerKey("a", 0), WorkerKey("b", 0)
