@@ -14,8 +14,9 @@ waiter (it gets `anyio.ClosedResourceError`) before the descriptor goes away.
 
 from __future__ import annotations
 
+import itertools
 import struct
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import anyio
 import anyio.lowlevel
@@ -31,12 +32,14 @@ __all__ = [
     "read_monitor",
     "recv_many",
     "send_nowait",
+    "socket",
     "wait_readable",
 ]
 
 #: libzmq's monitor message: 16-bit event id and 32-bit value, native byte order, no padding
 #: (zmq_socket_monitor(3)).
 _MONITOR_HEAD = struct.Struct("=hi")
+_monitor_ids = itertools.count()
 
 
 class CurveKeys(NamedTuple):
@@ -107,10 +110,9 @@ def send_nowait(sock: zmq.Socket[bytes], frames: list[bytes]) -> bool:
     return True
 
 
-def connect(
+def socket(
     ctx: zmq.Context[zmq.Socket[bytes]],
     socket_type: int,
-    endpoint: str,
     *,
     rcvhwm: int | None = None,
     max_message_size: int | None = None,
@@ -121,7 +123,7 @@ def connect(
     curve_server_key: str | None = None,
     subscribe: bytes | None = None,
 ) -> zmq.Socket[bytes]:
-    """Create a socket, set its options, and connect it (intervals in seconds).
+    """Create a socket for connecting, with its options set (intervals in seconds).
 
     ``subscribe`` applies to SUB sockets (b"" = everything). CURVE needs both the client key
     pair and the server's public key; with only one of them this raises ValueError, so a
@@ -149,6 +151,18 @@ def connect(
             sock.setsockopt(zmq.CURVE_SERVERKEY, curve_server_key.encode("ascii"))
         if subscribe is not None:
             sock.setsockopt(zmq.SUBSCRIBE, subscribe)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def connect(
+    ctx: zmq.Context[zmq.Socket[bytes]], socket_type: int, endpoint: str, **options: Any
+) -> zmq.Socket[bytes]:
+    """`socket` with ``options``, connected to ``endpoint``."""
+    sock = socket(ctx, socket_type, **options)
+    try:
         sock.connect(endpoint)
     except BaseException:
         sock.close(linger=0)
@@ -157,8 +171,15 @@ def connect(
 
 
 def open_monitor(sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
-    """Start monitoring ``sock`` for ``events`` (a zmq.EVENT_* mask); returns the PAIR socket to read."""
-    mon: zmq.Socket[bytes] = sock.get_monitor_socket(events)
+    """Start monitoring ``sock`` for ``events`` (a zmq.EVENT_* mask); returns the PAIR socket to read.
+
+    Call it before connecting: libzmq reports only what happens after, and a loopback
+    handshake can complete before the next line of Python runs.
+    """
+    # pyzmq's default address is derived from the socket's descriptor number, which the next
+    # socket reuses while libzmq may still hold the old inproc name: a recreated socket's
+    # monitor then never connects. A process-wide counter never repeats.
+    mon: zmq.Socket[bytes] = sock.get_monitor_socket(events, addr=f"inproc://kvroute-monitor-{next(_monitor_ids)}")
     mon.setsockopt(zmq.LINGER, 0)
     return mon
 

@@ -3,69 +3,88 @@
 from __future__ import annotations
 
 import random
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 
 import anyio
 import zmq
 
 from kvroute import _zmq
+from kvroute._client import EventStream, KvEventClient
+from kvroute._events import Envelope
 from kvroute._index import PrefixIndex
 from kvroute._models import WorkerKey
-from kvroute._wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent
+from kvroute._subscriber import SubscriberConfig
+from kvroute._wire import BlockRemoved, BlockStored, EngineEvent
 from kvroute.sim._publisher import EventPublisher
 
 BLOCK_SIZE = 4
 
 
 class Workload:
-    """A seeded stand-in for an engine's cache activity: chains stored, leaves evicted.
+    """A seeded stand-in for an engine's cache activity: chains stored, blocks evicted.
 
     Every batch it makes is valid for an engine to send (removals name held blocks). It
-    remembers each stored chain's full token prefix as a query for index comparisons.
+    remembers each stored chain so that `queries` can rebuild its full token prefix.
     """
 
     def __init__(self, seed: int, *, block_size: int = BLOCK_SIZE, evict_rate: float = 0.2) -> None:
         self.rng = random.Random(seed)
         self.block_size = block_size
         self.evict_rate = evict_rate
-        # engine hash -> (token prefix up to and including that block)
-        self.held: dict[int, tuple[int, ...]] = {}
-        self.queries: list[tuple[int, ...]] = []
+        # Every block ever stored: engine hash -> (parent hash, its own tokens).
+        self._lineage: dict[int, tuple[int | None, list[int]]] = {}
+        self._tails: list[int] = []
+        # The held hashes as a list for O(1) random picks (swap-remove keeps it dense).
+        self._held: list[int] = []
+        self._pos: dict[int, int] = {}
+
+    @property
+    def queries(self) -> list[tuple[int, ...]]:
+        """The full token prefix of every stored chain, oldest first."""
+        out = []
+        for h in self._tails:
+            parts: list[list[int]] = []
+            cur: int | None = h
+            while cur is not None:
+                parent, tokens = self._lineage[cur]
+                parts.append(tokens)
+                cur = parent
+            out.append(tuple(t for block in reversed(parts) for t in block))
+        return out
+
+    def _pick(self) -> int:
+        return self._held[self.rng.randrange(len(self._held))]
 
     def batch(self, max_blocks: int = 4) -> list[EngineEvent]:
         """One engine step: store a chain (extending a held block half the time), sometimes evict one."""
-        rng = self.rng
+        rng, bs = self.rng, self.block_size
         events: list[EngineEvent] = []
-        parent: int | None = None
-        prefix: tuple[int, ...] = ()
-        if self.held and rng.random() < 0.5:
-            parent = rng.choice(list(self.held))
-            prefix = self.held[parent]
+        parent = self._pick() if self._held and rng.random() < 0.5 else None
         n = rng.randint(1, max_blocks)
         hashes = [rng.getrandbits(64) for _ in range(n)]
-        tokens = [rng.randrange(50_000) for _ in range(n * self.block_size)]
+        tokens = array("H", rng.randbytes(2 * n * bs)).tolist()  # uint16 ids, one C call
         events.append(
             BlockStored(
-                block_hashes=list(hashes),
-                parent_block_hash=parent,
-                token_ids=tokens,
-                block_size=self.block_size,
-                medium="GPU",
+                block_hashes=list(hashes), parent_block_hash=parent, token_ids=tokens, block_size=bs, medium="GPU"
             )
         )
+        prev = parent
         for i, h in enumerate(hashes):
-            self.held[h] = prefix + tuple(tokens[: (i + 1) * self.block_size])
-        self.queries.append(self.held[hashes[-1]])
-        if self.held and rng.random() < self.evict_rate:
-            victim = rng.choice(list(self.held))
-            del self.held[victim]
+            self._lineage[h] = (prev, tokens[i * bs : (i + 1) * bs])
+            self._pos[h] = len(self._held)
+            self._held.append(h)
+            prev = h
+        self._tails.append(hashes[-1])
+        if rng.random() < self.evict_rate:
+            victim = self._pick()
+            i = self._pos.pop(victim)
+            last = self._held.pop()
+            if last != victim:
+                self._held[i] = last
+                self._pos[last] = i
             events.append(BlockRemoved(block_hashes=[victim], medium="GPU"))
         return events
-
-    def clear(self) -> list[EngineEvent]:
-        """An AllBlocksCleared step."""
-        self.held.clear()
-        return [AllBlocksCleared()]
 
 
 def truth_index(publishers: Mapping[WorkerKey, EventPublisher]) -> PrefixIndex:
@@ -116,3 +135,39 @@ async def nothing_arrives(sock: zmq.Socket[bytes], wait: float) -> bool:
         await _zmq.wait_readable(sock)
         return False
     return True
+
+
+#: Fast settings for socket tests: quick reconnects, short replay timeouts and quiet ticks.
+FAST = SubscriberConfig(
+    reconnect_ivl=0.02,
+    reconnect_ivl_max=0.1,
+    replay_timeout=0.3,
+    quiet_interval=0.3,
+)
+
+
+async def settle(client: KvEventClient, stream: EventStream, last_seqs: Mapping[WorkerKey, int]) -> None:
+    """Wait (reading ``stream``) until each worker applied up to its seq and every source is synced.
+
+    Every change a driver makes emits an envelope, so re-checking after each one never misses
+    the moment; fails the test after 10 s.
+    """
+
+    def done() -> bool:
+        per = client.stats().sources
+        return all(k in per and per[k].last_seq == s for k, s in last_seqs.items()) and all(
+            st.state == "synced" for st in per.values()
+        )
+
+    with anyio.fail_after(10):
+        while not done():
+            await stream.__anext__()
+
+
+async def next_event(stream: EventStream, kind: str) -> Envelope:
+    """The next lifecycle envelope of ``kind`` ("connected", "reset", ...); fails the test after 10 s."""
+    with anyio.fail_after(10):
+        async for env in stream:
+            if getattr(env.event, "kind", None) == kind:
+                return env
+    raise AssertionError(f"stream ended before a {kind!r} event")

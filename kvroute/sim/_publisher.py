@@ -34,6 +34,9 @@ __all__ = ["END_SEQ", "EventPublisher"]
 #: The replay end marker's seq: 0xFF x 8 (-1 as a signed int64), protocol.md §4.
 END_SEQ = b"\xff" * 8
 
+# A payload no decoder accepts: 0xc1 is the one byte msgpack never uses.
+_GARBAGE = b"\xc1garbage"
+
 # How often a long replay yields to the event loop: an engine serves replay from its own
 # thread, so the live stream (and a subscriber in the same process) keeps moving meanwhile.
 _REPLAY_YIELD_EVERY = 64
@@ -74,8 +77,10 @@ class EventPublisher:
     ``[b"", seq8, payload]``), ``data_parallel_rank`` (written into every batch).
     ``hwm`` is the PUB send high-water mark; ``replay_sndhwm`` the ROUTER's (libzmq's
     default 1,000, like the engines: a long replay can lose replies mid-way, protocol.md §4).
+    ``sndbuf`` sets the PUB's kernel send buffer: small, it makes a slow subscriber reach the
+    high-water mark after a few hundred kilobytes instead of megabytes.
     ``curve`` is the server's CURVE key pair: clients must then use CURVE with its public key.
-    Fault knobs: ``drop_rate`` (with ``seed``), `restart`, `kill_replay` / `revive_replay`,
+    Fault knobs: ``drop_rate`` and ``corrupt_rate`` (with ``seed``), `restart`, `kill_replay` / `revive_replay`,
     `pause` / `resume`, `publish_raw`. ``keep_history=False`` skips the ground-truth record
     (benchmarks).
     """
@@ -93,8 +98,10 @@ class EventPublisher:
         reply_layout: Literal["new", "old"] = "new",
         data_parallel_rank: int | None = 0,
         drop_rate: float = 0.0,
+        corrupt_rate: float = 0.0,
         seed: int = 0,
         replay_sndhwm: int = 1000,
+        sndbuf: int | None = None,
         curve: _zmq.CurveKeys | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         keep_history: bool = True,
@@ -103,8 +110,9 @@ class EventPublisher:
             raise ValueError(f"unknown reply layout {reply_layout!r}")
         if form not in ("map", "array"):
             raise ValueError(f"unknown form {form!r}")
-        if not 0.0 <= drop_rate <= 1.0:
-            raise ValueError(f"drop_rate {drop_rate} is not in [0, 1]")
+        for name, rate in (("drop_rate", drop_rate), ("corrupt_rate", corrupt_rate)):
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"{name} {rate} is not in [0, 1]")
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps {buffer_steps} < 1")
         self.topic = topic
@@ -115,15 +123,18 @@ class EventPublisher:
         self.reply_layout: Literal["new", "old"] = reply_layout
         self.data_parallel_rank = data_parallel_rank
         self.drop_rate = drop_rate
+        self.corrupt_rate = corrupt_rate
         self.replay_sndhwm = replay_sndhwm
+        self.sndbuf = sndbuf
         self.curve = curve
         self.keep_history = keep_history
         #: Every batch published since the current process start, dropped ones included.
         self.history: list[EventBatch] = []
-        #: Counters: batches published (since construction), of which dropped, restarts,
-        #: replay requests answered, replay replies sent (end markers excluded).
+        #: Counters: batches published (since construction), of which dropped or sent
+        #: corrupted, restarts, replay requests answered, replay replies sent (end markers excluded).
         self.published = 0
         self.dropped = 0
+        self.corrupted = 0
         self.restarts = 0
         self.replays_served = 0
         self.replies_sent = 0
@@ -189,6 +200,8 @@ class EventPublisher:
         sock: zmq.Socket[bytes] = self._context().socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
+        if self.sndbuf is not None:
+            sock.setsockopt(zmq.SNDBUF, self.sndbuf)
         self._set_curve(sock)
         self._pub = sock
         self._endpoint = _bind(sock, endpoint)
@@ -259,7 +272,8 @@ class EventPublisher:
 
         The batch enters the replay buffer and `history` whatever happens to the live copy:
         with probability ``drop_rate`` it is not sent (as a PUB drops past its high-water
-        mark), and while paused it is held until `resume`.
+        mark), with probability ``corrupt_rate`` its live payload is garbage, and while
+        paused it is held until `resume`.
         """
         batch = EventBatch(time.time() if ts is None else ts, list(events), self.data_parallel_rank)
         return self.publish_batch(batch)
@@ -277,6 +291,10 @@ class EventPublisher:
         if self.drop_rate and self._rng.random() < self.drop_rate:
             self.dropped += 1
             return seq
+        if self.corrupt_rate and self._rng.random() < self.corrupt_rate:
+            # Damaged in transit: the live copy does not decode, the buffered one is intact.
+            self.corrupted += 1
+            payload = _GARBAGE
         frames = [self._topic, seq.to_bytes(8, "big"), payload]
         if self._paused:
             self._held.append(frames)
