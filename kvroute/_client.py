@@ -492,4 +492,3 @@ class KvEventClient:
             removed_sources=self._removed,
             events_dropped=self._hub.dropped,
         )
-

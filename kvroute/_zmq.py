@@ -157,9 +157,7 @@ def socket(
     return sock
 
 
-def connect(
-    ctx: zmq.Context[zmq.Socket[bytes]], socket_type: int, endpoint: str, **options: Any
-) -> zmq.Socket[bytes]:
+def connect(ctx: zmq.Context[zmq.Socket[bytes]], socket_type: int, endpoint: str, **options: Any) -> zmq.Socket[bytes]:
     """`socket` with ``options``, connected to ``endpoint``."""
     sock = socket(ctx, socket_type, **options)
     try:
