@@ -69,11 +69,14 @@ class Req:
     max_tokens: int
     hits: int
     generated: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose KV is computed (0 until its prefill)
 
     def computed_tokens(self) -> list[int]:
+        return (self.prompt + self.generated)[: self.computed]
+
+    def step(self) -> None:
         # The KV of every token but the last sampled one is computed.
-        seq = self.prompt + self.generated
-        return seq[: max(len(self.prompt), len(seq) - 1)]
+        self.computed = max(len(self.prompt), len(self.prompt) + len(self.generated) - 1)
 
 
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)
@@ -179,6 +182,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.last_used[p] = self.clock
         self.running[rid] = req
         self._drain()  # evictions made room
+        req.step()
         self.cache.computed(rid, req.computed_tokens())
         self._drain()  # the prompt's blocks were stored
 
@@ -190,6 +194,7 @@ class CacheMachine(RuleBasedStateMachine):
         if len(req.generated) >= req.max_tokens:
             return
         req.generated.append(data.draw(st.integers(0, 2)))
+        req.step()
         self.cache.computed(rid, req.computed_tokens())
         self._drain()
 

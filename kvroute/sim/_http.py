@@ -232,6 +232,9 @@ class HttpServer:
             except (anyio.IncompleteRead, TimeoutError):
                 return  # closed between requests, or idle too long: just close
             except anyio.DelimiterNotFound:
+                head = None
+            # receive_until returns a head that arrived whole even when it is longer than asked.
+            if head is None or len(head) > self.max_head_bytes:
                 await self._refuse(stream, HttpError(431, f"request head exceeds {self.max_head_bytes} bytes"))
                 return
             try:
