@@ -54,9 +54,9 @@ _MEDIUM_GPU = "GPU"
 # vLLM ≥ 0.30 tags each BlockStored / BlockRemoved with its KV-cache group; a plain (non-hybrid)
 # model has one full-attention group, index 0 (protocol.md §3, golden payload).
 _FULL_ATTENTION = "full_attention"
-# Token ids go into the hash as int64 (vLLM hashes Python ints; SGLang packs them): a token
-# outside this range is not one any tokenizer produces.
-_TOKEN_MAX = (1 << 63) - 1
+# Token ids go into the hash as uint64 (array typecode "Q"), which also rejects negative and
+# oversized ids in C: no tokenizer produces an id outside [0, 2**64).
+_TOKEN_TYPE = "Q"
 
 
 class CapacityError(KvRouteError):
@@ -129,7 +129,7 @@ class _Request:
         self.chain = chain  # the request's full blocks in the tree, each referenced once
         self.private = private  # reserved blocks not (yet) in the tree
         self.lora_name = lora_name
-        self.stored_tokens: array[int] = array("q")
+        self.stored_tokens: array[int] = array(_TOKEN_TYPE)
 
 
 class PrefixCache:
@@ -206,13 +206,12 @@ class PrefixCache:
 
     @staticmethod
     def _tokens(token_ids: Sequence[int]) -> array[int]:
+        if isinstance(token_ids, array) and token_ids.typecode == _TOKEN_TYPE:
+            return token_ids
         try:
-            arr = array("q", token_ids)
+            return array(_TOKEN_TYPE, token_ids)
         except (OverflowError, TypeError) as exc:
-            raise InvalidRequestError(f"token ids must be ints in [0, 2**63): {exc}") from None
-        if arr and min(arr) < 0:
-            raise InvalidRequestError("token ids must be ints in [0, 2**63): negative id")
-        return arr
+            raise InvalidRequestError(f"token ids must be ints in [0, 2**64): {exc}") from None
 
     def _walk(self, tokens: array[int], lora_name: str | None) -> list[_Block]:
         """The leading cached blocks of ``tokens``."""

@@ -169,7 +169,7 @@ class SimRequest:
         self.error: KvRouteError | None = None
         self._completion: Completion | None = None
         self._done = anyio.Event()
-        self._digest = xxhash.xxh64_digest(array("q", prompt).tobytes() + (lora_name or "").encode())
+        self._digest = xxhash.xxh64_digest(array("Q", prompt).tobytes() + (lora_name or "").encode())
         self._send: MemoryObjectSendStream[int] | None = None
         self._receive: MemoryObjectReceiveStream[int] | None = None
         if stream:
@@ -605,7 +605,12 @@ class SimEngine:
             raise InvalidRequestError("empty prompt")
         if max_tokens < 1:
             raise InvalidRequestError(f"max_tokens {max_tokens} < 1")
-        if any(type(t) is not int or not 0 <= t < cfg.vocab_size for t in prompt):
+        try:
+            # One C pass: rejects non-ints and negative ids; max() bounds the rest.
+            out_of_vocab = max(array("Q", prompt)) >= cfg.vocab_size
+        except (OverflowError, TypeError):
+            out_of_vocab = True
+        if out_of_vocab:
             raise InvalidRequestError(f"token ids must be ints in [0, {cfg.vocab_size})")
         if lora_name is not None and lora_name not in cfg.lora_names:
             raise InvalidRequestError(f"unknown LoRA adapter {lora_name!r}")
