@@ -255,6 +255,8 @@ async def test_requests_queue_when_the_cache_is_full() -> None:
             eng.submit([eng.config.vocab_size], 1)
         with pytest.raises(InvalidRequestError):
             eng.submit([1], 1, rank=1)
+    with pytest.raises(RequestAbortedError):
+        eng.submit([1], 1)  # stopped
 
 
 async def test_outputs_are_deterministic_across_engines_and_seeds() -> None:
@@ -385,6 +387,7 @@ async def test_http_rank_selection_streaming_and_info_routes() -> None:
         (b"GARBAGE\r\n\r\n", 400),
         (b"\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n", 200),  # a stray CRLF before the request line is allowed
         (b"GET /health HTTP/1.0\r\n\r\n", 200),
+        ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"), 400),
         (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 431),
     ],
 )

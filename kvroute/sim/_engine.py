@@ -600,6 +600,8 @@ class SimEngine:
     ) -> SimRequest:
         """Queue a request on ``rank`` (default: the least loaded) and return it; see `complete`."""
         cfg = self.config
+        if self._stack is None:
+            raise RequestAbortedError("the engine is not running (use `async with SimEngine(...)`)")
         prompt = list(token_ids)
         if not prompt:
             raise InvalidRequestError("empty prompt")

@@ -21,7 +21,6 @@ will not take (chunked request bodies get 411, as servers that need a length ans
 
 from __future__ import annotations
 
-import contextlib
 import email.utils
 import logging
 import re
@@ -62,6 +61,8 @@ _REASONS = {
 }
 # RFC 9110 §5.1: a field name is a token.
 _TOKEN = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+# ASCII digits only: str.isdigit() accepts "²", which int() then rejects.
+_DIGITS = re.compile(r"^[0-9]{1,18}$")
 
 
 class HttpError(KvRouteError):
@@ -217,11 +218,13 @@ class HttpServer:
 
     async def _connection(self, stream: anyio.abc.SocketStream) -> None:
         async with stream:
-            # The client going away ends the connection, nothing else.
-            with contextlib.suppress(
-                anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, ConnectionError
-            ):
+            try:
                 await self._serve_connection(stream)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, ConnectionError):
+                pass  # the client went away
+            except Exception:
+                # One connection's failure must not take the engine (this task group) down.
+                log.exception("simulated engine: HTTP connection failed")
 
     async def _serve_connection(self, stream: anyio.abc.SocketStream) -> None:
         reader = BufferedByteReceiveStream(stream)
@@ -268,7 +271,7 @@ class HttpServer:
         if "transfer-encoding" in headers:
             raise HttpError(411, "send the body with Content-Length")
         length_text = headers.get("content-length", "0")
-        if not length_text.isdigit():
+        if not _DIGITS.match(length_text):
             raise HttpError(400, "malformed Content-Length")
         length = int(length_text)
         if length > self.max_body_bytes:
@@ -495,7 +498,7 @@ class EngineApp:
         header = request.headers.get("x-data-parallel-rank")
         if header is None:
             return body.data_parallel_rank
-        if not header.strip().isdigit():
+        if not _DIGITS.match(header.strip()):
             raise HttpError(400, "X-data-parallel-rank must be a non-negative integer")
         return int(header)
 
