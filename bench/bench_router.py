@@ -9,8 +9,10 @@ find_matches stops early and the router's own overhead weighs most).
 
 Measured per query, interleaved in one loop so drift hits all alike: find_matches alone;
 select on an idle fleet (no load tracked); select with load tracked on every worker (the
-steady state of a busy router). Prints p50 / p99 in microseconds and the ratio select /
-find_matches for each. The aim is select <= 1.20 x find_matches at 64 workers.
+steady state of a busy router). Times are this thread's CPU time per call (``--clock wall``
+for elapsed time, which other processes on a shared machine disturb). Prints p50 / p99 in
+microseconds and the ratio select / find_matches for each. The aim is select <= 1.20 x
+find_matches at 64 workers.
 
 Run: ``.venv/bin/python bench/bench_router.py [--workers 64 1024] [--entries 1000000]``.
 """
@@ -75,9 +77,8 @@ def _pct(samples: list[int], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000.0
 
 
-def _measure(fns: dict[str, Callable[[], object]], iters: int) -> dict[str, list[int]]:
+def _measure(fns: dict[str, Callable[[], object]], iters: int, clock: Callable[[], int]) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {name: [] for name in fns}
-    clock = time.perf_counter_ns
     for _ in range(iters):
         for name, fn in fns.items():
             t0 = clock()
@@ -86,7 +87,7 @@ def _measure(fns: dict[str, Callable[[], object]], iters: int) -> dict[str, list
     return out
 
 
-def run(n_workers: int, entries: int, tokens: int, iters: int, seed: int) -> None:
+def run(n_workers: int, entries: int, tokens: int, iters: int, seed: int, clock: Callable[[], int]) -> None:
     rng = random.Random(seed)
     workers = [WorkerKey(f"engine-{i // 8}", i % 8) for i in range(n_workers)]
     deep_q = [rng.randrange(VOCAB) for _ in range(tokens)]
@@ -127,7 +128,7 @@ def run(n_workers: int, entries: int, tokens: int, iters: int, seed: int) -> Non
         }
         for fn in fns.values():  # warm-up
             fn()
-        got = _measure(fns, iters)
+        got = _measure(fns, iters, clock)
         base50, base99 = _pct(got["find_matches"], 0.5), _pct(got["find_matches"], 0.99)
         matched = max(index.find_matches(q).values(), default=0)
         for name, samples in got.items():
@@ -147,9 +148,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="cpu: this thread's CPU time per call (immune to other processes on a shared machine); wall: elapsed",
+    )
     args = parser.parse_args()
+    clock = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
+    print(f"clock: {args.clock}")
     for n in args.workers:
-        run(n, args.entries, args.tokens, args.iters, args.seed)
+        run(n, args.entries, args.tokens, args.iters, args.seed, clock)
 
 
 if __name__ == "__main__":

@@ -522,8 +522,12 @@ class Router:
         # loop runs for every busy worker.
         idle_cost = cost_of(idle_prefill, 0.0)
         stock = type(model) is CostModel
-        for w, t in loads.items():
-            if t and w not in seen and w in universe:
+        busy = loads.keys() & universe
+        if seen:
+            busy -= seen
+        for w in busy:
+            t = loads[w]
+            if t:
                 w_load = t * scale
                 entries.append(
                     CandidateScore(
@@ -600,7 +604,8 @@ class Router:
         trust_all = self.states is None
         trusted = self._trusted
         for w, claimed in scores.items():
-            if w in seen or w in approx or w not in universe:
+            # `seen` holds only approximate workers so far: `w in approx` covers it.
+            if w in approx or w not in universe:
                 continue
             w_load = load_get(w, 0) * scale
             bs = block_size_of(w)
