@@ -80,6 +80,8 @@ _DEFAULT_REQUESTS = 600
 # evict and where a prefix went matters; trace prompts are longer (Mooncake's average ~8k).
 _SYNTHETIC_CAPACITY = 1024
 _TRACE_CAPACITY = 8192
+# Columns of rich output written to a file or pipe (rich's default there, 80, wraps the table).
+_LOG_WIDTH = 120
 # Sliding window (completions) of the live hit rate in the plot.
 _PLOT_WINDOW = 50
 
@@ -329,7 +331,7 @@ class _RichReporter:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.console = Console(file=out)
+        self.console = Console(file=out, width=None if out.isatty() else _LOG_WIDTH)
         self._progress: Progress = Progress(
             TextColumn("{task.description:<12}"),
             BarColumn(),
@@ -760,7 +762,7 @@ def render(result: DemoResult, out: TextIO) -> None:
             table.add_column(name, justify="left" if i == 0 else "right")
         for row in rows:
             table.add_row(*row)
-        console = Console(file=out)
+        console = Console(file=out, width=None if out.isatty() else _LOG_WIDTH)
         console.print(table)
         for line in fault_lines:
             console.print(line, highlight=False)
