@@ -611,9 +611,11 @@ def _fault_plan(engines: Sequence[SimEngine], n: int) -> dict[int, list[tuple[Si
     """Faults keyed by the arrival index they happen at, the same for every policy.
 
     Engine 0 drops 20% of its live messages from 20% to 45% of the run (recovered by replay);
-    the last engine with the most ranks restarts at 55% (its state is gone: reset, then rebuilt).
+    at 55% another engine (the last with the most ranks) restarts: its state is gone, the client
+    resets the worker and rebuilds it from the new process's events.
     """
-    victim = max(reversed(engines), key=lambda e: e.config.ranks) if len(engines) > 1 else engines[0]
+    others = engines[1:] or engines
+    victim = max(reversed(others), key=lambda e: e.config.ranks)
     plan: dict[int, list[tuple[SimEngine, str]]] = {}
     for at, engine, action in (
         (n * 20 // 100, engines[0], "drop 20%"),

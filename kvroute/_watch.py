@@ -137,7 +137,11 @@ def rows(client: KvEventClient, tally: TierTally, rates: dict[WorkerKey, float])
     return out
 
 
-_HEADER = ("worker", "rank", "engine", "state", "GPU", "CPU", "DISK", "EXT", "index", "ev/s", "seq", "gaps", "replays", "resets")
+_HEADER = (
+    *("worker", "rank", "engine", "state"),
+    *("GPU", "CPU", "DISK", "EXT", "index"),
+    *("ev/s", "seq", "gaps", "replays", "resets"),
+)
 
 
 def _cells(row: WatchRow) -> list[str]:
@@ -205,6 +209,8 @@ class _RichDisplay:
 
     def close(self) -> None:
         self._live.stop()
+        if not self._live.console.is_terminal:
+            self._live.console.line()  # rich leaves the final table without its newline off a terminal
 
 
 def _display(out: TextIO) -> _PlainDisplay | _RichDisplay:
