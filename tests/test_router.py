@@ -1,8 +1,9 @@
 """The Router: cost model, tier credit, ties, temperature, candidates, worker states, load, approximate mode.
 
-The simulation at the end routes a shared-prefix workload onto simulated engines
+The simulation routes a shared-prefix workload onto simulated engines
 (`kvroute.sim._cache.PrefixCache`, whose real BlockStored / BlockRemoved events feed the index)
-and compares the engines' own prefix-cache hit rate with round-robin's.
+and compares the engines' own prefix-cache hit rate with round-robin's. The last test runs a
+simulated engine over loopback ZMQ into a real `KvEventClient` and routes from its index and states.
 """
 
 from __future__ import annotations
@@ -11,17 +12,21 @@ import math
 import random
 from collections import Counter, deque
 
+import anyio
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvroute._client import KvEventClient
 from kvroute._errors import KvRouteError, NoWorkersError
 from kvroute._index import PrefixIndex
 from kvroute._models import WorkerKey, WorkerStatus
 from kvroute._router import CandidateScore, CostModel, Router, RouterError, RoutingDecision
+from kvroute._subscriber import SubscriberConfig
 from kvroute._wire import BlockStored, EventBatch
 from kvroute.sim._cache import PrefixCache
+from kvroute.sim._engine import SimConfig, SimEngine
 
 BS = 16
 A, B, C, D, E = (WorkerKey(n, 0) for n in "abcde")
@@ -581,3 +586,34 @@ def test_router_beats_round_robin_on_a_shared_prefix_workload() -> None:
     # Measured 1.11-1.13 (over 26 seeds: at most 1.45); round-robin is 1.0 by construction.
     assert imbalance <= 1.5, imbalance
     assert rr_imbalance < 1.05
+
+
+# --- end to end: a simulated engine over loopback ZMQ, the client's index and worker states --
+
+
+@pytest.mark.anyio
+async def test_router_follows_a_live_engine_through_the_client() -> None:
+    config = SimConfig(ranks=2, grpc_port=None, http_port=None, decode_time_per_step=0.001, prefill_time_per_token=1e-6)
+    fast = SubscriberConfig(reconnect_ivl=0.02, reconnect_ivl_max=0.1, replay_timeout=0.3, quiet_interval=0.3)
+    prompt = list(range(100, 356))  # 16 blocks of 16
+    async with SimEngine(config) as engine, KvEventClient(engine.sources(), config=fast) as client:
+        await client.wait_synced(5.0)
+        router = Router(client.index, states=client, seed=0)
+        assert router.workers() == {WorkerKey(s.worker_id, s.dp_rank) for s in engine.sources()}
+        first = router.select(prompt, request_id="r1")
+        assert first.overlap_blocks == 0
+        stream = client.events()
+        await engine.complete(prompt, max_tokens=1, rank=first.worker.dp_rank)
+        router.on_finish("r1")
+        query = [*prompt, *range(7, 23)]
+        with anyio.fail_after(5.0):
+            while client.index.find_matches(query)[first.worker] < 16:
+                await stream.__anext__()  # every applied batch comes with an envelope
+        for _ in range(5):
+            d = router.select(query)
+            assert d.worker == first.worker and d.overlap_blocks == 16
+        # Discovery drops the worker: its cache no longer counts, it is never chosen.
+        assert client.remove_source(first.worker)
+        other = router.select(query)
+        assert other.worker != first.worker and other.overlap_blocks == 0
+        assert router.workers() == {other.worker}
