@@ -73,6 +73,12 @@ def register(sub: Any) -> None:
         help="seconds per engine step (default: %(default)s)",
     )
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="most running requests (default: %(default)s)")
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=d.max_batched_tokens,
+        help="most tokens one step computes; prefills are chunked to fit (default: %(default)s)",
+    )
     p.set_defaults(func=run_sim)
 
 
@@ -102,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             prefill_time_per_token=args.prefill_time_per_token,
             decode_time_per_step=args.decode_time_per_step,
             max_batch=args.max_batch,
-            max_batched_tokens=max(SimConfig().max_batched_tokens, args.max_batch),
+            max_batched_tokens=args.max_batched_tokens,
             model=args.model,
             lora_names=tuple(args.lora),
         )
