@@ -122,7 +122,8 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
 
         Block i of the run counts with the best credit among the tiers whose own leading run
         covers it; a block covered by no single tier's run (held on a mix) gets the lowest
-        credit of the slower tiers, a lower bound of what it saves.
+        credit of the slower tiers, a lower bound of what it saves. The router calls it only
+        for runs not wholly on GPU: a GPU run is credited in full.
         """
         runs = sorted(
             ((1.0, gpu), (self.cpu_credit, cpu), (self.disk_credit, disk), (self.external_credit, external)),
@@ -364,10 +365,15 @@ class Router:
         worker = _key(worker)
         if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int) or cached_tokens < 0:
             raise RouterError(f"cached_tokens must be an int >= 0, got {cached_tokens!r}")
-        self._start(request_id, worker, max(0, len(token_ids) - cached_tokens))
+        try:
+            ntok = len(token_ids)
+        except TypeError:
+            raise RouterError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}") from None
         store = self._approx.get(worker)
-        if store is not None:
-            keys = _Query(token_ids, lora_name, extra_keys).keys(store.block_size)
+        # Hash before recording anything: bad tokens must leave no half-recorded request.
+        keys = _Query(token_ids, lora_name, extra_keys).keys(store.block_size) if store is not None else None
+        self._start(request_id, worker, max(0, ntok - cached_tokens))
+        if store is not None and keys is not None:
             store.note(keys, self._clock() + self.approximate_ttl)
 
     def _start(self, request_id: Hashable, worker: WorkerKey, tokens: int) -> None:
@@ -426,13 +432,6 @@ class Router:
         if self.states is None:
             return wanted  # the caller vouches for them: there is no discovery to contradict it
         return (wanted & self.states.live_workers()) | (wanted & self._registered)
-
-    def _trusted(self, worker: WorkerKey) -> bool:
-        states = self.states
-        if states is None:
-            return True
-        status = states.worker_status(worker)
-        return status is not None and status.state == "synced" and (self.trust_partial or not status.partial)
 
     def select(
         self,
@@ -601,15 +600,20 @@ class Router:
         approx = self._approx
         block_size_of = self.index.block_size
         load_get = loads.get
-        trust_all = self.states is None
-        trusted = self._trusted
+        states = self.states
+        trust_partial = self.trust_partial
         for w, claimed in scores.items():
             # `seen` holds only approximate workers so far: `w in approx` covers it.
             if w in approx or w not in universe:
                 continue
             w_load = load_get(w, 0) * scale
             bs = block_size_of(w)
-            if bs is not None and (trust_all or trusted(w)):
+            if states is None:
+                trusted = True  # no states provider: the index is trusted for every worker
+            else:
+                status = states.worker_status(w)
+                trusted = status is not None and status.state == "synced" and (trust_partial or not status.partial)
+            if bs is not None and trusted:
                 overlap = claimed
                 gpu = gpu_runs.get(w, 0)
                 if full_credit or gpu >= claimed:

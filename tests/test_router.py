@@ -454,6 +454,11 @@ def test_bad_input_gets_a_typed_error() -> None:
         router.add_worker(C, block_size=0)
     with pytest.raises(RouterError):
         router.on_start("r", A, PROMPT, cached_tokens=-1)
+    with pytest.raises(RouterError):
+        router.on_start("r", A, 5)  # type: ignore[arg-type]
+    with pytest.raises(RouterError):
+        router.on_start("r", B, ["x"] * 32)  # type: ignore[list-item]
+    assert router.stats().active_requests == 0  # nothing half-recorded
     for kwargs in ({"block_size": 0}, {"block_size": True}, {"approximate_ttl": 0.0}, {"approximate_ttl": "1"}):
         with pytest.raises(RouterError):
             Router(index, **kwargs)
