@@ -626,7 +626,9 @@ class Router:
                         scores.tier(DISK).get(w, 0),
                         scores.tier(EXTERNAL).get(w, 0),
                     )
-                prefill = (ntok - credited * bs) / unit
+                # A worker storing under several block sizes reports its largest; never let
+                # that turn a claim into more tokens than the prompt has.
+                prefill = max(0.0, ntok - credited * bs) / unit
             else:
                 overlap = 0
                 prefill = idle_prefill
