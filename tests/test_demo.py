@@ -1,0 +1,123 @@
+"""``kvroute demo`` end to end: real simulated engines, discovery, ZMQ events, the Router, the baselines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvroute._cli import main
+from kvroute._demo import POLICIES, DemoOptions, run_demo
+
+REQUIRED = ("hit_rate", "prefill_tokens", "ttft_p50", "ttft_p99", "decision_p50_us", "decision_p99_us")
+
+
+def _json_demo(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    code = main(["demo", "--json", *args])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    assert len(lines) == 1, "--json prints one object and no progress"
+    result: dict[str, Any] = json.loads(lines[0])
+    return result
+
+
+def test_kvroute_beats_round_robin_by_a_wide_margin(capsys: pytest.CaptureFixture[str]) -> None:
+    result = _json_demo(capsys, "--engines", "3", "--requests", "150", "--policies", "kvroute,round_robin")
+    assert list(result) == ["kvroute", "round_robin"]
+    for r in result.values():
+        for field in REQUIRED:
+            assert isinstance(r[field], (int, float)), field
+        assert r["completed"] == 150 and r["failed"] == 0 and r["rejected"] == 0
+        assert r["workers"] == 4  # vLLM x2 ranks, SGLang, vLLM: found through gRPC discovery
+        assert r["resets"] == 0 and r["gaps"] == 0
+        # Quiescent and nothing lost: the index holds exactly what the engines' caches hold.
+        assert r["index_blocks"] == r["engine_blocks"] > 0
+        assert r["batches_applied"] > 0 and r["index_memory_bytes"] > 0
+        assert 0 < r["ttft_p50"] <= r["ttft_p99"]
+        assert 0 < r["decision_p50_us"] <= r["decision_p99_us"]
+        assert r["prefill_tokens"] + r["cached_tokens"] == r["prompt_tokens"]
+    kv, rr = result["kvroute"], result["round_robin"]
+    assert kv["prompt_tokens"] == rr["prompt_tokens"]  # the same workload
+    assert kv["hit_rate"] >= rr["hit_rate"] + 0.15, (kv["hit_rate"], rr["hit_rate"])
+    assert kv["prefill_tokens"] < 0.7 * rr["prefill_tokens"]
+
+
+def test_faults_are_recovered_and_the_hit_rate_stays_good(capsys: pytest.CaptureFixture[str]) -> None:
+    result = _json_demo(capsys, "--engines", "3", "--requests", "150", "--faults", "--policies", "kvroute")
+    kv = result["kvroute"]
+    assert kv["gaps"] > 0 and kv["replays"] > 0 and kv["replayed_batches"] > 0 and kv["resets"] > 0
+    restart = [f for f in kv["faults"] if f["action"] == "restart"]
+    assert len(restart) == 1 and restart[0]["engine"] != "vllm-0"  # not the engine dropping messages
+    assert restart[0]["detected_after"] is not None and restart[0]["synced_after"] is not None
+    assert [f["action"] for f in kv["faults"] if f["action"] != "restart"] == ["drop 30%", "drop 0%"]
+    # Requests that died with the restarted engine were routed again; none was lost.
+    assert kv["completed"] == 150 and kv["failed"] == 0
+    assert kv["hit_rate"] > 0.55  # round-robin reaches ~0.45 on this workload without any fault
+    assert kv["index_blocks"] <= kv["engine_blocks"]
+
+
+def test_mooncake_trace_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 8 documents of 6 blocks, each asked about 10 times with a question block of its own.
+    lines = []
+    for i in range(80):
+        doc = i % 8
+        hash_ids = [doc * 100 + b for b in range(6)] + [10_000 + i]
+        lines.append(
+            json.dumps({"timestamp": i * 15, "input_length": 7 * 64 - 9, "output_length": 40, "hash_ids": hash_ids})
+        )
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    result = _json_demo(
+        capsys, "--trace", str(trace), "--trace-block-tokens", "64", "--engines", "2", "--policies", "kvroute,random"
+    )
+    kv, rnd = result["kvroute"], result["random"]
+    assert kv["requests"] == kv["completed"] == 80
+    assert kv["prompt_tokens"] == 80 * (7 * 64 - 9)
+    assert kv["hit_rate"] > 0.6 and kv["hit_rate"] > rnd["hit_rate"]
+
+
+def test_table_progress_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "demo.png"
+    code = main(["demo", "--engines", "2", "--requests", "24", "--policies", "kvroute,random", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert code == 0
+    for text in ("prefix-cache hit rate", "TTFT p50 / p99", "decision p50 / p99", "gaps / replays / resets", "24/24"):
+        assert text in out
+    assert "kvroute:" in out and "for random" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--engines", "0"], 2, "--engines"),
+        (["--policies", "kvroute,fastest"], 2, "policies"),
+        (["--trace-block-tokens", "100"], 2, "multiple"),
+        (["--trace", "/nonexistent/trace.jsonl"], 1, "cannot open"),
+    ],
+)
+def test_bad_arguments(args: list[str], code: int, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *args]) == code
+    assert message in capsys.readouterr().err
+
+
+def test_default_options_run_every_policy() -> None:
+    options = DemoOptions()
+    assert options.policies == POLICIES == ("kvroute", "round_robin", "random")
+    assert options.engines == 4 and not options.faults
+
+
+@pytest.mark.anyio
+async def test_run_demo_programmatically() -> None:
+    result = await run_demo(DemoOptions(engines=2, requests=24, policies=("round_robin",)))
+    rr = result.policies["round_robin"]
+    assert rr.completed == 24 and len(result.records["round_robin"]) == 24
+    assert result.workload["requests"] == 24
+    # Round-robin over the 3 discovered workers: 24 requests, 8 each.
+    per_worker: dict[object, int] = {}
+    for rec in result.records["round_robin"]:
+        per_worker[rec.worker] = per_worker.get(rec.worker, 0) + 1
+    assert sorted(per_worker.values()) == [8, 8, 8]
