@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_right
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from itertools import accumulate, repeat
 from operator import and_, neg
 from typing import Any
@@ -60,7 +60,7 @@ class IndexStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Worker:
-    __slots__ = ("bit", "block_sizes", "blocks", "key", "multi", "nonfull_groups", "special")
+    __slots__ = ("bit", "block_sizes", "blocks", "bs", "key", "multi", "nonfull_groups", "special")
 
     def __init__(self, key: WorkerKey, bit: int) -> None:
         self.key = key
@@ -72,6 +72,7 @@ class _Worker:
         # content key -> engine hashes present per tier, once two engine hashes map to one key
         self.multi: dict[bytes, list[int]] = {}
         self.block_sizes: set[int] = set()
+        self.bs = 0  # max(block_sizes), read on the router's hot path
         self.nonfull_groups: set[int] = set()
 
 
@@ -115,6 +116,24 @@ class OverlapScores(Mapping[WorkerKey, int]):
 
     def __len__(self) -> int:
         return len(self._scores)
+
+    # The Mapping mixins go through __getitem__ per key; the router reads every score, so
+    # hand out the underlying dict's views directly.
+    def items(self) -> ItemsView[WorkerKey, int]:
+        """(worker, leading blocks) pairs, workers with no match left out."""
+        return self._scores.items()
+
+    def keys(self) -> KeysView[WorkerKey]:
+        """Workers with a match."""
+        return self._scores.keys()
+
+    def values(self) -> ValuesView[int]:
+        """Their leading-block counts."""
+        return self._scores.values()
+
+    def get(self, worker: WorkerKey, default: Any = None) -> Any:
+        """The worker's leading blocks, or ``default`` when it has no match."""
+        return self._scores.get(worker, default)
 
     def __repr__(self) -> str:
         return f"OverlapScores({self._scores!r})"
@@ -202,7 +221,7 @@ class PrefixIndex:
     def block_size(self, worker: WorkerKey) -> int | None:
         """The block size ``worker``'s events use (the largest, should it use several)."""
         w = self._workers.get(worker)
-        return max(w.block_sizes) if w is not None and w.block_sizes else None
+        return w.bs if w is not None and w.bs else None
 
     def _block_sizes_of(self, worker: WorkerKey) -> set[int]:
         w = self._workers.get(worker)
@@ -361,6 +380,7 @@ class PrefixIndex:
         bs = ev.block_size
         if bs not in w.block_sizes:
             w.block_sizes.add(bs)
+            w.bs = max(w.bs, bs)
             self._bs_members[bs] = self._bs_members.get(bs, 0) | w.bit
         blocks = w.blocks
         parent = ev.parent_block_hash
@@ -514,6 +534,7 @@ class PrefixIndex:
         w.nonfull_groups = nonfull_groups
         for bs in block_sizes:
             w.block_sizes.add(bs)
+            w.bs = max(w.bs, bs)
             self._bs_members[bs] = self._bs_members.get(bs, 0) | w.bit
         self._entries += len(blocks)
         per_key: dict[bytes, list[int]] = {}
