@@ -29,7 +29,7 @@ import time
 import types
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol, TextIO
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TextIO
 
 import anyio
 import msgspec
@@ -459,7 +459,7 @@ async def _run_policy(
     started = time.perf_counter()
     tally = _Tally()
     lifecycle: list[_Lifecycle] = []
-    faults: list[tuple[float, SimEngine, str]] = []
+    faults: list[tuple[float, _Fault]] = []
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(SimEngine(cfg)) for cfg in _fleet(options, capacity)]
         by_target: dict[str, SimEngine] = {}
@@ -546,9 +546,10 @@ async def _run_policy(
                 for i, req in enumerate(workload):
                     await anyio.sleep_until(t0 + req.arrival)
                     for fault in plan.get(i, ()):
-                        faults.append((anyio.current_time() - t0, *fault))
-                        reporter.note(f"t={faults[-1][0]:.1f}s fault: {fault[1]} on {fault[0].config.name}")
-                        tg.start_soon(_inject, *fault)
+                        at = anyio.current_time() - t0
+                        faults.append((at, fault))
+                        reporter.note(f"t={at:.1f}s fault: {fault.label} on {fault.engine.config.name}")
+                        tg.start_soon(_inject, fault)
                     tg.start_soon(run_request, req)
             # Quiescent now: let the last batches land and every source settle before counting.
             with contextlib.suppress(TimeoutError):
@@ -593,7 +594,7 @@ async def _run_policy(
         partial_workers=totals.partial,
         workers=workers,
         wall_time=round(time.perf_counter() - started, 2),
-        faults=[_recovery(t, engine, action, lifecycle) for t, engine, action in faults],
+        faults=[_recovery(t, fault, lifecycle) for t, fault in faults],
     )
     return result, tally.records
 
@@ -607,36 +608,48 @@ def _describe(env: Envelope) -> str:
     return str(getattr(event, "kind", type(event).__name__))
 
 
-def _fault_plan(engines: Sequence[SimEngine], n: int) -> dict[int, list[tuple[SimEngine, str]]]:
+class _Fault(NamedTuple):
+    engine: SimEngine
+    #: True: restart the engine; False: set its live-message drop rate to ``drop_rate``.
+    restart: bool
+    drop_rate: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return "restart" if self.restart else f"drop {self.drop_rate:.0%}"
+
+
+def _fault_plan(engines: Sequence[SimEngine], n: int) -> dict[int, list[_Fault]]:
     """Faults keyed by the arrival index they happen at, the same for every policy.
 
-    Engine 0 drops 20% of its live messages from 20% to 45% of the run (recovered by replay);
+    Engine 0 drops 30% of its live messages from 20% to 50% of the run (recovered by replay);
     at 55% another engine (the last with the most ranks) restarts: its state is gone, the client
     resets the worker and rebuilds it from the new process's events.
     """
     others = engines[1:] or engines
     victim = max(reversed(others), key=lambda e: e.config.ranks)
-    plan: dict[int, list[tuple[SimEngine, str]]] = {}
-    for at, engine, action in (
-        (n * 20 // 100, engines[0], "drop 20%"),
-        (n * 45 // 100, engines[0], "drop 0%"),
-        (n * 55 // 100, victim, "restart"),
+    plan: dict[int, list[_Fault]] = {}
+    for at, fault in (
+        (n * 20 // 100, _Fault(engines[0], restart=False, drop_rate=0.3)),
+        (n * 50 // 100, _Fault(engines[0], restart=False, drop_rate=0.0)),
+        (n * 55 // 100, _Fault(victim, restart=True)),
     ):
-        plan.setdefault(at, []).append((engine, action))
+        plan.setdefault(at, []).append(fault)
     return plan
 
 
-async def _inject(engine: SimEngine, action: str) -> None:
-    if action == "restart":
-        await engine.restart()
+async def _inject(fault: _Fault) -> None:
+    if fault.restart:
+        await fault.engine.restart()
     else:
-        engine.drop_rate = float(action.split()[1].rstrip("%")) / 100.0
+        fault.engine.drop_rate = fault.drop_rate
 
 
-def _recovery(t: float, engine: SimEngine, action: str, lifecycle: Sequence[_Lifecycle]) -> FaultNote:
+def _recovery(t: float, fault: _Fault, lifecycle: Sequence[_Lifecycle]) -> FaultNote:
+    engine = fault.engine
     name = engine.config.name
-    if action != "restart":
-        return FaultNote(t=round(t, 3), engine=name, action=action)
+    if not fault.restart:
+        return FaultNote(t=round(t, 3), engine=name, action=fault.label)
     target = engine.grpc_target
     ranks = set(range(engine.config.ranks))
     detected: float | None = None
@@ -652,7 +665,7 @@ def _recovery(t: float, engine: SimEngine, action: str, lifecycle: Sequence[_Lif
     return FaultNote(
         t=round(t, 3),
         engine=name,
-        action=action,
+        action=fault.label,
         detected_after=round(detected, 3) if detected is not None else None,
         synced_after=round(back, 3) if back is not None else None,
     )

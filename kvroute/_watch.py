@@ -3,7 +3,7 @@
 Usage::
 
     kvroute watch HOST:PORT [HOST:PORT ...] [--engine auto|vllm|sglang] [--json] [--duration S]
-        [--interval S] [--quiet-interval S]
+        [--interval S] [--quiet-interval S] [--timeout S]
 
 The table (rich when installed, plain text otherwise) has one row per worker (engine, rank):
 sync state, partial flag, blocks held per tier, blocks in the index, engine events per second,
@@ -228,16 +228,18 @@ async def watch(
     duration: float | None = None,
     interval: float = 1.0,
     quiet_interval: float = 2.0,
+    timeout: float = 5.0,  # noqa: ASYNC109 (discovery's own overall timeout, retries included)
     out: TextIO | None = None,
 ) -> list[WatchRow]:
     """Follow ``targets`` until ``duration`` seconds have passed (forever when None); returns the last rows.
 
     ``json_lines``: write every envelope to ``out`` as a JSON line instead of showing the table.
+    ``timeout``: for each target's first discovery, which must succeed (`DiscoveryError` otherwise).
     """
     out = out or sys.stdout
     tally = TierTally()
     config = SubscriberConfig(quiet_interval=quiet_interval)
-    options = DiscoveryOptions(engine=engine)
+    options = DiscoveryOptions(engine=engine, timeout=timeout)
     encode = msgspec.json.Encoder().encode
     rates: dict[WorkerKey, float] = {}
     for target in targets:
@@ -307,6 +309,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--quiet-interval", type=float, default=2.0, metavar="S", help="probe a silent source after S (default 2 s)"
     )
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="discovery timeout (default 5 s)")
     p.set_defaults(func=_main)
 
 
@@ -314,8 +317,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.duration is not None and not args.duration > 0:
         print("kvroute watch: --duration must be > 0", file=sys.stderr)
         return EXIT_USAGE
-    if not (args.interval > 0 and args.quiet_interval > 0):
-        print("kvroute watch: --interval and --quiet-interval must be > 0", file=sys.stderr)
+    if not (args.interval > 0 and args.quiet_interval > 0 and args.timeout > 0):
+        print("kvroute watch: --interval, --quiet-interval and --timeout must be > 0", file=sys.stderr)
         return EXIT_USAGE
     try:
         anyio.run(
@@ -326,6 +329,7 @@ def _main(args: argparse.Namespace) -> int:
                 duration=args.duration,
                 interval=args.interval,
                 quiet_interval=args.quiet_interval,
+                timeout=args.timeout,
             )
         )
     except (KvRouteError, ValueError) as exc:
