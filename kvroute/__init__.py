@@ -2,13 +2,53 @@
 
 Discovery (gRPC) → subscriber (ZMQ, one SUB per rank, with replay recovery) → wire codec (msgpack)
 → prefix index → router. Everything public is re-exported here; every other module is private.
+Simulated engines for tests and demos live in `kvroute.sim`.
 """
 
 from __future__ import annotations
 
-from ._errors import DecodeError, DiscoveryError, KvRouteError, NoWorkersError, SnapshotError
+from ._client import ClientStats, EventStream, KvEventClient, TotalStats
+from ._discovery import (
+    DiscoveryOptions,
+    InvalidOptionsError,
+    MalformedAnswerError,
+    RpcRejectedError,
+    SourceDiff,
+    TargetUnreachableError,
+    TlsConfig,
+    TooManySourcesError,
+    diff_sources,
+    discover,
+    discover_with,
+    follow_target,
+)
+from ._errors import (
+    DecodeError,
+    DiscoveryError,
+    EventsDisabledError,
+    KvRouteError,
+    NoWorkersError,
+    SnapshotError,
+    UnusableSourceError,
+)
+from ._events import (
+    Connected,
+    Disconnected,
+    Envelope,
+    Gap,
+    LifecycleEvent,
+    Overflow,
+    Partial,
+    Removed,
+    Replayed,
+    Reset,
+    Synced,
+)
 from ._index import IndexStats, OverlapScores, PrefixIndex
-from ._models import CPU, DISK, EXTERNAL, GPU, TIERS, EventSource, WorkerKey, WorkerStatus
+from ._models import CPU, DISK, EXTERNAL, GPU, TIERS, EventSource, WorkerKey, WorkerStates, WorkerStatus
+from ._router import CandidateScore, CostModel, Router, RouterError, RouterStats, RoutingDecision
+from ._snapshot import Cursor
+from ._subscriber import SourceStats, SubscriberConfig
 from ._wire import (
     AllBlocksCleared,
     BatchDecoder,
@@ -33,21 +73,60 @@ __all__ = [
     "BatchDecoder",
     "BlockRemoved",
     "BlockStored",
+    "CandidateScore",
+    "ClientStats",
+    "Connected",
+    "CostModel",
+    "Cursor",
     "DecodeError",
+    "Disconnected",
     "DiscoveryError",
+    "DiscoveryOptions",
     "EngineEvent",
+    "Envelope",
     "EventBatch",
     "EventSource",
+    "EventStream",
+    "EventsDisabledError",
+    "Gap",
     "IndexStats",
+    "InvalidOptionsError",
+    "KvEventClient",
     "KvRouteError",
+    "LifecycleEvent",
     "Limits",
+    "MalformedAnswerError",
     "NoWorkersError",
     "OverlapScores",
+    "Overflow",
+    "Partial",
     "PrefixIndex",
+    "Removed",
+    "Replayed",
+    "Reset",
+    "Router",
+    "RouterError",
+    "RouterStats",
+    "RoutingDecision",
+    "RpcRejectedError",
     "SnapshotError",
+    "SourceDiff",
+    "SourceStats",
+    "SubscriberConfig",
+    "Synced",
+    "TargetUnreachableError",
+    "TlsConfig",
+    "TooManySourcesError",
+    "TotalStats",
+    "UnusableSourceError",
     "WorkerKey",
+    "WorkerStates",
     "WorkerStatus",
     "__version__",
     "decode_batch",
+    "diff_sources",
+    "discover",
+    "discover_with",
+    "follow_target",
     "encode_batch",
 ]
