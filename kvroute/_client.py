@@ -28,7 +28,7 @@ from ._discovery import DiscoveryOptions, diff_sources, follow_target
 from ._events import Envelope, Overflow, Removed
 from ._index import PrefixIndex
 from ._models import EventSource, WorkerKey, WorkerStatus
-from ._subscriber import SourceDriver, SourceStats, SubscriberConfig, source_problem
+from ._subscriber import RateLimitedLog, SourceDriver, SourceStats, SubscriberConfig, source_problem
 
 __all__ = ["ClientStats", "EventStream", "KvEventClient", "SourceStats", "SubscriberConfig", "TotalStats"]
 
@@ -70,8 +70,8 @@ class TotalStats(msgspec.Struct, frozen=True, kw_only=True):
 class ClientStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of `KvEventClient` counters.
 
-    ``sources``: per current source; ``totals``: their sum; ``refused_sources``: sources
-    refused (see `KvEventClient.add_source`); ``removed_sources``:
+    ``sources``: per current source; ``totals``: their sum; ``refused_sources``: times a
+    source was refused (see `KvEventClient.add_source`; discovery offers one again each round); ``removed_sources``:
     sources removed so far; ``events_dropped``: envelopes dropped by full `events()` buffers.
     """
 
@@ -231,6 +231,7 @@ class KvEventClient:
         self._changed: anyio.Event | None = None
         self._refused = 0
         self._removed = 0
+        self._log = RateLimitedLog("KvEventClient", log)
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -334,7 +335,8 @@ class KvEventClient:
 
     def _refuse(self, source: EventSource, why: str) -> bool:
         self._refused += 1
-        log.warning("refused source %s (%s): %s", source.key, source.endpoint, why)
+        # Rate-limited: discovery offers the same refused source again every interval.
+        self._log.warn("refused source", f"{source.key} ({source.endpoint}): {why}")
         return False
 
     @staticmethod

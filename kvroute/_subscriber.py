@@ -21,13 +21,13 @@ import zmq
 
 from . import _zmq
 from ._errors import DecodeError
-from ._events import Envelope, LifecycleEvent
+from ._events import Envelope, LifecycleEvent, Partial, Reset
 from ._index import PrefixIndex
 from ._models import EventSource, WorkerStatus
 from ._source import Action, Apply, Emit, RecreateSubscriber, RequestReplay, ResetWorker, SourceMachine
 from ._wire import BatchDecoder, BlockStored, EventBatch, Limits
 
-__all__ = ["EventSink", "SourceDriver", "SourceStats", "SubscriberConfig", "source_problem"]
+__all__ = ["EventSink", "RateLimitedLog", "SourceDriver", "SourceStats", "SubscriberConfig", "source_problem"]
 
 log = logging.getLogger("kvroute.subscriber")
 
@@ -178,15 +178,19 @@ def _curve_keys(source: EventSource, config: SubscriberConfig) -> _zmq.CurveKeys
     return _zmq.CurveKeys(config.curve_public_key, config.curve_secret_key)
 
 
-class _LogLimiter:
-    __slots__ = ("_next", "_suppressed", "_who")
+class RateLimitedLog:
+    """Warnings about one thing (a source, the client), at most one per kind per 10 s, with a count of the rest."""
 
-    def __init__(self, who: str) -> None:
+    __slots__ = ("_logger", "_next", "_suppressed", "_who")
+
+    def __init__(self, who: str, logger: logging.Logger = log) -> None:
         self._who = who
+        self._logger = logger
         self._next: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
     def warn(self, kind: str, detail: str) -> None:
+        """Log ``detail`` under ``kind`` unless that kind was logged in the last 10 s (then count it)."""
         now = time.monotonic()
         if now < self._next.get(kind, 0.0):
             self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
@@ -194,7 +198,7 @@ class _LogLimiter:
         self._next[kind] = now + _LOG_EVERY
         more = self._suppressed.pop(kind, 0)
         suffix = f" ({more} more since the last report)" if more else ""
-        log.warning("%s: %s: %s%s", self._who, kind, detail, suffix)
+        self._logger.warning("%s: %s: %s%s", self._who, kind, detail, suffix)
 
 
 class SourceDriver:
@@ -226,7 +230,7 @@ class SourceDriver:
         self._limiter = limiter
         self._on_change = on_change
         self._decoder = BatchDecoder(config.limits)
-        self._log = _LogLimiter(f"{source.worker_id}[{source.dp_rank}] {source.endpoint}")
+        self._log = RateLimitedLog(f"{source.worker_id}[{source.dp_rank}] {source.endpoint}")
         self._curve = _curve_keys(source, config)
         self._dealer: zmq.Socket[bytes] | None = None
         self._replay_request: RequestReplay | None = None
@@ -281,8 +285,9 @@ class SourceDriver:
         try:
             async with anyio.create_task_group() as tg:
                 if self.source.replay_endpoint is not None:
+                    # Quiet ticks only ever lead to a replay probe: no endpoint, no ticks.
                     tg.start_soon(self._replay_loop)
-                tg.start_soon(self._quiet_loop)
+                    tg.start_soon(self._quiet_loop)
                 self._execute(self.machine.start())
                 while True:
                     await self._run_session()
@@ -317,6 +322,10 @@ class SourceDriver:
             async with anyio.create_task_group() as tg:
                 self._session = tg.cancel_scope
                 tg.start_soon(self._watch, mon)
+                if src.endpoint.startswith("inproc://"):
+                    # inproc has no connection handshake, so its monitor never reports one:
+                    # the pipe exists as soon as connect returns.
+                    self._set_connected()
                 await self._pump(sub)
                 tg.cancel_scope.cancel()
         finally:
@@ -327,25 +336,30 @@ class SourceDriver:
                 self._on_change()
 
     async def _pump(self, sub: zmq.Socket[bytes]) -> None:
+        # The hot loop: locals instead of attribute lookups, and the common outcome (one Apply
+        # of an in-order batch, design.md rule 1) applied without the general dispatch.
         batch_cap = self._cfg.recv_batch
-        on_message = self._on_message
+        decode = self._decode
+        on_live = self.machine.on_live
+        apply, execute = self._apply, self._execute
+        nan = math.nan
         while not self._recreate:
             msgs = await _zmq.recv_many(sub, batch_cap)
             self._last_activity = anyio.current_time()
+            self.messages += len(msgs)
             for frames in msgs:
-                on_message(frames)
-                if self._recreate:
-                    return  # the rest came from the engine process that just died
-
-    def _on_message(self, frames: list[bytes]) -> None:
-        self.messages += 1
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self.skipped_frames += 1
-            self._log.warn("skipped message", f"{len(frames)} frames, expected [topic, seq8, payload]")
-            return
-        seq = int.from_bytes(frames[1], "big")
-        batch = self._decode(frames[2])
-        self._execute(self.machine.on_live(seq, batch.ts if batch is not None else math.nan, batch))
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.skipped_frames += 1
+                    self._log.warn("skipped message", f"{len(frames)} frames, expected [topic, seq8, payload]")
+                    continue
+                batch = decode(frames[2])
+                actions = on_live(int.from_bytes(frames[1], "big"), batch.ts if batch is not None else nan, batch)
+                if len(actions) == 1 and type(actions[0]) is Apply:
+                    apply(actions[0].items)
+                else:
+                    execute(actions)
+                    if self._recreate:
+                        return  # the rest came from the engine process that just died
 
     def _decode(self, payload: bytes) -> EventBatch | None:
         try:
@@ -362,9 +376,7 @@ class SourceDriver:
                 if ev is None:
                     continue
                 if ev.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self.connected = True
-                    self._execute(self.machine.on_reconnected())
-                    self._on_change()
+                    self._set_connected()
                 elif ev.event == zmq.EVENT_DISCONNECTED:
                     if self.connected:
                         self.connected = False
@@ -372,6 +384,11 @@ class SourceDriver:
                         self._on_change()
                 elif ev.event & _HANDSHAKE_FAILED:
                     self._log.warn("handshake failed", f"zmq event {ev.event} from {ev.endpoint} (CURVE keys?)")
+
+    def _set_connected(self) -> None:
+        self.connected = True
+        self._execute(self.machine.on_reconnected())
+        self._on_change()
 
     async def _quiet_loop(self) -> None:
         interval = self._cfg.quiet_interval
@@ -382,7 +399,10 @@ class SourceDriver:
                 await anyio.sleep(due - now)
                 continue
             self._last_activity = now
-            self._execute(self.machine.on_quiet())
+            # A disconnected source has nothing new to tell, and a probe to a dead engine
+            # would hold a replay slot for the whole timeout; reconnecting checks it anyway.
+            if self.connected:
+                self._execute(self.machine.on_quiet())
 
     # --- replay -------------------------------------------------------------------------------
 
@@ -426,7 +446,10 @@ class SourceDriver:
             return items, False, "replay request refused (queue full)"
         complete = False
         timeout = self._cfg.replay_timeout
-        while not complete:
+        # The machine holds at most max_held batches; reading more than that from one answer
+        # only buys memory a publisher that never sends the end marker could exhaust.
+        cap = self.machine.max_held
+        while not complete and len(items) < cap:
             msgs: list[list[bytes]] = []
             with anyio.move_on_after(timeout):
                 msgs = await _zmq.recv_many(dealer, self._cfg.recv_batch)
@@ -497,20 +520,27 @@ class SourceDriver:
             self._on_change()
 
     def _apply(self, items: Sequence[tuple[int, float, EventBatch]]) -> None:
-        index, key = self._index, self.key
+        apply_batch, key = self._index.apply_batch, self.key
         sink = self._sink
         emit = sink.active
         src = self.source
+        blocks = 0
         for seq, ts, batch in items:
-            index.apply_batch(key, batch)
-            self.batches += 1
+            apply_batch(key, batch)
             for ev in batch.events:
                 if type(ev) is BlockStored:
-                    self.blocks += len(ev.block_hashes)
+                    blocks += len(ev.block_hashes)
                 if emit:
                     sink.publish(Envelope(source=src, seq=seq, ts=ts, event=ev))
+        self.batches += len(items)
+        self.blocks += blocks
 
     def _emit(self, event: LifecycleEvent) -> None:
-        if event.kind == "gap":
+        kind = event.kind
+        if kind == "gap":
             self.gaps += 1
+        elif isinstance(event, Reset):
+            self._log.warn("index state reset", f"{event.reason}: {event.detail}")
+        elif isinstance(event, Partial):
+            self._log.warn("history incomplete", f"{event.reason}: blocks known from seq {event.first_seq} on")
         self._sink.publish(Envelope(source=self.source, seq=None, ts=time.time(), event=event))

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 
 import anyio
+import msgspec
 import pytest
 import zmq
-from _publisher_helpers import Workload, nothing_arrives, recv_frames
+from _publisher_helpers import FAST, Workload, assert_index_equal, nothing_arrives, recv_frames
 
 from kvroute import _zmq
-from kvroute._wire import decode_batch
+from kvroute._events import Envelope
+from kvroute._index import PrefixIndex
+from kvroute._models import EventSource, WorkerStatus
+from kvroute._subscriber import SourceDriver, SubscriberConfig, source_problem
+from kvroute._wire import decode_batch, encode_batch
 from kvroute.sim._publisher import END_SEQ, EventPublisher
 
 
@@ -22,7 +28,7 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 
 
 def _sub(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, **kw: object) -> zmq.Socket[bytes]:
-    return _zmq.connect(ctx, zmq.SUB, endpoint, subscribe=b"", reconnect_ivl=0.01, **kw)  # type: ignore[arg-type]
+    return _zmq.connect(ctx, zmq.SUB, endpoint, subscribe=b"", reconnect_ivl=0.01, **kw)
 
 
 async def _until_connected(pub: EventPublisher, sub: zmq.Socket[bytes]) -> None:
@@ -186,3 +192,109 @@ async def test_publisher_curve(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
             _zmq.close(plain)
     with pytest.raises(ValueError):
         _zmq.connect(ctx, zmq.SUB, "tcp://127.0.0.1:1", curve=client)
+
+
+# --- the driver ----------------------------------------------------------------------------------
+
+
+class _ListSink:
+    """An EventSink that keeps everything."""
+
+    active = True
+
+    def __init__(self) -> None:
+        self.got: list[Envelope] = []
+        self._wake: anyio.Event | None = None
+
+    def publish(self, envelope: Envelope) -> None:
+        self.got.append(envelope)
+        if self._wake is not None:
+            self._wake.set()
+
+    async def until(self, cond: Callable[[], bool]) -> None:
+        """Wait for ``cond`` to hold, re-checking after each envelope; fails the test after 5 s."""
+        with anyio.fail_after(5):
+            while not cond():
+                self._wake = anyio.Event()
+                await self._wake.wait()
+
+    def kinds(self) -> list[str]:
+        return [getattr(e.event, "kind", "engine") for e in self.got]
+
+
+async def _serve_bad_replays(router: zmq.Socket[bytes], payloads: list[bytes]) -> None:
+    """A replay endpoint that answers every request with three malformed replies, then the truth (old layout)."""
+    while True:
+        for ident, _, seq8 in await _zmq.recv_many(router, 16):
+            start = int.from_bytes(seq8, "big")
+            _zmq.send_nowait(router, [ident, b"x", b"\x00" * 8, b""])
+            _zmq.send_nowait(router, [ident, b"", b"1234567", b"p"])
+            _zmq.send_nowait(router, [ident, b"", b"a", b"b", b"c", b"d"])
+            for seq in range(start, len(payloads)):
+                _zmq.send_nowait(router, [ident, b"", seq.to_bytes(8, "big"), payloads[seq]])
+            _zmq.send_nowait(router, [ident, b"", END_SEQ, b""])
+
+
+@pytest.mark.anyio
+async def test_driver_counts_malformed_replies_and_follows_the_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]], caplog: pytest.LogCaptureFixture
+) -> None:
+    wl = Workload(20)
+    index = PrefixIndex()
+    sink = _ListSink()
+    changes: list[int] = []
+    router: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:0")
+    replay = router.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
+    try:
+        async with EventPublisher(context=ctx, replay_endpoint=None) as pub:
+            for _ in range(5):
+                pub.publish(wl.batch())
+            src = pub.source("w", replay_endpoint=replay)
+            assert source_problem(src, ctx, FAST) is None
+            driver = SourceDriver(
+                src,
+                context=ctx,
+                config=FAST,
+                index=index,
+                sink=sink,
+                limiter=anyio.CapacityLimiter(1),
+                on_change=lambda: changes.append(1),
+            )
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_serve_bad_replays, router, [encode_batch(b) for b in pub.history])
+                tg.start_soon(driver.run)
+                await sink.until(lambda: "synced" in sink.kinds())
+                # Garbage on the live stream too: counted, logged once, never fatal.
+                with caplog.at_level(logging.WARNING, logger="kvroute.subscriber"):
+                    for _ in range(50):
+                        pub.publish_raw([b"", b"short"])
+                    pub.publish(wl.batch())
+                    await sink.until(lambda: driver.stats().last_seq == 5)
+                assert sum("skipped message" in r.getMessage() for r in caplog.records) == 1
+                st = driver.stats()
+                assert st.skipped_frames >= 53 and st.connected and st.state == "synced"
+                assert driver.status() == WorkerStatus(state="synced")
+                truth = PrefixIndex()
+                for b in pub.history:
+                    truth.apply_batch(src.key, b)
+                assert_index_equal(index, truth, wl.queries)
+                tg.cancel_scope.cancel()
+        assert sink.kinds()[:1] == ["connected"] and changes
+    finally:
+        router.close(linger=0)
+
+
+@pytest.mark.anyio
+async def test_source_problems_are_refused_up_front(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    ok = EventSource(worker_id="w", endpoint="tcp://127.0.0.1:5557")
+    assert source_problem(ok, ctx, SubscriberConfig()) is None
+    bad = msgspec.structs.replace(ok, endpoint="nonsense://x")
+    problem = source_problem(bad, ctx, SubscriberConfig())
+    assert problem is not None and "nonsense://x" in problem
+    curve = msgspec.structs.replace(ok, curve_server_key=_zmq.curve_keypair().public)
+    assert "CURVE" in (source_problem(curve, ctx, SubscriberConfig()) or "")
+    with pytest.raises(ValueError):
+        SubscriberConfig(curve_public_key="x" * 40)
+    with pytest.raises(ValueError):
+        SubscriberConfig(replay_timeout=0)
