@@ -1,0 +1,693 @@
+"""The per-source recovery state machine: sans-I/O, no sockets, no clock reads.
+
+One `SourceMachine` follows one KV-event source (one engine rank). The socket driver
+(``_subscriber``) feeds it inputs and carries out the actions it returns, in order; the
+machine decides everything else. design.md's recovery rules 1-9 are the spec; the rule
+numbers below refer to them.
+
+Inputs (each returns ``list[Action]``):
+
+- `start()`: cold start (rule 6). With a replay endpoint: replay from seq 0, holding live
+  batches meanwhile. Without: the first live seq starts the history (partial if > 0).
+- `on_live(seq, ts, batch)`: one live message; ``batch`` None means the payload failed to
+  decode (then ``ts`` is ignored; pass anything).
+- `on_replay(items, complete)`: the replies to the request in flight, in arrival order, as
+  ``(seq, ts, batch | None)`` without the end marker; ``complete`` says the end marker was
+  seen. Call it once per request, when the end marker arrives or the reply timeout fires
+  with at least one reply. No reply at all is `on_replay_failed`.
+- `on_replay_failed(reason)`: the request timed out with no reply, or its socket failed.
+- `on_quiet()`: no live message for the configured quiet interval (rules 7-8; the driver
+  owns the interval and bounds concurrent replays across sources, rule 9).
+- `on_reconnected()` / `on_disconnected()`: the SUB socket monitor saw a connect /
+  disconnect. Report every connect, the first one included: a source is "synced" only
+  while its SUB is connected.
+
+Actions (see each class): `Apply`, `RequestReplay`, `ResetWorker`, `RecreateSubscriber`,
+`Emit`. Driver obligations:
+
+- At most one replay is in flight (`replay_in_flight`); answer each `RequestReplay` with
+  exactly one `on_replay` or `on_replay_failed`. Replies that arrive after that belong to
+  no request: drain and drop them before sending the next request.
+- `RecreateSubscriber`: close the SUB and open a new one, and drop every message already
+  read from the old socket but not yet fed (it holds a dead engine's stream).
+- `start()` assumes the index holds nothing for this worker yet.
+
+Guarantee, for a driver that keeps these obligations: everything `Apply` hands out since the
+last `ResetWorker` is a contiguous run of one engine process's batches, in seq order, each
+once; so the index never holds a block whose removal the machine skipped. ``partial``
+says the run does not reach back to that process's seq 0.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Final
+
+import msgspec
+
+from ._events import Connected, Disconnected, Gap, LifecycleEvent, Partial, Replayed, Reset, Synced
+from ._wire import EventBatch
+
+__all__ = [
+    "Action",
+    "Apply",
+    "Emit",
+    "RecreateSubscriber",
+    "ReplayRequest",
+    "RequestReplay",
+    "ResetWorker",
+    "SourceMachine",
+    "SourceStats",
+]
+
+#: The replay end marker's seq (0xFF x 8, protocol.md §4); real seqs are below it.
+_SEQ_END: Final = (1 << 64) - 1
+
+#: An identity check that fails this many times in a row (no answer) is taken as a restart:
+#: one failure may be a dropped reply under load (protocol.md §4), a second means the
+#: old state cannot be vouched for (rule 2: "a failed identity check means the engine restarted").
+_IDENTITY_ATTEMPTS: Final = 2
+
+
+class Apply(msgspec.Struct, frozen=True):
+    """Apply these ``(seq, ts, batch)`` items to the index, in this order."""
+
+    items: list[tuple[int, float, EventBatch]]
+
+
+class RequestReplay(msgspec.Struct, frozen=True):
+    """Ask the source's replay endpoint for every buffered batch from ``from_seq`` on.
+
+    ``purpose``: "cold" (start, rule 6), "gap" (rule 3), "retry" (the previous answer left
+    seqs missing or lost its end marker, rule 4), "probe" (quiet tick or first connect:
+    lost tail, rule 8) or "identity" (reconnect, or old seqs no longer in the ts ring:
+    rules 2 and 7). Probes and identity checks ask from the newest applied seq, so the
+    first reply can be compared with what was applied.
+    """
+
+    from_seq: int
+    purpose: str
+
+
+#: The request `SourceMachine.replay_in_flight` holds: the same struct the action carries.
+ReplayRequest = RequestReplay
+
+
+class ResetWorker(msgspec.Struct, frozen=True):
+    """Drop every block of this worker from the index (``PrefixIndex.remove_worker``).
+
+    ``reason`` is one of the reason tokens of `kvroute._events`.
+    """
+
+    reason: str
+
+
+class RecreateSubscriber(msgspec.Struct, frozen=True):
+    """Close the SUB socket and open a new one, discarding every message read from the old one."""
+
+
+class Emit(msgspec.Struct, frozen=True):
+    """Deliver this lifecycle event to the source's listeners."""
+
+    event: LifecycleEvent
+
+
+Action = Apply | RequestReplay | ResetWorker | RecreateSubscriber | Emit
+
+
+class SourceStats(msgspec.Struct):
+    """Counters of one source's machine (monotonic over its lifetime)."""
+
+    applied: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    undecodable: int = 0
+    invalid: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    identity_checks: int = 0
+    probes: int = 0
+    restarts: int = 0
+    resets: int = 0
+    uncovered: int = 0
+    overflows: int = 0
+
+
+# A batch waiting to be applied: (ts, batch or None when undecodable, came from a replay).
+_Held = tuple[float, EventBatch | None, bool]
+
+
+class SourceMachine:
+    """Sequence, gap, restart and replay logic of one source, as a pure state machine.
+
+    ``has_replay``: the source has a replay endpoint. ``ts_ring``: how many applied seqs
+    keep their ts, to tell a duplicate from a restart (rule 2). ``max_held``: how many
+    batches may wait for a replay; past it the gap counts as uncovered (rule 5).
+    """
+
+    def __init__(self, *, has_replay: bool, ts_ring: int = 4096, max_held: int = 100_000) -> None:
+        if ts_ring < 1:
+            raise ValueError(f"ts_ring must be >= 1, got {ts_ring}")
+        if max_held < 1:
+            raise ValueError(f"max_held must be >= 1, got {max_held}")
+        self.has_replay = has_replay
+        self.ts_ring = ts_ring
+        self.max_held = max_held
+        #: Newest seq accounted for: applied, or skipped as lost. -1 before anything.
+        self.last_seq = -1
+        #: The history before the current run is unknown (see `Partial`).
+        self.partial = False
+        #: The replay request the driver is carrying out, if any.
+        self.replay_in_flight: RequestReplay | None = None
+        self.stats = SourceStats()
+        self._ts: dict[int, float] = {}
+        self._ts_order: deque[int] = deque()
+        self._held: dict[int, _Held] = {}
+        # Initial history not known yet: with replay, a cold replay is needed; without,
+        # the first live message starts the history.
+        self._cold = has_replay
+        self._await_first = not has_replay
+        self._await_reason = "no-replay"
+        # The request in flight answers a question that no longer matters (a restart).
+        self._abandoned = False
+        # ts of the seq an identity check / probe asked from; None for other requests.
+        self._anchor_ts: float | None = None
+        self._identity_question = False
+        self._identity_ok = False
+        self._identity_failures = 0
+        self._connected = False
+        self._connected_once = False
+        # The SUB was connected and lost it: ask no replay until it is back (on_disconnected).
+        self._down = False
+        # The index may hold blocks of this worker (something applied since the last reset).
+        self._dirty = False
+
+    # --- read-only state ------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """ "syncing", "synced" or "resyncing", as `kvroute._models.WorkerStatus.state` means them."""
+        if self._cold or self._await_first or self._identity_question or not self._connected:
+            return "syncing"
+        req = self.replay_in_flight
+        if self._held or (req is not None and req.purpose in ("gap", "retry")):
+            return "resyncing"
+        return "synced"
+
+    @property
+    def replay_abandoned(self) -> bool:
+        """The answer to the request in flight will be ignored (a restart or disconnect made it moot).
+
+        The driver may stop waiting for it and call `on_replay_failed` at once; the
+        machine asks again, if it still needs to, once that request is settled.
+        """
+        return self._abandoned
+
+    @property
+    def held(self) -> int:
+        """How many batches wait for a replay to close a gap."""
+        return len(self._held)
+
+    # --- inputs ---------------------------------------------------------------------
+
+    def start(self) -> list[Action]:
+        """Begin following the source: the cold start of rule 6 (a no-op when already begun)."""
+        before = self.state
+        out: list[Action] = []
+        self._advance(out)
+        return self._done(before, out)
+
+    def on_live(self, seq: int, ts: float, batch: EventBatch | None) -> list[Action]:
+        """One live message; ``batch`` None = its payload failed to decode."""
+        if (
+            seq == self.last_seq + 1
+            and batch is not None
+            and seq != _SEQ_END
+            and self.replay_in_flight is None
+            and not self._held
+            and not self._await_first
+            and not self._cold
+            and not self._identity_question
+            and not self._down
+        ):
+            # Rule 1, the hot path: in order, nothing pending.
+            self._record(seq, ts)
+            self.last_seq = seq
+            self._dirty = True
+            self.stats.applied += 1
+            return [Apply([(seq, ts, batch)])]
+        before = self.state
+        out: list[Action] = []
+        self._live(seq, ts, batch, out)
+        return self._done(before, out)
+
+    def on_replay(self, items: Sequence[tuple[int, float, EventBatch | None]], *, complete: bool) -> list[Action]:
+        """The replies to the request in flight, in arrival order; ``complete``: end marker seen."""
+        req = self.replay_in_flight
+        if req is None:
+            self.stats.invalid += 1
+            return []
+        if not items and not complete:
+            return self.on_replay_failed("no reply")
+        before = self.state
+        out: list[Action] = []
+        self.replay_in_flight = None
+        anchor_ts, self._anchor_ts = self._anchor_ts, None
+        if self._abandoned:
+            self._abandoned = False
+        elif anchor_ts is not None:
+            self._answer_anchored(req, anchor_ts, items, complete, out)
+        else:
+            self._answer(req, req.from_seq, items, complete, True, out)
+        self._advance(out)
+        return self._done(before, out)
+
+    def on_replay_failed(self, reason: str) -> list[Action]:
+        """The request in flight got no reply (timeout) or its socket failed."""
+        req = self.replay_in_flight
+        if req is None:
+            self.stats.invalid += 1
+            return []
+        before = self.state
+        out: list[Action] = []
+        self.replay_in_flight = None
+        anchored = self._anchor_ts is not None
+        self._anchor_ts = None
+        if self._abandoned:
+            self._abandoned = False
+        else:
+            self.stats.replay_failures += 1
+            self._failed(req, anchored, reason, out)
+        self._advance(out)
+        return self._done(before, out)
+
+    def on_quiet(self) -> list[Action]:
+        """The source was quiet for the quiet interval: probe for a lost tail (rules 7-8)."""
+        if not self.has_replay or self.replay_in_flight is not None or self._cold or self._down:
+            return []
+        before = self.state
+        out: list[Action] = []
+        self._request_probe("probe", out)
+        return self._done(before, out)
+
+    def on_reconnected(self) -> list[Action]:
+        """The SUB socket (re)connected: check the engine is the one whose state is held (rule 7)."""
+        before = self.state
+        out: list[Action] = [Emit(Connected())]
+        first = not self._connected_once
+        self._connected_once = True
+        self._connected = True
+        self._down = False
+        self._identity_ok = False
+        if first:
+            # The SUB missed what was published before it joined (slow joiner): once the
+            # cold replay is done, a probe fetches that.
+            if self.has_replay and self.replay_in_flight is None and not self._cold:
+                self._request_probe("probe", out)
+            return self._done(before, out)
+        if self.has_replay and self._ts_order and not self._cold:
+            self._ask_identity(out)
+        else:
+            # Nothing an identity check could vouch for (no replay endpoint, or nothing
+            # applied yet). Messages the old connection queued may be a dead process's and
+            # look just like the new one's, so start over on a fresh SUB (rule 7: a silent
+            # restart must not leave the old blocks claimed).
+            self._reset("reconnect", "reconnected with no applied seq a replay can vouch for", out)
+            self._fresh_start("reconnect", out)
+        return self._done(before, out)
+
+    def on_disconnected(self) -> list[Action]:
+        """The SUB socket lost its connection; the source is "syncing" until it is back."""
+        before = self.state
+        self._connected = False
+        self._identity_ok = False
+        if self.has_replay:
+            # The engine may be gone, and whatever comes next (live or replayed) may be its
+            # successor's: hold everything and ask nothing until the reconnect's identity
+            # check vouches for the newest batch applied, which is then still the one
+            # applied before the disconnect (rule 7).
+            self._down = True
+            if self._ts_order:
+                self._identity_question = True
+            if self._anchor_ts is None:
+                self._abandon()
+        return self._done(before, [Emit(Disconnected())])
+
+    # --- internals ------------------------------------------------------------------
+
+    def _done(self, before: str, out: list[Action]) -> list[Action]:
+        if before != "synced" and self.state == "synced":
+            out.append(Emit(Synced()))
+        return out
+
+    def _record(self, seq: int, ts: float) -> None:
+        self._ts[seq] = ts
+        order = self._ts_order
+        order.append(seq)
+        if len(order) > self.ts_ring:
+            del self._ts[order.popleft()]
+
+    def _forget(self) -> None:
+        """Drop all sequence state, as for a new engine process."""
+        self.last_seq = -1
+        self.partial = False
+        self._ts.clear()
+        self._ts_order.clear()
+        self._held.clear()
+        self._identity_question = False
+        self._identity_ok = False
+        self._identity_failures = 0
+
+    def _live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action]) -> None:
+        if not 0 <= seq < _SEQ_END:
+            self.stats.invalid += 1
+            return
+        if batch is None:
+            self.stats.undecodable += 1
+        if self._await_first:
+            self._await_first = False
+            if seq > 0:
+                self.last_seq = seq - 1
+                self._mark_partial(self._await_reason, seq, out)
+        last = self.last_seq
+        if seq <= last:
+            self._old_live(seq, ts, batch, out)
+            return
+        if not self._held and self.replay_in_flight is None and not self._cold:
+            if seq > last + 1:
+                self.stats.gaps += 1
+                out.append(Emit(Gap(last + 1, seq)))
+            elif batch is None:
+                self.stats.gaps += 1
+                out.append(Emit(Gap(seq, seq, "undecodable")))
+        if not self._hold(seq, ts, batch, False, out):
+            return
+        if len(self._held) > self.max_held:
+            self.stats.overflows += 1
+            if self._identity_question or self._down:
+                # Applying them would trust an engine that has not been checked: start over.
+                detail = f"more than {self.max_held} batches held while the engine's identity is unchecked"
+                self._restart(detail, out, reason="overflow")
+                return
+            self._uncover(None, "overflow", f"more than {self.max_held} batches held waiting for a replay", out)
+            self._drain(out)
+        self._advance(out)
+
+    def _old_live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action]) -> None:
+        """Rule 2: a live seq <= last is a duplicate, a stale message, or a restarted engine."""
+        recorded = self._ts.get(seq)
+        if batch is None:
+            # Its ts is unknown, so it proves nothing; the next decodable one will.
+            self.stats.stale += 1
+            return
+        if recorded is not None:
+            if recorded == ts:
+                self.stats.duplicates += 1
+                return
+            self._restart(f"seq {seq} arrived again with ts {ts!r}, applied with ts {recorded!r}", out)
+            return
+        self.stats.stale += 1
+        if not self.has_replay:
+            # Without replay nothing but a restart moves the stream behind `last`.
+            self._restart(f"seq {seq} arrived after seq {self.last_seq}, and no replay endpoint can check", out)
+            return
+        if self._identity_ok or self._identity_question or not self._ts_order:
+            # One identity check answers for every such message (rule 2); with nothing
+            # recorded since the last restart, the index holds nothing to protect.
+            return
+        self._ask_identity(out)
+
+    def _ask_identity(self, out: list[Action]) -> None:
+        """Rule 2/7: check once that the engine is the one whose state is held.
+
+        A replay in flight that does not vouch for the engine is dropped: its answer may
+        come from a successor and would extend the old run with the new engine's batches.
+        """
+        self._identity_question = True
+        self._identity_failures = 0
+        if self._anchor_ts is None:
+            self._abandon()
+        self._advance(out)
+
+    def _abandon(self) -> None:
+        if self.replay_in_flight is not None:
+            self._abandoned = True
+
+    def _hold(self, seq: int, ts: float, batch: EventBatch | None, replayed: bool, out: list[Action]) -> bool:
+        """Keep a batch until it can be applied; False when it proved a restart (already handled)."""
+        held = self._held
+        cur = held.get(seq)
+        if cur is not None:
+            cur_ts, cur_batch, cur_replayed = cur
+            if cur_batch is not None:
+                if batch is not None and cur_ts != ts:
+                    self._restart(f"seq {seq} came with ts {ts!r} and {cur_ts!r}", out)
+                    return False
+                self.stats.duplicates += 1
+                return True
+            if batch is None:
+                held[seq] = (cur_ts, None, cur_replayed or replayed)
+                return True
+        held[seq] = (ts, batch, replayed)
+        return True
+
+    def _advance(self, out: list[Action]) -> None:
+        """With no request in flight: apply what is ready, or ask for what is missing."""
+        if self.replay_in_flight is not None:
+            return
+        if self._down:
+            return
+        if not self.has_replay:
+            self._drain(out)
+            if self._held:
+                nxt = self._held.get(self.last_seq + 1)
+                reason = "undecodable" if nxt is not None else "no-replay"
+                self._uncover(None, reason, "no replay endpoint to recover lost batches from", out)
+                self._drain(out)
+            return
+        if self._cold:
+            self._request(0, "cold", None, out)
+            return
+        if self._identity_question:
+            if self._ts_order:
+                self._request_probe("identity", out)
+                return
+            # Nothing applied since the last restart: the index holds nothing to vouch for.
+            self._identity_question = False
+        self._drain(out)
+        if self._held:
+            self._request(self.last_seq + 1, "gap", None, out)
+
+    def _request(self, from_seq: int, purpose: str, anchor_ts: float | None, out: list[Action]) -> None:
+        req = RequestReplay(from_seq, purpose)
+        self.replay_in_flight = req
+        self._anchor_ts = anchor_ts
+        stats = self.stats
+        stats.replays += 1
+        if purpose == "identity":
+            stats.identity_checks += 1
+        elif purpose == "probe":
+            stats.probes += 1
+        out.append(req)
+
+    def _request_probe(self, purpose: str, out: list[Action]) -> None:
+        """Replay from the newest applied seq, so the first reply vouches for the engine (rule 7)."""
+        if self._ts_order:
+            anchor = self._ts_order[-1]
+            self._request(anchor, purpose, self._ts[anchor], out)
+        else:
+            self._request(self.last_seq + 1, purpose, None, out)
+
+    def _answer_anchored(
+        self,
+        req: RequestReplay,
+        anchor_ts: float,
+        items: Sequence[tuple[int, float, EventBatch | None]],
+        complete: bool,
+        out: list[Action],
+    ) -> None:
+        """Rule 7: the first reply must be the anchor seq with the ts it was applied with."""
+        if not items:
+            self._restart(f"replay from seq {req.from_seq} came back empty: the engine never got that far", out)
+            return
+        seq, ts, batch = items[0]
+        if seq != req.from_seq or batch is None or ts != anchor_ts:
+            got = "undecodable" if batch is None else f"ts {ts!r}"
+            self._restart(
+                f"replay from seq {req.from_seq} (applied with ts {anchor_ts!r}) began with seq {seq}, {got}", out
+            )
+            return
+        self._identity_question = False
+        self._identity_ok = True
+        self._identity_failures = 0
+        self._answer(req, req.from_seq + 1, items[1:], complete, False, out)
+
+    def _answer(
+        self,
+        req: RequestReplay,
+        from_seq: int,
+        items: Sequence[tuple[int, float, EventBatch | None]],
+        complete: bool,
+        floor_means_lost: bool,
+        out: list[Action],
+    ) -> None:
+        """Rules 3-6: merge replayed batches with the held ones and apply the contiguous run."""
+        if req.purpose == "cold":
+            self._cold = False
+        # An answer establishes where the history starts (from_seq, or the floor below).
+        self._await_first = False
+        last_before = self.last_seq
+        taken = 0
+        first: int | None = None
+        stats = self.stats
+        for seq, ts, batch in items:
+            if not from_seq <= seq < _SEQ_END:
+                stats.invalid += 1
+                continue
+            if first is None:
+                first = seq
+            if seq <= self.last_seq:
+                recorded = self._ts.get(seq)
+                if batch is not None and recorded is not None and recorded != ts:
+                    self._restart(f"replayed seq {seq} has ts {ts!r}, applied with ts {recorded!r}", out)
+                    return
+                stats.duplicates += 1
+                continue
+            if len(self._held) >= self.max_held and seq not in self._held:
+                self._drain(out)
+                if len(self._held) >= self.max_held:
+                    # Still full: the rest is asked again once the held ones are applied (rule 4).
+                    stats.overflows += 1
+                    continue
+            if batch is None:
+                stats.undecodable += 1
+            if not self._hold(seq, ts, batch, True, out):
+                return
+            taken += 1
+        if taken or req.purpose in ("cold", "gap", "retry"):
+            out.append(Emit(Replayed(req.from_seq, taken, req.purpose)))
+        if floor_means_lost and first is not None and first > from_seq:
+            # A start older than the buffer silently starts at its oldest batch (protocol.md §4).
+            self._uncover(first, "not-in-buffer", f"replay from seq {from_seq} began at seq {first}", out)
+        self._uncover_undecodable(out)
+        self._drain(out)
+        progressed = self.last_seq > last_before
+        if self._held:
+            if progressed or req.purpose != "retry":
+                self._request(self.last_seq + 1, "retry", None, out)
+                return
+            self._uncover(None, "no-progress", f"retry from seq {req.from_seq} brought nothing new", out)
+            self._drain(out)
+        elif not complete and progressed:
+            # The end marker was lost, so replies before it may have been dropped too (protocol.md §4).
+            self._request(self.last_seq + 1, "retry", None, out)
+
+    def _failed(self, req: RequestReplay, anchored: bool, reason: str, out: list[Action]) -> None:
+        if anchored:
+            if self._identity_question:
+                self._identity_failures += 1
+                if self._identity_failures >= _IDENTITY_ATTEMPTS:
+                    self._restart(f"identity check failed {self._identity_failures} times: {reason}", out)
+            return
+        if req.purpose == "cold":
+            self._cold = False
+            if not self._held and self.last_seq < 0:
+                # Nothing known at all: like a source without replay, the next live seq starts it.
+                self._await_first = True
+                self._await_reason = "replay-failed"
+                return
+        if self._held:
+            self._uncover(None, "replay-failed", f"replay from seq {req.from_seq} failed: {reason}", out)
+            self._drain(out)
+
+    def _restart(self, detail: str, out: list[Action], reason: str = "restart") -> None:
+        """Rule 2's restart: reset, fresh SUB, follow the new process from its seq 0."""
+        if reason == "restart":
+            self.stats.restarts += 1
+        self.stats.resets += 1
+        out.append(ResetWorker(reason))
+        out.append(Emit(Reset(reason, detail)))
+        self._dirty = False
+        self._fresh_start("no-replay", out)
+
+    def _fresh_start(self, await_reason: str, out: list[Action]) -> None:
+        """Follow the source from scratch on a new SUB, as after `start()`."""
+        out.append(RecreateSubscriber())
+        self._forget()
+        self._connected = False
+        self._connected_once = False
+        self._down = False
+        self._anchor_ts = None
+        self._abandon()
+        self._cold = self.has_replay
+        self._await_first = not self.has_replay
+        self._await_reason = await_reason
+        self._advance(out)
+
+    def _uncover(self, limit: int | None, reason: str, detail: str, out: list[Action]) -> None:
+        """Rule 5: seqs missing below ``limit`` (None: anywhere) are lost; skip past the highest."""
+        held = self._held
+        last = self.last_seq
+        if limit is None:
+            if not held:
+                return
+            h = max(held)
+        else:
+            h = limit - 1
+        # Walk down over the held, decodable run that ends at h: the hole is just below it.
+        while h > last:
+            entry = held.get(h)
+            if entry is None or entry[1] is None:
+                break
+            h -= 1
+        if h > last:
+            self._skip_to(h, reason, detail, out)
+
+    def _uncover_undecodable(self, out: list[Action]) -> None:
+        """A replayed copy that fails to decode cannot be fixed by asking again: that seq is lost."""
+        bad = [seq for seq, (_, batch, replayed) in self._held.items() if batch is None and replayed]
+        if bad:
+            h = max(bad)
+            self._skip_to(h, "undecodable", f"seq {h} failed to decode, and so did its replayed copy", out)
+
+    def _skip_to(self, h: int, reason: str, detail: str, out: list[Action]) -> None:
+        for seq in [s for s in self._held if s <= h]:
+            del self._held[seq]
+        self.last_seq = h
+        self.stats.uncovered += 1
+        self._reset(reason, detail, out)
+        self._mark_partial(reason, h + 1, out)
+
+    def _reset(self, reason: str, detail: str, out: list[Action]) -> None:
+        if self._dirty:
+            self.stats.resets += 1
+            out.append(ResetWorker(reason))
+            out.append(Emit(Reset(reason, detail)))
+            self._dirty = False
+
+    def _mark_partial(self, reason: str, first_seq: int, out: list[Action]) -> None:
+        self.partial = True
+        out.append(Emit(Partial(reason, first_seq)))
+
+    def _drain(self, out: list[Action]) -> None:
+        """Apply the held batches that continue the applied run."""
+        held = self._held
+        if not held:
+            return
+        items: list[tuple[int, float, EventBatch]] = []
+        nxt = self.last_seq + 1
+        while True:
+            entry = held.get(nxt)
+            if entry is None or entry[1] is None:
+                break
+            del held[nxt]
+            items.append((nxt, entry[0], entry[1]))
+            self._record(nxt, entry[0])
+            nxt += 1
+        if items:
+            self.last_seq = nxt - 1
+            self._dirty = True
+            self.stats.applied += len(items)
+            out.append(Apply(items))
