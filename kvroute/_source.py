@@ -302,10 +302,8 @@ class SourceMachine:
         self._down = False
         self._identity_ok = False
         if first:
-            # The SUB missed what was published before it joined (slow joiner): once the
-            # cold replay is done, a probe fetches that.
-            if self.has_replay and self.replay_in_flight is None and not self._cold:
-                self._request_probe("probe", out)
+            # What the SUB missed before it joined (slow joiner) shows as a gap at the next
+            # live seq, or to the quiet probe (rules 3 and 8).
             return self._done(before, out)
         if self.has_replay and self._ts_order and not self._cold:
             self._ask_identity(out)

@@ -175,16 +175,17 @@ def test_cold_replay_failure_applies_what_was_held() -> None:
     assert resets(out) == []
 
 
-def test_first_connect_after_cold_replay_probes_for_what_the_sub_missed() -> None:
+def test_synced_needs_the_sub_connected_and_what_it_missed_is_a_gap() -> None:
     m = SourceMachine(has_replay=True)
     m.start()
     m.on_replay(items(range(3)), complete=True)
     assert m.state == "syncing"  # not connected yet
-    out = m.on_reconnected()
-    assert requests(out) == [RequestReplay(2, "probe")]
-    out = m.on_replay(items(range(2, 5)), complete=True)
-    assert applied(out) == [3, 4]
-    assert m.state == "synced"
+    assert m.on_reconnected() == [Emit(Connected()), Emit(Synced())]
+    # 3 and 4 were published before the SUB joined (slow joiner).
+    out = live(m, 5)
+    assert events(out) == [Gap(3, 5)] and requests(out) == [RequestReplay(3, "gap")]
+    out = m.on_replay(items(range(3, 6)), complete=True)
+    assert applied(out) == [3, 4, 5]
 
 
 # --- rule 1 and rule 2: in order, duplicates, stale floods, restarts ---------------------
