@@ -83,7 +83,9 @@ async def test_drops_inside_buffer_are_replayed() -> None:
             await settle(client, stream, {src.key: _last(pub)})
             assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
             st = client.stats().sources[src.key]
-            assert pub.dropped > 0 and st.gaps > 0 and st.resets == 0 and not st.partial
+            # Usually found as live gaps; if the burst beat the subscription to the PUB (slow
+            # joiner), the quiet probe finds it as a lost tail. Either way replay covers it.
+            assert pub.dropped > 0 and st.replayed_batches >= pub.dropped and st.resets == 0 and not st.partial
 
 
 async def test_drops_past_the_buffer_reset_without_overclaiming() -> None:

@@ -280,7 +280,7 @@ async def test_driver_counts_malformed_replies_and_follows_the_socket(
                     truth.apply_batch(src.key, b)
                 assert_index_equal(index, truth, wl.queries)
                 tg.cancel_scope.cancel()
-        assert sink.kinds()[:1] == ["connected"] and changes
+        assert "connected" in sink.kinds() and changes
     finally:
         router.close(linger=0)
 
