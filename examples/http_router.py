@@ -22,8 +22,7 @@ import json
 import random
 from itertools import count
 
-from kvroute._client import KvEventClient
-from kvroute._router import Router
+from kvroute import KvEventClient, Router
 from kvroute.sim import SimConfig, SimEngine
 
 # A client or engine that sends a larger head than this is not one we want to talk to.

@@ -19,10 +19,7 @@ from collections import Counter
 
 import anyio
 
-from kvroute import WorkerKey
-from kvroute._client import KvEventClient
-from kvroute._events import Disconnected, Partial, Reset, Synced
-from kvroute._router import Router
+from kvroute import Disconnected, KvEventClient, Partial, Reset, Router, Synced, WorkerKey
 from kvroute.sim import RequestAbortedError, SimConfig, SimEngine
 
 REQUESTS = 60

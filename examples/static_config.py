@@ -17,9 +17,7 @@ import socket
 
 import anyio
 
-from kvroute import EventSource
-from kvroute._client import KvEventClient
-from kvroute._router import Router
+from kvroute import EventSource, KvEventClient, Router
 from kvroute.sim import SimConfig, SimEngine
 
 

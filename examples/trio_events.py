@@ -15,8 +15,7 @@ from collections import Counter
 
 import trio
 
-from kvroute import BlockRemoved, BlockStored
-from kvroute._client import KvEventClient
+from kvroute import BlockRemoved, BlockStored, KvEventClient
 from kvroute.sim import SimConfig, SimEngine
 
 REQUESTS = 12
