@@ -48,6 +48,15 @@ _COUNTERS = (
 )
 
 
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first non-group exception inside ``exc`` (task groups wrap what their tasks raise)."""
+    while True:
+        inner = getattr(exc, "exceptions", None)
+        if not inner:
+            return exc
+        exc = inner[0]
+
+
 class TotalStats(msgspec.Struct, frozen=True, kw_only=True):
     """Counters summed over the current sources, and how many are connected / synced / partial."""
 
@@ -79,6 +88,7 @@ class ClientStats(msgspec.Struct, frozen=True, kw_only=True):
     totals: TotalStats
     refused_sources: int = 0
     removed_sources: int = 0
+    failed_sources: int = 0
     events_dropped: int = 0
 
 
@@ -198,6 +208,10 @@ class KvEventClient:
     failing for longer than ``discovery_grace`` has its workers removed until it answers
     again). ``index`` defaults to a new `PrefixIndex`; ``context`` to a zmq Context the
     client creates and terminates. The client is also the router's `WorkerStates`.
+
+    Sources and targets can be added and removed while the client runs (inside ``async
+    with``); a source whose driver fails is removed (a `Removed` event, reason
+    "failed: <error>") and the others carry on.
     """
 
     def __init__(
@@ -212,6 +226,11 @@ class KvEventClient:
         discovery_grace: float = 30.0,
         discovery_options: DiscoveryOptions | None = None,
     ) -> None:
+        if not discovery_interval > 0 or not discovery_grace >= 0:
+            raise ValueError(
+                "discovery_interval must be > 0 and discovery_grace >= 0, "
+                f"not {discovery_interval!r}, {discovery_grace!r}"
+            )
         self._config = config or SubscriberConfig()
         self._index = index if index is not None else PrefixIndex()
         self._initial_sources = list(sources)
@@ -231,6 +250,7 @@ class KvEventClient:
         self._changed: anyio.Event | None = None
         self._refused = 0
         self._removed = 0
+        self._failed = 0
         self._log = RateLimitedLog("KvEventClient", log)
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -339,10 +359,18 @@ class KvEventClient:
         self._log.warn("refused source", f"{source.key} ({source.endpoint}): {why}")
         return False
 
-    @staticmethod
-    async def _run_driver(driver: SourceDriver, scope: anyio.CancelScope) -> None:
+    async def _run_driver(self, driver: SourceDriver, scope: anyio.CancelScope) -> None:
         with scope:
-            await driver.run()
+            try:
+                await driver.run()
+            except Exception as exc:
+                # Containment: one source failing (an index that raises, the process out of
+                # file descriptors) must not take every other source down with it.
+                log.exception("source %s (%s) failed and was removed", driver.key, driver.source.endpoint)
+                self._failed += 1
+                sub = self._subs.get(driver.key)
+                if sub is not None and sub.driver is driver:
+                    self._remove(driver.key, f"failed: {type(_first_leaf(exc)).__name__}")
 
     def remove_source(self, source: EventSource | WorkerKey, *, reason: str = "removed") -> bool:
         """Unsubscribe a source and remove its worker from the index (with a `Removed` event).
@@ -492,5 +520,6 @@ class KvEventClient:
             totals=totals,
             refused_sources=self._refused,
             removed_sources=self._removed,
+            failed_sources=self._failed,
             events_dropped=self._hub.dropped,
         )

@@ -24,8 +24,9 @@ from kvroute import _zmq
 from kvroute._client import KvEventClient
 from kvroute._discovery import DiscoveryOptions
 from kvroute._events import Overflow, Removed, Reset
+from kvroute._index import PrefixIndex
 from kvroute._models import EventSource, WorkerKey
-from kvroute._wire import BlockStored
+from kvroute._wire import BlockStored, EventBatch
 from kvroute.sim._grpc import VllmControlService, serve_grpc
 from kvroute.sim._publisher import EventPublisher
 
@@ -439,3 +440,29 @@ async def test_inproc_source_syncs_without_a_handshake(ctx: zmq.Context[zmq.Sock
             pub.publish(wl.batch())
             await settle(client, stream, {src.key: 4})
             assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+
+
+class _BrokenIndex(PrefixIndex):
+    """An index that cannot take one worker's batches."""
+
+    def apply_batch(self, worker: WorkerKey, batch: EventBatch) -> None:
+        if worker.worker_id == "bad":
+            raise RuntimeError("index refuses")
+        super().apply_batch(worker, batch)
+
+
+async def test_a_failing_source_is_removed_and_the_rest_carry_on() -> None:
+    wl, wb = Workload(19), Workload(21)
+    async with EventPublisher() as pa, EventPublisher() as pb:
+        good, bad = pa.source("good"), pb.source("bad")
+        for _ in range(3):
+            pa.publish(wl.batch())
+            pb.publish(wb.batch())
+        async with KvEventClient([good, bad], config=FAST, index=_BrokenIndex()) as client:
+            stream = client.events()
+            env = await next_event(stream, "removed")
+            assert env.source == bad and env.event == Removed("failed: RuntimeError")
+            await settle(client, stream, {good.key: 2})
+            assert client.live_workers() == {good.key}
+            assert client.stats().failed_sources == 1
+            assert_index_equal(client.index, truth_index({good.key: pa}), wl.queries)
