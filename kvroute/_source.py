@@ -27,10 +27,24 @@ Actions (see each class): `Apply`, `RequestReplay`, `ResetWorker`, `RecreateSubs
 
 - At most one replay is in flight (`replay_in_flight`); answer each `RequestReplay` with
   exactly one `on_replay` or `on_replay_failed`. Replies that arrive after that belong to
-  no request: drain and drop them before sending the next request.
+  no request: drain and drop them before sending the next request. While
+  `replay_abandoned` is true the answer will be ignored, so the driver may settle the
+  request at once with `on_replay_failed`.
 - `RecreateSubscriber`: close the SUB and open a new one, and drop every message already
-  read from the old socket but not yet fed (it holds a dead engine's stream).
+  read from the old socket but not yet fed (it holds a dead engine's stream). The new
+  socket's first connect is reported with `on_reconnected` like any other.
+- Report a disconnect before feeding any live message or replay reply that arrived after
+  it. (A reconnect report may lag: until it comes, live batches are held, or dropped for a
+  source without replay.)
 - `start()` assumes the index holds nothing for this worker yet.
+
+Outages: after a disconnect nothing is applied and no replay is asked until the reconnect.
+Then, with a replay endpoint and something applied, one identity check (replay from the
+newest applied seq, compare seq and ts) tells the same engine (keep everything, apply the
+missed tail and the held batches) from a restarted one (reset, fresh SUB, cold replay).
+With nothing to check against (no replay endpoint, or nothing applied yet) a reconnect
+starts over on a fresh SUB, resetting the worker if anything was applied: messages the old
+connection queued cannot be told from the new one's.
 
 Guarantee, for a driver that keeps these obligations: everything `Apply` hands out since the
 last `ResetWorker` is a contiguous run of one engine process's batches, in seq order, each
@@ -40,7 +54,7 @@ says the run does not reach back to that process's seq 0.
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
 from collections.abc import Sequence
 from typing import Final
 
@@ -57,8 +71,8 @@ __all__ = [
     "ReplayRequest",
     "RequestReplay",
     "ResetWorker",
+    "RecoveryStats",
     "SourceMachine",
-    "SourceStats",
 ]
 
 #: The replay end marker's seq (0xFF x 8, protocol.md §4); real seqs are below it.
@@ -116,8 +130,18 @@ class Emit(msgspec.Struct, frozen=True):
 Action = Apply | RequestReplay | ResetWorker | RecreateSubscriber | Emit
 
 
-class SourceStats(msgspec.Struct):
-    """Counters of one source's machine (monotonic over its lifetime)."""
+class RecoveryStats(msgspec.Struct):
+    """Counters of one source's machine, monotonic over its lifetime.
+
+    ``applied``: batches handed out in `Apply`; ``duplicates``: copies of a batch already
+    applied or held, dropped; ``stale``: old seqs no longer in the ts ring (or unreadable, or
+    arriving while a source without replay is disconnected), dropped; ``undecodable``:
+    payloads that failed to decode; ``invalid``: seqs out of range and replies with no
+    request; ``gaps``: live gaps; ``replays``: requests issued, of which ``identity_checks``
+    and ``probes``; ``replay_failures``: requests that got no answer; ``restarts``: engine
+    restarts seen; ``resets``: `ResetWorker` actions; ``uncovered``: losses no replay could
+    fill; ``overflows``: batches that found the hold full.
+    """
 
     applied: int = 0
     duplicates: int = 0
@@ -143,8 +167,12 @@ class SourceMachine:
     """Sequence, gap, restart and replay logic of one source, as a pure state machine.
 
     ``has_replay``: the source has a replay endpoint. ``ts_ring``: how many applied seqs
-    keep their ts, to tell a duplicate from a restart (rule 2). ``max_held``: how many
-    batches may wait for a replay; past it the gap counts as uncovered (rule 5).
+    keep their ts, to tell a duplicate from a restart (rule 2); the default 4,096 (64 KB a
+    source) outlasts a replay's overlap with live traffic (a ROUTER sends at most 1,000
+    replies ahead of the reader, protocol.md §4), and an older seq costs one identity check,
+    never a wrong answer. ``max_held``: how many batches may wait for a replay; past it the
+    gap counts as uncovered (rule 5). The default 100,000 is the engines' PUB hwm
+    (protocol.md §1): a replay outstanding that long has let the publisher drop anyway.
     """
 
     def __init__(self, *, has_replay: bool, ts_ring: int = 4096, max_held: int = 100_000) -> None:
@@ -161,16 +189,20 @@ class SourceMachine:
         self.partial = False
         #: The replay request the driver is carrying out, if any.
         self.replay_in_flight: RequestReplay | None = None
-        self.stats = SourceStats()
-        self._ts: dict[int, float] = {}
-        self._ts_order: deque[int] = deque()
+        self.stats = RecoveryStats()
+        # The ts ring: slot seq % ts_ring holds the newest applied seq of that residue and its
+        # ts (_SEQ_END: empty). Two flat arrays, 16 bytes a slot, one store each per batch.
+        self._ring_seq = array("Q", [_SEQ_END]) * ts_ring
+        self._ring_ts = array("d", [0.0]) * ts_ring
+        #: Newest seq recorded in the ring (-1: none since the last restart).
+        self._newest = -1
         self._held: dict[int, _Held] = {}
         # Initial history not known yet: with replay, a cold replay is needed; without,
         # the first live message starts the history.
         self._cold = has_replay
         self._await_first = not has_replay
         self._await_reason = "no-replay"
-        # The request in flight answers a question that no longer matters (a restart).
+        # The request in flight answers a question that no longer matters (restart, outage).
         self._abandoned = False
         # ts of the seq an identity check / probe asked from; None for other requests.
         self._anchor_ts: float | None = None
@@ -179,7 +211,8 @@ class SourceMachine:
         self._identity_failures = 0
         self._connected = False
         self._connected_once = False
-        # The SUB was connected and lost it: ask no replay until it is back (on_disconnected).
+        # The SUB was connected and lost it: hold (or, without replay, drop) live batches and
+        # ask no replay until it is back (on_disconnected).
         self._down = False
         # The index may hold blocks of this worker (something applied since the last reset).
         self._dirty = False
@@ -232,9 +265,11 @@ class SourceMachine:
             and not self._identity_question
             and not self._down
         ):
-            # Rule 1, the hot path: in order, nothing pending.
-            self._record(seq, ts)
-            self.last_seq = seq
+            # Rule 1, the hot path: in order, nothing pending (`_record` inlined).
+            i = seq % self.ts_ring
+            self._ring_seq[i] = seq
+            self._ring_ts[i] = ts
+            self._newest = self.last_seq = seq
             self._dirty = True
             self.stats.applied += 1
             return [Apply([(seq, ts, batch)])]
@@ -305,7 +340,7 @@ class SourceMachine:
             # What the SUB missed before it joined (slow joiner) shows as a gap at the next
             # live seq, or to the quiet probe (rules 3 and 8).
             return self._done(before, out)
-        if self.has_replay and self._ts_order and not self._cold:
+        if self.has_replay and self._newest >= 0 and not self._cold:
             self._ask_identity(out)
         else:
             # Nothing an identity check could vouch for (no replay endpoint, or nothing
@@ -321,13 +356,13 @@ class SourceMachine:
         before = self.state
         self._connected = False
         self._identity_ok = False
+        self._down = True
         if self.has_replay:
             # The engine may be gone, and whatever comes next (live or replayed) may be its
             # successor's: hold everything and ask nothing until the reconnect's identity
             # check vouches for the newest batch applied, which is then still the one
             # applied before the disconnect (rule 7).
-            self._down = True
-            if self._ts_order:
+            if self._newest >= 0:
                 self._identity_question = True
             if self._anchor_ts is None:
                 self._abandon()
@@ -341,18 +376,22 @@ class SourceMachine:
         return out
 
     def _record(self, seq: int, ts: float) -> None:
-        self._ts[seq] = ts
-        order = self._ts_order
-        order.append(seq)
-        if len(order) > self.ts_ring:
-            del self._ts[order.popleft()]
+        i = seq % self.ts_ring
+        self._ring_seq[i] = seq
+        self._ring_ts[i] = ts
+        self._newest = seq
+
+    def _recorded(self, seq: int) -> float | None:
+        """The ts ``seq`` was applied with, if the ring still holds it."""
+        i = seq % self.ts_ring
+        return self._ring_ts[i] if self._ring_seq[i] == seq else None
 
     def _forget(self) -> None:
         """Drop all sequence state, as for a new engine process."""
         self.last_seq = -1
         self.partial = False
-        self._ts.clear()
-        self._ts_order.clear()
+        self._ring_seq = array("Q", [_SEQ_END]) * self.ts_ring
+        self._newest = -1
         self._held.clear()
         self._identity_question = False
         self._identity_ok = False
@@ -361,6 +400,10 @@ class SourceMachine:
     def _live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action]) -> None:
         if not 0 <= seq < _SEQ_END:
             self.stats.invalid += 1
+            return
+        if self._down and not self.has_replay:
+            # Whatever arrives now is dropped with the rest at the reconnect's fresh start.
+            self.stats.stale += 1
             return
         if batch is None:
             self.stats.undecodable += 1
@@ -395,7 +438,7 @@ class SourceMachine:
 
     def _old_live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action]) -> None:
         """Rule 2: a live seq <= last is a duplicate, a stale message, or a restarted engine."""
-        recorded = self._ts.get(seq)
+        recorded = self._recorded(seq)
         if batch is None:
             # Its ts is unknown, so it proves nothing; the next decodable one will.
             self.stats.stale += 1
@@ -411,7 +454,7 @@ class SourceMachine:
             # Without replay nothing but a restart moves the stream behind `last`.
             self._restart(f"seq {seq} arrived after seq {self.last_seq}, and no replay endpoint can check", out)
             return
-        if self._identity_ok or self._identity_question or not self._ts_order:
+        if self._identity_ok or self._identity_question or self._newest < 0:
             # One identity check answers for every such message (rule 2); with nothing
             # recorded since the last restart, the index holds nothing to protect.
             return
@@ -469,7 +512,7 @@ class SourceMachine:
             self._request(0, "cold", None, out)
             return
         if self._identity_question:
-            if self._ts_order:
+            if self._newest >= 0:
                 self._request_probe("identity", out)
                 return
             # Nothing applied since the last restart: the index holds nothing to vouch for.
@@ -492,9 +535,8 @@ class SourceMachine:
 
     def _request_probe(self, purpose: str, out: list[Action]) -> None:
         """Replay from the newest applied seq, so the first reply vouches for the engine (rule 7)."""
-        if self._ts_order:
-            anchor = self._ts_order[-1]
-            self._request(anchor, purpose, self._ts[anchor], out)
+        if self._newest >= 0:
+            self._request(self._newest, purpose, self._recorded(self._newest), out)
         else:
             self._request(self.last_seq + 1, purpose, None, out)
 
@@ -547,7 +589,7 @@ class SourceMachine:
             if first is None:
                 first = seq
             if seq <= self.last_seq:
-                recorded = self._ts.get(seq)
+                recorded = self._recorded(seq)
                 if batch is not None and recorded is not None and recorded != ts:
                     self._restart(f"replayed seq {seq} has ts {ts!r}, applied with ts {recorded!r}", out)
                     return

@@ -584,6 +584,17 @@ def test_reconnect_without_replay_resets() -> None:
     assert applied(out) == [0] and not m.partial
 
 
+def test_without_replay_messages_during_an_outage_are_dropped() -> None:
+    m = SourceMachine(has_replay=False)
+    m.on_reconnected()
+    live(m, 0)
+    m.on_disconnected()
+    # Maybe the old connection's leftovers, maybe a successor's seq 1: the reconnect resets anyway.
+    assert live(m, 1, epoch=1) == [] and m.last_seq == 0
+    out = m.on_reconnected()
+    assert resets(out) == ["reconnect"] and RecreateSubscriber() in out
+
+
 def test_reconnect_during_cold_start_starts_it_over() -> None:
     m = SourceMachine(has_replay=True)
     m.start()
