@@ -179,11 +179,14 @@ class _Hub:
         self._streams.add(stream)
 
     def publish(self, envelope: Envelope) -> None:
+        closed: list[EventStream] = []
         for stream in self._streams:
             if stream._closed:
-                self._streams.discard(stream)
+                closed.append(stream)
             elif stream._push(envelope):
                 self.dropped += 1
+        for stream in closed:  # not while iterating: a set must not change size under its iterator
+            self._streams.discard(stream)
 
     def close(self) -> None:
         for stream in list(self._streams):

@@ -303,6 +303,8 @@ async def test_iterators_and_overflow() -> None:
             small = client.events(buffer=4)
             big = client.events()
             watch = client.events()
+            async with client.events() as closed_early:
+                pass
             await client.wait_synced(10)
             for _ in range(30):
                 pub.publish(wl.batch())
@@ -311,6 +313,7 @@ async def test_iterators_and_overflow() -> None:
             assert dropped > 0 and client.stats().events_dropped == dropped
         got_small = [e async for e in small]
         got_big = [e async for e in big]
+        assert [e async for e in closed_early] == []
     first = got_small[0].event
     assert isinstance(first, Overflow) and first.dropped == dropped
     assert len(got_small) == 5
