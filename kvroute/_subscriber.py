@@ -236,6 +236,8 @@ class SourceDriver:
         self._replay_request: RequestReplay | None = None
         self._replay_wakeup: anyio.Event | None = None
         self._session: anyio.CancelScope | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._replay_scope: anyio.CancelScope | None = None
         self._recreate = False
         self._last_activity = 0.0
         self.connected = False
@@ -321,6 +323,7 @@ class SourceDriver:
             sub.connect(src.endpoint)
             async with anyio.create_task_group() as tg:
                 self._session = tg.cancel_scope
+                self._monitor = mon
                 tg.start_soon(self._watch, mon)
                 if src.endpoint.startswith("inproc://"):
                     # inproc has no connection handshake, so its monitor never reports one:
@@ -330,6 +333,7 @@ class SourceDriver:
                 tg.cancel_scope.cancel()
         finally:
             self._session = None
+            self._monitor = None
             _zmq.close(sub, monitor=mon)
             if self.connected:
                 self.connected = False
@@ -343,10 +347,19 @@ class SourceDriver:
         on_live = self.machine.on_live
         apply, execute = self._apply, self._execute
         nan = math.nan
+        poll_monitor = self._poll_monitor
         while not self._recreate:
             msgs = await _zmq.recv_many(sub, batch_cap)
             self._last_activity = anyio.current_time()
             self.messages += len(msgs)
+            # A disconnect must reach the machine before any message that came after it (a
+            # restarted engine's first seqs would pass for the old one's). libzmq emits the
+            # event before it reconnects, so whatever is queued in the monitor now is older
+            # than the newest message just read: report it first. Early is safe: the machine
+            # then holds the batch until the identity check answers.
+            poll_monitor()
+            if self._recreate:
+                return
             for frames in msgs:
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self.skipped_frames += 1
@@ -370,20 +383,31 @@ class SourceDriver:
             return None
 
     async def _watch(self, mon: zmq.Socket[bytes]) -> None:
+        # Connection changes while no message flows; the pump and the replay task also read
+        # this socket (without waiting) to keep events in order with what they feed.
         while True:
             for frames in await _zmq.recv_many(mon, 64):
-                ev = _zmq.read_monitor(frames)
-                if ev is None:
-                    continue
-                if ev.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._set_connected()
-                elif ev.event == zmq.EVENT_DISCONNECTED:
-                    if self.connected:
-                        self.connected = False
-                        self._execute(self.machine.on_disconnected())
-                        self._on_change()
-                elif ev.event & _HANDSHAKE_FAILED:
-                    self._log.warn("handshake failed", f"zmq event {ev.event} from {ev.endpoint} (CURVE keys?)")
+                self._on_monitor(frames)
+
+    def _poll_monitor(self) -> None:
+        mon = self._monitor
+        if mon is not None:
+            for frames in _zmq.recv_nowait(mon, 64):
+                self._on_monitor(frames)
+
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        ev = _zmq.read_monitor(frames)
+        if ev is None:
+            return
+        if ev.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._set_connected()
+        elif ev.event == zmq.EVENT_DISCONNECTED:
+            if self.connected:
+                self.connected = False
+                self._execute(self.machine.on_disconnected())
+                self._on_change()
+        elif ev.event & _HANDSHAKE_FAILED:
+            self._log.warn("handshake failed", f"zmq event {ev.event} from {ev.endpoint} (CURVE keys?)")
 
     def _set_connected(self) -> None:
         self.connected = True
@@ -414,8 +438,17 @@ class SourceDriver:
             request, self._replay_request = self._replay_request, None
             if request is None:
                 continue
-            async with self._limiter:
-                items, complete, failure = await self._replay(request.from_seq)
+            with anyio.CancelScope() as scope:
+                self._replay_scope = scope
+                async with self._limiter:
+                    items, complete, failure = await self._replay(request.from_seq)
+            self._replay_scope = None
+            if scope.cancelled_caught:
+                # The machine abandoned this request (restart, disconnect): stop waiting for
+                # it; its late replies die with the DEALER.
+                self._close_dealer()
+                items, complete, failure = [], False, "abandoned"
+            self._poll_monitor()  # a disconnect first, as for live messages
             if failure is not None:
                 self._execute(self.machine.on_replay_failed(failure))
             else:
@@ -516,6 +549,8 @@ class SourceDriver:
                 self._recreate = True
                 if self._session is not None:
                     self._session.cancel()
+        if self._replay_scope is not None and self.machine.replay_abandoned:
+            self._replay_scope.cancel()
         if changed:
             self._on_change()
 

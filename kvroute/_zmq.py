@@ -31,6 +31,7 @@ __all__ = [
     "open_monitor",
     "read_monitor",
     "recv_many",
+    "recv_nowait",
     "send_nowait",
     "socket",
     "wait_readable",
@@ -80,6 +81,13 @@ def _drain(sock: zmq.Socket[bytes], max_messages: int, out: list[list[bytes]]) -
             out.append(recv(zmq.NOBLOCK))
     except zmq.Again:
         pass
+
+
+def recv_nowait(sock: zmq.Socket[bytes], max_messages: int) -> list[list[bytes]]:
+    """Every message queued on ``sock`` right now (up to ``max_messages``), without waiting."""
+    out: list[list[bytes]] = []
+    _drain(sock, max_messages, out)
+    return out
 
 
 async def recv_many(sock: zmq.Socket[bytes], max_messages: int) -> list[list[bytes]]:

@@ -469,3 +469,33 @@ async def test_a_failing_source_is_removed_and_the_rest_carry_on() -> None:
             assert client.live_workers() == {good.key}
             assert client.stats().failed_sources == 1
             assert_index_equal(client.index, truth_index({good.key: pa}), wl.queries)
+
+
+async def test_a_replay_made_moot_by_a_disconnect_is_not_waited_for() -> None:
+    # The gap's replay is swallowed; the engine then restarts. Waiting out the 5 s replay
+    # timeout would hold the new engine's state back: the driver drops the request at once.
+    cfg = msgspec.structs.replace(FAST, replay_timeout=5.0)
+    wl = Workload(22)
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        async with KvEventClient([src], config=cfg) as client:
+            stream = client.events()
+            for _ in range(5):
+                pub.publish(wl.batch())
+            await settle(client, stream, {src.key: 4})
+            pub.replay_mute = True
+            pub.drop_rate = 1.0
+            pub.publish(wl.batch())
+            pub.drop_rate = 0.0
+            pub.publish(wl.batch())
+            await next_event(stream, "gap")
+            await anyio.sleep(0.2)
+            assert pub.replays_ignored == 1
+            pub.replay_mute = False
+            pub.restart()
+            wl = Workload(23)
+            for _ in range(3):
+                pub.publish(wl.batch())
+            with anyio.fail_after(3):
+                await settle(client, stream, {src.key: _last(pub)})
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)

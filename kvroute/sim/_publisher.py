@@ -80,9 +80,9 @@ class EventPublisher:
     ``sndbuf`` sets the PUB's kernel send buffer: small, it makes a slow subscriber reach the
     high-water mark after a few hundred kilobytes instead of megabytes.
     ``curve`` is the server's CURVE key pair: clients must then use CURVE with its public key.
-    Fault knobs: ``drop_rate`` and ``corrupt_rate`` (with ``seed``), `restart`, `kill_replay` / `revive_replay`,
-    `pause` / `resume`, `publish_raw`. ``keep_history=False`` skips the ground-truth record
-    (benchmarks).
+    Fault knobs: ``drop_rate`` and ``corrupt_rate`` (with ``seed``), `replay_mute`, `restart`,
+    `kill_replay` / `revive_replay`, `pause` / `resume`, `publish_raw`. ``keep_history=False``
+    skips the ground-truth record (benchmarks).
     """
 
     def __init__(
@@ -124,6 +124,9 @@ class EventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self.drop_rate = drop_rate
         self.corrupt_rate = corrupt_rate
+        #: While True, replay requests are read and never answered (a loaded engine dropping
+        #: every reply, end marker included, protocol.md §4); counted in `replays_ignored`.
+        self.replay_mute = False
         self.replay_sndhwm = replay_sndhwm
         self.sndbuf = sndbuf
         self.curve = curve
@@ -137,6 +140,7 @@ class EventPublisher:
         self.corrupted = 0
         self.restarts = 0
         self.replays_served = 0
+        self.replays_ignored = 0
         self.replies_sent = 0
         self._bind_endpoint = endpoint
         self._bind_replay = replay_endpoint
@@ -374,6 +378,9 @@ class EventPublisher:
         # A ROUTER prefixes the peer identity; the request itself is [b"", seq8]. Anything
         # else is malformed and gets no reply at all (protocol.md §4).
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            return
+        if self.replay_mute:
+            self.replays_ignored += 1
             return
         ident = frames[0]
         start = int.from_bytes(frames[2], "big")
