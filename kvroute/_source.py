@@ -595,17 +595,22 @@ class SourceMachine:
                     return
                 stats.duplicates += 1
                 continue
-            if len(self._held) >= self.max_held and seq not in self._held:
+            full = len(self._held) >= self.max_held and seq not in self._held
+            if full:
                 self._drain(out)
-                if len(self._held) >= self.max_held:
-                    # Still full: the rest is asked again once the held ones are applied (rule 4).
-                    stats.overflows += 1
-                    continue
+                full = len(self._held) >= self.max_held
+            if full and (seq != self.last_seq + 1 or batch is None):
+                # The rest is asked again once the held ones are applied (rule 4).
+                stats.overflows += 1
+                continue
             if batch is None:
                 stats.undecodable += 1
             if not self._hold(seq, ts, batch, True, out):
                 return
             taken += 1
+            if full:
+                # The batch that continues the run is always taken: applying it makes room.
+                self._drain(out)
         if taken or req.purpose in ("cold", "gap", "retry"):
             out.append(Emit(Replayed(req.from_seq, taken, req.purpose)))
         if floor_means_lost and first is not None and first > from_seq:

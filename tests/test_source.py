@@ -415,7 +415,7 @@ def test_lost_end_marker_with_nothing_more_is_synced() -> None:
     m = synced_machine(4)
     live(m, 6)
     m.on_replay(items(range(5, 7)), complete=False)
-    out = m.on_replay(items([7])[:0], complete=True)
+    out = m.on_replay([], complete=True)  # the retry: nothing after 6
     assert events(out)[-1] == Synced() and resets(out) == []
 
 
@@ -710,8 +710,8 @@ class World:
     last ResetWorker, and checks that every Apply continues it with the true batch.
     """
 
-    def __init__(self, *, has_replay: bool, depth: int, ts_ring: int) -> None:
-        self.m = SourceMachine(has_replay=has_replay, ts_ring=ts_ring)
+    def __init__(self, *, has_replay: bool, depth: int, ts_ring: int, max_held: int = 100_000) -> None:
+        self.m = SourceMachine(has_replay=has_replay, ts_ring=ts_ring, max_held=max_held)
         self.depth = depth
         self.epoch = 0
         self.head = -1
@@ -825,7 +825,7 @@ class World:
                     elif (
                         self.reset_from is not None
                         and self.reset_from[0] == epoch
-                        and self.resets[-1] not in ("restart", "reconnect")
+                        and self.resets[-1] not in ("restart", "reconnect", "overflow")
                     ):
                         # The reset skipped (reset_from, seq): one of those must be unknown.
                         skipped = {(epoch, s) for s in range(self.reset_from[1] + 1, seq)}
@@ -942,11 +942,12 @@ def test_model_perfect_replay_never_resets_without_restart(
     has_replay=st.booleans(),
     depth=st.integers(1, 40),
     ts_ring=st.integers(1, 64),
+    max_held=st.sampled_from([3, 100_000]),
     final=st.integers(1, 5),
 )
 def test_model_lossy_world_index_stays_a_true_contiguous_run(
-    steps: list[tuple[object, ...]], has_replay: bool, depth: int, ts_ring: int, final: int
+    steps: list[tuple[object, ...]], has_replay: bool, depth: int, ts_ring: int, max_held: int, final: int
 ) -> None:
-    """Drops, duplicates, corrupt payloads, lossy replies, timeouts, shallow buffers, restarts."""
-    world = World(has_replay=has_replay, depth=depth, ts_ring=ts_ring)
+    """Drops, duplicates, corrupt payloads, lossy replies, timeouts, shallow buffers, restarts, overflows."""
+    world = World(has_replay=has_replay, depth=depth, ts_ring=ts_ring, max_held=max_held)
     run_world(world, steps, final=final, faults=True)
