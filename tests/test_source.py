@@ -919,7 +919,7 @@ def run_world(world: World, steps: list[tuple[object, ...]], *, final: int, faul
         assert world.run[0] == (world.epoch, 0)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     steps=st.lists(step, max_size=80),
     ts_ring=st.integers(1, 64),
@@ -936,7 +936,7 @@ def test_model_perfect_replay_never_resets_without_restart(
     assert not world.m.partial
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     steps=st.lists(step, max_size=80),
     has_replay=st.booleans(),
