@@ -11,7 +11,7 @@ failing the batch.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -147,41 +147,29 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     max_block_size: int = 65_536
 
 
-# --- the array form (old engines): positional fields, trailing ones optional ---------------
+# --- variants of the event Structs for the other encodings ----------------------------------
 
 
-class _ArrBlockStored(msgspec.Struct, tag="BlockStored", array_like=True):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[list[ExtraKey] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: Any = None
-    lookahead_token_ids: list[int] | None = None
-    cache_salt: Any = None
+def _variant(cls: type[msgspec.Struct], required: int, **config: Any) -> type[msgspec.Struct]:
+    """``cls``'s fields, in order, with the first ``required`` ones made required (no default)."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for i, f in enumerate(msgspec.structs.fields(cls)):
+        fields.append((f.name, f.type) if i < required else (f.name, f.type, f.default))
+    return msgspec.defstruct(f"_{config.get('tag', cls.__name__)}Variant", fields, **config)
 
 
-class _ArrBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: Any = None
-    ownership: Any = None
+# The array form (old engines): positional fields, the trailing ones optional. The parent
+# hash is always written (nil for a root), so BlockStored's first four fields are required.
+_ArrBlockStored = _variant(BlockStored, 4, tag="BlockStored", array_like=True)
+_ArrBlockRemoved = _variant(BlockRemoved, 1, tag="BlockRemoved", array_like=True)
+_ArrAllBlocksCleared = _variant(AllBlocksCleared, 0, tag="AllBlocksCleared", array_like=True)
+_ArrEvent: Any = Union[_ArrBlockStored, _ArrBlockRemoved, _ArrAllBlocksCleared]  # noqa: UP007 (runtime union)
 
-
-class _ArrAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
-    pass
-
-
-_ArrEvent = _ArrBlockStored | _ArrBlockRemoved | _ArrAllBlocksCleared
+# vLLM writes these BlockStored / BlockRemoved fields even when nil (protocol.md §3), so the
+# map-form encoder uses twins where they have no default and omit_defaults skips only the
+# rest — this is what makes re-encoding the golden payloads byte-exact.
+_OutBlockStored = _variant(BlockStored, 7, tag="BlockStored", tag_field="type", omit_defaults=True)
+_OutBlockRemoved = _variant(BlockRemoved, 2, tag="BlockRemoved", tag_field="type", omit_defaults=True)
 
 
 class _ArrEventBatch(msgspec.Struct, array_like=True):
@@ -204,36 +192,6 @@ class _RawMapBatch(msgspec.Struct):
 
 class _Tag(msgspec.Struct):
     type: str
-
-
-# vLLM writes these BlockStored / BlockRemoved fields even when nil (protocol.md §3), so
-# the map-form encoder uses twins where they have no default and omit_defaults skips
-# only the rest — this is what makes re-encoding the golden payloads byte-exact.
-class _OutBlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[list[ExtraKey] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: Any = None
-    lookahead_token_ids: list[int] | None = None
-    cache_salt: Any = None
-
-
-class _OutBlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
-    block_hashes: list[BlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: Any = None
-    ownership: Any = None
 
 
 _BS_FIELDS = BlockStored.__struct_fields__
@@ -259,7 +217,7 @@ _str_decoder = msgspec.msgpack.Decoder(str)
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _from_array(ev: _ArrBlockStored | _ArrBlockRemoved | _ArrAllBlocksCleared) -> EngineEvent:
+def _from_array(ev: msgspec.Struct) -> EngineEvent:
     if isinstance(ev, _ArrBlockStored):
         return BlockStored(**msgspec.structs.asdict(ev))
     if isinstance(ev, _ArrBlockRemoved):
