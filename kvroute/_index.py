@@ -29,7 +29,7 @@ import msgspec
 
 from ._hashing import block_keys, root_key, tokens_to_bytes
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, normalize_medium
-from ._snapshot import Cursor, read_snapshot, write_snapshot
+from ._snapshot import Cursor, SnapWorker, read_snapshot, write_snapshot
 from ._wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EngineEvent, EventBatch
 
 __all__ = ["IndexStats", "OverlapScores", "PrefixIndex"]
@@ -508,13 +508,33 @@ class PrefixIndex:
         ``KvEventClient.snapshot`` passes its sources' cursors; a client later started with
         ``index=PrefixIndex.restore(path)`` resumes each source from there.
         """
-        write_snapshot(self, path, dict(cursors or self.restored_cursors))
+        workers = [
+            SnapWorker(
+                worker_id=w.key.worker_id,
+                dp_rank=w.key.dp_rank,
+                block_sizes=sorted(w.block_sizes),
+                nonfull_groups=sorted(w.nonfull_groups),
+                hashes=list(w.blocks.keys()),
+                keys=list(w.blocks.values()),
+                special=[(h, list(c)) for h, c in w.special.items()],
+            )
+            for w in self._workers.values()
+        ]
+        write_snapshot(path, workers, dict(cursors or self.restored_cursors))
 
     @classmethod
     def restore(cls, path: str | os.PathLike[str]) -> PrefixIndex:
         """Load an index written by `snapshot`; its cursors are in ``restored_cursors``. Raises `SnapshotError`."""
         index = cls()
-        index.restored_cursors = read_snapshot(index, path)
+        workers, index.restored_cursors = read_snapshot(path)
+        for sw in workers:
+            index._load_worker(
+                WorkerKey(sw.worker_id, sw.dp_rank),
+                dict(zip(sw.hashes, sw.keys)),
+                dict(sw.special),
+                set(sw.block_sizes),
+                set(sw.nonfull_groups),
+            )
         return index
 
     def _load_worker(

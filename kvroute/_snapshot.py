@@ -15,7 +15,6 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -24,10 +23,7 @@ from ._hashing import HASH_VERSION
 from ._models import WorkerKey
 from ._wire import BlockHash
 
-if TYPE_CHECKING:
-    from ._index import PrefixIndex
-
-__all__ = ["Cursor", "read_snapshot", "write_snapshot"]
+__all__ = ["Cursor", "SnapWorker", "read_snapshot", "write_snapshot"]
 
 _FORMAT = "kvroute-index"
 _VERSION = 1
@@ -40,7 +36,9 @@ class Cursor(msgspec.Struct, frozen=True, array_like=True):
     ts: float
 
 
-class _SnapWorker(msgspec.Struct, array_like=True):
+class SnapWorker(msgspec.Struct, array_like=True):
+    """One worker's tables as the index keeps them (engine hash → content key, copies per tier)."""
+
     worker_id: str
     dp_rank: int
     block_sizes: list[int]
@@ -61,7 +59,7 @@ class _Snapshot(msgspec.Struct):
     version: int
     hash_version: int
     created: float
-    workers: list[_SnapWorker]
+    workers: list[SnapWorker]
     cursors: list[_SnapCursor]
 
 
@@ -70,20 +68,8 @@ class _Header(msgspec.Struct):
     version: int = 0
 
 
-def write_snapshot(index: PrefixIndex, path: str | os.PathLike[str], cursors: dict[WorkerKey, Cursor]) -> None:
-    """Write ``index`` and ``cursors`` to ``path`` atomically (a crash leaves the old file intact)."""
-    workers = [
-        _SnapWorker(
-            worker_id=w.key.worker_id,
-            dp_rank=w.key.dp_rank,
-            block_sizes=sorted(w.block_sizes),
-            nonfull_groups=sorted(w.nonfull_groups),
-            hashes=list(w.blocks.keys()),
-            keys=list(w.blocks.values()),
-            special=[(h, list(c)) for h, c in w.special.items()],
-        )
-        for w in index._workers.values()
-    ]
+def write_snapshot(path: str | os.PathLike[str], workers: list[SnapWorker], cursors: dict[WorkerKey, Cursor]) -> None:
+    """Write ``workers`` and ``cursors`` to ``path`` atomically (a crash leaves the old file intact)."""
     snap = _Snapshot(
         format=_FORMAT,
         version=_VERSION,
@@ -105,8 +91,8 @@ def write_snapshot(index: PrefixIndex, path: str | os.PathLike[str], cursors: di
         raise
 
 
-def read_snapshot(index: PrefixIndex, path: str | os.PathLike[str]) -> dict[WorkerKey, Cursor]:
-    """Load ``path`` into the empty ``index``; returns the saved cursors. Raises `SnapshotError`."""
+def read_snapshot(path: str | os.PathLike[str]) -> tuple[list[SnapWorker], dict[WorkerKey, Cursor]]:
+    """Read and check a snapshot: its workers' tables and the saved cursors. Raises `SnapshotError`."""
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
@@ -130,11 +116,4 @@ def read_snapshot(index: PrefixIndex, path: str | os.PathLike[str]) -> dict[Work
     for sw in snap.workers:
         if len(sw.hashes) != len(sw.keys):
             raise SnapshotError(f"{path} is corrupt: worker {sw.worker_id}/{sw.dp_rank} has mismatched tables")
-        index._load_worker(
-            WorkerKey(sw.worker_id, sw.dp_rank),
-            dict(zip(sw.hashes, sw.keys)),
-            dict(sw.special),
-            set(sw.block_sizes),
-            set(sw.nonfull_groups),
-        )
-    return {WorkerKey(c.worker_id, c.dp_rank): c.cursor for c in snap.cursors}
+    return snap.workers, {WorkerKey(c.worker_id, c.dp_rank): c.cursor for c in snap.cursors}
