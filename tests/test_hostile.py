@@ -335,6 +335,33 @@ async def test_sources_per_target_and_total_caps_through_discovery(caplog: pytes
 
 @pytest.mark.xfail(
     strict=True,
+    reason="_discovery._check_count logs an ERROR on every discovery round that refuses an answer "
+    "for max_sources_per_target (follow_target already reports the failure, once a minute)",
+)
+async def test_a_refused_discovery_answer_is_not_logged_every_round(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "kvroute")
+    asked = 0
+
+    def answer() -> list[EventSource]:
+        nonlocal asked
+        asked += 1
+        return [EventSource(worker_id="w", dp_rank=r, endpoint=f"tcp://127.0.0.1:{5557 + r}") for r in range(3)]
+
+    async with serve_grpc([VllmControlService(answer)]) as server:
+        options = DiscoveryOptions(timeout=1.0, max_sources_per_target=2)
+        async with KvEventClient(
+            targets=[server.target], discovery_options=options, discovery_interval=0.02, discovery_grace=0.1
+        ):
+            with anyio.fail_after(10):
+                while asked < 10:  # noqa: ASYNC110 (the gRPC handler runs on a grpc thread: nothing to wait on)
+                    await anyio.sleep(0.02)
+    lines = [r.getMessage() for r in caplog.records if server.target in r.getMessage()]
+    # "failing" (follow_target, once a minute) and "unreachable" (the client, once per outage).
+    assert len(lines) <= 2, lines
+
+
+@pytest.mark.xfail(
+    strict=True,
     reason="libzmq terminates a connection whose peer sent a message over ZMQ_MAXMSGSIZE and never "
     "reconnects it (no EVENT_CONNECT_RETRIED follows the EVENT_DISCONNECTED); the driver keeps "
     "the dead SUB, so the source stays disconnected for good",
