@@ -9,6 +9,9 @@ Inputs (each returns ``list[Action]``):
 
 - `start()`: cold start (rule 6). With a replay endpoint: replay from seq 0, holding live
   batches meanwhile. Without: the first live seq starts the history (partial if > 0).
+- `resume(seq, ts)`: warm start instead of `start()`, when the index already holds the
+  worker's state through ``seq`` (restored from a snapshot). Nothing is trusted until the
+  first connect's identity check (rule 7) vouches for the engine; see `resume`.
 - `on_live(seq, ts, batch)`: one live message; ``batch`` None means the payload failed to
   decode (then ``ts`` is ignored; pass anything).
 - `on_replay(items, complete)`: the replies to the request in flight, in arrival order, as
@@ -36,7 +39,8 @@ Actions (see each class): `Apply`, `RequestReplay`, `ResetWorker`, `RecreateSubs
 - Report a disconnect before feeding any live message or replay reply that arrived after
   it. (A reconnect report may lag: until it comes, live batches are held, or dropped for a
   source without replay.)
-- `start()` assumes the index holds nothing for this worker yet.
+- `start()` assumes the index holds nothing for this worker yet; `resume()` that it holds
+  exactly the run that ended at the given seq.
 
 Outages: after a disconnect nothing is applied and no replay is asked until the reconnect.
 Then, with a replay endpoint and something applied, one identity check (replay from the
@@ -54,6 +58,7 @@ says the run does not reach back to that process's seq 0.
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Sequence
 from typing import Final
@@ -216,6 +221,8 @@ class SourceMachine:
         self._down = False
         # The index may hold blocks of this worker (something applied since the last reset).
         self._dirty = False
+        # start() or resume() was called.
+        self._begun = False
 
     # --- read-only state ------------------------------------------------------------
 
@@ -239,6 +246,18 @@ class SourceMachine:
         return self._abandoned
 
     @property
+    def applied(self) -> tuple[int, float] | None:
+        """The newest applied seq and its ts, while the index holds this source's run; None otherwise.
+
+        None before anything is applied and after a reset until the next batch is. This is
+        the position a snapshot saves (`resume` takes it back): the index's state for the
+        worker is exactly the run that ends here.
+        """
+        if not self._dirty or self._newest < 0:
+            return None
+        return self._newest, self._ring_ts[self._newest % self.ts_ring]
+
+    @property
     def held(self) -> int:
         """How many batches wait for a replay to close a gap."""
         return len(self._held)
@@ -247,9 +266,43 @@ class SourceMachine:
 
     def start(self) -> list[Action]:
         """Begin following the source: the cold start of rule 6 (a no-op when already begun)."""
+        self._begun = True
         before = self.state
         out: list[Action] = []
         self._advance(out)
+        return self._done(before, out)
+
+    def resume(self, seq: int, ts: float) -> list[Action]:
+        """Begin following the source from a restored position (warm restart) instead of `start`.
+
+        The index holds the worker's state through ``seq``, the batch applied with ``ts``.
+        With a replay endpoint nothing is asked or applied until the SUB first connects (an
+        engine that is down cannot vouch for anything; live batches are held meanwhile).
+        Then one identity check replays from ``seq`` (rule 7): the same engine keeps the
+        state and the replay fills what it published since; a first reply with another ts,
+        an empty or failed answer (a restarted engine) resets the worker and starts cold;
+        a first reply past ``seq`` (the buffer no longer reaches back to it, so the engine
+        cannot be told from a restarted one) resets it too and the cold replay then marks
+        it partial. Without a replay endpoint nothing can vouch for the state: the worker is
+        reset at once and the source starts as after `start`. Raises ValueError for a seq
+        out of range or a ts that is not finite, RuntimeError once the machine has begun.
+        """
+        if self._begun:
+            raise RuntimeError("resume() must come first, instead of start()")
+        if not 0 <= seq < _SEQ_END or not math.isfinite(ts):
+            raise ValueError(f"cannot resume from seq {seq!r} with ts {ts!r}")
+        self._begun = True
+        before = self.state
+        out: list[Action] = []
+        self._dirty = True  # the restored state
+        if not self.has_replay:
+            self._reset("no-replay", f"restored state through seq {seq} cannot be checked without replay", out)
+            return self._done(before, out)
+        self._cold = False
+        self.last_seq = seq
+        self._record(seq, ts)
+        self._identity_question = True
+        self._down = True  # until the first connect: hold live batches, ask nothing
         return self._done(before, out)
 
     def on_live(self, seq: int, ts: float, batch: EventBatch | None) -> list[Action]:
@@ -338,7 +391,9 @@ class SourceMachine:
         self._identity_ok = False
         if first:
             # What the SUB missed before it joined (slow joiner) shows as a gap at the next
-            # live seq, or to the quiet probe (rules 3 and 8).
+            # live seq, or to the quiet probe (rules 3 and 8). A resumed source asks its
+            # identity question now that the engine is there to answer it.
+            self._advance(out)
             return self._done(before, out)
         if self.has_replay and self._newest >= 0 and not self._cold:
             self._ask_identity(out)
@@ -553,6 +608,15 @@ class SourceMachine:
             self._restart(f"replay from seq {req.from_seq} came back empty: the engine never got that far", out)
             return
         seq, ts, batch = items[0]
+        if seq > req.from_seq:
+            # The buffer no longer holds the anchor: the engine cannot be vouched for, and what
+            # it lost past the anchor could not be replayed anyway. Start over (partial then).
+            self._restart(
+                f"replay from seq {req.from_seq} began at seq {seq}: the buffer no longer reaches back to it",
+                out,
+                reason="not-in-buffer",
+            )
+            return
         if seq != req.from_seq or batch is None or ts != anchor_ts:
             got = "undecodable" if batch is None else f"ts {ts!r}"
             self._restart(

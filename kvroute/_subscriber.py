@@ -24,6 +24,7 @@ from ._errors import DecodeError
 from ._events import Envelope, LifecycleEvent, Partial, Reset
 from ._index import PrefixIndex
 from ._models import EventSource, WorkerStatus
+from ._snapshot import Cursor
 from ._source import Action, Apply, Emit, RecreateSubscriber, RequestReplay, ResetWorker, SourceMachine
 from ._wire import BatchDecoder, BlockStored, EventBatch, Limits
 
@@ -206,7 +207,9 @@ class SourceDriver:
 
     `run` owns every socket and task of the source and closes them all when cancelled.
     ``limiter`` bounds replays across sources; ``on_change`` is called (synchronously)
-    whenever the source's sync state or connection changes.
+    whenever the source's sync state or connection changes. ``resume``: the index already
+    holds this worker's state through that position (a restored snapshot); the source
+    resumes from it (`SourceMachine.resume`) instead of starting cold.
     """
 
     def __init__(
@@ -219,10 +222,14 @@ class SourceDriver:
         sink: EventSink,
         limiter: anyio.CapacityLimiter,
         on_change: Callable[[], None],
+        resume: Cursor | None = None,
     ) -> None:
         self.source = source
         self.key = source.key
         self.machine = SourceMachine(has_replay=source.replay_endpoint is not None)
+        # Resumed now, not in run(): the restored state is the machine's from the start, so
+        # `cursor` reports it even before the task runs. Its actions are carried out in run().
+        self._first_actions = self.machine.resume(resume.seq, resume.ts) if resume is not None else None
         self._ctx = context
         self._cfg = config
         self._index = index
@@ -258,6 +265,11 @@ class SourceDriver:
         """The worker's sync state as the router reads it."""
         return WorkerStatus(state=self.machine.state, partial=self.machine.partial)
 
+    def cursor(self) -> Cursor | None:
+        """The newest applied seq and its ts while the index holds this source's run (`SourceMachine.applied`)."""
+        applied = self.machine.applied
+        return Cursor(*applied) if applied is not None else None
+
     def stats(self) -> SourceStats:
         """A snapshot of this source's counters."""
         m = self.machine
@@ -290,7 +302,8 @@ class SourceDriver:
                     # Quiet ticks only ever lead to a replay probe: no endpoint, no ticks.
                     tg.start_soon(self._replay_loop)
                     tg.start_soon(self._quiet_loop)
-                self._execute(self.machine.start())
+                first, self._first_actions = self._first_actions, None
+                self._execute(first if first is not None else self.machine.start())
                 while True:
                     await self._run_session()
         finally:
