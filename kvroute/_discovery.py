@@ -315,8 +315,9 @@ def _raise_unusable(target: str, problems: list[str]) -> None:
 
 def _check_count(target: str, count: int, options: DiscoveryOptions) -> None:
     if count > options.max_sources_per_target:
+        # Raised, not logged here: the caller reports it (follow_target once a minute), so a
+        # followed target over the cap does not log an error every round.
         cause = f"answer lists {count} sources, more than max_sources_per_target={options.max_sources_per_target}"
-        log.error("discovery of %s refused: %s", target, cause)
         raise TooManySourcesError(target, cause)
 
 

@@ -11,7 +11,7 @@ failing the batch.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -35,6 +35,17 @@ _INT64_MIN = -(1 << 63)
 #: A block hash as engines send it: uint64 (vLLM), int64 (SGLang) or raw bytes (vLLM with
 #: non-int hashes). Decoded hashes are normalised: ints to the uint64 space, bytes kept.
 BlockHash = int | bytes
+
+# Hard ceilings, checked by msgspec on each array's length header before anything is
+# allocated, so a hostile message costs time and memory bounded by these, not by its size.
+# `Limits` (checked after decoding) can only tighten them. A vLLM step stores at most
+# max_num_batched_tokens / block_size blocks: even a 1M-token step of 16-token blocks is
+# 65,536 blocks.
+MAX_EVENTS_PER_BATCH = 65_536
+MAX_BLOCKS_PER_EVENT = 65_536
+MAX_TOKENS_PER_EVENT = 1 << 22
+_Hashes = Annotated[list[int | bytes], msgspec.Meta(max_length=MAX_BLOCKS_PER_EVENT)]
+_Tokens = Annotated[list[int], msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT)]
 
 #: One element of a block's ``extra_keys`` (multimodal hashes, cache salt, LoRA name, ...):
 #: engines put str, int, bytes and tuples of them here, so it is kept as decoded.
@@ -73,9 +84,9 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=T
     ``block_size`` tokens per hash; SGLang's last page may be short.
     """
 
-    block_hashes: list[BlockHash]
+    block_hashes: _Hashes
     parent_block_hash: BlockHash | None = None
-    token_ids: list[int]
+    token_ids: _Tokens
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -109,7 +120,7 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=T
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, omit_defaults=True):
     """Blocks left an engine's cache on one ``medium`` (nil = GPU)."""
 
-    block_hashes: list[BlockHash]
+    block_hashes: _Hashes
     medium: str | None = None
     group_idx: int | None = None
     locality: Any = None
@@ -130,7 +141,7 @@ class EventBatch(msgspec.Struct, array_like=True):
     """One published message: the events of one engine step, with the engine's wall-clock ``ts``."""
 
     ts: float
-    events: list[EngineEvent]
+    events: Annotated[list[EngineEvent], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
     data_parallel_rank: int | None = None
 
 
@@ -139,11 +150,13 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
 
     Defaults are far above what engines send (vLLM publishes one step's events per batch; a
     step stores at most max_num_batched_tokens / block_size blocks) yet keep a hostile
-    publisher from making kvroute hold or hash unbounded data.
+    publisher from making kvroute hold or hash unbounded data. The event and block counts
+    are also enforced while decoding, at these defaults (`MAX_EVENTS_PER_BATCH`,
+    `MAX_BLOCKS_PER_EVENT`): a `Limits` can tighten them, not raise them.
     """
 
-    max_events_per_batch: int = 100_000
-    max_blocks_per_event: int = 65_536
+    max_events_per_batch: int = MAX_EVENTS_PER_BATCH
+    max_blocks_per_event: int = MAX_BLOCKS_PER_EVENT
     max_block_size: int = 65_536
 
 
@@ -174,19 +187,19 @@ _OutBlockRemoved = _variant(BlockRemoved, 2, tag="BlockRemoved", tag_field="type
 
 class _ArrEventBatch(msgspec.Struct, array_like=True):
     ts: float
-    events: list[_ArrEvent]
+    events: Annotated[list[_ArrEvent], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
     data_parallel_rank: int | None = None
 
 
 class _RawArrBatch(msgspec.Struct, array_like=True):
     ts: float
-    events: list[msgspec.Raw]
+    events: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
     data_parallel_rank: int | None = None
 
 
 class _RawMapBatch(msgspec.Struct):
     ts: float
-    events: list[msgspec.Raw]
+    events: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
     data_parallel_rank: int | None = None
 
 
