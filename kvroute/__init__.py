@@ -45,6 +45,7 @@ from ._events import (
     Synced,
 )
 from ._index import IndexStats, OverlapScores, PrefixIndex
+from ._metrics import KvRouteCollector
 from ._models import CPU, DISK, EXTERNAL, GPU, TIERS, EventSource, WorkerKey, WorkerStates, WorkerStatus
 from ._router import CandidateScore, CostModel, Router, RouterError, RouterStats, RoutingDecision
 from ._snapshot import Cursor
@@ -92,6 +93,7 @@ __all__ = [
     "IndexStats",
     "InvalidOptionsError",
     "KvEventClient",
+    "KvRouteCollector",
     "KvRouteError",
     "LifecycleEvent",
     "Limits",

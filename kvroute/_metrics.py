@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from ._client import ClientStats, KvEventClient
 from ._index import IndexStats, PrefixIndex
-from ._router import Router, RouterStats
+from ._router import SELECT_BUCKETS, Router, RouterStats
 
 if TYPE_CHECKING:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -180,6 +180,21 @@ def _per_source(stats: ClientStats | None) -> Iterator[Metric]:
     yield synced
 
 
+#: The `select` latency histogram, from RouterStats' ``select_seconds_*`` fields.
+SELECT_HISTOGRAM = "kvroute_router_select_seconds"
+
+
+def _select_histogram(stats: RouterStats | None) -> Metric:
+    from prometheus_client.core import HistogramMetricFamily
+
+    fam = HistogramMetricFamily(SELECT_HISTOGRAM, "Wall time of Router.select calls.")
+    if stats is not None:
+        buckets = [(repr(b), float(n)) for b, n in zip(SELECT_BUCKETS, stats.select_seconds_buckets)]
+        buckets.append(("+Inf", float(stats.selections)))
+        fam.add_metric([], buckets, stats.select_seconds_sum)
+    return fam
+
+
 class KvRouteCollector:
     """A prometheus_client collector of kvroute's stats: per source, client, index and router.
 
@@ -237,3 +252,4 @@ class KvRouteCollector:
             yield from _flat(INDEX_FIELDS, index)
         if self.router is not None:
             yield from _flat(ROUTER_FIELDS, router)
+            yield _select_histogram(router)

@@ -34,8 +34,9 @@ import logging
 import math
 import random
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from itertools import islice
+from itertools import accumulate, islice
 from typing import Any
 
 import msgspec
@@ -45,7 +46,7 @@ from ._hashing import chain_keys
 from ._index import OverlapScores, PrefixIndex
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, WorkerStates
 
-__all__ = ["CandidateScore", "CostModel", "Router", "RouterError", "RouterStats", "RoutingDecision"]
+__all__ = ["SELECT_BUCKETS", "CandidateScore", "CostModel", "Router", "RouterError", "RouterStats", "RoutingDecision"]
 
 _log = logging.getLogger("kvroute.router")
 
@@ -183,14 +184,25 @@ class RoutingDecision(msgspec.Struct, frozen=True, kw_only=True):
     idle_cost: float
 
 
+#: Upper bounds (seconds) of the `select` latency histogram in `RouterStats`.
+SELECT_BUCKETS: tuple[float, ...] = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3)
+
+
 class RouterStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters of a `Router`."""
+    """Counters of a `Router`.
+
+    ``select_seconds_*``: the measured wall time of every `select` call — their sum, and
+    cumulative counts at or under each bound of `SELECT_BUCKETS` (a Prometheus histogram's
+    shape; the count of all calls is ``selections``).
+    """
 
     selections: int
     active_requests: int
     approximate_workers: int
     approximate_blocks: int
     unknown_finishes: int
+    select_seconds_sum: float = 0.0
+    select_seconds_buckets: tuple[int, ...] = ()
 
 
 class _Approx:
@@ -302,6 +314,9 @@ class Router:
         self._request_worker: dict[Hashable, WorkerKey] = {}
         self._selections = 0
         self._unknown_finishes = 0
+        self._select_seconds = 0.0
+        # One count per SELECT_BUCKETS bound, plus one for slower calls.
+        self._select_buckets = [0] * (len(SELECT_BUCKETS) + 1)
 
     # --- workers -------------------------------------------------------------------------
 
@@ -418,6 +433,8 @@ class Router:
             approximate_workers=len(self._approx),
             approximate_blocks=sum(len(s.expiry) for s in self._approx.values()),
             unknown_finishes=self._unknown_finishes,
+            select_seconds_sum=self._select_seconds,
+            select_seconds_buckets=tuple(accumulate(self._select_buckets[:-1])),
         )
 
     # --- selection -----------------------------------------------------------------------
@@ -453,6 +470,7 @@ class Router:
         worker is assumed to cache the prompt either way. Raises `NoWorkersError` when no
         candidate is left, `RouterError` on bad input.
         """
+        started = time.perf_counter()
         try:
             ntok = len(token_ids)
             scores = self.index.find_matches(token_ids, lora_name=lora_name, extra_keys=extra_keys)
@@ -568,6 +586,9 @@ class Router:
         if request_id is not None:
             self._start(request_id, worker, ntok - chosen.overlap_blocks * (chosen.block_size or 0))
         self._selections += 1
+        took = time.perf_counter() - started
+        self._select_seconds += took
+        self._select_buckets[bisect_left(SELECT_BUCKETS, took)] += 1
         return RoutingDecision(
             worker=worker,
             overlap_blocks=chosen.overlap_blocks,

@@ -19,6 +19,7 @@ from kvroute._metrics import (
     CLIENT_FIELDS,
     INDEX_FIELDS,
     ROUTER_FIELDS,
+    SELECT_HISTOGRAM,
     SOURCE_FIELDS,
     SOURCE_SYNCED,
     TOTAL_FIELDS,
@@ -152,7 +153,9 @@ def test_every_stats_field_is_exported() -> None:
     assert fields(TOTAL_FIELDS) == set(TotalStats.__struct_fields__) - set(_COUNTERS)
     assert set(_COUNTERS) <= fields(SOURCE_FIELDS)
     assert fields(INDEX_FIELDS) == set(IndexStats.__struct_fields__)
-    assert fields(ROUTER_FIELDS) == set(RouterStats.__struct_fields__)
+    # The select_seconds_* fields are the SELECT_HISTOGRAM family.
+    histogram = {"select_seconds_sum", "select_seconds_buckets"}
+    assert fields(ROUTER_FIELDS) == set(RouterStats.__struct_fields__) - histogram
     names = [n for n, *_ in (*SOURCE_FIELDS, SOURCE_SYNCED, *CLIENT_FIELDS, *TOTAL_FIELDS, *INDEX_FIELDS,
                              *ROUTER_FIELDS)]  # fmt: skip
     assert len(names) == len(set(names)) and all(n.startswith("kvroute_") for n in names)
@@ -168,8 +171,9 @@ def test_describe_names_what_collect_yields() -> None:
     described = [(m.name, m.type, m.documentation) for m in collector.describe()]
     collected = list(collector.collect())
     assert described == [(m.name, m.type, m.documentation) for m in collected]
-    assert all(not m.samples for m in collector.describe()) and all(len(m.samples) == 1 for m in collected)
-    assert {m.name for m in collected} == {n for n, *_ in (*INDEX_FIELDS, *ROUTER_FIELDS)}
+    assert all(not m.samples for m in collector.describe())
+    assert all(len(m.samples) == 1 for m in collected if m.name != SELECT_HISTOGRAM)
+    assert {m.name for m in collected} == {n for n, *_ in (*INDEX_FIELDS, *ROUTER_FIELDS)} | {SELECT_HISTOGRAM}
     # The registry checks names with describe(): a second collector of the same names is refused.
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         KvRouteCollector(index=index).register(registry)
