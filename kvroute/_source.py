@@ -279,13 +279,14 @@ class SourceMachine:
         With a replay endpoint nothing is asked or applied until the SUB first connects (an
         engine that is down cannot vouch for anything; live batches are held meanwhile).
         Then one identity check replays from ``seq`` (rule 7): the same engine keeps the
-        state and the replay fills what it published since; a first reply with another ts,
-        an empty or failed answer (a restarted engine) resets the worker and starts cold;
-        a first reply past ``seq`` (the buffer no longer reaches back to it, so the engine
-        cannot be told from a restarted one) resets it too and the cold replay then marks
-        it partial. Without a replay endpoint nothing can vouch for the state: the worker is
-        reset at once and the source starts as after `start`. Raises ValueError for a seq
-        out of range or a ts that is not finite, RuntimeError once the machine has begun.
+        state and the replay fills what it published since. A first reply with another ts,
+        an empty or twice failed answer (a restarted engine), or one that begins past ``seq``
+        (the buffer no longer reaches back to it, so the engine cannot be told from a
+        restarted one) is a failed identity check: reset, fresh SUB, cold replay (which
+        marks the worker partial when the buffer does not reach seq 0). Without a replay
+        endpoint nothing can vouch for the state: the worker is reset at once and the source
+        starts as after `start`. Raises ValueError for a seq out of range or a ts that is not
+        finite, RuntimeError once the machine has begun.
         """
         if self._begun:
             raise RuntimeError("resume() must come first, instead of start()")
@@ -608,15 +609,6 @@ class SourceMachine:
             self._restart(f"replay from seq {req.from_seq} came back empty: the engine never got that far", out)
             return
         seq, ts, batch = items[0]
-        if seq > req.from_seq:
-            # The buffer no longer holds the anchor: the engine cannot be vouched for, and what
-            # it lost past the anchor could not be replayed anyway. Start over (partial then).
-            self._restart(
-                f"replay from seq {req.from_seq} began at seq {seq}: the buffer no longer reaches back to it",
-                out,
-                reason="not-in-buffer",
-            )
-            return
         if seq != req.from_seq or batch is None or ts != anchor_ts:
             got = "undecodable" if batch is None else f"ts {ts!r}"
             self._restart(

@@ -1,0 +1,355 @@
+"""Warm restart: `SourceMachine.resume` rule by rule and as a model, then snapshot -> restore -> resume over sockets."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+from _publisher_helpers import FAST, Workload, assert_index_equal, assert_index_subset, next_event, settle, truth_index
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_source import World, applied, events, item, items, requests, resets, run_world, step, synced_machine, ts_of
+
+from kvroute._client import KvEventClient
+from kvroute._errors import SnapshotError
+from kvroute._events import Partial, Replayed, Reset
+from kvroute._index import PrefixIndex
+from kvroute._models import EventSource, WorkerKey
+from kvroute._snapshot import Cursor
+from kvroute._source import RecreateSubscriber, RequestReplay, SourceMachine
+from kvroute.sim._publisher import EventPublisher
+
+# --- the machine ----------------------------------------------------------------------------------
+
+
+def resumed(seq: int, *, has_replay: bool = True, ts_ring: int = 4096) -> SourceMachine:
+    m = SourceMachine(has_replay=has_replay, ts_ring=ts_ring)
+    assert m.resume(seq, ts_of(seq)) == []
+    return m
+
+
+def test_resume_asks_nothing_until_the_first_connect_then_checks_identity() -> None:
+    m = resumed(9)
+    assert m.state == "syncing" and m.applied == (9, ts_of(9)) and m.last_seq == 9
+    # Live batches of whichever engine is there wait for the answer.
+    assert requests(m.on_live(12, ts_of(12), item(12)[2])) == [] and m.held == 1
+    assert m.on_quiet() == []
+    out = m.on_reconnected()
+    assert requests(out) == [RequestReplay(9, "identity")]
+    out = m.on_replay(items(range(9, 14)), complete=True)
+    assert applied(out) == [10, 11, 12, 13] and resets(out) == []
+    assert Replayed(9, 4, "identity") in events(out)
+    assert m.state == "synced" and not m.partial and m.applied == (13, ts_of(13))
+
+
+def test_resume_against_a_restarted_engine_resets_and_starts_cold() -> None:
+    m = resumed(9)
+    m.on_reconnected()
+    out = m.on_replay(items(range(9, 12), epoch=1), complete=True)
+    assert resets(out) == ["restart"] and any(isinstance(a, RecreateSubscriber) for a in out)
+    assert requests(out) == [RequestReplay(0, "cold")] and m.applied is None
+    m.on_reconnected()
+    out = m.on_replay(items(range(12), epoch=1), complete=True)
+    assert applied(out) == list(range(12)) and m.state == "synced" and not m.partial
+
+
+def test_resume_against_an_engine_that_never_got_that_far_resets() -> None:
+    m = resumed(9)
+    m.on_reconnected()
+    assert resets(m.on_replay([], complete=True)) == ["restart"]
+
+
+def test_resume_with_a_dead_replay_endpoint_resets_after_two_failures() -> None:
+    m = resumed(9)
+    m.on_reconnected()
+    out = m.on_replay_failed("timeout")
+    assert resets(out) == [] and requests(out) == [RequestReplay(9, "identity")]
+    assert resets(m.on_replay_failed("timeout")) == ["restart"]
+
+
+def test_resume_past_the_buffer_resets_then_the_cold_replay_is_partial() -> None:
+    m = resumed(9)
+    m.on_reconnected()
+    out = m.on_replay(items(range(15, 30)), complete=True)
+    assert resets(out) == ["restart"] and requests(out) == [RequestReplay(0, "cold")]
+    m.on_reconnected()
+    out = m.on_replay(items(range(15, 30)), complete=True)
+    assert applied(out) == list(range(15, 30))
+    assert Partial("not-in-buffer", 15) in events(out) and m.partial and m.state == "synced"
+
+
+def test_resume_without_replay_resets_at_once_and_starts_like_start() -> None:
+    m = SourceMachine(has_replay=False)
+    out = m.resume(9, ts_of(9))
+    assert resets(out) == ["no-replay"] and isinstance(events(out)[0], Reset) and m.applied is None
+    m.on_reconnected()
+    out = m.on_live(20, ts_of(20), item(20)[2])
+    assert applied(out) == [20] and m.partial
+
+
+def test_resume_is_only_a_first_input_and_checks_its_position() -> None:
+    m = SourceMachine(has_replay=True)
+    m.start()
+    with pytest.raises(RuntimeError):
+        m.resume(1, 1.0)
+    for seq, ts in ((-1, 1.0), (2**64 - 1, 1.0), (3, math.nan), (3, math.inf)):
+        with pytest.raises(ValueError, match="cannot resume"):
+            SourceMachine(has_replay=True).resume(seq, ts)
+
+
+def test_applied_follows_the_run_the_index_holds() -> None:
+    m = SourceMachine(has_replay=True)
+    assert m.applied is None
+    m = synced_machine(5)
+    assert m.applied == (5, ts_of(5))
+    # A restart resets the worker: nothing is held, so there is no position to save.
+    m.on_live(3, ts_of(3, epoch=1), item(3, epoch=1)[2])
+    assert m.applied is None
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    before=st.lists(step, max_size=40),
+    after=st.lists(step, max_size=40),
+    restart=st.booleans(),
+    down=st.integers(0, 25),
+    depth=st.one_of(st.just(10_000), st.integers(1, 30)),
+    ts_ring=st.integers(1, 64),
+    final=st.integers(1, 4),
+    faults=st.booleans(),
+)
+def test_model_resume_keeps_the_index_a_true_contiguous_run(
+    before: list[tuple[object, ...]],
+    after: list[tuple[object, ...]],
+    restart: bool,
+    down: int,
+    depth: int,
+    ts_ring: int,
+    final: int,
+    faults: bool,
+) -> None:
+    """Run, snapshot, router down (engine restarts or not, publishes meanwhile), resume, run: the oracle holds."""
+    world = World(has_replay=True, depth=depth, ts_ring=ts_ring)
+    run_world(world, before, final=final, faults=faults)
+    saved = world.m.applied
+    if saved is not None:
+        assert world.run[-1] == (world.epoch, saved[0]), "the position is not where the index's run ends"
+    if world.m.partial:
+        saved = None  # KvEventClient.snapshot saves no position for a partial worker
+    # The router goes down: its machine, SUB queue and replay request die with it.
+    world.m = SourceMachine(has_replay=True, ts_ring=ts_ring)
+    world.req = None
+    world.queue.clear()
+    world.seen = set()
+    world.shown_epochs = set()
+    world.identity_trouble = False
+    world.connected = False
+    if restart:
+        world.epoch += 1
+        world.head = -1
+    for _ in range(down):
+        world.publish(deliver=False, corrupt=False)
+    world.connected = True
+    if saved is None:
+        world.run = []  # restored without a position: the client resets the worker
+        world.handle(world.m.start())
+    else:
+        world.handle(world.m.resume(*saved))
+    world.monitor_pending = True  # the first connect is reported when run_world says so
+    run_world(world, after, final=final, faults=faults)
+    restarted_after = any(s[0] == "outage" and s[1] for s in after)
+    if not faults and not restart and not restarted_after and depth == 10_000 and saved is not None:
+        # A deep, faithful buffer covers the outage: the restored run goes on, no reset at all.
+        assert world.resets == [] and world.run[0] == (world.epoch, 0)
+
+
+# --- over sockets -------------------------------------------------------------------------------------
+
+
+async def _run_and_snapshot(pub: EventPublisher, src: EventSource, wl: Workload, n: int, path: Path) -> None:
+    """A first router life: follow ``src`` through ``n`` batches, snapshot, stop."""
+    for _ in range(n):
+        pub.publish(wl.batch())
+    async with KvEventClient([src], config=FAST) as client:
+        stream = client.events()
+        await settle(client, stream, {src.key: pub.next_seq - 1})
+        assert client.cursors() == {src.key: Cursor(pub.next_seq - 1, pub.history[-1].ts)}
+        client.snapshot(path)
+
+
+@pytest.mark.anyio
+async def test_warm_resume_replays_only_the_gap(tmp_path: Path) -> None:
+    wl = Workload(31)
+    path = tmp_path / "index.kvs"
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        await _run_and_snapshot(pub, src, wl, 30, path)
+        for _ in range(12):  # published while the router is down
+            pub.publish(wl.batch())
+        index = PrefixIndex.restore(path)
+        assert index.restored_cursors == {src.key: Cursor(29, pub.history[29].ts)}
+        async with KvEventClient([src], config=FAST, index=index) as client:
+            assert index.restored_cursors == {}  # taken over by the client
+            stream = client.events()
+            await settle(client, stream, {src.key: pub.next_seq - 1})
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+            st = client.stats().sources[src.key]
+            # The anchor plus the 12 missed batches came back; nothing was applied twice.
+            assert (st.resets, st.batches, st.partial) == (0, 12, False)
+            pub.publish(wl.batch())
+            await settle(client, stream, {src.key: pub.next_seq - 1})
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+
+
+@pytest.mark.anyio
+async def test_engine_restarted_while_the_router_was_down(tmp_path: Path) -> None:
+    path = tmp_path / "index.kvs"
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        await _run_and_snapshot(pub, src, Workload(32), 20, path)
+        pub.restart()
+        wl = Workload(33)
+        for _ in range(25):  # past the old seq: only the ts tells the engines apart
+            pub.publish(wl.batch())
+        async with KvEventClient([src], config=FAST, index=PrefixIndex.restore(path)) as client:
+            stream = client.events()
+            reset = await next_event(stream, "reset")
+            assert isinstance(reset.event, Reset) and reset.event.reason == "restart"
+            await settle(client, stream, {src.key: pub.next_seq - 1})
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+            st = client.stats().sources[src.key]
+            assert st.resets == 1 and not st.partial
+
+
+@pytest.mark.anyio
+async def test_gap_past_the_buffer_resets_and_is_partial(tmp_path: Path) -> None:
+    wl = Workload(34)
+    path = tmp_path / "index.kvs"
+    async with EventPublisher(buffer_steps=8) as pub:
+        src = pub.source("w")
+        await _run_and_snapshot(pub, src, wl, 6, path)
+        for _ in range(20):
+            pub.publish(wl.batch())
+        async with KvEventClient([src], config=FAST, index=PrefixIndex.restore(path)) as client:
+            stream = client.events()
+            await settle(client, stream, {src.key: pub.next_seq - 1})
+            st = client.stats().sources[src.key]
+            assert st.resets == 1 and st.partial
+            truth = truth_index({src.key: pub})
+            assert_index_subset(client.index, truth, wl.queries)
+            assert 0 < client.index.num_blocks(src.key) < truth.num_blocks(src.key)
+            # A partial worker is saved without a position: resuming from it would hide that.
+            client.snapshot(path)
+        assert PrefixIndex.restore(path).restored_cursors == {}
+
+
+@pytest.mark.anyio
+async def test_restored_workers_without_a_source_or_position_are_dropped(tmp_path: Path) -> None:
+    wa, wb = Workload(35), Workload(36)
+    path = tmp_path / "index.kvs"
+    async with EventPublisher() as pa, EventPublisher() as pb:
+        a, b = pa.source("a"), pb.source("b")
+        for _ in range(10):
+            pa.publish(wa.batch())
+            pb.publish(wb.batch())
+        async with KvEventClient([a, b], config=FAST) as client:
+            stream = client.events()
+            await settle(client, stream, {a.key: 9, b.key: 9})
+            client.snapshot(path)
+        # a: saved without a position (as a partial worker is); b: no longer configured.
+        index = PrefixIndex.restore(path)
+        index.restored_cursors.pop(a.key)
+        gone = WorkerKey("gone", 0)
+        index.restored_cursors[gone] = Cursor(3, 1.0)
+        assert index.workers() == {a.key, b.key}
+        async with KvEventClient([a], config=FAST, index=index) as client:
+            assert client.index.workers() <= {a.key}  # b dropped at entry: no target can bring it back
+            stream = client.events()
+            await settle(client, stream, {a.key: 9})
+            st = client.stats().sources[a.key]
+            assert st.batches == 10 and st.resets == 0  # a cold start from an empty slate
+            assert_index_equal(client.index, truth_index({a.key: pa}), wa.queries)
+            client.snapshot(path)
+        assert set(PrefixIndex.restore(path).restored_cursors) == {a.key}
+
+
+@pytest.mark.anyio
+async def test_restored_state_of_a_source_without_replay_is_dropped(tmp_path: Path) -> None:
+    wl = Workload(37)
+    path = tmp_path / "index.kvs"
+    async with EventPublisher(replay_endpoint=None) as pub:
+        src = pub.source("w")
+        async with KvEventClient([src], config=FAST) as client:
+            stream = client.events()
+            await next_event(stream, "connected")
+            await anyio.sleep(0.1)  # the subscription reaches the PUB (slow joiner)
+            for _ in range(5):
+                pub.publish(wl.batch())
+            await settle(client, stream, {src.key: 4})
+            assert not client.stats().sources[src.key].partial
+            client.snapshot(path)
+        index = PrefixIndex.restore(path)
+        assert index.num_blocks(src.key) > 0 and src.key in index.restored_cursors
+        async with KvEventClient([src], config=FAST, index=index) as client:
+            assert client.index.num_blocks(src.key) == 0
+            stream = client.events()
+            await next_event(stream, "connected")
+            await anyio.sleep(0.1)
+            pub.publish(wl.batch())
+            await settle(client, stream, {src.key: 5})
+            assert client.stats().sources[src.key].partial
+            assert_index_subset(client.index, truth_index({src.key: pub}), wl.queries)
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"", "not a kvroute snapshot"),
+        (b"\xc1 not msgpack", "not a kvroute snapshot"),
+        (msgspec.msgpack.encode({"format": "other", "version": 1}), "format 'other'"),
+        (msgspec.msgpack.encode({"format": "kvroute-index", "version": 99}), "snapshot version 99"),
+        (msgspec.msgpack.encode({"format": "kvroute-index", "version": 1}), "corrupt"),
+    ],
+    ids=["empty", "garbage", "other-format", "future-version", "missing-tables"],
+)
+def test_corrupt_snapshots_raise_snapshot_error(tmp_path: Path, payload: bytes, message: str) -> None:
+    path = tmp_path / "bad.kvs"
+    path.write_bytes(payload)
+    with pytest.raises(SnapshotError, match=message):
+        PrefixIndex.restore(path)
+
+
+def test_truncated_and_missing_snapshots_raise_snapshot_error(tmp_path: Path) -> None:
+    index = PrefixIndex()
+    wl = Workload(38)
+    for _ in range(20):
+        for ev in wl.batch():
+            index.apply(WorkerKey("w", 0), ev)
+    path = tmp_path / "index.kvs"
+    index.snapshot(path, cursors={WorkerKey("w", 0): Cursor(19, 5.0)})
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SnapshotError, match="truncated"):
+        PrefixIndex.restore(path)
+    with pytest.raises(SnapshotError, match="cannot read"):
+        PrefixIndex.restore(tmp_path / "missing.kvs")
+
+
+def test_another_hash_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "index.kvs"
+    PrefixIndex().snapshot(path)
+    snap = msgspec.msgpack.decode(path.read_bytes())
+    snap["hash_version"] += 1
+    path.write_bytes(msgspec.msgpack.encode(snap))
+    with pytest.raises(SnapshotError, match="content hash"):
+        PrefixIndex.restore(path)
+
+
+def test_an_invalid_restored_position_is_refused_up_front(tmp_path: Path) -> None:
+    path = tmp_path / "index.kvs"
+    PrefixIndex().snapshot(path, cursors={WorkerKey("w", 0): Cursor(-5, 1.0)})
+    with pytest.raises(SnapshotError, match="invalid"):
+        KvEventClient(index=PrefixIndex.restore(path))
