@@ -63,7 +63,7 @@ def _normalize_hashes(hashes: list[BlockHash]) -> list[BlockHash]:
     for h in hashes:
         if isinstance(h, int):
             if h < _INT64_MIN or h > _MASK64:
-                raise ValueError(f"block hash {h} out of 64-bit range")
+                raise DecodeError(f"block hash {h} out of 64-bit range")
             h &= _MASK64
         out.append(h)
     return out
@@ -72,7 +72,7 @@ def _normalize_hashes(hashes: list[BlockHash]) -> list[BlockHash]:
 def _normalize_hash(h: BlockHash | None) -> BlockHash | None:
     if isinstance(h, int) and h < 0:
         if h < _INT64_MIN:
-            raise ValueError(f"block hash {h} out of 64-bit range")
+            raise DecodeError(f"block hash {h} out of 64-bit range")
         return h & _MASK64
     return h
 
@@ -101,21 +101,6 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=T
     lookahead_token_ids: list[int] | None = None
     cache_salt: Any = None
 
-    def __post_init__(self) -> None:
-        n = len(self.block_hashes)
-        bs = self.block_size
-        if bs < 1:
-            raise ValueError(f"block_size {bs} < 1")
-        nt = len(self.token_ids)
-        # Full blocks: exactly bs tokens each. SGLang's last page may be short (protocol.md §3).
-        if nt != bs * n and not (n and bs * (n - 1) < nt < bs * n):
-            raise ValueError(f"{nt} token_ids do not fit {n} blocks of {bs}")
-        if self.extra_keys is not None and len(self.extra_keys) != n:
-            raise ValueError(f"{len(self.extra_keys)} extra_keys entries for {n} blocks")
-        self.block_hashes = _normalize_hashes(self.block_hashes)
-        if self.parent_block_hash is not None:
-            self.parent_block_hash = _normalize_hash(self.parent_block_hash)
-
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, omit_defaults=True):
     """Blocks left an engine's cache on one ``medium`` (nil = GPU)."""
@@ -125,9 +110,6 @@ class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only
     group_idx: int | None = None
     locality: Any = None
     ownership: Any = None
-
-    def __post_init__(self) -> None:
-        self.block_hashes = _normalize_hashes(self.block_hashes)
 
 
 class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
@@ -266,7 +248,7 @@ class BatchDecoder:
             raise
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
             raise DecodeError(_reason(exc)) from None
-        self._check_limits(batch)
+        self._check(batch)
         return batch
 
     def _decode(self, payload: bytes | memoryview) -> EventBatch:
@@ -322,19 +304,34 @@ class BatchDecoder:
             return _from_array(_arr_event_decoder.decode(data)), True
         raise DecodeError(f"event is neither a map nor an array (first byte 0x{first:02x})")
 
-    def _check_limits(self, batch: EventBatch) -> None:
+    def _check(self, batch: EventBatch) -> None:
+        """Validate what the types cannot say, normalise hashes, and apply the caps: one pass."""
         lim = self.limits
         if len(batch.events) > lim.max_events_per_batch:
             raise DecodeError(f"{len(batch.events)} events in one batch exceed the cap of {lim.max_events_per_batch}")
         for ev in batch.events:
             if isinstance(ev, AllBlocksCleared):
                 continue
-            if len(ev.block_hashes) > lim.max_blocks_per_event:
-                raise DecodeError(
-                    f"{len(ev.block_hashes)} blocks in one event exceed the cap of {lim.max_blocks_per_event}"
-                )
-            if isinstance(ev, BlockStored) and ev.block_size > lim.max_block_size:
-                raise DecodeError(f"block_size {ev.block_size} exceeds the cap of {lim.max_block_size}")
+            hashes = ev.block_hashes
+            n = len(hashes)
+            if n > lim.max_blocks_per_event:
+                raise DecodeError(f"{n} blocks in one event exceed the cap of {lim.max_blocks_per_event}")
+            ev.block_hashes = _normalize_hashes(hashes)
+            if not isinstance(ev, BlockStored):
+                continue
+            bs = ev.block_size
+            if bs < 1:
+                raise DecodeError(f"block_size {bs} < 1")
+            if bs > lim.max_block_size:
+                raise DecodeError(f"block_size {bs} exceeds the cap of {lim.max_block_size}")
+            nt = len(ev.token_ids)
+            # Full blocks: exactly bs tokens each. SGLang's last page may be short (protocol.md §3).
+            if nt != bs * n and not (n and bs * (n - 1) < nt < bs * n):
+                raise DecodeError(f"{nt} token_ids do not fit {n} blocks of {bs}")
+            if ev.extra_keys is not None and len(ev.extra_keys) != n:
+                raise DecodeError(f"{len(ev.extra_keys)} extra_keys entries for {n} blocks")
+            if ev.parent_block_hash is not None:
+                ev.parent_block_hash = _normalize_hash(ev.parent_block_hash)
 
 
 _default_decoder = BatchDecoder()

@@ -12,7 +12,17 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvroute import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, PrefixIndex, SnapshotError, WorkerKey
+from kvroute import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    PrefixIndex,
+    SnapshotError,
+    WorkerKey,
+    decode_batch,
+    encode_batch,
+)
 from kvroute._hashing import chain_keys
 from kvroute._models import TIERS, normalize_medium
 from kvroute._snapshot import Cursor
@@ -286,12 +296,14 @@ def test_block_sizes_and_hybrid_groups() -> None:
 
 
 def test_sglang_short_last_page_is_held_not_claimed() -> None:
+    """SGLang: signed hashes on the wire, a short last page; removed later by the uint64 spelling."""
     idx = PrefixIndex()
     w = WorkerKey("w", 0)
-    idx.apply(w, BlockStored(block_hashes=[-1, -2], token_ids=[1, 2, 3], block_size=2))
+    stored = BlockStored(block_hashes=[(1 << 64) - 1, (1 << 64) - 2], token_ids=[1, 2, 3], block_size=2)
+    idx.apply_batch(w, decode_batch(encode_batch(EventBatch(1.0, [stored], 0), signed_hashes=True)))
     assert idx.find_matches([1, 2, 3, 4])[w] == 1
     assert idx.num_blocks(w) == 2
-    idx.apply(w, BlockRemoved(block_hashes=[(1 << 64) - 1, -2]))
+    idx.apply(w, BlockRemoved(block_hashes=[(1 << 64) - 1, (1 << 64) - 2]))
     assert idx.workers() == set()
 
 
