@@ -426,6 +426,7 @@ class KvEventClient:
         sub = self._subs.pop(key, None)
         if sub is None:
             return False
+        sub.driver.stop()
         sub.scope.cancel()
         self._index.remove_worker(key)
         self._removed += 1

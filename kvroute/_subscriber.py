@@ -246,6 +246,8 @@ class SourceDriver:
         self._monitor: zmq.Socket[bytes] | None = None
         self._replay_scope: anyio.CancelScope | None = None
         self._recreate = False
+        # Set by stop(): the index and the listeners are no longer this driver's to touch.
+        self._stopped = False
         self._last_activity = 0.0
         self.connected = False
         # counters (plain ints on the hot path; `stats()` snapshots them)
@@ -264,6 +266,15 @@ class SourceDriver:
     def status(self) -> WorkerStatus:
         """The worker's sync state as the router reads it."""
         return WorkerStatus(state=self.machine.state, partial=self.machine.partial)
+
+    def stop(self) -> None:
+        """Stop touching the index and the listeners at once; cancel `run` to close the sockets.
+
+        Cancellation reaches a task only at its next checkpoint: a task already woken with
+        messages would otherwise apply them after its worker was removed (or replaced by a
+        new engine's source), leaving blocks no source will ever remove.
+        """
+        self._stopped = True
 
     def cursor(self) -> Cursor | None:
         """The newest applied seq and its ts while the index holds this source's run (`SourceMachine.applied`)."""
@@ -544,6 +555,8 @@ class SourceDriver:
     # --- actions --------------------------------------------------------------------------------
 
     def _execute(self, actions: Sequence[Action]) -> None:
+        if self._stopped:
+            return
         changed = False
         for action in actions:
             if isinstance(action, Apply):
@@ -568,6 +581,8 @@ class SourceDriver:
             self._on_change()
 
     def _apply(self, items: Sequence[tuple[int, float, EventBatch]]) -> None:
+        if self._stopped:
+            return
         apply_batch, key = self._index.apply_batch, self.key
         sink = self._sink
         emit = sink.active

@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import pytest
 import zmq
@@ -499,3 +500,25 @@ async def test_a_replay_made_moot_by_a_disconnect_is_not_waited_for() -> None:
             with anyio.fail_after(3):
                 await settle(client, stream, {src.key: _last(pub)})
             assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+
+
+async def test_a_removed_source_touches_the_index_no_more() -> None:
+    # The driver is woken with messages queued, then its source is removed before it runs:
+    # cancellation reaches it only at its next checkpoint, after it would have applied them.
+    wl = Workload(24)
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        async with KvEventClient([src], config=FAST) as client:
+            stream = client.events()
+            pub.publish(wl.batch())
+            await settle(client, stream, {src.key: 0})
+            for _ in range(20):
+                pub.publish(wl.batch())
+            time.sleep(0.1)  # noqa: ASYNC251 (blocks the loop: the SUB's queue fills, its FD turns readable)
+            # Two rounds of the loop: the FD's callback runs, then the driver's step is due
+            # behind this task's (asyncio runs them in order; trio in random order).
+            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
+            assert client.remove_source(src)
+            await anyio.sleep(0.2)
+            assert client.index.workers() == set() and client.index.num_blocks() == 0
