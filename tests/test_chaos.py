@@ -1,0 +1,436 @@
+"""Chaos: simulated engines under drops, restarts, publisher and replay outages and flapping discovery.
+
+Four `SimEngine`s (vLLM with 2 ranks; SGLang with a shallow replay buffer; an old vLLM: array
+form, old reply layout, bytes hashes; SGLang with 2 ranks and no replay at all) serve
+requests while a seeded fault driver sets drop rates, restarts engines (same or new ports),
+kills, mutes and revives replay endpoints, holds publishers back, and hides or stops each
+engine's discovery server. A `KvEventClient` follows them through discovery.
+
+Checkpoints, every 100-200 ms while the faults run: the index must never claim what the
+engine does not hold. The index lags the engine (an eviction is claimed until its event
+arrives), so each worker is compared with the engine's truth *as of the last batch the
+client applied*: the client's position (`KvEventClient.cursors`: seq and ts) names one
+engine process (the publisher whose history has that ts at that seq; one that matches no
+process fails the test) and the index that process's history implies up to that seq is the
+truth the sim tests prove equal to its cache (``test_sim_engine``). A worker must then be
+equal to it (not partial) or a subset of it (partial: leading-block scores and block counts
+never larger); a worker without a position must hold nothing, and the index must hold no
+worker that no source feeds. Any false claim fails at once.
+
+After the faults stop and a last request per rank has published, the client must catch up
+with every engine's newest batch and be synced; then each worker is compared with the
+engine's cache itself (`PrefixCache.match_blocks`, `num_cached_blocks`): equal where the
+replay buffers covered every loss, a subset for partial workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import anyio
+import anyio.abc
+import pytest
+
+from kvroute._client import KvEventClient
+from kvroute._discovery import DiscoveryOptions
+from kvroute._index import PrefixIndex
+from kvroute._models import WorkerKey
+from kvroute._snapshot import Cursor
+from kvroute._subscriber import SubscriberConfig
+from kvroute.sim import RequestAbortedError, SimConfig, SimEngine, SimRequest
+from kvroute.sim._grpc import GrpcServer, SglangService, VllmControlService, sglang_server_info, start_grpc_server
+from kvroute.sim._publisher import EventPublisher
+
+pytestmark = pytest.mark.anyio
+
+SEED = 7
+#: Seconds of faults per backend: the whole test stays under ~25 s on a slow 2-core machine.
+CHAOS_SECONDS = {"asyncio": 7.0, "trio": 4.5}
+VOCAB = 50
+MAX_TOKENS = 3
+
+_COMMON = {
+    "block_size": 4,
+    "capacity_blocks": 48,  # small: prompts evict each other all the time
+    "grpc_port": None,  # each engine gets a discovery server the fault driver can stop and start
+    "http_port": None,
+    "decode_time_per_step": 0.002,
+    "prefill_time_per_token": 2e-5,
+    "max_batch": 8,
+}
+ENGINES = [
+    SimConfig(engine="vllm", name="v0", ranks=2, seed=1, **_COMMON),  # type: ignore[arg-type]
+    SimConfig(engine="sglang", name="s1", buffer_steps=40, seed=2, **_COMMON),  # type: ignore[arg-type]
+    SimConfig(
+        engine="vllm",
+        name="v2",
+        form="array",
+        reply_layout="old",
+        bytes_hashes=True,
+        seed=3,
+        **_COMMON,  # type: ignore[arg-type]
+    ),
+    SimConfig(engine="sglang", name="s3", ranks=2, replay_port=None, seed=4, **_COMMON),  # type: ignore[arg-type]
+]
+
+CONFIG = SubscriberConfig(
+    reconnect_ivl=0.02, reconnect_ivl_max=0.1, replay_timeout=0.25, quiet_interval=0.3, max_concurrent_replays=4
+)
+
+
+class Discovery:
+    """An engine's gRPC discovery server that the fault driver can hide (empty answer) or stop and start again."""
+
+    def __init__(self, eng: SimEngine) -> None:
+        self.eng = eng
+        self.hidden = False
+        self.service: VllmControlService | SglangService
+        if eng.config.engine == "vllm":
+            self.service = VllmControlService(lambda: [] if self.hidden else eng.advertised_sources())
+        else:
+            self.service = SglangService(lambda: sglang_server_info(None) if self.hidden else eng.server_info_json())
+        self.server: GrpcServer | None = None
+        self.port = 0
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        if self.server is not None:
+            return
+        with anyio.fail_after(5):
+            while True:
+                try:
+                    self.server = await start_grpc_server([self.service], port=self.port)
+                    break
+                except OSError:
+                    await anyio.sleep(0.02)  # the old listener is still closing
+        self.port = self.server.port
+
+    async def stop(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            await server.stop()
+
+
+class Truth:
+    """Every engine process each worker ever had, and the index each one's history implies up to a seq."""
+
+    def __init__(self) -> None:
+        self.engines: dict[WorkerKey, tuple[SimEngine, int]] = {}
+        self.procs: dict[WorkerKey, list[EventPublisher]] = {}
+        self._shadows: dict[int, tuple[PrefixIndex, int]] = {}
+
+    def track(self, worker: WorkerKey, eng: SimEngine, rank: int) -> None:
+        self.engines[worker] = (eng, rank)
+        self.procs[worker] = []
+        self.note(worker)
+
+    def note(self, worker: WorkerKey) -> None:
+        """Record the worker's current process (none while its engine is restarting)."""
+        eng, rank = self.engines[worker]
+        with contextlib.suppress(RuntimeError):
+            pub = eng.publisher(rank)
+            if pub not in self.procs[worker]:
+                self.procs[worker].append(pub)
+
+    def process(self, worker: WorkerKey, cursor: Cursor) -> EventPublisher | None:
+        """The process that published the client's newest applied batch (seq and ts), if any did."""
+        self.note(worker)
+        for pub in reversed(self.procs[worker]):
+            history = pub.history
+            if cursor.seq < len(history) and history[cursor.seq].ts == cursor.ts:
+                return pub
+        return None
+
+    def at(self, worker: WorkerKey, pub: EventPublisher, seq: int) -> PrefixIndex:
+        """The index ``pub``'s history implies up to ``seq`` (kept per process, advanced lazily)."""
+        index, pos = self._shadows.get(id(pub), (PrefixIndex(), -1))
+        if pos > seq:  # the client went back (a source re-added): start over
+            index, pos = PrefixIndex(), -1
+        for batch in pub.history[pos + 1 : seq + 1]:
+            index.apply_batch(worker, batch)
+        self._shadows[id(pub)] = (index, seq)
+        return index
+
+
+def check(client: KvEventClient, truth: Truth, queries: Sequence[Sequence[int]]) -> None:
+    """The checkpoint invariant (module docstring); raises AssertionError on any false claim."""
+    index = client.index
+    live = client.live_workers()
+    assert index.workers() <= live, f"index holds workers no source feeds: {index.workers() - live}"
+    cursors = client.cursors()
+    scores = [index.find_matches(q) for q in queries]
+    for w in sorted(live):
+        status = client.worker_status(w)
+        assert status is not None
+        cursor = cursors.get(w)
+        if cursor is None:
+            assert index.num_blocks(w) == 0, f"{w} holds {index.num_blocks(w)} blocks with nothing applied"
+            continue
+        pub = truth.process(w, cursor)
+        assert pub is not None, f"{w} applied seq {cursor.seq} (ts {cursor.ts}): no process of that engine sent it"
+        shadow = truth.at(w, pub, cursor.seq)
+        compare(w, status.partial, index.num_blocks(w), shadow.num_blocks(w), "blocks at seq", cursor.seq)
+        for q, got in zip(queries, scores):
+            compare(w, status.partial, got.get(w, 0), shadow.find_matches(q).get(w, 0), "leading blocks of", q)
+
+
+def compare(w: WorkerKey, partial: bool, got: int, want: int, what: str, of: object) -> None:
+    if partial:
+        assert got <= want, f"false claim: {w} (partial) {what} {of}: index {got} > truth {want}"
+    else:
+        assert got == want, f"{w} (complete) {what} {of}: index {got} != truth {want}"
+
+
+def workload(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts sharing a few system prompts, and the queries covering every block they can make.
+
+    The sim's "model" is deterministic (token i depends on the prompt and i only), so the
+    prompt plus its first MAX_TOKENS outputs is the deepest sequence any process caches.
+    """
+    rng = random.Random(seed)
+    bases = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 20))] for _ in range(4)]
+    prompts = [rng.choice(bases) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 14))] for _ in range(40)]
+    queries = []
+    for p in prompts:
+        req = SimRequest("q", 0, p, MAX_TOKENS, None, 0.0, False)
+        for _ in range(MAX_TOKENS):
+            req.emit(req.next_token(32_000))
+        queries.append(req.seq)
+    return prompts, queries
+
+
+@contextlib.asynccontextmanager
+async def fleet() -> AsyncIterator[tuple[list[SimEngine], list[Discovery]]]:
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(SimEngine(cfg)) for cfg in ENGINES]
+        discos = [Discovery(e) for e in engines]
+        for d in discos:
+            stack.push_async_callback(d.stop)
+            await d.start()
+        yield engines, discos
+
+
+class Faults:
+    """The seeded fault driver: one random fault every 50-200 ms, each undone after a while."""
+
+    def __init__(self, engines: list[SimEngine], discos: list[Discovery], truth: Truth, rng: random.Random) -> None:
+        self.engines = engines
+        self.discos = discos
+        self.truth = truth
+        self.rng = rng
+        self.undo: list[tuple[float, Callable[[], Awaitable[None]]]] = []
+        self.done: dict[str, int] = {}
+
+    async def run(self, seconds: float) -> None:
+        rng = self.rng
+        end = anyio.current_time() + seconds
+        kinds = ["drop"] * 3 + ["restart"] * 2 + ["kill-replay"] * 2
+        kinds += ["silent-restart"] * 2 + ["mute-replay", "pause", "hide", "down", "clear"]
+        while anyio.current_time() < end:
+            await anyio.sleep(rng.uniform(0.05, 0.2))
+            now = anyio.current_time()
+            due = [u for u in self.undo if u[0] <= now]
+            self.undo = [u for u in self.undo if u[0] > now]
+            for _, fix in due:
+                await fix()
+            i = rng.randrange(len(self.engines))
+            await self.inject(rng.choice(kinds), i)
+
+    async def inject(self, kind: str, i: int) -> None:
+        eng, disco, rng = self.engines[i], self.discos[i], self.rng
+        later = anyio.current_time() + rng.uniform(0.1, 0.8)
+        rank = rng.randrange(eng.config.ranks)
+        has_replay = eng.config.replay_port is not None
+        if kind == "drop":
+            eng.drop_rate = rng.choice([0.0, 0.2, 0.5, 0.9])
+        elif kind == "restart":
+            await eng.restart(change_ports=rng.random() < 0.4)
+            self.note(eng)
+        elif kind == "silent-restart":
+            # A young process, then another one whose first batches are all lost: its first
+            # seq the client sees is past anything the first one sent, so no seq goes back
+            # and only an identity check can tell (design.md rule 7). Shorter than the quiet
+            # interval, so the reconnect's check, not the quiet probe's, is the one tested.
+            await eng.restart()
+            self.note(eng)
+            await anyio.sleep(rng.uniform(0.03, 0.06))
+            rate, eng.drop_rate = eng.drop_rate, 1.0
+            await eng.restart()
+            self.note(eng)
+            await anyio.sleep(rng.uniform(0.15, 0.25))
+            eng.drop_rate = rate
+        elif kind == "kill-replay" and has_replay:
+            pub = eng.publisher(rank)
+            pub.kill_replay()
+
+            def revive() -> None:
+                # Only while that process lives: a restarted engine's new one has its own (and
+                # a dead publisher must not bind again: nothing would close that socket).
+                with contextlib.suppress(RuntimeError):
+                    if eng.publisher(rank) is pub:
+                        pub.revive_replay()
+
+            self.later(later, revive)
+        elif kind == "mute-replay" and has_replay:
+            pub = eng.publisher(rank)
+            pub.replay_mute = True
+            self.later(later, lambda: setattr(pub, "replay_mute", False))
+        elif kind == "pause":
+            eng.pause()
+            self.later(later, eng.resume)
+        elif kind == "hide":
+            disco.hidden = True
+            self.later(later, lambda: setattr(disco, "hidden", False))
+        elif kind == "down":
+            await disco.stop()
+            self.undo.append((later, disco.start))
+        elif kind == "clear":
+            if not eng.reset_prefix_cache():
+                return  # requests running: the engine refuses
+        else:
+            return
+        self.done[kind] = self.done.get(kind, 0) + 1
+
+    def note(self, eng: SimEngine) -> None:
+        for w, (e, _) in self.truth.engines.items():
+            if e is eng:
+                self.truth.note(w)
+
+    def later(self, when: float, fix: Callable[[], object]) -> None:
+        async def run() -> None:
+            fix()
+
+        self.undo.append((when, run))
+
+    async def heal(self) -> None:
+        for _, fix in self.undo:
+            await fix()
+        self.undo = []
+        for eng, disco in zip(self.engines, self.discos):
+            eng.drop_rate = 0.0
+            eng.resume()
+            disco.hidden = False
+            await disco.start()
+
+
+async def serve_load(eng: SimEngine, prompts: list[list[int]], seed: int, calm: anyio.Event) -> None:
+    """Three clients per engine sending prompts back to back until ``calm``."""
+
+    async def client(rng: random.Random) -> None:
+        while not calm.is_set():
+            with contextlib.suppress(RequestAbortedError):  # the engine restarted under it
+                await eng.complete(rng.choice(prompts), rng.randint(1, MAX_TOKENS))
+            await anyio.sleep(rng.uniform(0.0, 0.02))
+
+    async with anyio.create_task_group() as tg:
+        for k in range(3):
+            tg.start_soon(client, random.Random(seed * 31 + k))
+
+
+async def checkpoints(
+    client: KvEventClient, truth: Truth, queries: list[list[int]], rng: random.Random, count: list[int]
+) -> None:
+    while True:
+        await anyio.sleep(rng.uniform(0.1, 0.2))
+        check(client, truth, queries)
+        count[0] += 1
+
+
+def lagging(client: KvEventClient, truth: Truth) -> list[WorkerKey]:
+    """Workers whose source is not yet synced at its engine's newest batch."""
+    cursors = client.cursors()
+    out = []
+    for w, (eng, rank) in truth.engines.items():
+        status = client.worker_status(w)
+        pub = eng.publisher(rank)
+        newest = pub.next_seq - 1
+        want = Cursor(newest, pub.history[newest].ts) if newest >= 0 else None
+        if status is None or not status.synced or cursors.get(w) != want:
+            out.append(w)
+    return out
+
+
+async def settle_fleet(client: KvEventClient, truth: Truth, queries: list[list[int]], rng: random.Random) -> None:
+    """Publish after the faults until every source has caught up with its engine's newest batch.
+
+    A new request on a lagging rank gives a source without replay a batch after its lost
+    tail (which it then sees as a gap), and one whose SUB was just recreated a batch it
+    subscribed in time for; sources with replay also find a lost tail by their quiet probe.
+    """
+    with anyio.fail_after(20):
+        behind = list(truth.engines)
+        while behind:
+            for w in behind:
+                eng, rank = truth.engines[w]
+                fresh = [1000 + rng.randrange(1000) for _ in range(8)]  # unseen: it stores a block
+                queries.append(fresh)
+                await eng.complete(fresh, 1, rank=rank)
+            for _ in range(8):
+                await anyio.sleep(0.05)
+                behind = lagging(client, truth)
+                if not behind:
+                    return
+
+
+async def test_chaos(anyio_backend: str) -> None:
+    seed = SEED + list(CHAOS_SECONDS).index(anyio_backend) * 100  # each backend its own fault sequence
+    rng = random.Random(seed)
+    prompts, queries = workload(seed)
+    truth = Truth()
+    async with fleet() as (engines, discos):
+        for d in discos:
+            for rank in range(d.eng.config.ranks):
+                truth.track(WorkerKey(d.target, rank), d.eng, rank)
+        async with KvEventClient(
+            targets=[d.target for d in discos],
+            config=CONFIG,
+            discovery_interval=0.1,
+            discovery_grace=0.3,
+            discovery_options=DiscoveryOptions(timeout=0.5),
+        ) as client:
+            # Not wait_synced: a source without replay is synced only from its first batch on.
+            async with client.events() as stream:
+                with anyio.fail_after(10):
+                    while client.live_workers() != set(truth.engines):
+                        await stream.__anext__()
+            faults = Faults(engines, discos, truth, random.Random(seed + 1))
+            calm = anyio.Event()
+            checks = [0]
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(checkpoints, client, truth, queries, random.Random(seed + 2), checks)
+                async with anyio.create_task_group() as load:
+                    for i, eng in enumerate(engines):
+                        load.start_soon(serve_load, eng, prompts, seed + 10 + i, calm)
+                    await faults.run(CHAOS_SECONDS[anyio_backend])
+                    calm.set()
+                await faults.heal()
+                await settle_fleet(client, truth, queries, rng)
+                tg.cancel_scope.cancel()
+            check(client, truth, queries)
+            # Quiescent: compare with the engines' caches themselves.
+            stats = client.stats()
+            assert client.index.workers() <= client.live_workers() == set(truth.engines)
+            scores = [client.index.find_matches(q) for q in queries]
+            for w, (eng, rank) in truth.engines.items():
+                cache = eng.cache(rank)
+                partial = stats.sources[w].partial
+                compare(w, partial, client.index.num_blocks(w), cache.num_cached_blocks, "blocks", "in cache")
+                for q, got in zip(queries, scores):
+                    compare(w, partial, got.get(w, 0), cache.match_blocks(q), "cached leading blocks of", q)
+            totals = stats.totals
+            # The chaos was real: every kind of trouble happened and was recovered from.
+            assert checks[0] >= 10
+            assert faults.done.get("restart", 0) >= 2 and faults.done.get("kill-replay", 0) >= 1
+            assert totals.gaps > 0 and totals.replays > 0 and totals.resets > 0
+            assert stats.removed_sources > 0
+            print(
+                f"\nchaos[{anyio_backend}]: {checks[0]} checkpoints, faults {faults.done}, "
+                f"gaps {totals.gaps}, replays {totals.replays}, resets {totals.resets}, "
+                f"removed {stats.removed_sources}, partial workers {totals.partial}/{totals.sources}, "
+                f"index {client.index.num_blocks()} entries"
+            )
