@@ -536,7 +536,7 @@ class KvEventClient:
         """Write the index and every source's position to ``path`` (atomically; see `PrefixIndex.snapshot`).
 
         Runs synchronously, so the index and the positions are taken at one instant (it blocks
-        the event loop for the write: ~1 s per million entries on a slow machine). Partial
+        the event loop for the write: ~0.3 s per million entries on a slow machine). Partial
         workers are saved without a position, so a client resuming from the file resets
         them and replays what their buffers hold (their history before it is unknown either
         way). Restored positions no source has taken yet are written back as they were.
