@@ -224,17 +224,19 @@ class KvEventClient:
     with``); a source whose driver fails is removed (a `Removed` event, reason
     "failed: <error>") and the others carry on.
 
-    Warm restart: an ``index`` from `PrefixIndex.restore` carries ``restored_cursors``; the
-    client takes them over (and empties that attribute, so a later ``index.snapshot(path)``
-    cannot pair stale positions with a changed index). Each source whose worker has one
-    resumes from it (`SourceMachine.resume`: identity check on first connect, then replay
-    of what the engine published since; a restarted engine, or a buffer that no longer
-    reaches back to the position, resets the worker first). A restored worker whose
-    source starts without a usable position (none saved, or no replay endpoint to check
-    it with) is reset before its source starts. Restored workers that no source claims
-    are removed from the index as soon as every target has answered discovery once (or
-    been given up on), which is at entry when there are no targets. Until their sources
-    are synced, restored workers are not "synced", so a router does not trust them.
+    Warm restart: `snapshot` saves the index and each source's position. An ``index`` from
+    `PrefixIndex.restore` carries the saved positions in ``restored_cursors``; the client
+    takes them over (and empties that attribute, so a later ``index.snapshot(path)`` cannot
+    pair stale positions with a changed index). Each source whose worker has one resumes
+    from it (`SourceMachine.resume`: identity check on first connect, then replay of what
+    the engine published since; a restarted engine, or a buffer that no longer reaches
+    back to the position, resets the worker first). A restored worker whose source starts
+    without a usable position (none saved, or no replay endpoint to check it with) is reset
+    before its source starts. Restored workers that no source claims are removed from the
+    index as soon as every target has answered discovery once (or been given up on), which
+    is at entry when there are no targets. Until their sources are synced, restored
+    workers are not "synced", so a router does not trust them. Leaving ``async with`` keeps
+    where each source stopped: entering again resumes from there, like a restored index.
     Raises `SnapshotError` when a restored position is out of range.
     """
 
@@ -316,6 +318,10 @@ class KvEventClient:
         try:
             return await tg.__aexit__(exc_type, exc, tb)
         finally:
+            # Where the sources stopped stays resumable: a snapshot taken after the block, or
+            # entering it again, resumes from there (every driver is done: nothing moves now).
+            self._resume = self._positions()
+            self._unclaimed = self._index.workers() | set(self._resume)
             self._subs.clear()
             self._targets.clear()
             self._targets_pending.clear()
@@ -536,17 +542,22 @@ class KvEventClient:
         """Write the index and every source's position to ``path`` (atomically; see `PrefixIndex.snapshot`).
 
         Runs synchronously, so the index and the positions are taken at one instant (it blocks
-        the event loop for the write: ~0.3 s per million entries on a slow machine). Partial
+        the event loop for the write: ~0.3 s per million entries on a slow machine). Works
+        inside ``async with`` and after it (then with where each source stopped). Partial
         workers are saved without a position, so a client resuming from the file resets
         them and replays what their buffers hold (their history before it is unknown either
         way). Restored positions no source has taken yet are written back as they were.
         """
-        cursors = {k: c for k, c in self.cursors().items() if not self._subs[k].driver.machine.partial}
-        for key, cursor in self._resume.items():
-            cursors.setdefault(key, cursor)
         # Given none, PrefixIndex.snapshot falls back to the index's restored_cursors: the
         # client emptied those on construction, so an empty dict really writes none.
-        self._index.snapshot(path, cursors=cursors)
+        self._index.snapshot(path, cursors=self._positions())
+
+    def _positions(self) -> dict[WorkerKey, Cursor]:
+        """The positions a snapshot saves: every non-partial source's, and restored ones not yet taken."""
+        out = {k: c for k, c in self.cursors().items() if not self._subs[k].driver.machine.partial}
+        for key, cursor in self._resume.items():
+            out.setdefault(key, cursor)
+        return out
 
     # --- state --------------------------------------------------------------------------------------
 

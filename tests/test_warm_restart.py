@@ -169,15 +169,20 @@ def test_model_resume_keeps_the_index_a_true_contiguous_run(
 # --- over sockets -------------------------------------------------------------------------------------
 
 
-async def _run_and_snapshot(pub: EventPublisher, src: EventSource, wl: Workload, n: int, path: Path) -> None:
-    """A first router life: follow ``src`` through ``n`` batches, snapshot, stop."""
+async def _run_and_snapshot(
+    pub: EventPublisher, src: EventSource, wl: Workload, n: int, path: Path, *, after_exit: bool = False
+) -> None:
+    """A first router life: follow ``src`` through ``n`` batches, snapshot (while running or after), stop."""
     for _ in range(n):
         pub.publish(wl.batch())
     async with KvEventClient([src], config=FAST) as client:
         stream = client.events()
         await settle(client, stream, {src.key: pub.next_seq - 1})
         assert client.cursors() == {src.key: Cursor(pub.next_seq - 1, pub.history[-1].ts)}
-        client.snapshot(path)
+        if not after_exit:
+            client.snapshot(path)
+    if after_exit:
+        client.snapshot(path)  # where the source stopped
 
 
 @pytest.mark.anyio
@@ -209,7 +214,7 @@ async def test_engine_restarted_while_the_router_was_down(tmp_path: Path) -> Non
     path = tmp_path / "index.kvs"
     async with EventPublisher() as pub:
         src = pub.source("w")
-        await _run_and_snapshot(pub, src, Workload(32), 20, path)
+        await _run_and_snapshot(pub, src, Workload(32), 20, path, after_exit=True)
         pub.restart()
         wl = Workload(33)
         for _ in range(25):  # past the old seq: only the ts tells the engines apart
@@ -244,6 +249,25 @@ async def test_gap_past_the_buffer_resets_and_is_partial(tmp_path: Path) -> None
             # A partial worker is saved without a position: resuming from it would hide that.
             client.snapshot(path)
         assert PrefixIndex.restore(path).restored_cursors == {}
+
+
+@pytest.mark.anyio
+async def test_entering_the_same_client_again_resumes_where_it_stopped() -> None:
+    wl = Workload(39)
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        client = KvEventClient([src], config=FAST)
+        for _ in range(15):
+            pub.publish(wl.batch())
+        async with client:
+            await settle(client, client.events(), {src.key: 14})
+        for _ in range(5):
+            pub.publish(wl.batch())
+        async with client:
+            await settle(client, client.events(), {src.key: 19})
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+            st = client.stats().sources[src.key]
+            assert (st.batches, st.resets) == (5, 0)  # stats are per source life: the gap only
 
 
 @pytest.mark.anyio
