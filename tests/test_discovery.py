@@ -229,12 +229,12 @@ async def test_duplicate_rank_is_malformed() -> None:
             await discover(server.target)
 
 
-async def test_source_cap_is_enforced_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+async def test_source_cap_is_enforced() -> None:
+    """The refusal is the error; a followed target logs it (rate-limited, tests/test_hostile.py)."""
     async with serve_grpc([vllm([kv_source(r) for r in range(3)])]) as server:
         assert len(await discover(server.target, max_sources_per_target=3)) == 3
         with pytest.raises(TooManySourcesError, match="3 sources, more than max_sources_per_target=2"):
             await discover(server.target, max_sources_per_target=2)
-    assert any(r.levelno == logging.ERROR and "max_sources_per_target" in r.message for r in caplog.records)
 
 
 # --- SGLang ----------------------------------------------------------------------------------------
