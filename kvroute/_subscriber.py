@@ -41,10 +41,16 @@ _END_SEQ = b"\xff" * 8
 _MONITOR_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+# libzmq schedules a reconnect (EVENT_CONNECT_RETRIED) within milliseconds of a disconnect,
+# except when it dropped the connection itself for a message over ZMQ_MAXMSGSIZE: then it
+# never reconnects. A disconnect with no retry scheduled this long after it gets a new SUB.
+_RETRY_GRACE = 1.0
+
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
@@ -243,6 +249,8 @@ class SourceDriver:
         self._replay_request: RequestReplay | None = None
         self._replay_wakeup: anyio.Event | None = None
         self._session: anyio.CancelScope | None = None
+        self._session_tg: anyio.abc.TaskGroup | None = None
+        self._awaiting_retry = False
         self._monitor: zmq.Socket[bytes] | None = None
         self._replay_scope: anyio.CancelScope | None = None
         self._recreate = False
@@ -347,6 +355,7 @@ class SourceDriver:
             sub.connect(src.endpoint)
             async with anyio.create_task_group() as tg:
                 self._session = tg.cancel_scope
+                self._session_tg = tg
                 self._monitor = mon
                 tg.start_soon(self._watch, mon)
                 if src.endpoint.startswith("inproc://"):
@@ -357,6 +366,8 @@ class SourceDriver:
                 tg.cancel_scope.cancel()
         finally:
             self._session = None
+            self._session_tg = None
+            self._awaiting_retry = False
             self._monitor = None
             _zmq.close(sub, monitor=mon)
             if self.connected:
@@ -426,14 +437,29 @@ class SourceDriver:
         if ev.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._set_connected()
         elif ev.event == zmq.EVENT_DISCONNECTED:
+            if not self._awaiting_retry and self._session_tg is not None:
+                self._awaiting_retry = True
+                self._session_tg.start_soon(self._expect_retry)
             if self.connected:
                 self.connected = False
                 self._execute(self.machine.on_disconnected())
                 self._on_change()
+        elif ev.event == zmq.EVENT_CONNECT_RETRIED:
+            self._awaiting_retry = False
         elif ev.event & _HANDSHAKE_FAILED:
             self._log.warn("handshake failed", f"zmq event {ev.event} from {ev.endpoint} (CURVE keys?)")
 
+    async def _expect_retry(self) -> None:
+        await anyio.sleep(_RETRY_GRACE)
+        if self._awaiting_retry and self._session is not None:
+            self._log.warn(
+                "connection dropped for good", "libzmq scheduled no reconnect (a message over max_message_size?)"
+            )
+            self._recreate = True
+            self._session.cancel()
+
     def _set_connected(self) -> None:
+        self._awaiting_retry = False
         self.connected = True
         self._execute(self.machine.on_reconnected())
         self._on_change()

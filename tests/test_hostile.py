@@ -355,12 +355,6 @@ async def test_a_refused_discovery_answer_is_not_logged_every_round(caplog: pyte
     assert len(lines) <= 2, lines
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="libzmq terminates a connection whose peer sent a message over ZMQ_MAXMSGSIZE and never "
-    "reconnects it (no EVENT_CONNECT_RETRIED follows the EVENT_DISCONNECTED); the driver keeps "
-    "the dead SUB, so the source stays disconnected for good",
-)
 async def test_a_message_over_max_message_size_is_dropped_and_the_source_recovers() -> None:
     cfg = msgspec.structs.replace(FAST, max_message_size=64 * 1024)
     wl = Workload(71)
