@@ -29,6 +29,7 @@ import os
 import random
 import tempfile
 import time
+import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -420,6 +421,9 @@ async def main(args: argparse.Namespace) -> None:
 
         totals = TotalStats()
         rows = []
+        traces: list[tracemalloc.Snapshot] = []
+        if args.tracemalloc:
+            tracemalloc.start(1)
         start = time.perf_counter()
         warm_restarts = 0
         faults_done: dict[str, int] = {}
@@ -453,6 +457,8 @@ async def main(args: argparse.Namespace) -> None:
                             now = add_totals(totals, client.stats().totals)
                             row = (rss_mb(), st.entries, st.distinct_keys, sum(t.blocks for t in truth))
                             rows.append(row)
+                            if args.tracemalloc:
+                                traces.append(tracemalloc.take_snapshot())
                             partial = client.stats().totals.partial
                             print(
                                 f"{cycle:>5} {row[0]:>7.1f} {row[1]:>8,} {row[2]:>7,} {row[3]:>7,}"
@@ -479,6 +485,14 @@ async def main(args: argparse.Namespace) -> None:
         f"last/first: RSS {rss1 / rss0:.3f} ({rss0:.1f} -> {rss1:.1f} MB), entries {entries1 / entries0:.3f},"
         f" distinct keys {keys1 / keys0:.3f} (engines' cached blocks {cached1 / cached0:.3f})"
     )
+    if len(traces) >= 2:
+        first, last = traces[0], traces[-1]
+        growth = last.compare_to(first, "traceback")
+        total = sum(d.size_diff for d in growth)
+        print(f"\nPython heap (tracemalloc), first -> last report: {total / 1e6:+.2f} MB; largest changes:")
+        for d in growth[:8]:
+            frame = d.traceback[0]
+            print(f"  {d.size_diff / 1e3:+9.1f} KB {d.count_diff:+7} blocks  {frame.filename}:{frame.lineno}")
 
 
 if __name__ == "__main__":
@@ -489,5 +503,6 @@ if __name__ == "__main__":
     parser.add_argument("--router-restart-every", type=int, default=10, help="0: never restart the router")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    parser.add_argument("--tracemalloc", action="store_true", help="also report the Python heap's growth by site")
     args = parser.parse_args()
     anyio.run(main, args, backend=args.backend)
