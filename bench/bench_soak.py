@@ -1,6 +1,6 @@
 """Soak: many fault cycles over simulated engines; the router's memory and index size must stay flat.
 
-Run: python bench/bench_soak.py [--cycles N] [--cycle-seconds S] [--router-restart-every K] [--backend B]
+Run: python bench/bench_soak.py [--cycles N] [--cycle-seconds S] [--router-restart-every K] [--tracemalloc]
 
 The engines run in a child process (so their caches, replay buffers and histories do not count
 against the router's memory): a vLLM with 2 ranks, an SGLang with a shallow replay buffer and
