@@ -520,7 +520,7 @@ class PrefixIndex:
             )
             for w in self._workers.values()
         ]
-        write_snapshot(path, workers, dict(cursors or self.restored_cursors))
+        write_snapshot(path, workers, dict(cursors if cursors is not None else self.restored_cursors))
 
     @classmethod
     def restore(cls, path: str | os.PathLike[str]) -> PrefixIndex:
