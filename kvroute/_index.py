@@ -557,6 +557,16 @@ class PrefixIndex:
             w.bs = max(w.bs, bs)
             self._bs_members[bs] = self._bs_members.get(bs, 0) | w.bit
         self._entries += len(blocks)
+        bit = w.bit
+        if not w.special:
+            keys = [k for k in blocks.values() if k]
+            if len(set(keys)) == len(keys):
+                # The common worker: one GPU copy per block, one engine hash per key. Mark
+                # its bit with bulk updates, as the ingest hot path does.
+                holders = self._holders
+                held = list(map(holders.get, keys, repeat(0, len(keys))))
+                holders.update(zip(keys, [h | bit if h else bit for h in held]))
+                return
         per_key: dict[bytes, list[int]] = {}
         for ehash, ckey in blocks.items():
             if not ckey:
@@ -570,7 +580,6 @@ class PrefixIndex:
                 for i in range(4):
                     tiers[i] += mask >> i & 1
                 tiers[4] += 1
-        bit = w.bit
         for ckey, tiers in per_key.items():
             if tiers[4] > 1:
                 w.multi[ckey] = tiers[:4]
