@@ -59,17 +59,10 @@ def _normalize_hashes(hashes: list[BlockHash]) -> list[BlockHash]:
             return hashes
     except TypeError:  # bytes mixed with ints: rare, take the slow path
         pass
-    out: list[BlockHash] = []
-    for h in hashes:
-        if isinstance(h, int):
-            if h < _INT64_MIN or h > _MASK64:
-                raise DecodeError(f"block hash {h} out of 64-bit range")
-            h &= _MASK64
-        out.append(h)
-    return out
+    return [_normalize_hash(h) for h in hashes]
 
 
-def _normalize_hash(h: BlockHash | None) -> BlockHash | None:
+def _normalize_hash(h: BlockHash) -> BlockHash:
     if isinstance(h, int) and h < 0:
         if h < _INT64_MIN:
             raise DecodeError(f"block hash {h} out of 64-bit range")
