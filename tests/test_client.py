@@ -279,14 +279,14 @@ async def test_sixty_four_sources(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
 async def test_clean_shutdown_mid_replay(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     wl = Workload(11)
     async with EventPublisher(context=ctx, buffer_steps=20_000) as pub:
-        for _ in range(5000):
+        for _ in range(20_000):
             pub.publish(wl.batch())
         src = pub.source("w")
         with anyio.fail_after(5):
             async with KvEventClient([src], config=FAST, context=ctx) as client:
                 stream = client.events()
                 await next_event(stream, "connected")
-                await anyio.sleep(0.1)  # the request is out; 5,000 replies take far longer
+                await anyio.sleep(0.1)  # the request is out; 20,000 replies take far longer
                 st = client.stats().sources[src.key]
                 assert st.replays == 1 and st.batches == 0 and st.state == "syncing"
         # Every socket the client opened is closed (the publisher's two are still open).
