@@ -44,7 +44,8 @@ from ._events import (
     Reset,
     Synced,
 )
-from ._index import IndexStats, OverlapScores, PrefixIndex
+from ._hashing import HASH_VERSION, MultimodalItem
+from ._index import IndexLimits, IndexLimitsError, IndexStats, OverlapScores, PrefixIndex
 from ._metrics import KvRouteCollector
 from ._models import CPU, DISK, EXTERNAL, GPU, TIERS, EventSource, WorkerKey, WorkerStates, WorkerStatus
 from ._router import CandidateScore, CostModel, Router, RouterError, RouterStats, RoutingDecision
@@ -90,6 +91,9 @@ __all__ = [
     "EventStream",
     "EventsDisabledError",
     "Gap",
+    "HASH_VERSION",
+    "IndexLimits",
+    "IndexLimitsError",
     "IndexStats",
     "InvalidOptionsError",
     "KvEventClient",
@@ -99,6 +103,7 @@ __all__ = [
     "Limits",
     "MalformedAnswerError",
     "NoWorkersError",
+    "MultimodalItem",
     "OverlapScores",
     "Overflow",
     "Partial",
