@@ -48,7 +48,7 @@ _OFF_GPU_TIERS = ((CPU, 2), (DISK, 4), (EXTERNAL, 8))
 # Kinds of the other KV-cache groups, by the hit rule the engine applies to them (vLLM's
 # single_type_kv_cache_manager): a window of blocks before the hit point, or one state
 # checkpoint at it. Any other kind cannot be checked: the worker's hits become 0.
-_WINDOW_KINDS = frozenset({"sliding_window", "SlidingWindowSpec"})
+_WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla", "SlidingWindowSpec", "SlidingWindowMLASpec"})
 _STATE_KINDS = frozenset({"mamba", "MambaSpec"})
 # A (block size, lookahead tokens) pair: how a worker's content keys are chained.
 _Class = tuple[int, int]
@@ -149,6 +149,7 @@ class _Worker:
         "blocks",
         "bs",
         "classes",
+        "fresh_root",
         "groups",
         "key",
         "lookahead",
@@ -174,6 +175,11 @@ class _Worker:
         self.groups: dict[int, _Group] = {}
         self.lookahead = 0
         self.warned: set[str] = set()
+        # Hashes of the last primary store from block 0 that brought new blocks. vLLM reports
+        # a prefix-cache hit (kv_cache_report_mode "full") as stores from block 0 in every
+        # group, a sliding window's null blocks included; a window group's dense store from
+        # block 0 of blocks the primary group held before this store is such a report.
+        self.fresh_root: frozenset[BlockHash] = frozenset()
 
     def holds_nothing(self) -> bool:
         return not self.blocks and not any(g.blocks for g in self.groups.values())
@@ -691,6 +697,8 @@ class PrefixIndex:
                 self._store_one(w, ehash, blocks.get(ehash, b""), pos)
             self._maybe_release(w)
             return
+        if ev.parent_block_hash is None:
+            w.fresh_root = frozenset() if all(h in blocks for h in hashes) else frozenset(hashes)
         cls = (bs, len(la[0]) if la else 0)
         if not self._admit(w, cls, n):
             self._maybe_release(w)
@@ -781,17 +789,22 @@ class PrefixIndex:
         counts[pos] = 1
         self._presence(w, ehash, old_key, pos, 1, False)
 
-    def _lookup(self, w: _Worker, grp: _Group | None, ehash: BlockHash) -> bytes | None:
-        """The content key of an engine hash in any group of the worker (the same value names the same prefix)."""
-        if grp is not None:
-            got = grp.blocks.get(ehash)
-            if got is not None:
-                return got[0]  # type: ignore[no-any-return]
-        key = w.blocks.get(ehash)
-        if key is not None:
-            return key
+    def _lookup(self, w: _Worker, grp: _Group, ehash: BlockHash) -> bytes | None:
+        """The content key of an engine hash in a group of the worker with ``grp``'s block size.
+
+        vLLM hashes every group alike, so one value names one prefix in every group; content
+        keys are chained per block size, so only a group of the same block size can lend one.
+        """
+        got = grp.blocks.get(ehash)
+        if got is not None:
+            return got[0]  # type: ignore[no-any-return]
+        bs = grp.block_size
+        if all(c[0] == bs for c in w.classes):
+            key = w.blocks.get(ehash)
+            if key is not None:
+                return key
         for other in w.groups.values():
-            if other is not grp:
+            if other is not grp and other.block_size == bs:
                 got = other.blocks.get(ehash)
                 if got is not None:
                     return got[0]  # type: ignore[no-any-return]
@@ -804,6 +817,16 @@ class PrefixIndex:
         hashes = ev.block_hashes
         n = len(hashes)
         if not n:
+            return
+        if (
+            ev.parent_block_hash is None
+            and grp.kind != "full"
+            and n * ev.block_size == len(ev.token_ids)
+            and all(h in w.blocks for h in hashes)
+            and not w.fresh_root.issuperset(hashes)
+        ):
+            # A reuse report (see _Worker.fresh_root): it would list blocks the engine nulled.
+            self._repeated += n
             return
         if _entries_of(w) + n > self.limits.max_entries_per_worker:
             self._refused_entries += n
