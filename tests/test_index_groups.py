@@ -1,4 +1,4 @@
-"""Index behaviour the production configurations need: groups, reuse reports, bounds, snapshot checks, untrusted batches."""
+"""What the production configurations need of the index: groups, reuse reports, bounds, snapshot checks."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from _publisher_helpers import FAST, settle
 
 from kvroute import (
     BlockRemoved,
+    Cursor,
     BlockStored,
     IndexLimits,
     IndexLimitsError,
