@@ -12,8 +12,8 @@ from _publisher_helpers import FAST, settle
 
 from kvroute import (
     BlockRemoved,
-    Cursor,
     BlockStored,
+    Cursor,
     IndexLimits,
     IndexLimitsError,
     PrefixIndex,
@@ -191,7 +191,6 @@ def test_a_forged_worker_is_dropped_not_the_index(tmp_path: Path, edit: str, cap
     for w in (good, bad):
         idx.apply(w, BlockStored(block_hashes=[1, 2], token_ids=TOKS[:8], block_size=4))
     path = tmp_path / "index.kvs"
-    from kvroute import Cursor
 
     idx.snapshot(path, cursors={good: Cursor(5, 1.0), bad: Cursor(7, 1.0)})
     _forge(path, edit)
