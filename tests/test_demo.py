@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvroute._cli import main
-from kvroute._demo import POLICIES, DemoOptions, run_demo
+from kvroute.cli import POLICIES, DemoOptions, main, run_demo
 
 REQUIRED = ("hit_rate", "prefill_tokens", "ttft_p50", "ttft_p99", "decision_p50_us", "decision_p99_us")
 

@@ -18,18 +18,6 @@ import grpc
 import pytest
 import trustme
 
-from kvroute._cli_discover import (
-    EXIT_EVENTS_DISABLED,
-    EXIT_FAILED,
-    EXIT_MALFORMED_ANSWER,
-    EXIT_OK,
-    EXIT_REJECTED,
-    EXIT_TOO_MANY_SOURCES,
-    EXIT_UNREACHABLE,
-    EXIT_UNUSABLE_SOURCE,
-    EXIT_USAGE,
-    register,
-)
 from kvroute._discovery import (
     DiscoveryOptions,
     InvalidOptionsError,
@@ -48,6 +36,18 @@ from kvroute._discovery import (
 from kvroute._errors import DiscoveryError, EventsDisabledError, KvRouteError, UnusableSourceError
 from kvroute._models import EventSource, WorkerKey
 from kvroute._proto import vllm_control_pb2 as vllm_pb
+from kvroute.cli._discover import register
+from kvroute.cli._display import (
+    EXIT_EVENTS_DISABLED,
+    EXIT_FAILED,
+    EXIT_MALFORMED_ANSWER,
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_TOO_MANY_SOURCES,
+    EXIT_UNREACHABLE,
+    EXIT_UNUSABLE_SOURCE,
+    EXIT_USAGE,
+)
 from kvroute.sim._grpc import ServerTls, SglangService, VllmControlService, serve_grpc, sglang_server_info
 
 pytestmark = pytest.mark.anyio

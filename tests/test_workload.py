@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute._errors import KvRouteError
-from kvroute._workload import (
+from kvroute.cli import (
     TraceError,
     WorkloadConfig,
     WorkloadRequest,

@@ -1,4 +1,4 @@
-"""``kvroute demo``: simulated engines, a shared-prefix workload, kvroute against round-robin and random.
+"""Running ``kvroute demo``: simulated engines, a shared-prefix workload, kvroute against round-robin and random.
 
 For each policy the demo starts a fresh, identical fleet of `SimEngine`s on loopback (a mix of
 vLLM- and SGLang-style engines, some with 2 data-parallel ranks), finds them only through their
@@ -15,12 +15,11 @@ engine is routed again (at most `_ATTEMPTS` times).
 engine (recovered through replay) and a restart of another (its index state is reset and
 rebuilt), and reports when kvroute noticed and when the worker was synced again.
 
-`run_demo` is the programmatic entry point; `register` adds the subcommand.
+`run_demo` is the programmatic entry point; `_demo_report` renders what it returns.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import random
@@ -28,44 +27,34 @@ import sys
 import time
 import types
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TextIO
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol, TextIO
 
 import anyio
 import msgspec
 
-from ._client import KvEventClient
-from ._errors import KvRouteError
-from ._events import Envelope, Reset, Synced
-from ._models import WorkerKey
-from ._router import Router
-from ._subscriber import SubscriberConfig
+from kvroute import Envelope, KvEventClient, Reset, Router, SubscriberConfig, Synced, WorkerKey
+from kvroute.sim import CapacityError, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
+
+from ._demo_report import (
+    DemoResult,
+    FaultNote,
+    PolicyResult,
+    Reporter,
+    RequestRecord,
+    make_reporter,
+    percentile,
+)
 from ._workload import (
     MOONCAKE_BLOCK_TOKENS,
-    TraceError,
     WorkloadConfig,
     WorkloadRequest,
     generate_workload,
+    reachable_hits,
     read_mooncake_trace,
 )
-from .sim._cache import CapacityError, InvalidRequestError
-from .sim._engine import RequestAbortedError, SimConfig, SimEngine
 
-if TYPE_CHECKING:
-    from rich.progress import Progress, TaskID
-
-__all__ = [
-    "POLICIES",
-    "DemoOptions",
-    "DemoResult",
-    "FaultNote",
-    "PolicyResult",
-    "RequestRecord",
-    "plot",
-    "register",
-    "render",
-    "run_demo",
-]
+__all__ = ["POLICIES", "DemoOptions", "run_demo"]
 
 POLICIES = ("kvroute", "round_robin", "random")
 
@@ -80,10 +69,6 @@ _DEFAULT_REQUESTS = 600
 # evict and where a prefix went matters; trace prompts are longer (Mooncake's average ~8k).
 _SYNTHETIC_CAPACITY = 1024
 _TRACE_CAPACITY = 8192
-# Columns of rich output written to a file or pipe (rich's default there, 80, wraps the table).
-_LOG_WIDTH = 120
-# Sliding window (completions) of the live hit rate in the plot.
-_PLOT_WINDOW = 50
 
 
 class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -133,85 +118,6 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("speedup, rate, quiet_interval and sync_timeout must be > 0")
 
 
-class FaultNote(msgspec.Struct, frozen=True, kw_only=True):
-    """One injected fault: when (seconds into the run), where, what, and how recovery went.
-
-    ``detected_after``: seconds until the client reset the worker (restarts); ``synced_after``:
-    seconds until every rank of the engine was synced again (None: not within the run).
-    """
-
-    t: float
-    engine: str
-    action: str
-    detected_after: float | None = None
-    synced_after: float | None = None
-
-
-class PolicyResult(msgspec.Struct, frozen=True, kw_only=True):
-    """One policy's figures. Times in seconds unless the name says ``_us`` (microseconds).
-
-    ``hit_rate``: prompt tokens the engines found cached / prompt tokens; ``prefill_tokens``:
-    prompt tokens computed. TTFT and latency are the engines' (queueing included).
-    ``load_imbalance``: requests on the busiest worker / mean per worker (1.0 is even).
-    ``decision_*_us``: measured wall time of the policy's ``select``. ``index_*``: the client's
-    index at the end: (block, worker) entries, deep memory size; ``engine_blocks``: what the
-    engines' caches hold then (the index is a subset: equal wherever replay covered losses).
-    ``batches_applied`` / ``blocks_stored``: events applied to the index, live or replayed.
-    """
-
-    policy: str
-    requests: int
-    completed: int
-    failed: int
-    retried: int
-    rejected: int
-    hit_rate: float
-    prompt_tokens: int
-    cached_tokens: int
-    prefill_tokens: int
-    ttft_p50: float
-    ttft_p99: float
-    latency_p50: float
-    latency_p99: float
-    load_imbalance: float
-    decision_p50_us: float
-    decision_p99_us: float
-    index_blocks: int
-    index_memory_bytes: int
-    engine_blocks: int
-    batches_applied: int
-    blocks_stored: int
-    gaps: int
-    replays: int
-    replayed_batches: int
-    resets: int
-    partial_workers: int
-    workers: int
-    wall_time: float
-    faults: list[FaultNote] = msgspec.field(default_factory=list)
-
-
-class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """One finished request: when it finished (seconds into the run), where, and what it cost."""
-
-    id: int
-    done: float
-    worker: WorkerKey
-    prompt_tokens: int
-    cached_tokens: int
-    ttft: float
-    kind: str
-
-
-class DemoResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What `run_demo` returns: per-policy results (in run order), per-request records, the workload's shape."""
-
-    policies: dict[str, PolicyResult]
-    records: dict[str, list[RequestRecord]]
-    workload: dict[str, int]
-    wall_time: float
-
-
 # --- policies -------------------------------------------------------------------------------------
 
 
@@ -259,130 +165,7 @@ class _RandomPolicy:
         return None
 
 
-# --- progress -------------------------------------------------------------------------------------
-
-
-class _Reporter(Protocol):
-    def start(self, policy: str, total: int) -> None: ...
-
-    def update(self, policy: str, done: int, hit_rate: float, ttft_p50: float) -> None: ...
-
-    def refresh(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-    def note(self, text: str) -> None: ...
-
-
-class _Silent:
-    def start(self, policy: str, total: int) -> None:
-        return None
-
-    def update(self, policy: str, done: int, hit_rate: float, ttft_p50: float) -> None:
-        return None
-
-    def refresh(self) -> None:
-        return None
-
-    def stop(self) -> None:
-        return None
-
-    def note(self, text: str) -> None:
-        return None
-
-
-class _PlainReporter:
-    """Progress as a line per tenth of each policy's requests (no rich installed)."""
-
-    def __init__(self, out: TextIO) -> None:
-        self._out = out
-        self._total = 0
-        self._shown = -1
-
-    def start(self, policy: str, total: int) -> None:
-        self._total = total
-        self._shown = -1
-        print(f"{policy}: {total} requests", file=self._out, flush=True)
-
-    def update(self, policy: str, done: int, hit_rate: float, ttft_p50: float) -> None:
-        tenth = done * 10 // max(1, self._total)
-        if tenth > self._shown:
-            self._shown = tenth
-            print(
-                f"  {policy}: {done}/{self._total} hit rate {hit_rate:.1%} TTFT p50 {ttft_p50 * 1e3:.0f} ms",
-                file=self._out,
-                flush=True,
-            )
-
-    def refresh(self) -> None:
-        return None
-
-    def stop(self) -> None:
-        return None
-
-    def note(self, text: str) -> None:
-        print(f"  {text}", file=self._out, flush=True)
-
-
-class _RichReporter:
-    """A rich progress bar per policy; refreshed by the demo's own task (auto_refresh would start a thread)."""
-
-    def __init__(self, out: TextIO) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.console = Console(file=out, width=None if out.isatty() else _LOG_WIDTH)
-        self._progress: Progress = Progress(
-            TextColumn("{task.description:<12}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("hit rate {task.fields[hit]:>6}  TTFT p50 {task.fields[ttft]:>7}"),
-            TimeElapsedColumn(),
-            console=self.console,
-            auto_refresh=False,
-        )
-        self._tasks: dict[str, TaskID] = {}
-        self._progress.start()
-
-    def start(self, policy: str, total: int) -> None:
-        self._tasks[policy] = self._progress.add_task(policy, total=total, hit="-", ttft="-")
-        self._progress.refresh()
-
-    def update(self, policy: str, done: int, hit_rate: float, ttft_p50: float) -> None:
-        self._progress.update(
-            self._tasks[policy], completed=done, hit=f"{hit_rate:.1%}", ttft=f"{ttft_p50 * 1e3:.0f} ms"
-        )
-
-    def refresh(self) -> None:
-        self._progress.refresh()
-
-    def stop(self) -> None:
-        self._progress.refresh()
-        self._progress.stop()
-
-    def note(self, text: str) -> None:
-        self._progress.console.print(f"  {text}", highlight=False)
-
-
-def _reporter(out: TextIO, quiet: bool) -> _Reporter:
-    if quiet:
-        return _Silent()
-    try:
-        return _RichReporter(out)
-    except ImportError:
-        return _PlainReporter(out)
-
-
 # --- measuring ------------------------------------------------------------------------------------
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, int(q / 100.0 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
 
 
 _SKIP_SIZE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
@@ -454,7 +237,8 @@ async def _run_policy(
     options: DemoOptions,
     workload: Sequence[WorkloadRequest],
     capacity: int,
-    reporter: _Reporter,
+    reachable: float,
+    reporter: Reporter,
 ) -> tuple[PolicyResult, list[RequestRecord]]:
     started = time.perf_counter()
     tally = _Tally()
@@ -534,7 +318,7 @@ async def _run_policy(
                         kind=req.kind,
                     )
                 )
-                reporter.update(policy_name, len(tally.records), tally.hit_rate, _percentile(tally.ttfts, 50))
+                reporter.update(policy_name, len(tally.records), tally.hit_rate, percentile(tally.ttfts, 50))
                 return
             tally.failed += 1
 
@@ -561,7 +345,7 @@ async def _run_policy(
             engine_blocks = sum(e.cache(r).num_cached_blocks for e in engines for r in range(e.config.ranks))
             workers = len(client.live_workers())
             background.cancel_scope.cancel()
-    reporter.update(policy_name, len(tally.records), tally.hit_rate, _percentile(tally.ttfts, 50))
+    reporter.update(policy_name, len(tally.records), tally.hit_rate, percentile(tally.ttfts, 50))
     totals = stats.totals
     mean_load = sum(tally.per_worker.values()) / workers if workers else 0.0
     result = PolicyResult(
@@ -572,16 +356,18 @@ async def _run_policy(
         retried=tally.retried,
         rejected=tally.rejected,
         hit_rate=round(tally.hit_rate, 4),
+        reachable_hit_rate=round(reachable, 4),
+        reachable_share=round(tally.hit_rate / reachable, 4) if reachable else 0.0,
         prompt_tokens=tally.prompt,
         cached_tokens=tally.cached,
         prefill_tokens=tally.prompt - tally.cached,
-        ttft_p50=round(_percentile(tally.ttfts, 50), 4),
-        ttft_p99=round(_percentile(tally.ttfts, 99), 4),
-        latency_p50=round(_percentile(tally.latencies, 50), 4),
-        latency_p99=round(_percentile(tally.latencies, 99), 4),
+        ttft_p50=round(percentile(tally.ttfts, 50), 4),
+        ttft_p99=round(percentile(tally.ttfts, 99), 4),
+        latency_p50=round(percentile(tally.latencies, 50), 4),
+        latency_p99=round(percentile(tally.latencies, 99), 4),
         load_imbalance=round(max(tally.per_worker.values(), default=0) / mean_load, 3) if mean_load else 0.0,
-        decision_p50_us=round(_percentile(tally.decisions_ns, 50) / 1e3, 1),
-        decision_p99_us=round(_percentile(tally.decisions_ns, 99) / 1e3, 1),
+        decision_p50_us=round(percentile(tally.decisions_ns, 50) / 1e3, 1),
+        decision_p99_us=round(percentile(tally.decisions_ns, 99) / 1e3, 1),
         index_blocks=index_blocks,
         index_memory_bytes=index_memory,
         engine_blocks=engine_blocks,
@@ -704,210 +490,18 @@ async def run_demo(
     """
     options = options or DemoOptions()
     workload, capacity = _workload(options)
-    reporter = _reporter(out or sys.stdout, quiet=not progress)
+    reachable = reachable_hits(workload, options.block_size).hit_rate
+    display = make_reporter(out or sys.stdout, quiet=not progress)
     started = time.perf_counter()
     results: dict[str, PolicyResult] = {}
     records: dict[str, list[RequestRecord]] = {}
     try:
         for name in options.policies:
-            results[name], records[name] = await _run_policy(name, options, workload, capacity, reporter)
+            results[name], records[name] = await _run_policy(name, options, workload, capacity, reachable, display)
     finally:
-        reporter.stop()
+        display.stop()
     kinds = Counter(r.kind for r in workload)
     shape = {"requests": len(workload), "prompt_tokens": sum(len(r.token_ids) for r in workload), **kinds}
     return DemoResult(
         policies=results, records=records, workload=shape, wall_time=round(time.perf_counter() - started, 2)
     )
-
-
-# --- output ---------------------------------------------------------------------------------------
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]  # int becomes float on purpose
-    return f"{n:.1f} GiB"
-
-
-_ROWS: tuple[tuple[str, Callable[[PolicyResult], str]], ...] = (
-    ("prefix-cache hit rate", lambda r: f"{r.hit_rate:.1%}"),
-    ("prefill tokens computed", lambda r: f"{r.prefill_tokens:,}"),
-    ("TTFT p50 / p99 (simulated)", lambda r: f"{r.ttft_p50 * 1e3:.0f} / {r.ttft_p99 * 1e3:.0f} ms"),
-    ("latency p50 / p99", lambda r: f"{r.latency_p50 * 1e3:.0f} / {r.latency_p99 * 1e3:.0f} ms"),
-    ("load imbalance (max/mean)", lambda r: f"{r.load_imbalance:.2f}"),
-    ("decision p50 / p99 (measured)", lambda r: f"{r.decision_p50_us:.0f} / {r.decision_p99_us:.0f} µs"),
-    ("index blocks (engines hold)", lambda r: f"{r.index_blocks:,} ({r.engine_blocks:,})"),
-    ("index memory", lambda r: _fmt_bytes(r.index_memory_bytes)),
-    ("events applied (batches / blocks)", lambda r: f"{r.batches_applied:,} / {r.blocks_stored:,}"),
-    ("gaps / replays / resets", lambda r: f"{r.gaps} / {r.replays} / {r.resets}"),
-    ("completed / retried / failed", lambda r: f"{r.completed} / {r.retried} / {r.failed + r.rejected}"),
-    ("wall time", lambda r: f"{r.wall_time:.1f} s"),
-)
-
-
-def render(result: DemoResult, out: TextIO) -> None:
-    """Print the results table (and the fault recovery, if any) to ``out``; rich when installed."""
-    policies = list(result.policies.values())
-    header = ["", *(p.policy for p in policies)]
-    rows = [[label, *(fmt(p) for p in policies)] for label, fmt in _ROWS]
-    fault_lines = [
-        f"{p.policy}: t={f.t:.1f}s {f.action} {f.engine}"
-        + (f" → reset after {f.detected_after * 1e3:.0f} ms" if f.detected_after is not None else "")
-        + (f", synced again after {f.synced_after * 1e3:.0f} ms" if f.synced_after is not None else "")
-        for p in policies
-        for f in p.faults
-    ]
-    shape = ", ".join(f"{v:,} {k.replace('_', ' ')}" for k, v in result.workload.items())
-    title = f"kvroute demo — {shape}"
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-        print(title, file=out)
-        for row in [header, *rows]:
-            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)), file=out)
-        for line in fault_lines:
-            print(line, file=out)
-    else:
-        table = Table(title=title)
-        for i, name in enumerate(header):
-            table.add_column(name, justify="left" if i == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        console = Console(file=out, width=None if out.isatty() else _LOG_WIDTH)
-        console.print(table)
-        for line in fault_lines:
-            console.print(line, highlight=False)
-    summary = _summary(result)
-    if summary:
-        print(summary, file=out)
-
-
-def _summary(result: DemoResult) -> str:
-    kv = result.policies.get("kvroute")
-    others = [p for p in result.policies.values() if p.policy != "kvroute"]
-    if kv is None or not others:
-        return ""
-    best = max(others, key=lambda p: p.hit_rate)
-    ttft = f"TTFT p50 {kv.ttft_p50 * 1e3:.0f} ms vs {best.ttft_p50 * 1e3:.0f} ms" if best.ttft_p50 else ""
-    return (
-        f"kvroute: {kv.hit_rate:.1%} of prompt tokens cached vs {best.hit_rate:.1%} for {best.policy}"
-        f" ({best.prefill_tokens - kv.prefill_tokens:,} fewer tokens prefilled); {ttft}."
-        f" Total {result.wall_time:.1f} s."
-    )
-
-
-def plot(result: DemoResult, path: str) -> None:
-    """Save hit rate and TTFT over time per policy to ``path`` (matplotlib, imported here: the demo extra)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_hit, ax_ttft) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    for name, recs in result.records.items():
-        ordered = sorted(recs, key=lambda r: r.done)
-        times, hits, ttfts = [], [], []
-        for i in range(len(ordered)):
-            window = ordered[max(0, i - _PLOT_WINDOW + 1) : i + 1]
-            prompt = sum(r.prompt_tokens for r in window)
-            times.append(ordered[i].done)
-            hits.append(100.0 * sum(r.cached_tokens for r in window) / prompt if prompt else 0.0)
-            ttfts.append(1e3 * _percentile([r.ttft for r in window], 50))
-        ax_hit.plot(times, hits, label=name)
-        ax_ttft.plot(times, ttfts, label=name)
-    first = next(iter(result.policies.values()), None)
-    for fault in first.faults if first is not None else ():
-        for ax in (ax_hit, ax_ttft):
-            ax.axvline(fault.t, color="grey", linestyle=":", linewidth=1)
-        ax_hit.annotate(f"{fault.action} {fault.engine}", (fault.t, 2), rotation=90, fontsize=7, color="grey")
-    ax_hit.set_ylabel(f"hit rate, % (last {_PLOT_WINDOW} requests)")
-    ax_ttft.set_ylabel(f"TTFT p50, ms (last {_PLOT_WINDOW})")
-    ax_ttft.set_xlabel("seconds into the run")
-    ax_hit.legend()
-    ax_hit.grid(alpha=0.3)
-    ax_ttft.grid(alpha=0.3)
-    fig.suptitle("kvroute demo: prefix-cache hit rate and time to first token per routing policy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# --- CLI ------------------------------------------------------------------------------------------
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the ``demo`` subcommand to the ``kvroute`` parser."""
-    p = sub.add_parser(
-        "demo",
-        help="route a shared-prefix workload over simulated engines: kvroute vs round-robin vs random",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-    )
-    p.add_argument("--engines", type=int, default=4, help="simulated engines per policy (default 4: 6 workers)")
-    p.add_argument("--requests", type=int, default=None, help="requests (default 600; with --trace: all records)")
-    p.add_argument("--seed", type=int, default=0, help="workload and engine seed (default 0)")
-    p.add_argument("--faults", action="store_true", help="inject message drops and an engine restart mid-run")
-    p.add_argument("--plot", metavar="FILE.png", help="save hit rate and TTFT over time per policy (matplotlib)")
-    p.add_argument("--trace", metavar="FILE.jsonl", help="replay a Mooncake-format trace instead")
-    p.add_argument(
-        "--trace-block-tokens",
-        type=int,
-        default=MOONCAKE_BLOCK_TOKENS,
-        help="tokens per trace hash id (default 512, Mooncake's)",
-    )
-    p.add_argument("--speedup", type=float, default=1.0, help="divide the trace's inter-arrival times (default 1)")
-    p.add_argument("--rate", type=float, default=WorkloadConfig().rate, help="synthetic arrivals per second")
-    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (trace: the cap)")
-    p.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per rank (default 1024; trace 8192)")
-    p.add_argument(
-        "--policies",
-        default=",".join(POLICIES),
-        help=f"comma-separated policies to run, in order (default {','.join(POLICIES)})",
-    )
-    p.add_argument("--json", action="store_true", help="print the results as one JSON object keyed by policy")
-    p.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    try:
-        options = DemoOptions(
-            engines=args.engines,
-            requests=args.requests,
-            seed=args.seed,
-            faults=args.faults,
-            policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-            trace=args.trace,
-            trace_block_tokens=args.trace_block_tokens,
-            speedup=args.speedup,
-            rate=args.rate,
-            max_tokens=args.max_tokens,
-            capacity_blocks=args.capacity_blocks,
-        )
-    except ValueError as exc:
-        print(f"kvroute demo: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        result = anyio.run(lambda: run_demo(options, progress=not args.json))
-    except (TraceError, KvRouteError, OSError, TimeoutError) as exc:
-        print(f"kvroute demo: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    if args.json:
-        sys.stdout.write(msgspec.json.encode(result.policies).decode() + "\n")
-    else:
-        render(result, sys.stdout)
-    if args.plot:
-        try:
-            plot(result, args.plot)
-        except ImportError:
-            print("kvroute demo: --plot needs matplotlib: pip install 'kvroute[demo]'", file=sys.stderr)
-            return EXIT_FAILED
-        if not args.json:
-            print(f"plot saved to {args.plot}")
-    return EXIT_OK
