@@ -47,6 +47,7 @@ from ._events import (
     Reset,
     Synced,
 )
+from ._hashing import chain_keys
 from ._index import IndexStats, OverlapScores, PrefixIndex
 from ._metrics import KvRouteCollector
 from ._models import (
@@ -143,6 +144,7 @@ __all__ = [
     "WorkerStates",
     "WorkerStatus",
     "__version__",
+    "chain_keys",
     "decode_batch",
     "diff_sources",
     "discover",
