@@ -414,29 +414,20 @@ class PrefixCache:
         tokens: list[int] = []
         for b in run:
             tokens.extend(b.tokens)
-        if self.new_fields:
-            event = BlockStored(
-                block_hashes=[b.hash for b in run],
-                parent_block_hash=parent.hash if parent is not None else None,
-                token_ids=tokens,
-                block_size=self.block_size,
-                lora_id=self._lora_ids.get(lora_name) if lora_name is not None else None,
-                medium=_MEDIUM_GPU,
-                lora_name=lora_name,
-                extra_keys=[None] * len(run),
-                group_idx=0,
-                kv_cache_spec_kind=_FULL_ATTENTION,
-            )
-        else:
-            event = BlockStored(
-                block_hashes=[b.hash for b in run],
-                parent_block_hash=parent.hash if parent is not None else None,
-                token_ids=tokens,
-                block_size=self.block_size,
-                lora_id=self._lora_ids.get(lora_name) if lora_name is not None else None,
-                medium=_MEDIUM_GPU,
-                lora_name=lora_name,
-            )
+        # Engines without the newer fields leave them off the wire (None is omitted when encoding).
+        newer = self.new_fields
+        event = BlockStored(
+            block_hashes=[b.hash for b in run],
+            parent_block_hash=parent.hash if parent is not None else None,
+            token_ids=tokens,
+            block_size=self.block_size,
+            lora_id=self._lora_ids.get(lora_name) if lora_name is not None else None,
+            medium=_MEDIUM_GPU,
+            lora_name=lora_name,
+            extra_keys=[None] * len(run) if newer else None,
+            group_idx=0 if newer else None,
+            kv_cache_spec_kind=_FULL_ATTENTION if newer else None,
+        )
         self._events.append(event)
 
     # --- ground truth and gauges ---------------------------------------------------------

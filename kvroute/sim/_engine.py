@@ -33,8 +33,7 @@ import logging
 import socket
 from array import array
 from collections import deque
-from collections.abc import Sequence
-from types import TracebackType
+from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.abc
@@ -44,6 +43,7 @@ from .._models import EventSource
 from ._cache import CapacityError, InvalidRequestError, PrefixCache, hash_seed
 from ._grpc import GrpcServer, SglangService, VllmControlService, sglang_server_info, start_grpc_server
 from ._http import EngineApp, HttpServer
+from ._lifecycle import AsyncService
 from ._publisher import EventPublisher
 from ._request import Completion, RequestAbortedError, SimConfig, SimRequest
 
@@ -103,7 +103,7 @@ def _reserve_port_ranges(host: str, count: int, ranges: int) -> list[int]:
     raise OSError(f"no {ranges} runs of {count} consecutive free ports on {host}")
 
 
-class SimEngine:
+class SimEngine(AsyncService):
     """A simulated vLLM / SGLang engine (module docstring); use as ``async with SimEngine(config) as engine``.
 
     Starting takes a few milliseconds plus the gRPC server's start; `http_url`, `grpc_target`
@@ -130,53 +130,34 @@ class SimEngine:
         self._pub_error: BaseException | None = None
         self._grpc: GrpcServer | None = None
         self._http_port: int | None = None
-        self._stack: contextlib.AsyncExitStack | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    async def __aenter__(self) -> SimEngine:
+    async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         cfg = self.config
         if self._ctx is None:
             self._ctx = zmq.Context()
         if ":" in cfg.host:
             self._ctx.setsockopt(zmq.IPV6, 1)
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                stack.callback(self._abort_all, "engine stopped")
-                if cfg.grpc_port is not None:
-                    service: VllmControlService | SglangService
-                    if cfg.engine == "vllm":
-                        service = VllmControlService(self.advertised_sources)
-                    else:
-                        service = SglangService(self.server_info_json)
-                    self._grpc = await start_grpc_server([service], host=cfg.host, port=cfg.grpc_port)
-                    stack.push_async_callback(self._grpc.stop)
-                tg = await stack.enter_async_context(anyio.create_task_group())
-                stack.callback(tg.cancel_scope.cancel)
-                await tg.start(self._own_publishers)
-                if cfg.http_port is not None:
-                    server = HttpServer(EngineApp(self).handle, host=cfg.host, port=cfg.http_port)
-                    self._http_port = await tg.start(server.serve)
-                for rank in self._ranks:
-                    tg.start_soon(self._schedule, rank)
-                self._stack = stack.pop_all()
-        except BaseException:
-            self._term_context()
-            raise
-        return self
+        stack.callback(self._abort_all, "engine stopped")
+        if cfg.grpc_port is not None:
+            service: VllmControlService | SglangService
+            if cfg.engine == "vllm":
+                service = VllmControlService(self.advertised_sources)
+            else:
+                service = SglangService(self.server_info_json)
+            self._grpc = await start_grpc_server([service], host=cfg.host, port=cfg.grpc_port)
+            stack.push_async_callback(self._grpc.stop)
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)
+        await tg.start(self._own_publishers)
+        if cfg.http_port is not None:
+            server = HttpServer(EngineApp(self).handle, host=cfg.host, port=cfg.http_port)
+            self._http_port = await tg.start(server.serve)
+        for rank in self._ranks:
+            tg.start_soon(self._schedule, rank)
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
-        assert self._stack is not None
-        stack, self._stack = self._stack, None
-        try:
-            await stack.__aexit__(exc_type, exc, tb)
-        finally:
-            self._term_context()
-        return None
-
-    def _term_context(self) -> None:
+    def _release(self) -> None:
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -317,45 +298,34 @@ class SimEngine:
 
     def advertised_sources(self) -> list[EventSource]:
         """The sources as the engine advertises them: endpoints as bound (or with ``advertise_host``), verbatim."""
-        cfg = self.config
-        return [
-            EventSource(
-                worker_id=self.grpc_target or cfg.name,
-                dp_rank=r,
-                endpoint=self._advertised(endpoint),
-                topic=cfg.topic,
-                replay_endpoint=self._advertised(replay) if replay is not None else None,
-                hwm=cfg.hwm,
-                buffer_steps=cfg.buffer_steps if replay is not None else None,
-                block_size=cfg.block_size,
-                engine=cfg.engine,
-            )
-            for r, (endpoint, replay) in enumerate(self._bound)
-        ]
+        return self._sources(self.grpc_target or self.config.name, self._advertised, target=None)
 
     def sources(self, worker_id: str | None = None) -> list[EventSource]:
         """Connectable `EventSource` per rank, as discovery would resolve them.
 
         ``worker_id`` defaults to `grpc_target` (what `kvroute.discover` names the worker).
         """
-        cfg = self.config
         host = self._connect_host()
 
         def connectable(endpoint: str) -> str:
             return _tcp(host, _port_of(endpoint))
 
+        return self._sources(worker_id or self.grpc_target or self.config.name, connectable, target=self.grpc_target)
+
+    def _sources(self, worker_id: str, endpoint_of: Callable[[str], str], target: str | None) -> list[EventSource]:
+        cfg = self.config
         return [
             EventSource(
-                worker_id=worker_id or self.grpc_target or cfg.name,
+                worker_id=worker_id,
                 dp_rank=r,
-                endpoint=connectable(endpoint),
+                endpoint=endpoint_of(endpoint),
                 topic=cfg.topic,
-                replay_endpoint=connectable(replay) if replay is not None else None,
+                replay_endpoint=endpoint_of(replay) if replay is not None else None,
                 hwm=cfg.hwm,
                 buffer_steps=cfg.buffer_steps if replay is not None else None,
                 block_size=cfg.block_size,
                 engine=cfg.engine,
-                target=self.grpc_target,
+                target=target,
             )
             for r, (endpoint, replay) in enumerate(self._bound)
         ]

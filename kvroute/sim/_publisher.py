@@ -18,7 +18,6 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterable
-from types import TracebackType
 from typing import Literal
 
 import anyio
@@ -28,6 +27,7 @@ import zmq
 from .. import _zmq
 from .._models import EventSource
 from .._wire import EngineEvent, EventBatch, encode_batch
+from ._lifecycle import AsyncService
 
 __all__ = ["END_SEQ", "EventPublisher"]
 
@@ -60,7 +60,7 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
             return last.decode("ascii")
 
 
-class EventPublisher:
+class EventPublisher(AsyncService):
     """One simulated engine rank's KV-event publisher (PUB) and replay server (ROUTER).
 
     Use as ``async with EventPublisher(...) as pub:``; it binds on entry and runs its replay
@@ -159,41 +159,25 @@ class EventPublisher:
         # Set (and replaced) whenever the ROUTER is rebound; created on entry (anyio events
         # need a running event loop).
         self._router_changed: anyio.Event | None = None
-        self._stack: contextlib.AsyncExitStack | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
 
-    async def __aenter__(self) -> EventPublisher:
+    async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         if self._ctx is None:
             self._ctx = zmq.Context()
         self._router_changed = anyio.Event()
-        try:
-            self._open_pub(self._bind_endpoint)
-            if self._bind_replay is not None:
-                self._open_router(self._bind_replay)
-            async with contextlib.AsyncExitStack() as stack:
-                tg = await stack.enter_async_context(anyio.create_task_group())
-                stack.callback(tg.cancel_scope.cancel)
-                tg.start_soon(self._serve_replay)
-                self._stack = stack.pop_all()
-        except BaseException:
-            self._close_sockets()
-            raise
-        return self
+        self._open_pub(self._bind_endpoint)
+        if self._bind_replay is not None:
+            self._open_router(self._bind_replay)
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)
+        tg.start_soon(self._serve_replay)
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
-        assert self._stack is not None
-        stack, self._stack = self._stack, None
-        try:
-            await stack.__aexit__(exc_type, exc, tb)
-        finally:
-            self._close_sockets()
-            if self._own_ctx and self._ctx is not None:
-                self._ctx.term()
-                self._ctx = None
-        return None
+    def _release(self) -> None:
+        self._close_sockets()
+        if self._own_ctx and self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
 
     def _context(self) -> zmq.Context[zmq.Socket[bytes]]:
         if self._ctx is None:
