@@ -39,10 +39,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=MOONCAKE_BLOCK_TOKENS,
         help="tokens per trace hash id (default 512, Mooncake's)",
     )
-    p.add_argument("--speedup", type=float, default=1.0, help="divide the trace's inter-arrival times (default 1)")
+    p.add_argument(
+        "--speedup",
+        type=float,
+        default=None,
+        help="replay the trace this many times faster, engines included: arrivals and simulated prefill and"
+        " decode times are divided by it, so the fleet carries the trace's own load (default 10)",
+    )
     p.add_argument("--rate", type=float, default=WorkloadConfig().rate, help="synthetic arrivals per second")
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (trace: the cap)")
-    p.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per rank (default 1024; trace 8192)")
+    p.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per rank (default 1024: ten conversations, so caches evict; with --trace 32768 of 16 tokens,"
+        " what an 80 GB GPU holds for an 8B model)",
+    )
     p.add_argument(
         "--policies",
         default=",".join(POLICIES),

@@ -66,9 +66,16 @@ _ATTEMPTS = 3
 # to finish three policies in ~30 s on two slow cores (the issue's budget is 60 s).
 _DEFAULT_REQUESTS = 600
 # 1,024 blocks of 16 tokens (16k tokens) per rank: about ten conversations' worth, so caches
-# evict and where a prefix went matters; trace prompts are longer (Mooncake's average ~8k).
+# evict and where a prefix went matters.
 _SYNTHETIC_CAPACITY = 1024
-_TRACE_CAPACITY = 8192
+# A trace models production GPUs: 32,768 blocks of 16 tokens (512k tokens) per rank is what an
+# 80 GB GPU serving an 8B model with grouped-query attention keeps (128 KiB per token). Mooncake's
+# prompts average ~12k tokens: 8,192 blocks held ~10 of them, too few for the trace's reuse
+# (minutes apart) to survive eviction.
+_TRACE_CAPACITY = 32768
+# A trace replays 10x faster than recorded, engines included (`DemoOptions.speedup`): minutes of
+# trace in a demo's time, at the load the trace put on its fleet.
+_TRACE_SPEEDUP = 10.0
 
 
 class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,11 +84,14 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     ``engines``: engines per fleet (cycling vLLM with 2 ranks, SGLang, vLLM, SGLang with 2 ranks).
     ``requests``: synthetic requests (default 600), or the first N trace records (default all).
     ``trace``: a Mooncake JSON-lines trace to replay instead of the synthetic workload, each
-    hash id expanded to ``trace_block_tokens`` tokens, inter-arrivals divided by ``speedup``.
+    hash id expanded to ``trace_block_tokens`` tokens. ``speedup``: a trace runs that many
+    times faster than recorded (default 10): inter-arrival times and the engines' prefill and
+    decode step times are all divided by it, so the fleet carries the trace's own load.
     ``rate``: synthetic arrivals per second. ``max_tokens``: output tokens per synthetic
     request, and the cap on a trace's output lengths. ``capacity_blocks``: KV blocks per rank
-    (default 1,024 synthetic, 8,192 for a trace). ``quiet_interval``: the subscriber's probe
-    interval (design.md rules 7-8; short, so a restart is noticed within the run).
+    (default 1,024 synthetic; 32,768 for a trace, an 80 GB GPU's worth for an 8B model).
+    ``quiet_interval``: the subscriber's probe interval (design.md rules 7-8; short, so a
+    restart is noticed within the run).
     """
 
     engines: int = 4
@@ -91,7 +101,7 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     policies: tuple[str, ...] = POLICIES
     trace: str | None = None
     trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
-    speedup: float = 1.0
+    speedup: float | None = None
     rate: float = WorkloadConfig().rate
     max_tokens: int = 16
     block_size: int = 16
@@ -114,7 +124,8 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.max_tokens < 1 or (self.capacity_blocks is not None and self.capacity_blocks < 1):
             raise ValueError("max_tokens and capacity_blocks must be >= 1")
-        if not (self.speedup > 0 and self.rate > 0 and self.quiet_interval > 0 and self.sync_timeout > 0):
+        speedup = 1.0 if self.speedup is None else self.speedup
+        if not (speedup > 0 and self.rate > 0 and self.quiet_interval > 0 and self.sync_timeout > 0):
             raise ValueError("speedup, rate, quiet_interval and sync_timeout must be > 0")
 
 
@@ -215,7 +226,10 @@ class _Tally:
 # --- one policy's run -----------------------------------------------------------------------------
 
 
-def _fleet(options: DemoOptions, capacity: int) -> list[SimConfig]:
+def _fleet(options: DemoOptions, capacity: int, speedup: float) -> list[SimConfig]:
+    # The engines' clock runs ``speedup`` times faster too: prefill and decode keep their share
+    # of the (compressed) time between arrivals, so a sped-up trace does not outrun them.
+    default = SimConfig()
     configs = []
     for i in range(options.engines):
         engine, ranks = _FLEET[i % len(_FLEET)]
@@ -227,6 +241,8 @@ def _fleet(options: DemoOptions, capacity: int) -> list[SimConfig]:
                 block_size=options.block_size,
                 capacity_blocks=capacity,
                 seed=options.seed,
+                prefill_time_per_token=default.prefill_time_per_token / speedup,
+                decode_time_per_step=default.decode_time_per_step / speedup,
             )
         )
     return configs
@@ -237,6 +253,7 @@ async def _run_policy(
     options: DemoOptions,
     workload: Sequence[WorkloadRequest],
     capacity: int,
+    speedup: float,
     reachable: float,
     reporter: Reporter,
 ) -> tuple[PolicyResult, list[RequestRecord]]:
@@ -245,7 +262,7 @@ async def _run_policy(
     lifecycle: list[_Lifecycle] = []
     faults: list[tuple[float, _Fault]] = []
     async with contextlib.AsyncExitStack() as stack:
-        engines = [await stack.enter_async_context(SimEngine(cfg)) for cfg in _fleet(options, capacity)]
+        engines = [await stack.enter_async_context(SimEngine(cfg)) for cfg in _fleet(options, capacity, speedup)]
         by_target: dict[str, SimEngine] = {}
         for engine in engines:
             assert engine.grpc_target is not None  # gRPC is on by default
@@ -460,23 +477,25 @@ def _recovery(t: float, fault: _Fault, lifecycle: Sequence[_Lifecycle]) -> Fault
 # --- the whole demo -------------------------------------------------------------------------------
 
 
-def _workload(options: DemoOptions) -> tuple[list[WorkloadRequest], int]:
+def _workload(options: DemoOptions) -> tuple[list[WorkloadRequest], int, float]:
+    """The requests, KV blocks per rank, and how much faster than recorded the run goes."""
     if options.trace is not None:
+        speedup = options.speedup or _TRACE_SPEEDUP
         workload = read_mooncake_trace(
             options.trace,
             block_tokens=options.trace_block_tokens,
             limit=options.requests,
-            speedup=options.speedup,
+            speedup=speedup,
             max_tokens=options.max_tokens,
         )
-        return workload, options.capacity_blocks or _TRACE_CAPACITY
+        return workload, options.capacity_blocks or _TRACE_CAPACITY, speedup
     config = WorkloadConfig(
         requests=options.requests or _DEFAULT_REQUESTS,
         seed=options.seed,
         rate=options.rate,
         max_tokens=options.max_tokens,
     )
-    return generate_workload(config), options.capacity_blocks or _SYNTHETIC_CAPACITY
+    return generate_workload(config), options.capacity_blocks or _SYNTHETIC_CAPACITY, 1.0
 
 
 async def run_demo(
@@ -489,7 +508,7 @@ async def run_demo(
     components; engines and clients are closed whatever happens.
     """
     options = options or DemoOptions()
-    workload, capacity = _workload(options)
+    workload, capacity, speedup = _workload(options)
     reachable = reachable_hits(workload, options.block_size).hit_rate
     display = make_reporter(out or sys.stdout, quiet=not progress)
     started = time.perf_counter()
@@ -497,7 +516,9 @@ async def run_demo(
     records: dict[str, list[RequestRecord]] = {}
     try:
         for name in options.policies:
-            results[name], records[name] = await _run_policy(name, options, workload, capacity, reachable, display)
+            results[name], records[name] = await _run_policy(
+                name, options, workload, capacity, speedup, reachable, display
+            )
     finally:
         display.stop()
     kinds = Counter(r.kind for r in workload)
