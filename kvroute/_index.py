@@ -1,6 +1,6 @@
 """The prefix-block index: which worker holds how many leading blocks of a token sequence.
 
-Layout (design.md, "Index notes"):
+Layout (docs/architecture.md, "Index notes"):
 
 - Each worker gets a bit; ``_holders`` maps a block's content key (`kvroute._hashing`) to the
   bit set of workers holding it on any tier. A query walks the prompt's chained keys and ANDs
@@ -38,7 +38,7 @@ __all__ = ["IndexStats", "OverlapScores", "PrefixIndex"]
 _TIER_POS = {GPU: 0, CPU: 1, DISK: 2, EXTERNAL: 3}
 _OFF_GPU_TIERS = ((CPU, 2), (DISK, 4), (EXTERNAL, 8))
 
-# protocol.md §3: only full-attention KV groups describe reusable prefixes; an absent kind is
+# docs/protocol.md §3: only full-attention KV groups describe reusable prefixes; an absent kind is
 # an engine that predates hybrid models, where every group was full attention.
 _FULL_KINDS = frozenset({None, "full_attention", "mla_attention", "FullAttentionSpec", "MLAAttentionSpec"})
 

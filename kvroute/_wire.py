@@ -1,6 +1,6 @@
 """The wire format: msgpack KV-event batches decoded straight into typed Structs, and encoded back.
 
-protocol.md §3 is the spec. Two event encodings exist and both decode: the *map form*
+docs/protocol.md §3 is the spec. Two event encodings exist and both decode: the *map form*
 (``{"type": "BlockStored", ...}``, vLLM ≥ 0.24, SGLang ≥ 0.5.21) and the *tagged-array form*
 (``["BlockStored", f1, f2, ...]``, older releases). The common case — an array batch of
 map-form events of known types — decodes in one msgspec call into `EventBatch`; anything
@@ -73,7 +73,7 @@ def _normalize_hash(h: BlockHash) -> BlockHash:
 class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=True, omit_defaults=True):
     """Blocks entered an engine's prefix cache (one event may carry a chain of several).
 
-    Field names and order are the engines' (protocol.md §3). ``token_ids`` holds
+    Field names and order are the engines' (docs/protocol.md §3). ``token_ids`` holds
     ``block_size`` tokens per hash; SGLang's last page may be short.
     """
 
@@ -153,7 +153,7 @@ _ArrBlockRemoved = _variant(BlockRemoved, 1, tag="BlockRemoved", array_like=True
 _ArrAllBlocksCleared = _variant(AllBlocksCleared, 0, tag="AllBlocksCleared", array_like=True)
 _ArrEvent: Any = Union[_ArrBlockStored, _ArrBlockRemoved, _ArrAllBlocksCleared]  # noqa: UP007 (runtime union)
 
-# vLLM writes these BlockStored / BlockRemoved fields even when nil (protocol.md §3), so the
+# vLLM writes these BlockStored / BlockRemoved fields even when nil (docs/protocol.md §3), so the
 # map-form encoder uses twins where they have no default and omit_defaults skips only the
 # rest — this is what makes re-encoding the golden payloads byte-exact.
 _OutBlockStored = _variant(BlockStored, 7, tag="BlockStored", tag_field="type", omit_defaults=True)
@@ -318,7 +318,7 @@ class BatchDecoder:
             if bs > lim.max_block_size:
                 raise DecodeError(f"block_size {bs} exceeds the cap of {lim.max_block_size}")
             nt = len(ev.token_ids)
-            # Full blocks: exactly bs tokens each. SGLang's last page may be short (protocol.md §3).
+            # Full blocks: exactly bs tokens each. SGLang's last page may be short (docs/protocol.md §3).
             if nt != bs * n and not (n and bs * (n - 1) < nt < bs * n):
                 raise DecodeError(f"{nt} token_ids do not fit {n} blocks of {bs}")
             if ev.extra_keys is not None and len(ev.extra_keys) != n:

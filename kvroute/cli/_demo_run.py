@@ -63,7 +63,7 @@ _FLEET = (("vllm", 2), ("sglang", 1), ("vllm", 1), ("sglang", 2))
 # A request that died with its engine (restart) is routed again, as an HTTP router retries a 503.
 _ATTEMPTS = 3
 # Synthetic default: enough requests for conversations to come back several times, few enough
-# to finish three policies in ~30 s on two slow cores (the issue's budget is 60 s).
+# to finish three policies in ~30 s on two slow cores (the demo's budget is 60 s).
 _DEFAULT_REQUESTS = 600
 # 1,024 blocks of 16 tokens (16k tokens) per rank: about ten conversations' worth, so caches
 # evict and where a prefix went matters.
@@ -90,7 +90,7 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     ``rate``: synthetic arrivals per second. ``max_tokens``: output tokens per synthetic
     request, and the cap on a trace's output lengths. ``capacity_blocks``: KV blocks per rank
     (default 1,024 synthetic; 32,768 for a trace, an 80 GB GPU's worth for an 8B model).
-    ``quiet_interval``: the subscriber's probe interval (design.md rules 7-8; short, so a
+    ``quiet_interval``: the subscriber's probe interval (docs/recovery.md rules 7-8; short, so a
     restart is noticed within the run).
     """
 

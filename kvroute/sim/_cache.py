@@ -52,7 +52,7 @@ HashStyle = Literal["vllm", "sglang"]
 
 _MEDIUM_GPU = "GPU"
 # vLLM ≥ 0.30 tags each BlockStored / BlockRemoved with its KV-cache group; a plain (non-hybrid)
-# model has one full-attention group, index 0 (protocol.md §3, golden payload).
+# model has one full-attention group, index 0 (docs/protocol.md §3, golden payload).
 _FULL_ATTENTION = "full_attention"
 # Token ids go into the hash as uint64 (array typecode "Q"), which also rejects negative and
 # oversized ids in C: no tokenizer produces an id outside [0, 2**64).

@@ -4,7 +4,7 @@
 rank, a `PrefixCache`, an `EventPublisher` (PUB + ROUTER replay buffer) and a scheduler task;
 plus the engine's gRPC discovery service (vLLM ``Control.GetKvEventSources`` or SGLang
 ``GetServerInfo``) and its HTTP server (`kvroute.sim._http`). It publishes what the real
-engine would (protocol.md): vLLM — map-form events (array form with ``form="array"``, as
+engine would (docs/protocol.md): vLLM — map-form events (array form with ``form="array"``, as
 vLLM ≤ 0.23), uint64 or bytes hashes seeded per process, one source per rank; SGLang — signed
 int64 hashes, one BlockStored per page, ``json_info`` with ``kv_events`` whose per-rank ports
 are base + rank (so consecutive ports are bound).
@@ -51,7 +51,7 @@ __all__ = ["Completion", "RequestAbortedError", "SimConfig", "SimEngine", "SimRe
 
 log = logging.getLogger("kvroute.sim")
 
-# vLLM's KVEventsConfig.max_queue_size default (protocol.md §1), advertised as is.
+# vLLM's KVEventsConfig.max_queue_size default (docs/protocol.md §1), advertised as is.
 _MAX_QUEUE_SIZE = 100_000
 # Attempts at finding free consecutive port ranges (SGLang): another process may take a probed
 # port before it is bound; a few retries make that race irrelevant.
