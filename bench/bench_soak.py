@@ -37,15 +37,17 @@ import anyio
 import msgspec
 import zmq
 
-from kvroute import _zmq
-from kvroute._client import KvEventClient, TotalStats
-from kvroute._discovery import DiscoveryOptions
-from kvroute._index import PrefixIndex
-from kvroute._models import WorkerKey
-from kvroute._snapshot import Cursor
-from kvroute._subscriber import SubscriberConfig
-from kvroute.sim import RequestAbortedError, SimConfig, SimEngine
-from kvroute.sim._grpc import GrpcServer, SglangService, VllmControlService, sglang_server_info, start_grpc_server
+from kvroute import Cursor, DiscoveryOptions, KvEventClient, PrefixIndex, SubscriberConfig, TotalStats, WorkerKey, _zmq
+from kvroute.sim import (
+    GrpcServer,
+    RequestAbortedError,
+    SglangService,
+    SimConfig,
+    SimEngine,
+    VllmControlService,
+    sglang_server_info,
+    start_grpc_server,
+)
 
 BS = 16
 VOCAB = 2_000

@@ -12,7 +12,7 @@ Definition (version 2; snapshots and router replicas depend on it, so it never c
                                 [+ b"\\xfe" + its lookahead tokens as uint32 little-endian, when the
                                    engine hashes lookahead tokens])
 
-The namespaces are the ones the engines fold into their own block hashes (protocol.md §3.1):
+The namespaces are the ones the engines fold into their own block hashes (docs/protocol.md §3.1):
 the LoRA adapter and the cache salt name the whole chain (vLLM sends the salt in the first
 block's extra keys, SGLang in ``cache_salt``; the adapter in ``lora_name`` and, on vLLM, again
 first in every block's extra keys — one namespace, however it arrives). A block's *extras* are

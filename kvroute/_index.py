@@ -1,6 +1,6 @@
 """The prefix-block index: which worker holds how many leading blocks of a token sequence.
 
-Layout (design.md, "Index notes"):
+Layout (docs/architecture.md, "Index notes"):
 
 - Each worker gets a bit; ``_holders`` maps a block's content key (`kvroute._hashing`) to the
   bit set of workers holding it on any tier. A query walks the prompt's chained keys and ANDs

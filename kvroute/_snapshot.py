@@ -3,7 +3,7 @@
 A snapshot holds, per worker, its engine-hash → content-key map (with copies per tier), and
 per source the last applied seq and that batch's ts. A client started from a snapshot replays
 each source from the saved seq; the ts lets it tell the same engine from a restarted one
-(design.md rule 7) before trusting the restored blocks.
+(docs/recovery.md rule 7) before trusting the restored blocks.
 
 Format: msgpack of `_Snapshot`; ``format`` and ``version`` are checked first, and the content
 hash version must match (keys made by another hash definition would never match a query).

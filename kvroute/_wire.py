@@ -1,6 +1,6 @@
 """The wire format: msgpack KV-event batches decoded straight into typed Structs, and encoded back.
 
-protocol.md §3 is the spec. Two event encodings exist and both decode: the *map form*
+docs/protocol.md §3 is the spec. Two event encodings exist and both decode: the *map form*
 (``{"type": "BlockStored", ...}``, vLLM ≥ 0.24, SGLang ≥ 0.5.21) and the *tagged-array form*
 (``["BlockStored", f1, f2, ...]``, older releases). The common case — an array batch of
 map-form events of known types — decodes in one msgspec call into `EventBatch`; anything
@@ -73,9 +73,9 @@ def _normalize_hash(h: BlockHash) -> BlockHash:
 class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=True, omit_defaults=True):
     """Blocks entered an engine's prefix cache (one event may carry a chain of several).
 
-    Field names and order are the engines' (protocol.md §3). ``token_ids`` holds
+    Field names and order are the engines' (docs/protocol.md §3). ``token_ids`` holds
     ``block_size`` tokens per hash; SGLang's last page may be short. Shapes that are normal
-    in production and decode as such (protocol.md §3.1):
+    in production and decode as such (docs/protocol.md §3.1):
 
     - a non-full-attention group (``kv_cache_spec_kind`` sliding_window, mamba, ...) skips
       null blocks in ``block_hashes`` but not in ``token_ids``: fewer hashes than blocks;
@@ -194,7 +194,7 @@ _BigramBlockStored = msgspec.defstruct(
 _ArrBigramBlockStored = _variant(_BigramBlockStored, 4, tag="BlockStored", array_like=True)
 _ArrEvent: Any = Union[_ArrBlockStored, _ArrBlockRemoved, _ArrAllBlocksCleared]  # noqa: UP007 (runtime union)
 
-# vLLM writes these BlockStored / BlockRemoved fields even when nil (protocol.md §3), so the
+# vLLM writes these BlockStored / BlockRemoved fields even when nil (docs/protocol.md §3), so the
 # map-form encoder uses twins where they have no default and omit_defaults skips only the
 # rest — this is what makes re-encoding the golden payloads byte-exact.
 _OutBlockStored = _variant(BlockStored, 7, tag="BlockStored", tag_field="type", omit_defaults=True)
@@ -295,7 +295,7 @@ def _reason(exc: Exception) -> str:
 class BatchDecoder:
     """Decodes payloads into `EventBatch`, remembering which form a source speaks.
 
-    One per source. A bad event costs that event, never the batch (protocol.md §3): it is
+    One per source. A bad event costs that event, never the batch (docs/protocol.md §3): it is
     left out of ``events`` and counted per reason in the batch's ``skipped`` and in this
     decoder's cumulative ``skipped_events``; ``unknown_events`` counts events of a ``type``
     this kvroute does not know. An unreadable event that may have been a removal or a clear
@@ -462,7 +462,7 @@ def _check_stored(ev: BlockStored, lim: Limits) -> str | None:
     if bs < 1:
         return SKIP_BLOCK_SIZE
     if ev.kv_cache_spec_kind in FULL_KINDS:
-        # Full blocks: exactly bs tokens each. SGLang's last page may be short (protocol.md §3).
+        # Full blocks: exactly bs tokens each. SGLang's last page may be short (docs/protocol.md §3).
         if nt != bs * n and not (n and bs * (n - 1) < nt < bs * n):
             return SKIP_SHAPE
     elif nt % bs or n > nt // bs:

@@ -260,7 +260,7 @@ class Faults:
         elif kind == "silent-restart":
             # A young process, then another one whose first batches are all lost: its first
             # seq the client sees is past anything the first one sent, so no seq goes back
-            # and only an identity check can tell (design.md rule 7). Shorter than the quiet
+            # and only an identity check can tell (docs/recovery.md rule 7). Shorter than the quiet
             # interval, so the reconnect's check, not the quiet probe's, is the one tested.
             await eng.restart()
             self.note(eng)

@@ -1,4 +1,4 @@
-"""The production shapes of protocol.md §3.1, as the engines' own encoders wrote them, through decoder and index.
+"""The production shapes of docs/protocol.md §3.1, as the engines' own encoders wrote them, through decoder and index.
 
 The bytes are ground truth independent of kvroute (vLLM 0.33/0.34 ``kv_events.py``, SGLang 0.5.23
 ``disaggregation/kv_events.py``). Each test says what the engine would serve for a prompt, and

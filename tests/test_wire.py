@@ -1,4 +1,4 @@
-"""The wire codec against protocol.md §3: golden engine bytes, round trips of both forms, and fuzzing."""
+"""The wire codec against docs/protocol.md §3: golden engine bytes, round trips of both forms, and fuzzing."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from kvroute import (
     encode_batch,
 )
 
-# protocol.md §3: vLLM 0.33.0, map form, 291 bytes.
+# docs/protocol.md §3: vLLM 0.33.0, map form, 291 bytes.
 GOLDEN_VLLM = bytes.fromhex(
     "93cb41d954fc4020000093de000ba474797065ab426c6f636b53746f726564ac"
     "626c6f636b5f68617368657392cf84b146b151d55111cfd43b57df56b58fb1b1"
