@@ -132,7 +132,8 @@ class IndexModel(RuleBasedStateMachine):
             sw_hashes = [ehash(idents[i - first]) for i in keep]  # type: ignore[arg-type]
             self.index.apply(w, BlockStored(
                 block_hashes=sw_hashes, parent_block_hash=parent, token_ids=tokens[first * BS : last * BS],
-                block_size=BS, medium=tier, lora_name=lora, extra_keys=[extra[i - first] for i in keep] if extra else None,
+                block_size=BS, medium=tier, lora_name=lora,
+                extra_keys=[extra[i - first] for i in keep] if extra else None,
                 group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=WINDOW,
             ))
             for h in sw_hashes:
