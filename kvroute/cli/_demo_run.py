@@ -9,7 +9,9 @@ load matters. A policy picks the worker (``kvroute``: `Router.select`, with its 
 ``round_robin`` / ``random``: the baselines), the request runs through the engine's real serving
 path (`SimEngine.complete`), and the engine reports what it found cached and how long it took.
 The router learns only from the engines' ZMQ events. A request that dies with a restarting
-engine is routed again (at most `_ATTEMPTS` times).
+engine is routed again (at most `_ATTEMPTS` times). Each policy's hit rate is also given as a
+share of the workload's reachable hit rate: what an infinite cache that sees every request, in
+arrival order, would find (no assignment of requests to workers can do better).
 
 ``faults=True`` injects, at the same points of every policy's run, live-message drops on one
 engine (recovered through replay) and a restart of another (its index state is reset and
