@@ -47,8 +47,8 @@ from ._events import (
     Reset,
     Synced,
 )
-from ._hashing import chain_keys
-from ._index import IndexStats, OverlapScores, PrefixIndex
+from ._hashing import HASH_VERSION, MultimodalItem, chain_keys
+from ._index import IndexLimits, IndexLimitsError, IndexStats, OverlapScores, PrefixIndex
 from ._metrics import KvRouteCollector
 from ._models import (
     CPU,
@@ -109,6 +109,9 @@ __all__ = [
     "EventStream",
     "EventsDisabledError",
     "Gap",
+    "HASH_VERSION",
+    "IndexLimits",
+    "IndexLimitsError",
     "IndexStats",
     "InvalidOptionsError",
     "KvEventClient",
@@ -118,6 +121,7 @@ __all__ = [
     "Limits",
     "MalformedAnswerError",
     "NoWorkersError",
+    "MultimodalItem",
     "OverlapScores",
     "Overflow",
     "Partial",
