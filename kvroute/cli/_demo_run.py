@@ -9,7 +9,9 @@ load matters. A policy picks the worker (``kvroute``: `Router.select`, with its 
 ``round_robin`` / ``random``: the baselines), the request runs through the engine's real serving
 path (`SimEngine.complete`), and the engine reports what it found cached and how long it took.
 The router learns only from the engines' ZMQ events. A request that dies with a restarting
-engine is routed again (at most `_ATTEMPTS` times).
+engine is routed again (at most `_ATTEMPTS` times). Each policy's hit rate is also given as a
+share of the workload's reachable hit rate: what an infinite cache that sees every request, in
+arrival order, would find (no assignment of requests to workers can do better).
 
 ``faults=True`` injects, at the same points of every policy's run, live-message drops on one
 engine (recovered through replay) and a restart of another (its index state is reset and
@@ -248,6 +250,135 @@ def _fleet(options: DemoOptions, capacity: int, speedup: float) -> list[SimConfi
     return configs
 
 
+class _PolicyRun:
+    """One policy's traffic on a running fleet: arrivals, retries, injected faults, and the tally.
+
+    `run` sends every request at its arrival time (a turn also waits for the one it follows),
+    each as its own task, and returns once all have finished. Lifecycle events are recorded
+    meanwhile, for the fault notes.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        policy: _Policy,
+        engines: Sequence[SimEngine],
+        client: KvEventClient,
+        reporter: Reporter,
+    ) -> None:
+        self.name = name
+        self.policy = policy
+        self.engines = engines
+        self.client = client
+        self.reporter = reporter
+        self.by_target = {engine.grpc_target: engine for engine in engines}
+        self.tally = _Tally()
+        self.lifecycle: list[_Lifecycle] = []
+        self.faults: list[tuple[float, _Fault]] = []
+        self.finished: dict[int, anyio.Event] = {}
+        self.t0 = 0.0
+
+    async def run(
+        self, workload: Sequence[WorkloadRequest], plan: dict[int, list[_Fault]], sync_timeout: float
+    ) -> None:
+        """Send ``workload``, injecting ``plan``'s faults before the arrival they are keyed by.
+
+        Returns once every request finished and the client settled (lifecycle events are recorded
+        until then, so a recovery that completes after the last request is still noted).
+        """
+        self.t0 = anyio.current_time()
+        self.finished = {req.id: anyio.Event() for req in workload}
+        self.reporter.start(self.name, len(workload))
+        async with anyio.create_task_group() as background:
+            background.start_soon(self._record_lifecycle)
+            background.start_soon(self._refresh)
+            async with anyio.create_task_group() as tg:
+                for i, req in enumerate(workload):
+                    await anyio.sleep_until(self.t0 + req.arrival)
+                    for fault in plan.get(i, ()):
+                        at = anyio.current_time() - self.t0
+                        self.faults.append((at, fault))
+                        self.reporter.note(f"t={at:.1f}s fault: {fault.label} on {fault.engine.config.name}")
+                        tg.start_soon(_inject, fault)
+                    tg.start_soon(self._request, req)
+            # Quiescent now: let the last batches land and every source settle before counting.
+            with contextlib.suppress(TimeoutError):
+                await self.client.wait_synced(sync_timeout)
+            await anyio.sleep(0.1)
+            background.cancel_scope.cancel()
+        self._progress()
+
+    async def _record_lifecycle(self) -> None:
+        async with self.client.events() as stream:
+            async for env in stream:
+                if env.seq is None:
+                    self.lifecycle.append(_Lifecycle(anyio.current_time() - self.t0, env.source.key, _describe(env)))
+
+    async def _refresh(self) -> None:
+        while True:
+            self.reporter.refresh()
+            await anyio.sleep(0.25)
+
+    async def _request(self, req: WorkloadRequest) -> None:
+        try:
+            if req.follows is not None:
+                await self.finished[req.follows].wait()
+                await anyio.sleep(req.think_time)
+            await self._send(req)
+        finally:
+            self.finished[req.id].set()
+
+    async def _send(self, req: WorkloadRequest) -> None:
+        tally = self.tally
+        for attempt in range(_ATTEMPTS):
+            rid = (req.id, attempt)
+            t = time.perf_counter_ns()
+            worker = self.policy.choose(rid, req.token_ids)
+            tally.decisions_ns.append(time.perf_counter_ns() - t)
+            engine = self.by_target[worker.worker_id]
+            try:
+                done = await engine.complete(req.token_ids, req.max_tokens, rank=worker.dp_rank)
+            except RequestAbortedError:
+                tally.retried += 1
+                continue
+            except (CapacityError, InvalidRequestError):
+                tally.rejected += 1
+                return
+            finally:
+                self.policy.finished(rid)
+            tally.prompt += done.prompt_tokens
+            tally.cached += done.cached_tokens
+            tally.ttfts.append(done.ttft)
+            tally.latencies.append(done.latency)
+            tally.per_worker[worker] += 1
+            tally.records.append(
+                RequestRecord(
+                    id=req.id,
+                    done=anyio.current_time() - self.t0,
+                    worker=worker,
+                    prompt_tokens=done.prompt_tokens,
+                    cached_tokens=done.cached_tokens,
+                    ttft=done.ttft,
+                    kind=req.kind,
+                )
+            )
+            self._progress()
+            return
+        tally.failed += 1
+
+    def _progress(self) -> None:
+        tally = self.tally
+        self.reporter.update(self.name, len(tally.records), tally.hit_rate, percentile(tally.ttfts, 50))
+
+
+def _policy(name: str, options: DemoOptions, client: KvEventClient) -> _Policy:
+    if name == "kvroute":
+        return _KvRoutePolicy(Router(client.index, states=client, block_size=options.block_size, seed=options.seed))
+    if name == "round_robin":
+        return _RoundRobinPolicy(client)
+    return _RandomPolicy(client, options.seed)
+
+
 async def _run_policy(
     policy_name: str,
     options: DemoOptions,
@@ -257,112 +388,22 @@ async def _run_policy(
     reachable: float,
     reporter: Reporter,
 ) -> tuple[PolicyResult, list[RequestRecord]]:
+    """A fresh fleet and client, the policy's traffic through them, then the figures once quiescent."""
     started = time.perf_counter()
-    tally = _Tally()
-    lifecycle: list[_Lifecycle] = []
-    faults: list[tuple[float, _Fault]] = []
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(SimEngine(cfg)) for cfg in _fleet(options, capacity, speedup)]
-        by_target: dict[str, SimEngine] = {}
-        for engine in engines:
-            assert engine.grpc_target is not None  # gRPC is on by default
-            by_target[engine.grpc_target] = engine
+        targets = [engine.grpc_target for engine in engines if engine.grpc_target is not None]
         config = SubscriberConfig(quiet_interval=options.quiet_interval, events_buffer=100_000)
-        client = await stack.enter_async_context(KvEventClient(targets=list(by_target), config=config))
+        client = await stack.enter_async_context(KvEventClient(targets=targets, config=config))
         await client.wait_synced(options.sync_timeout)
-        policy: _Policy
-        if policy_name == "kvroute":
-            router = Router(client.index, states=client, block_size=options.block_size, seed=options.seed)
-            policy = _KvRoutePolicy(router)
-        elif policy_name == "round_robin":
-            policy = _RoundRobinPolicy(client)
-        else:
-            policy = _RandomPolicy(client, options.seed)
-        t0 = anyio.current_time()
-        reporter.start(policy_name, len(workload))
-        finished = {req.id: anyio.Event() for req in workload}
-
-        async def record_lifecycle() -> None:
-            async with client.events() as stream:
-                async for env in stream:
-                    if env.seq is None:
-                        lifecycle.append(_Lifecycle(anyio.current_time() - t0, env.source.key, _describe(env)))
-
-        async def refresh() -> None:
-            while True:
-                reporter.refresh()
-                await anyio.sleep(0.25)
-
-        async def run_request(req: WorkloadRequest) -> None:
-            try:
-                if req.follows is not None:
-                    await finished[req.follows].wait()
-                    await anyio.sleep(req.think_time)
-                await _send(req)
-            finally:
-                finished[req.id].set()
-
-        async def _send(req: WorkloadRequest) -> None:
-            for attempt in range(_ATTEMPTS):
-                rid = (req.id, attempt)
-                t = time.perf_counter_ns()
-                worker = policy.choose(rid, req.token_ids)
-                tally.decisions_ns.append(time.perf_counter_ns() - t)
-                engine = by_target[worker.worker_id]
-                try:
-                    done = await engine.complete(req.token_ids, req.max_tokens, rank=worker.dp_rank)
-                except RequestAbortedError:
-                    tally.retried += 1
-                    continue
-                except (CapacityError, InvalidRequestError):
-                    tally.rejected += 1
-                    return
-                finally:
-                    policy.finished(rid)
-                tally.prompt += done.prompt_tokens
-                tally.cached += done.cached_tokens
-                tally.ttfts.append(done.ttft)
-                tally.latencies.append(done.latency)
-                tally.per_worker[worker] += 1
-                tally.records.append(
-                    RequestRecord(
-                        id=req.id,
-                        done=anyio.current_time() - t0,
-                        worker=worker,
-                        prompt_tokens=done.prompt_tokens,
-                        cached_tokens=done.cached_tokens,
-                        ttft=done.ttft,
-                        kind=req.kind,
-                    )
-                )
-                reporter.update(policy_name, len(tally.records), tally.hit_rate, percentile(tally.ttfts, 50))
-                return
-            tally.failed += 1
-
-        async with anyio.create_task_group() as background:
-            background.start_soon(record_lifecycle)
-            background.start_soon(refresh)
-            async with anyio.create_task_group() as tg:
-                plan = _fault_plan(engines, len(workload)) if options.faults else {}
-                for i, req in enumerate(workload):
-                    await anyio.sleep_until(t0 + req.arrival)
-                    for fault in plan.get(i, ()):
-                        at = anyio.current_time() - t0
-                        faults.append((at, fault))
-                        reporter.note(f"t={at:.1f}s fault: {fault.label} on {fault.engine.config.name}")
-                        tg.start_soon(_inject, fault)
-                    tg.start_soon(run_request, req)
-            # Quiescent now: let the last batches land and every source settle before counting.
-            with contextlib.suppress(TimeoutError):
-                await client.wait_synced(options.sync_timeout)
-            await anyio.sleep(0.1)
-            stats = client.stats()
-            index_memory = _deep_size(client.index)
-            index_blocks = client.index.num_blocks()
-            engine_blocks = sum(e.cache(r).num_cached_blocks for e in engines for r in range(e.config.ranks))
-            workers = len(client.live_workers())
-            background.cancel_scope.cancel()
-    reporter.update(policy_name, len(tally.records), tally.hit_rate, percentile(tally.ttfts, 50))
+        run = _PolicyRun(policy_name, _policy(policy_name, options, client), engines, client, reporter)
+        await run.run(workload, _fault_plan(engines, len(workload)) if options.faults else {}, options.sync_timeout)
+        stats = client.stats()
+        index_memory = _deep_size(client.index)
+        index_blocks = client.index.num_blocks()
+        engine_blocks = sum(e.cache(r).num_cached_blocks for e in engines for r in range(e.config.ranks))
+        workers = len(client.live_workers())
+    tally, lifecycle, faults = run.tally, run.lifecycle, run.faults
     totals = stats.totals
     mean_load = sum(tally.per_worker.values()) / workers if workers else 0.0
     result = PolicyResult(
