@@ -5,10 +5,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import anyio
 import msgspec
 import pytest
-from _publisher_helpers import FAST, Workload, assert_index_equal, assert_index_subset, next_event, settle, truth_index
+from _publisher_helpers import (
+    FAST,
+    Workload,
+    assert_index_equal,
+    assert_index_subset,
+    next_event,
+    settle,
+    truth_index,
+    wait_for,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_source import World, applied, events, item, items, requests, resets, run_world, step, synced_machine, ts_of
@@ -301,6 +309,23 @@ async def test_restored_workers_without_a_source_or_position_are_dropped(tmp_pat
         assert set(PrefixIndex.restore(path).restored_cursors) == {a.key}
 
 
+async def joined(client: KvEventClient, pub: EventPublisher, src: EventSource) -> None:
+    """Return once the client's SUB receives what the PUB sends (slow joiner).
+
+    It sends frames with a malformed seq, which the client counts and skips without touching
+    any source state, until one is counted: the batches published after it reach the SUB.
+    """
+    before = client.stats().sources[src.key].skipped_frames
+
+    def arrived() -> bool:
+        if client.stats().sources[src.key].skipped_frames > before:
+            return True
+        pub.publish_raw([src.topic.encode(), b"\x00\x01", b"\x90"])
+        return False
+
+    await wait_for(arrived, "the SUB joined the PUB")
+
+
 @pytest.mark.anyio
 async def test_restored_state_of_a_source_without_replay_is_dropped(tmp_path: Path) -> None:
     wl = Workload(37)
@@ -309,8 +334,7 @@ async def test_restored_state_of_a_source_without_replay_is_dropped(tmp_path: Pa
         src = pub.source("w")
         async with KvEventClient([src], config=FAST) as client:
             stream = client.events()
-            await next_event(stream, "connected")
-            await anyio.sleep(0.1)  # the subscription reaches the PUB (slow joiner)
+            await joined(client, pub, src)
             for _ in range(5):
                 pub.publish(wl.batch())
             await settle(client, stream, {src.key: 4})
@@ -321,8 +345,7 @@ async def test_restored_state_of_a_source_without_replay_is_dropped(tmp_path: Pa
         async with KvEventClient([src], config=FAST, index=index) as client:
             assert client.index.num_blocks(src.key) == 0
             stream = client.events()
-            await next_event(stream, "connected")
-            await anyio.sleep(0.1)
+            await joined(client, pub, src)
             pub.publish(wl.batch())
             await settle(client, stream, {src.key: 5})
             assert client.stats().sources[src.key].partial
