@@ -119,9 +119,11 @@ class EngineTruth:
     def __init__(self) -> None:
         self._held: dict[WorkerKey, dict[object, tuple[tuple[int, ...] | None, int]]] = {}
         self._block_size: dict[WorkerKey, int] = {}
+        self._prefixes: dict[WorkerKey, set[tuple[int, ...]]] = {}  # cache, dropped on each change
 
     def apply(self, worker: WorkerKey, batch: EventBatch) -> None:
         """One published batch of ``worker``."""
+        self._prefixes.pop(worker, None)
         held = self._held.setdefault(worker, {})
         for ev in batch.events:
             if isinstance(ev, BlockStored):
@@ -162,7 +164,9 @@ class EngineTruth:
             bs = self._block_size.get(w)
             if not bs:
                 continue
-            prefixes = {p for p, _ in held.values() if p is not None}
+            prefixes = self._prefixes.get(w)
+            if prefixes is None:
+                prefixes = self._prefixes[w] = {p for p, _ in held.values() if p is not None}
             n = 0
             while (n + 1) * bs <= len(query) and tuple(query[: (n + 1) * bs]) in prefixes:
                 n += 1
