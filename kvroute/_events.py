@@ -18,7 +18,8 @@ Reason tokens (``Reset.reason``, ``Partial.reason``), stable for logs and metric
 - ``"replay-failed"``: the replay timed out or its socket failed.
 - ``"no-replay"``: the source has no replay endpoint, so nothing lost can be recovered.
 - ``"undecodable"``: a payload failed to decode and its replayed copy (if any) too.
-- ``"overflow"``: too many live batches were held while a replay was outstanding.
+- ``"overflow"``: too many live batches were held while the engine's identity was unchecked
+  (after a disconnect, or an old seq that needs an identity check).
 - ``"reconnect"``: the SUB reconnected to a source without replay, whose identity
   therefore cannot be checked.
 """

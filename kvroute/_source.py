@@ -176,8 +176,10 @@ class SourceMachine:
     source) outlasts a replay's overlap with live traffic (a ROUTER sends at most 1,000
     replies ahead of the reader, protocol.md §4), and an older seq costs one identity check,
     never a wrong answer. ``max_held``: how many batches may wait for a replay; past it the
-    gap counts as uncovered (rule 5). The default 100,000 is the engines' PUB hwm
-    (protocol.md §1): a replay outstanding that long has let the publisher drop anyway.
+    newest is dropped (the replay or a later one fetches it again from the engine's buffer),
+    or, while the engine's identity is unchecked, the source starts over. The default 100,000
+    is the engines' PUB hwm (protocol.md §1): a replay outstanding that long has let the
+    publisher drop anyway.
     """
 
     def __init__(self, *, has_replay: bool, ts_ring: int = 4096, max_held: int = 100_000) -> None:
@@ -488,8 +490,10 @@ class SourceMachine:
                 detail = f"more than {self.max_held} batches held while the engine's identity is unchecked"
                 self._restart(detail, out, reason="overflow")
                 return
-            self._uncover(None, "overflow", f"more than {self.max_held} batches held waiting for a replay", out)
-            self._drain(out)
+            # Batches are held only while a replay is in flight, and it (or its retry, or the
+            # next gap or quiet probe) brings the newest one back from the engine's buffer:
+            # drop that one rather than give up the older gap, which the replay may still fill.
+            del self._held[max(self._held)]
         self._advance(out)
 
     def _old_live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action]) -> None:

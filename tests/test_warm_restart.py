@@ -126,7 +126,8 @@ def test_applied_follows_the_run_the_index_holds() -> None:
     down=st.integers(0, 25),
     depth=st.one_of(st.just(10_000), st.integers(1, 30)),
     ts_ring=st.integers(1, 64),
-    final=st.integers(1, 4),
+    final=st.integers(0, 4),
+    lost_tail=st.integers(0, 2),
     faults=st.booleans(),
 )
 def test_model_resume_keeps_the_index_a_true_contiguous_run(
@@ -137,11 +138,12 @@ def test_model_resume_keeps_the_index_a_true_contiguous_run(
     depth: int,
     ts_ring: int,
     final: int,
+    lost_tail: int,
     faults: bool,
 ) -> None:
     """Run, snapshot, router down (engine restarts or not, publishes meanwhile), resume, run: the oracle holds."""
     world = World(has_replay=True, depth=depth, ts_ring=ts_ring)
-    run_world(world, before, final=final, faults=faults)
+    run_world(world, before, final=final, faults=faults, lost_tail=lost_tail)
     saved = world.m.applied
     if saved is not None:
         assert world.run[-1] == (world.epoch, saved[0]), "the position is not where the index's run ends"
@@ -168,7 +170,7 @@ def test_model_resume_keeps_the_index_a_true_contiguous_run(
         world.handle(world.m.resume(*saved))
     world.monitor_pending = True  # the first connect is reported when run_world says so
     resets_before = len(world.resets)
-    run_world(world, after, final=final, faults=faults)
+    run_world(world, after, final=final, faults=faults, lost_tail=lost_tail)
     restarted_after = any(s[0] == "outage" and s[1] for s in after)
     if not faults and not restart and not restarted_after and depth == 10_000 and saved is not None:
         # A deep, faithful buffer covers the outage: the restored run goes on, no reset at all.
