@@ -36,17 +36,20 @@ from ._events import (
     Disconnected,
     Envelope,
     Gap,
+    GapReason,
     LifecycleEvent,
     Overflow,
     Partial,
     Removed,
     Replayed,
+    ReplayPurpose,
     Reset,
+    ResetReason,
     Synced,
 )
 from ._index import IndexStats, OverlapScores, PrefixIndex
 from ._metrics import KvRouteCollector
-from ._models import CPU, DISK, EXTERNAL, GPU, TIERS, EventSource, WorkerKey, WorkerStates, WorkerStatus
+from ._models import CPU, DISK, EXTERNAL, GPU, TIERS, EventSource, SourceState, WorkerKey, WorkerStates, WorkerStatus
 from ._router import CandidateScore, CostModel, Router, RouterError, RouterStats, RoutingDecision
 from ._snapshot import Cursor
 from ._subscriber import SourceStats, SubscriberConfig
@@ -90,6 +93,7 @@ __all__ = [
     "EventStream",
     "EventsDisabledError",
     "Gap",
+    "GapReason",
     "IndexStats",
     "InvalidOptionsError",
     "KvEventClient",
@@ -105,13 +109,16 @@ __all__ = [
     "PrefixIndex",
     "Removed",
     "Replayed",
+    "ReplayPurpose",
     "Reset",
+    "ResetReason",
     "Router",
     "RouterError",
     "RouterStats",
     "RoutingDecision",
     "RpcRejectedError",
     "SnapshotError",
+    "SourceState",
     "SourceDiff",
     "SourceStats",
     "SubscriberConfig",
