@@ -307,9 +307,10 @@ def main() -> int:
             caught = {_base(n) for n in new_failures}
             socket = {_base(n) for n in new_failures if _is_socket(n)}
             survived = [c for c in m.claims if not any(n.startswith(c) for n in new_failures)]
+            flaky = [c for c in m.claims if any(n.startswith(c) for n in base_failed)]
             missing = [c for c in m.claims if not any(n.startswith(c) for n in failed | passed)]
             print(f"{m.name}: {len(caught)} tests caught it ({took:.0f} s)", flush=True)
-            rows.append((m, caught, socket, survived, missing))
+            rows.append((m, caught, socket, survived, missing + [f"failed at baseline: {c}" for c in flaky]))
             shutil.rmtree(tree)
 
     print()
@@ -320,7 +321,9 @@ def main() -> int:
         units = caught - socket
         names = sorted(n.split("::", 1)[-1] for n in socket)
         shown = ", ".join(names[:4]) + (f", +{len(names) - 4} more" if len(names) > 4 else "")
-        bad = [f"**{c}**" for c in survived if c not in missing] + [f"(not run: {c})" for c in missing]
+        bad = [f"**{c}**" for c in survived if c not in missing] + [
+            f"({c})" if c.startswith("failed at baseline") else f"(not run: {c})" for c in missing
+        ]
         if bad or not socket:
             status = 1
         print(f"| {m.name} | {m.rule} | {len(units)} / {len(socket)} | {shown or '—'} | {', '.join(bad) or '—'} |")
