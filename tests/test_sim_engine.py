@@ -160,8 +160,8 @@ async def test_sglang_hashes_are_signed_on_the_wire() -> None:
 async def joined(eng: SimEngine, sub: zmq.Socket[bytes]) -> None:
     """Return once ``sub`` receives the engine's messages (slow joiner), with nothing left unread."""
     with anyio.fail_after(10):
-        while True:
-            await eng.complete([1, 2, 3, 4, 5], 1)
+        for n in range(10_000):
+            await eng.complete([9000 + n] * 5, 1)  # a prompt not cached yet: it stores a block
             with anyio.move_on_after(0.05):
                 await _zmq.wait_readable(sub)
                 break
