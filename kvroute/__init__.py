@@ -49,7 +49,7 @@ from ._metrics import KvRouteCollector
 from ._models import CPU, DISK, EXTERNAL, GPU, TIERS, EventSource, WorkerKey, WorkerStates, WorkerStatus
 from ._router import CandidateScore, CostModel, Router, RouterError, RouterStats, RoutingDecision
 from ._snapshot import Cursor
-from ._subscriber import SourceStats, SubscriberConfig
+from ._subscriber import SourceCounters, SourceStats, SubscriberConfig
 from ._wire import (
     AllBlocksCleared,
     BatchDecoder,
@@ -113,6 +113,7 @@ __all__ = [
     "RpcRejectedError",
     "SnapshotError",
     "SourceDiff",
+    "SourceCounters",
     "SourceStats",
     "SubscriberConfig",
     "Synced",

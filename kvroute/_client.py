@@ -36,24 +36,19 @@ from ._events import Envelope, Overflow, Removed
 from ._index import PrefixIndex
 from ._models import EventSource, WorkerKey, WorkerStatus
 from ._snapshot import Cursor
-from ._subscriber import RateLimitedLog, SourceDriver, SourceStats, SubscriberConfig, source_problem
+from ._subscriber import (
+    COUNTER_FIELDS,
+    RateLimitedLog,
+    SourceCounters,
+    SourceDriver,
+    SourceStats,
+    SubscriberConfig,
+    source_problem,
+)
 
 __all__ = ["ClientStats", "EventStream", "KvEventClient", "SourceStats", "SubscriberConfig", "TotalStats"]
 
 log = logging.getLogger("kvroute.client")
-
-_COUNTERS = (
-    "messages",
-    "batches",
-    "blocks",
-    "decode_errors",
-    "unknown_events",
-    "skipped_frames",
-    "gaps",
-    "replays",
-    "replayed_batches",
-    "resets",
-)
 
 
 def _first_leaf(exc: BaseException) -> BaseException:
@@ -65,23 +60,13 @@ def _first_leaf(exc: BaseException) -> BaseException:
         exc = inner[0]
 
 
-class TotalStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters summed over the current sources, and how many are connected / synced / partial."""
+class TotalStats(SourceCounters, frozen=True, kw_only=True):  # type: ignore[misc]  # see SourceStats
+    """Every `SourceCounters` field summed over the current sources, and how many are connected / synced / partial."""
 
     sources: int = 0
     connected: int = 0
     synced: int = 0
     partial: int = 0
-    messages: int = 0
-    batches: int = 0
-    blocks: int = 0
-    decode_errors: int = 0
-    unknown_events: int = 0
-    skipped_frames: int = 0
-    gaps: int = 0
-    replays: int = 0
-    replayed_batches: int = 0
-    resets: int = 0
 
 
 class ClientStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -606,8 +591,10 @@ class KvEventClient:
 
     def stats(self) -> ClientStats:
         """A snapshot of every source's counters, their totals, and the client's own."""
-        per = {k: s.driver.stats() for k, s in self._subs.items()}
-        sums = {name: sum(getattr(st, name) for st in per.values()) for name in _COUNTERS}
+        # A copy first (one C call): a scrape from another thread must not iterate a dict
+        # the event loop resizes under it.
+        per = {k: s.driver.stats() for k, s in self._subs.copy().items()}
+        sums = {name: sum(getattr(st, name) for st in per.values()) for name, _ in COUNTER_FIELDS}
         totals = TotalStats(
             sources=len(per),
             connected=sum(st.connected for st in per.values()),

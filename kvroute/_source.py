@@ -61,9 +61,10 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Sequence
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
+from msgspec import Meta
 
 from ._events import Connected, Disconnected, Gap, LifecycleEvent, Partial, Replayed, Reset, Synced
 from ._wire import EventBatch
@@ -135,33 +136,30 @@ class Emit(msgspec.Struct, frozen=True):
 Action = Apply | RequestReplay | ResetWorker | RecreateSubscriber | Emit
 
 
-class RecoveryStats(msgspec.Struct):
+class RecoveryStats(msgspec.Struct, kw_only=True):
     """Counters of one source's machine, monotonic over its lifetime.
 
-    ``applied``: batches handed out in `Apply`; ``duplicates``: copies of a batch already
-    applied or held, dropped; ``stale``: old seqs no longer in the ts ring (or unreadable, or
-    arriving while a source without replay is disconnected), dropped; ``undecodable``:
-    payloads that failed to decode; ``invalid``: seqs out of range and replies with no
-    request; ``gaps``: live gaps; ``replays``: requests issued, of which ``identity_checks``
-    and ``probes``; ``replay_failures``: requests that got no answer; ``restarts``: engine
-    restarts seen; ``resets``: `ResetWorker` actions; ``uncovered``: losses no replay could
-    fill; ``overflows``: batches that found the hold full.
+    The one definition of the recovery counters: `kvroute.SourceStats`, `kvroute.TotalStats`
+    and the Prometheus per-source families are derived from these fields (each field's
+    description is its metric's help text), so adding a counter here is the whole change.
     """
 
-    applied: int = 0
-    duplicates: int = 0
-    stale: int = 0
-    undecodable: int = 0
-    invalid: int = 0
-    gaps: int = 0
-    replays: int = 0
-    replay_failures: int = 0
-    identity_checks: int = 0
-    probes: int = 0
-    restarts: int = 0
-    resets: int = 0
-    uncovered: int = 0
-    overflows: int = 0
+    batches: Annotated[int, Meta(description="Batches applied to the index, live or replayed.")] = 0
+    duplicates: Annotated[int, Meta(description="Copies of a batch already applied or held, dropped.")] = 0
+    stale: Annotated[
+        int, Meta(description="Old seqs no longer in the ts ring, unreadable, or sent while down, dropped.")
+    ] = 0
+    undecodable: Annotated[int, Meta(description="Undecodable batches that fell in the sequence (holes).")] = 0
+    invalid: Annotated[int, Meta(description="Seqs out of range and replies with no request, dropped.")] = 0
+    gaps: Annotated[int, Meta(description="Live seq gaps seen (an undecodable in-order batch is one too).")] = 0
+    replays: Annotated[int, Meta(description="Replay requests issued.")] = 0
+    replay_failures: Annotated[int, Meta(description="Replay requests that got no usable answer.")] = 0
+    identity_checks: Annotated[int, Meta(description="Replay requests that checked the engine's identity.")] = 0
+    probes: Annotated[int, Meta(description="Replay probes for a lost tail (quiet source, first connect).")] = 0
+    restarts: Annotated[int, Meta(description="Engine restarts seen.")] = 0
+    resets: Annotated[int, Meta(description="Times the worker's index state was dropped.")] = 0
+    uncovered: Annotated[int, Meta(description="Losses no replay could fill (gaps skipped for good).")] = 0
+    overflows: Annotated[int, Meta(description="Batches that found the hold (waiting for a replay) full.")] = 0
 
 
 # A batch waiting to be applied: (ts, batch or None when undecodable, came from a replay).
@@ -180,7 +178,9 @@ class SourceMachine:
     (protocol.md §1): a replay outstanding that long has let the publisher drop anyway.
     """
 
-    def __init__(self, *, has_replay: bool, ts_ring: int = 4096, max_held: int = 100_000) -> None:
+    def __init__(
+        self, *, has_replay: bool, ts_ring: int = 4096, max_held: int = 100_000, stats: RecoveryStats | None = None
+    ) -> None:
         if ts_ring < 1:
             raise ValueError(f"ts_ring must be >= 1, got {ts_ring}")
         if max_held < 1:
@@ -194,7 +194,8 @@ class SourceMachine:
         self.partial = False
         #: The replay request the driver is carrying out, if any.
         self.replay_in_flight: RequestReplay | None = None
-        self.stats = RecoveryStats()
+        #: Counted into ``stats`` when given (the driver's per-source counters extend it).
+        self.stats = stats if stats is not None else RecoveryStats()
         # The ts ring: slot seq % ts_ring holds the newest applied seq of that residue and its
         # ts (_SEQ_END: empty). Two flat arrays, 16 bytes a slot, one store each per batch.
         self._ring_seq = array("Q", [_SEQ_END]) * ts_ring
@@ -325,7 +326,7 @@ class SourceMachine:
             self._ring_ts[i] = ts
             self._newest = self.last_seq = seq
             self._dirty = True
-            self.stats.applied += 1
+            self.stats.batches += 1
             return [Apply([(seq, ts, batch)])]
         before = self.state
         out: list[Action] = []
@@ -790,5 +791,5 @@ class SourceMachine:
         if items:
             self.last_seq = nxt - 1
             self._dirty = True
-            self.stats.applied += len(items)
+            self.stats.batches += len(items)
             out.append(Apply(items))

@@ -13,11 +13,12 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Annotated, Protocol, get_args
 
 import anyio
 import msgspec
 import zmq
+from msgspec import Meta
 
 from . import _zmq
 from ._errors import DecodeError
@@ -25,10 +26,29 @@ from ._events import Envelope, LifecycleEvent, Partial, Reset
 from ._index import PrefixIndex
 from ._models import EventSource, WorkerStatus
 from ._snapshot import Cursor
-from ._source import Action, Apply, Emit, RecreateSubscriber, RequestReplay, ResetWorker, SourceMachine
+from ._source import (
+    Action,
+    Apply,
+    Emit,
+    RecoveryStats,
+    RecreateSubscriber,
+    RequestReplay,
+    ResetWorker,
+    SourceMachine,
+)
 from ._wire import BatchDecoder, BlockStored, EventBatch, Limits
 
-__all__ = ["EventSink", "RateLimitedLog", "SourceDriver", "SourceStats", "SubscriberConfig", "source_problem"]
+__all__ = [
+    "EventSink",
+    "RateLimitedLog",
+    "SourceCounters",
+    "SourceDriver",
+    "SourceStats",
+    "SubscriberConfig",
+    "COUNTER_FIELDS",
+    "described_fields",
+    "source_problem",
+]
 
 log = logging.getLogger("kvroute.subscriber")
 
@@ -113,33 +133,56 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} must be >= 1")
 
 
-class SourceStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters of one source since it was added.
+class SourceCounters(RecoveryStats, kw_only=True):
+    """Every counter of one source: the machine's recovery counters plus the driver's I/O counters.
 
-    ``messages``: live messages received; ``batches`` / ``blocks``: batches applied to the
-    index (live or replayed) and the blocks they stored; ``decode_errors``: payloads that did
-    not decode; ``unknown_events``: events of an unknown ``type``, skipped (protocol.md §3);
-    ``skipped_frames``: messages of the wrong shape (live or replay);
-    ``gaps``: seq gaps seen; ``replays``: replay requests sent; ``replayed_batches``: batches
-    received in replies; ``resets``: times the worker's index state was dropped;
-    ``last_seq``: the last applied seq (-1 before any); ``connected``: the SUB has a
-    publisher; ``partial`` / ``state``: as in `WorkerStatus`.
+    The one definition of the I/O counters (the recovery ones are `RecoveryStats`'s): the
+    driver counts into one instance of this, which its machine shares; `SourceStats` and
+    `kvroute.TotalStats` extend it and the Prometheus per-source families are derived from
+    its fields, each field's description being the metric's help. Adding a counter is adding
+    a field here (or to `RecoveryStats`) and counting it.
     """
 
-    messages: int = 0
-    batches: int = 0
-    blocks: int = 0
-    decode_errors: int = 0
-    unknown_events: int = 0
-    skipped_frames: int = 0
-    gaps: int = 0
-    replays: int = 0
-    replayed_batches: int = 0
-    resets: int = 0
-    last_seq: int = -1
-    connected: bool = False
-    partial: bool = False
+    messages: Annotated[int, Meta(description="Live messages received, of any shape.")] = 0
+    blocks: Annotated[int, Meta(description="Blocks stored by the applied batches.")] = 0
+    decode_errors: Annotated[
+        int, Meta(description="Payloads that did not decode (malformed, non-finite ts, or past a Limits cap).")
+    ] = 0
+    unknown_events: Annotated[int, Meta(description="Events of an unknown type, skipped.")] = 0
+    skipped_frames: Annotated[
+        int, Meta(description="Messages or replay replies of the wrong frame shape, skipped.")
+    ] = 0
+    replayed_batches: Annotated[int, Meta(description="Batches received in replay replies.")] = 0
+
+
+# msgspec lets a frozen Struct extend a mutable one; mypy applies dataclass rules, which do not.
+class SourceStats(SourceCounters, frozen=True, kw_only=True):  # type: ignore[misc]
+    """A snapshot of one source: its counters since it was added (`SourceCounters`) and its condition.
+
+    The counter fields are described in `SourceCounters` and `kvroute._source.RecoveryStats`
+    (e.g. ``messages``, ``batches``, ``gaps``, ``replays``, ``resets``, ``duplicates``,
+    ``stale``, ``restarts``, ``uncovered``, ``overflows``).
+    """
+
+    last_seq: Annotated[int, Meta(description="The last applied seq (-1 before any).")] = -1
+    connected: Annotated[bool, Meta(description="1 while the SUB socket has a publisher.")] = False
+    partial: Annotated[bool, Meta(description="1 when the worker's history before its replay buffer is unknown.")] = (
+        False
+    )
     state: str = "syncing"
+
+
+def described_fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, str], ...]:
+    """(name, description) of every field of ``cls``, in definition order ("" when undescribed)."""
+    out = []
+    for f in msgspec.structs.fields(cls):
+        meta = [m for m in get_args(f.type)[1:] if isinstance(m, Meta)]
+        out.append((f.name, (meta[0].description or "") if meta else ""))
+    return tuple(out)
+
+
+#: (name, description) of every per-source counter, in definition order (`SourceCounters`).
+COUNTER_FIELDS = described_fields(SourceCounters)
 
 
 class EventSink(Protocol):
@@ -232,7 +275,9 @@ class SourceDriver:
     ) -> None:
         self.source = source
         self.key = source.key
-        self.machine = SourceMachine(has_replay=source.replay_endpoint is not None)
+        #: Every counter of this source; the machine counts its recovery ones into it too.
+        self.counters = SourceCounters()
+        self.machine = SourceMachine(has_replay=source.replay_endpoint is not None, stats=self.counters)
         # Resumed now, not in run(): the restored state is the machine's from the start, so
         # `cursor` reports it even before the task runs. Its actions are carried out in run().
         self._first_actions = self.machine.resume(resume.seq, resume.ts) if resume is not None else None
@@ -258,16 +303,6 @@ class SourceDriver:
         self._stopped = False
         self._last_activity = 0.0
         self.connected = False
-        # counters (plain ints on the hot path; `stats()` snapshots them)
-        self.messages = 0
-        self.batches = 0
-        self.blocks = 0
-        self.decode_errors = 0
-        self.skipped_frames = 0
-        self.gaps = 0
-        self.replays = 0
-        self.replayed_batches = 0
-        self.resets = 0
 
     # --- views ----------------------------------------------------------------------------------
 
@@ -290,23 +325,12 @@ class SourceDriver:
         return Cursor(*applied) if applied is not None else None
 
     def stats(self) -> SourceStats:
-        """A snapshot of this source's counters."""
+        """A snapshot of this source's counters and condition."""
+        c = self.counters
+        c.unknown_events = self._decoder.unknown_events
         m = self.machine
         return SourceStats(
-            messages=self.messages,
-            batches=self.batches,
-            blocks=self.blocks,
-            decode_errors=self.decode_errors,
-            unknown_events=self._decoder.unknown_events,
-            skipped_frames=self.skipped_frames,
-            gaps=self.gaps,
-            replays=self.replays,
-            replayed_batches=self.replayed_batches,
-            resets=self.resets,
-            last_seq=m.last_seq,
-            connected=self.connected,
-            partial=m.partial,
-            state=m.state,
+            **msgspec.structs.asdict(c), last_seq=m.last_seq, connected=self.connected, partial=m.partial, state=m.state
         )
 
     # --- running ------------------------------------------------------------------------------
@@ -383,10 +407,11 @@ class SourceDriver:
         apply, execute = self._apply, self._execute
         nan = math.nan
         poll_monitor = self._poll_monitor
+        counters = self.counters
         while not self._recreate:
             msgs = await _zmq.recv_many(sub, batch_cap)
             self._last_activity = anyio.current_time()
-            self.messages += len(msgs)
+            counters.messages += len(msgs)
             # A disconnect must reach the machine before any message that came after it (a
             # restarted engine's first seqs would pass for the old one's). libzmq emits the
             # event before it reconnects, so whatever is queued in the monitor now is older
@@ -397,7 +422,7 @@ class SourceDriver:
                 return
             for frames in msgs:
                 if len(frames) != 3 or len(frames[1]) != 8:
-                    self.skipped_frames += 1
+                    counters.skipped_frames += 1
                     self._log.warn("skipped message", f"{len(frames)} frames, expected [topic, seq8, payload]")
                     continue
                 batch = decode(frames[2])
@@ -413,7 +438,7 @@ class SourceDriver:
         try:
             return self._decoder.decode(payload)
         except DecodeError as exc:
-            self.decode_errors += 1
+            self.counters.decode_errors += 1
             self._log.warn("undecodable payload", str(exc))
             return None
 
@@ -522,7 +547,6 @@ class SourceDriver:
                 curve_server_key=self.source.curve_server_key if self._curve is not None else None,
             )
         dealer = self._dealer
-        self.replays += 1
         items: list[tuple[int, float, EventBatch | None]] = []
         if not _zmq.send_nowait(dealer, [b"", start.to_bytes(8, "big")]):
             self._close_dealer()
@@ -559,16 +583,16 @@ class SourceDriver:
         elif n == 3 and not frames[0]:
             seq8, payload = frames[1], frames[2]
         else:
-            self.skipped_frames += 1
+            self.counters.skipped_frames += 1
             self._log.warn("skipped replay reply", f"{n} frames")
             return False
         if len(seq8) != 8:
-            self.skipped_frames += 1
+            self.counters.skipped_frames += 1
             self._log.warn("skipped replay reply", f"{len(seq8)}-byte seq")
             return False
         if seq8 == _END_SEQ:
             return True
-        self.replayed_batches += 1
+        self.counters.replayed_batches += 1
         batch = self._decode(payload)
         items.append((int.from_bytes(seq8, "big"), batch.ts if batch is not None else math.nan, batch))
         return False
@@ -595,7 +619,6 @@ class SourceDriver:
                 if self._replay_wakeup is not None:
                     self._replay_wakeup.set()
             elif isinstance(action, ResetWorker):
-                self.resets += 1
                 self._index.remove_worker(self.key)
             elif isinstance(action, RecreateSubscriber):
                 self._recreate = True
@@ -621,14 +644,10 @@ class SourceDriver:
                     blocks += len(ev.block_hashes)
                 if emit:
                     sink.publish(Envelope(source=src, seq=seq, ts=ts, event=ev))
-        self.batches += len(items)
-        self.blocks += blocks
+        self.counters.blocks += blocks
 
     def _emit(self, event: LifecycleEvent) -> None:
-        kind = event.kind
-        if kind == "gap":
-            self.gaps += 1
-        elif isinstance(event, Reset):
+        if isinstance(event, Reset):
             self._log.warn("index state reset", f"{event.reason}: {event.detail}")
         elif isinstance(event, Partial):
             self._log.warn("history incomplete", f"{event.reason}: blocks known from seq {event.first_seq} on")
