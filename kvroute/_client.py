@@ -45,6 +45,7 @@ from ._subscriber import (
     SubscriberConfig,
     source_problem,
 )
+from ._zmq import DEFAULT_MAX_SOURCES, fit_sources
 
 __all__ = ["ClientStats", "EventStream", "KvEventClient", "SourceStats", "SubscriberConfig", "TotalStats"]
 
@@ -266,6 +267,7 @@ class KvEventClient:
         self._hub = _Hub()
         self._tg: anyio.abc.TaskGroup | None = None
         self._limiter: anyio.CapacityLimiter | None = None
+        self._max_sources = self._config.max_sources or DEFAULT_MAX_SOURCES
         self._changed: anyio.Event | None = None
         self._refused = 0
         self._removed = 0
@@ -279,6 +281,15 @@ class KvEventClient:
             raise RuntimeError("KvEventClient is already running")
         if self._ctx is None:
             self._ctx = zmq.Context()
+            # Engines may publish on IPv6 ([::1] or a global address); libzmq's default is IPv4 only.
+            self._ctx.setsockopt(zmq.IPV6, 1)
+        try:
+            self._max_sources = fit_sources(self._ctx, self._config.max_sources, own_context=self._own_ctx)
+        except BaseException:
+            if self._own_ctx:
+                self._ctx.term()
+                self._ctx = None
+            raise
         self._limiter = anyio.CapacityLimiter(self._config.max_concurrent_replays)
         tg = anyio.create_task_group()
         await tg.__aenter__()
@@ -356,8 +367,8 @@ class KvEventClient:
             if old.driver.source == source:
                 return True
             self._remove(source.key, "replaced")
-        elif len(self._subs) >= self._config.max_sources:
-            return self._refuse(source, f"max_sources ({self._config.max_sources}) reached")
+        elif len(self._subs) >= self._max_sources:
+            return self._refuse(source, f"max_sources ({self._max_sources}) reached")
         assert self._ctx is not None and self._limiter is not None  # set on entry
         problem = source_problem(source, self._ctx, self._config)
         if problem is not None:

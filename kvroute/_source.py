@@ -179,7 +179,13 @@ class SourceMachine:
     """
 
     def __init__(
-        self, *, has_replay: bool, ts_ring: int = 4096, max_held: int = 100_000, stats: RecoveryStats | None = None
+        self,
+        *,
+        has_replay: bool,
+        ts_ring: int = 4096,
+        max_held: int = 100_000,
+        max_held_bytes: int | None = None,
+        stats: RecoveryStats | None = None,
     ) -> None:
         if ts_ring < 1:
             raise ValueError(f"ts_ring must be >= 1, got {ts_ring}")
@@ -188,6 +194,8 @@ class SourceMachine:
         self.has_replay = has_replay
         self.ts_ring = ts_ring
         self.max_held = max_held
+        #: Like ``max_held``, in the sizes `on_live` is given (None: no byte bound).
+        self.max_held_bytes = max_held_bytes
         #: Newest seq accounted for: applied, or skipped as lost. -1 before anything.
         self.last_seq = -1
         #: The history before the current run is unknown (see `Partial`).
@@ -203,6 +211,9 @@ class SourceMachine:
         #: Newest seq recorded in the ring (-1: none since the last restart).
         self._newest = -1
         self._held: dict[int, _Held] = {}
+        # Sizes of the held live batches given one (`on_live`'s ``size``), and their sum.
+        self._held_size: dict[int, int] = {}
+        self._held_bytes = 0
         # Initial history not known yet: with replay, a cold replay is needed; without,
         # the first live message starts the history.
         self._cold = has_replay
@@ -307,8 +318,8 @@ class SourceMachine:
         self._down = True  # until the first connect: hold live batches, ask nothing
         return self._done(before, out)
 
-    def on_live(self, seq: int, ts: float, batch: EventBatch | None) -> list[Action]:
-        """One live message; ``batch`` None = its payload failed to decode."""
+    def on_live(self, seq: int, ts: float, batch: EventBatch | None, size: int = 0) -> list[Action]:
+        """One live message; ``batch`` None = its payload failed to decode; ``size``: its bytes (``max_held_bytes``)."""
         if (
             seq == self.last_seq + 1
             and batch is not None
@@ -330,7 +341,7 @@ class SourceMachine:
             return [Apply([(seq, ts, batch)])]
         before = self.state
         out: list[Action] = []
-        self._live(seq, ts, batch, out)
+        self._live(seq, ts, batch, out, size)
         return self._done(before, out)
 
     def on_replay(self, items: Sequence[tuple[int, float, EventBatch | None]], *, complete: bool) -> list[Action]:
@@ -450,11 +461,13 @@ class SourceMachine:
         self._ring_seq = array("Q", [_SEQ_END]) * self.ts_ring
         self._newest = -1
         self._held.clear()
+        self._held_size.clear()
+        self._held_bytes = 0
         self._identity_question = False
         self._identity_ok = False
         self._identity_failures = 0
 
-    def _live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action]) -> None:
+    def _live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action], size: int = 0) -> None:
         if not 0 <= seq < _SEQ_END:
             self.stats.invalid += 1
             return
@@ -482,14 +495,23 @@ class SourceMachine:
                 out.append(Emit(Gap(seq, seq, "undecodable")))
         if not self._hold(seq, ts, batch, False, out):
             return
-        if len(self._held) > self.max_held:
+        if size and seq in self._held and seq not in self._held_size:
+            self._held_size[seq] = size
+            self._held_bytes += size
+        if len(self._held) > self.max_held or (
+            self.max_held_bytes is not None and self._held_bytes > self.max_held_bytes
+        ):
             self.stats.overflows += 1
+            what = (
+                f"more than {self.max_held} batches"
+                if len(self._held) > self.max_held
+                else f"more than {self.max_held_bytes} bytes of batches"
+            )
             if self._identity_question or self._down:
                 # Applying them would trust an engine that has not been checked: start over.
-                detail = f"more than {self.max_held} batches held while the engine's identity is unchecked"
-                self._restart(detail, out, reason="overflow")
+                self._restart(f"{what} held while the engine's identity is unchecked", out, reason="overflow")
                 return
-            self._uncover(None, "overflow", f"more than {self.max_held} batches held waiting for a replay", out)
+            self._uncover(None, "overflow", f"{what} held waiting for a replay", out)
             self._drain(out)
         self._advance(out)
 
@@ -757,6 +779,7 @@ class SourceMachine:
     def _skip_to(self, h: int, reason: str, detail: str, out: list[Action]) -> None:
         for seq in [s for s in self._held if s <= h]:
             del self._held[seq]
+            self._held_bytes -= self._held_size.pop(seq, 0)
         self.last_seq = h
         self.stats.uncovered += 1
         self._reset(reason, detail, out)
@@ -785,6 +808,8 @@ class SourceMachine:
             if entry is None or entry[1] is None:
                 break
             del held[nxt]
+            if self._held_size:
+                self._held_bytes -= self._held_size.pop(nxt, 0)
             items.append((nxt, entry[0], entry[1]))
             self._record(nxt, entry[0])
             nxt += 1

@@ -16,12 +16,13 @@ from collections.abc import Callable, Sequence
 from typing import Annotated, Protocol, get_args
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import zmq
 from msgspec import Meta
 
 from . import _zmq
-from ._errors import DecodeError
+from ._errors import ConfigError, DecodeError
 from ._events import Envelope, LifecycleEvent, Partial, Reset
 from ._index import PrefixIndex
 from ._models import EventSource, WorkerStatus
@@ -80,57 +81,147 @@ _HANDSHAKE_FAILED = (
 _LOG_EVERY = 10.0
 
 
+# What one replay reply was (`SourceDriver._on_reply`).
+_END, _BATCH, _JUNK = object(), object(), object()
+# A replay holding its slot past replay_slice looks this often for a source waiting for one.
+_SLOT_CHECK = 0.02
+# The longest the pump works between two yields to the event loop (one batch may overrun it).
+_SLICE = 0.01
+
+
+class _ReplayRun:
+    """One replay request across its turns: what came back and what it may still spend."""
+
+    __slots__ = ("budget", "complete", "cut", "deadline", "item_bytes", "items", "replies", "silent_left")
+
+    def __init__(self, deadline: float, budget: int, silent_left: float) -> None:
+        self.deadline = deadline
+        self.budget = budget
+        #: Slot time left without a decodable reply before the request is given up.
+        self.silent_left = silent_left
+        self.replies = 0
+        #: Payload bytes received: the items are bounded like held batches (``held_bytes``).
+        self.item_bytes = 0
+        self.items: list[tuple[int, float, EventBatch | None]] = []
+        self.complete = False
+        #: Why the request ended before its end marker (a deadline or budget), if it did.
+        self.cut: str | None = None
+
+
+_MiB = 1 << 20
+
+
 class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """How `KvEventClient` subscribes: socket options, replay bounds, fan-out and decode limits.
+    """How `KvEventClient` subscribes: socket options, replay bounds, memory budgets, fan-out and decode limits.
 
-    Times are in seconds. Defaults:
+    Times are in seconds, sizes in bytes. Defaults:
 
-    - ``max_message_size`` 16 MiB: a step's batch is far smaller (a 65,536-token step is
+    - ``max_message_size`` 4 MiB: a step's batch is far smaller (a 65,536-token step is
       ~0.3 MB of msgpack); larger messages make libzmq drop the connection.
+    - ``queue_bytes`` 64 MiB: what each socket (SUB, replay DEALER) may queue inside libzmq.
+      Its receive high-water mark is at most ``queue_bytes // max_message_size`` messages
+      (at least 1): past it the engine's side buffers (its PUB holds 100,000 batches).
+    - ``rcvhwm`` None: use the source's advertised ``hwm``, else libzmq's 1,000; either way
+      clamped to [1, ``queue_bytes // max_message_size``] (an advertised 0, libzmq's
+      "unlimited", never is).
+    - ``wakeup_bytes`` 4 MiB: payload bytes the pump decodes per wakeup before it yields to
+      the event loop (at least one message): a flood never blocks the loop for long.
+    - ``held_bytes`` 8 MiB: payload bytes of the live batches held while a replay is
+      outstanding (decoded, an engine's batch takes ~7x its payload); past it the gap is
+      uncovered (reset and partial, counted in ``overflows``), as past ``max_held`` batches.
+      One replay answer is read up to the same size before it is handed over.
     - ``reconnect_ivl`` 0.1 / ``reconnect_ivl_max`` 5.0: libzmq's 100 ms first retry, backing
       off to 5 s against an engine that stays down.
     - ``tcp_keepalive`` True: the OS probes idle connections, so a vanished host is noticed.
-    - ``rcvhwm`` None: use the source's advertised ``hwm`` (engines publish with 100,000),
-      else libzmq's 1,000.
-    - ``replay_timeout`` 1.0: the longest wait for the first reply and between replies; an
-      idle engine may answer ~100 ms late (protocol.md §4).
-    - ``max_concurrent_replays`` 8: replays in flight across all sources; each engine
-      serves one at a time, and a reconnect storm must not stall every pump at once.
+    - ``replay_timeout`` 1.0: the longest a replay holds a slot without a decodable reply (for
+      the first one, and between replies; junk does not count); an idle engine may answer
+      ~100 ms late (protocol.md §4).
+    - ``replay_deadline`` 30.0 / ``replay_budget`` 100,000: one replay request ends after
+      this long or this many replies (malformed ones included), end marker or not; what
+      came is applied and the rest asked again.
+    - ``replay_slice`` 0.1: a replay holding a slot this long gives it up as soon as another
+      source waits for one (its replies so far are applied; it queues again for the rest),
+      so a few slow or hostile replay endpoints cannot starve the others.
+    - ``max_concurrent_replays`` 8: replay slots shared by all sources; each engine serves
+      one at a time, and a reconnect storm must not stall every pump at once.
     - ``quiet_interval`` 2.0: a source silent this long gets a replay probe (design.md rules
       7-8: lost tail, silent restart); one small request per source per interval.
     - ``recv_batch`` 1024: messages drained per wakeup before yielding to other sources.
     - ``events_buffer`` 10,000: envelopes buffered per `events()` iterator before the
       oldest are dropped.
-    - ``max_sources`` 4096: sources subscribed at once; more are refused (logged, counted).
+    - ``max_sources`` None: sources subscribed at once, more are refused (logged, counted).
+      None = as many as the process's file descriptors and the zmq context's socket limit
+      allow, at most 4,096 (checked when the client starts; an explicit value that does
+      not fit raises `ConfigError` there).
     - ``curve_public_key`` / ``curve_secret_key``: the client's CURVE key pair (z85); used
-      for every source that names a ``curve_server_key``.
+      for every source that names a ``curve_server_key``. Never shown by ``repr``.
     - ``limits``: decode caps per batch (`Limits`).
+
+    Invalid values raise `ConfigError` (a `KvRouteError` and a `ValueError`).
     """
 
-    max_message_size: int = 16 * 1024 * 1024
+    max_message_size: int = 4 * _MiB
+    queue_bytes: int = 64 * _MiB
+    rcvhwm: int | None = None
+    wakeup_bytes: int = 4 * _MiB
+    held_bytes: int = 8 * _MiB
     reconnect_ivl: float = 0.1
     reconnect_ivl_max: float = 5.0
     tcp_keepalive: bool = True
-    rcvhwm: int | None = None
     replay_timeout: float = 1.0
+    replay_deadline: float = 30.0
+    replay_budget: int = 100_000
+    replay_slice: float = 0.1
     max_concurrent_replays: int = 8
     quiet_interval: float = 2.0
     recv_batch: int = 1024
     events_buffer: int = 10_000
-    max_sources: int = 4096
+    max_sources: int | None = None
     curve_public_key: str | None = None
     curve_secret_key: str | None = None
     limits: Limits = msgspec.field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if (self.curve_public_key is None) != (self.curve_secret_key is None):
-            raise ValueError("curve_public_key and curve_secret_key go together")
-        for name in ("replay_timeout", "quiet_interval", "reconnect_ivl"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
-        for name in ("max_concurrent_replays", "recv_batch", "events_buffer", "max_sources"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+            raise ConfigError("curve_public_key and curve_secret_key go together")
+        for name in ("replay_timeout", "quiet_interval", "reconnect_ivl", "replay_deadline", "replay_slice"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a finite number > 0, not {value!r}")
+        if not (math.isfinite(self.reconnect_ivl_max) and self.reconnect_ivl_max >= 0):
+            raise ConfigError(f"reconnect_ivl_max must be a finite number >= 0, not {self.reconnect_ivl_max!r}")
+        for name in (
+            "max_concurrent_replays",
+            "recv_batch",
+            "events_buffer",
+            "max_sources",
+            "rcvhwm",
+            "max_message_size",
+            "queue_bytes",
+            "wakeup_bytes",
+            "held_bytes",
+            "replay_budget",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, not {value!r}")
+        if self.max_message_size >= 1 << 63:
+            raise ConfigError(f"max_message_size must be < 2**63, not {self.max_message_size}")
+
+    def __repr__(self) -> str:
+        # The secret key never reaches a log line or a traceback through repr.
+        fields = ", ".join(
+            f"{name}={'<secret>' if name == 'curve_secret_key' and value is not None else repr(value)}"
+            for name, value in msgspec.structs.asdict(self).items()
+        )
+        return f"SubscriberConfig({fields})"
+
+    def sub_rcvhwm(self, advertised: int | None) -> int:
+        """The receive high-water mark a socket gets: the configured or advertised one, within the byte budget."""
+        cap = max(1, self.queue_bytes // self.max_message_size)
+        wanted = self.rcvhwm if self.rcvhwm is not None else advertised if advertised is not None else 1000
+        # An advertised 0 is libzmq's "unlimited" (and a negative one is nonsense): the cap.
+        return cap if wanted < 1 else min(wanted, cap)
 
 
 class SourceCounters(RecoveryStats, kw_only=True):
@@ -153,6 +244,15 @@ class SourceCounters(RecoveryStats, kw_only=True):
         int, Meta(description="Messages or replay replies of the wrong frame shape, skipped.")
     ] = 0
     replayed_batches: Annotated[int, Meta(description="Batches received in replay replies.")] = 0
+    replay_yields: Annotated[
+        int, Meta(description="Replay turns that gave their slot up to a waiting source before any reply.")
+    ] = 0
+    replay_cutoffs: Annotated[
+        int, Meta(description="Replays ended by the replay deadline or reply budget, end marker unseen.")
+    ] = 0
+    wakeups_cut: Annotated[
+        int, Meta(description="Pump wakeups that stopped at the wakeup byte budget with messages still queued.")
+    ] = 0
 
 
 # msgspec lets a frozen Struct extend a mutable one; mypy applies dataclass rules, which do not.
@@ -277,7 +377,9 @@ class SourceDriver:
         self.key = source.key
         #: Every counter of this source; the machine counts its recovery ones into it too.
         self.counters = SourceCounters()
-        self.machine = SourceMachine(has_replay=source.replay_endpoint is not None, stats=self.counters)
+        self.machine = SourceMachine(
+            has_replay=source.replay_endpoint is not None, max_held_bytes=config.held_bytes, stats=self.counters
+        )
         # Resumed now, not in run(): the restored state is the machine's from the start, so
         # `cursor` reports it even before the task runs. Its actions are carried out in run().
         self._first_actions = self.machine.resume(resume.seq, resume.ts) if resume is not None else None
@@ -360,7 +462,7 @@ class SourceDriver:
         sub = _zmq.socket(
             self._ctx,
             zmq.SUB,
-            rcvhwm=cfg.rcvhwm if cfg.rcvhwm is not None else src.hwm,
+            rcvhwm=cfg.sub_rcvhwm(src.hwm),
             max_message_size=cfg.max_message_size,
             reconnect_ivl=cfg.reconnect_ivl,
             reconnect_ivl_max=cfg.reconnect_ivl_max,
@@ -401,17 +503,22 @@ class SourceDriver:
     async def _pump(self, sub: zmq.Socket[bytes]) -> None:
         # The hot loop: locals instead of attribute lookups, and the common outcome (one Apply
         # of an in-order batch, design.md rule 1) applied without the general dispatch.
-        batch_cap = self._cfg.recv_batch
+        # Each wakeup takes at most recv_batch messages and wakeup_bytes of payload, and the
+        # loop yields to the event loop every _SLICE seconds of work: a flood of large
+        # batches never stalls the other sources, the router, or leaving `async with`.
+        batch_cap, byte_cap = self._cfg.recv_batch, self._cfg.wakeup_bytes
         decode = self._decode
         on_live = self.machine.on_live
         apply, execute = self._apply, self._execute
         nan = math.nan
         poll_monitor = self._poll_monitor
         counters = self.counters
+        clock = time.perf_counter
         while not self._recreate:
-            msgs = await _zmq.recv_many(sub, batch_cap)
+            msgs, more = await _zmq.recv_budget(sub, batch_cap, byte_cap)
             self._last_activity = anyio.current_time()
             counters.messages += len(msgs)
+            counters.wakeups_cut += more
             # A disconnect must reach the machine before any message that came after it (a
             # restarted engine's first seqs would pass for the old one's). libzmq emits the
             # event before it reconnects, so whatever is queued in the monitor now is older
@@ -420,13 +527,21 @@ class SourceDriver:
             poll_monitor()
             if self._recreate:
                 return
+            yield_at = clock() + _SLICE
             for frames in msgs:
+                if clock() > yield_at:
+                    await anyio.lowlevel.checkpoint()
+                    yield_at = clock() + _SLICE
+                    if self._recreate:
+                        return
                 if len(frames) != 3 or len(frames[1]) != 8:
                     counters.skipped_frames += 1
                     self._log.warn("skipped message", f"{len(frames)} frames, expected [topic, seq8, payload]")
                     continue
-                batch = decode(frames[2])
-                actions = on_live(int.from_bytes(frames[1], "big"), batch.ts if batch is not None else nan, batch)
+                payload = frames[2]
+                batch = decode(payload)
+                seq = int.from_bytes(frames[1], "big")
+                actions = on_live(seq, batch.ts if batch is not None else nan, batch, len(payload))
                 if len(actions) == 1 and type(actions[0]) is Apply:
                     apply(actions[0].items)
                 else:
@@ -436,11 +551,18 @@ class SourceDriver:
 
     def _decode(self, payload: bytes) -> EventBatch | None:
         try:
-            return self._decoder.decode(payload)
+            batch = self._decoder.decode(payload)
         except DecodeError as exc:
             self.counters.decode_errors += 1
             self._log.warn("undecodable payload", str(exc))
             return None
+        if not math.isfinite(batch.ts):
+            # A NaN or infinite ts cannot tell a duplicate from a restart, nor be saved as a
+            # position: the batch is a hole, like any undecodable one.
+            self.counters.decode_errors += 1
+            self._log.warn("undecodable payload", f"ts {batch.ts!r} is not finite")
+            return None
+        return batch
 
     async def _watch(self, mon: zmq.Socket[bytes]) -> None:
         # Connection changes while no message flows; the pump and the replay task also read
@@ -515,8 +637,7 @@ class SourceDriver:
                 continue
             with anyio.CancelScope() as scope:
                 self._replay_scope = scope
-                async with self._limiter:
-                    items, complete, failure = await self._replay(request.from_seq)
+                items, complete, failure = await self._replay(request.from_seq)
             self._replay_scope = None
             if scope.cancelled_caught:
                 # The machine abandoned this request (restart, disconnect): stop waiting for
@@ -530,15 +651,47 @@ class SourceDriver:
                 self._execute(self.machine.on_replay(items, complete=complete))
 
     async def _replay(self, start: int) -> tuple[list[tuple[int, float, EventBatch | None]], bool, str | None]:
-        """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure)."""
+        """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).
+
+        Fair and bounded (README "Security and limits"): the request is carried out in turns,
+        each holding one of the client's replay slots. A turn ends at the end marker; when
+        other sources wait for a slot and it has held its own for ``replay_slice`` (with
+        replies so far, the machine gets them and asks for the rest; with none, the request
+        goes to the back of the queue and is sent again); or when the request as a whole
+        passes ``replay_deadline``, ``replay_budget`` replies (malformed ones count), or
+        ``replay_timeout`` of slot time without a decodable reply (junk does not keep it open).
+        """
+        cfg = self._cfg
+        run = _ReplayRun(anyio.current_time() + cfg.replay_deadline, cfg.replay_budget, cfg.replay_timeout)
+        while True:
+            async with self._limiter:
+                yielded = await self._replay_turn(start, run)
+            if not yielded:
+                break
+            # Gave the slot up with nothing to show: re-queue behind whoever waited (FIFO).
+            self.counters.replay_yields += 1
+        if not run.complete:
+            # Late replies to this request would pass for answers to the next one: start over
+            # with a fresh DEALER (the engine answers each connection separately).
+            self._close_dealer()
+            if run.cut is not None:
+                self.counters.replay_cutoffs += 1
+                self._log.warn("replay cut short", run.cut)
+            if not run.items:
+                return run.items, False, run.cut or f"no reply within {cfg.replay_timeout:g} s"
+        return run.items, run.complete, None
+
+    async def _replay_turn(self, start: int, run: _ReplayRun) -> bool:
+        """One turn holding a replay slot; True when it yielded the slot with no reply to hand over."""
         endpoint = self.source.replay_endpoint
         assert endpoint is not None  # the replay task runs only for sources with one
+        cfg = self._cfg
         if self._dealer is None:
-            cfg = self._cfg
             self._dealer = _zmq.connect(
                 self._ctx,
                 zmq.DEALER,
                 endpoint,
+                rcvhwm=cfg.sub_rcvhwm(None),
                 max_message_size=cfg.max_message_size,
                 reconnect_ivl=cfg.reconnect_ivl,
                 reconnect_ivl_max=cfg.reconnect_ivl_max,
@@ -547,36 +700,56 @@ class SourceDriver:
                 curve_server_key=self.source.curve_server_key if self._curve is not None else None,
             )
         dealer = self._dealer
-        items: list[tuple[int, float, EventBatch | None]] = []
         if not _zmq.send_nowait(dealer, [b"", start.to_bytes(8, "big")]):
             self._close_dealer()
-            return items, False, "replay request refused (queue full)"
-        complete = False
-        timeout = self._cfg.replay_timeout
+            run.cut = "replay request refused (queue full)"
+            return False
+        clock = anyio.current_time
+        began = last = clock()
+        stats = self._limiter.statistics
         # The machine holds at most max_held batches; reading more than that from one answer
         # only buys memory a publisher that never sends the end marker could exhaust.
         cap = self.machine.max_held
-        while not complete and len(items) < cap:
+        items = run.items
+        while len(items) < cap and run.item_bytes < cfg.held_bytes:
+            now = clock()
+            run.silent_left -= now - last
+            last = now
+            if now >= run.deadline:
+                run.cut = f"past the replay deadline ({cfg.replay_deadline:g} s)"
+                return False
+            if run.replies >= run.budget:
+                run.cut = f"past the reply budget ({run.budget} replies)"
+                return False
+            if run.silent_left <= 0:
+                return False
+            if now - began >= cfg.replay_slice and stats().tasks_waiting:
+                if items:
+                    return False  # the machine applies these and asks for the rest, in its turn
+                self._close_dealer()
+                return True
+            # Wake at least every _SLOT_CHECK once the slice is used up: someone may be waiting.
+            wait = min(run.deadline, now + run.silent_left, max(began + cfg.replay_slice, now + _SLOT_CHECK)) - now
             msgs: list[list[bytes]] = []
-            with anyio.move_on_after(timeout):
-                msgs = await _zmq.recv_many(dealer, self._cfg.recv_batch)
-            if not msgs:
-                break
+            with anyio.move_on_after(wait):
+                msgs, _ = await _zmq.recv_budget(
+                    dealer, min(cfg.recv_batch, run.budget - run.replies), cfg.wakeup_bytes
+                )
             for frames in msgs:
-                if self._on_reply(frames, items):
-                    complete = True
-                    break
-        if not complete:
-            # Late replies to this request would pass for answers to the next one: start over
-            # with a fresh DEALER (the engine answers each connection separately).
-            self._close_dealer()
-            if not items:
-                return items, False, f"no reply within {timeout:g} s"
-        return items, complete, None
+                run.replies += 1
+                run.item_bytes += len(frames[-1])
+                outcome = self._on_reply(frames, items)
+                if outcome is _END:
+                    run.complete = True
+                    return False
+                if outcome is _BATCH:
+                    run.silent_left = cfg.replay_timeout
+                    last = clock()
+        return False
 
-    def _on_reply(self, frames: list[bytes], items: list[tuple[int, float, EventBatch | None]]) -> bool:
+    def _on_reply(self, frames: list[bytes], items: list[tuple[int, float, EventBatch | None]]) -> object:
         # Newer engines reply [b"", topic, seq8, payload], older [b"", seq8, payload]; accept
-        # both from every source (protocol.md §4). Returns True at the end marker.
+        # both from every source (protocol.md §4). Returns _END, _BATCH (decodable) or _JUNK.
         n = len(frames)
         if n == 4 and not frames[0]:
             seq8, payload = frames[2], frames[3]
@@ -585,17 +758,17 @@ class SourceDriver:
         else:
             self.counters.skipped_frames += 1
             self._log.warn("skipped replay reply", f"{n} frames")
-            return False
+            return _JUNK
         if len(seq8) != 8:
             self.counters.skipped_frames += 1
             self._log.warn("skipped replay reply", f"{len(seq8)}-byte seq")
-            return False
+            return _JUNK
         if seq8 == _END_SEQ:
-            return True
+            return _END
         self.counters.replayed_batches += 1
         batch = self._decode(payload)
         items.append((int.from_bytes(seq8, "big"), batch.ts if batch is not None else math.nan, batch))
-        return False
+        return _BATCH if batch is not None else _JUNK
 
     def _close_dealer(self) -> None:
         if self._dealer is not None:

@@ -288,7 +288,7 @@ async def test_clean_shutdown_mid_replay(ctx: zmq.Context[zmq.Socket[bytes]]) ->
                 await next_event(stream, "connected")
                 await anyio.sleep(0.1)  # the request is out; 20,000 replies take far longer
                 st = client.stats().sources[src.key]
-                assert st.replays == 1 and st.batches == 0 and st.state == "syncing"
+        assert st.replays == 1 and st.batches == 0 and st.state == "syncing", st
         # Every socket the client opened is closed (the publisher's two are still open).
         open_sockets = [s for s in ctx._sockets if not s.closed]
         assert len(open_sockets) == 2
