@@ -39,6 +39,7 @@ from ._snapshot import Cursor
 from ._subscriber import (
     COUNTER_FIELDS,
     RateLimitedLog,
+    ReplaySlots,
     SourceCounters,
     SourceDriver,
     SourceStats,
@@ -266,7 +267,7 @@ class KvEventClient:
         self._targets_pending: set[str] = set()
         self._hub = _Hub()
         self._tg: anyio.abc.TaskGroup | None = None
-        self._limiter: anyio.CapacityLimiter | None = None
+        self._limiter: ReplaySlots | None = None
         self._max_sources = self._config.max_sources or DEFAULT_MAX_SOURCES
         self._changed: anyio.Event | None = None
         self._refused = 0
@@ -290,7 +291,7 @@ class KvEventClient:
                 self._ctx.term()
                 self._ctx = None
             raise
-        self._limiter = anyio.CapacityLimiter(self._config.max_concurrent_replays)
+        self._limiter = ReplaySlots(self._config.max_concurrent_replays, self._config.replay_slice)
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg

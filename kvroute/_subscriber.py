@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Annotated, Protocol, get_args
 
 import anyio
@@ -42,6 +43,7 @@ from ._wire import BatchDecoder, BlockStored, EventBatch, Limits
 __all__ = [
     "EventSink",
     "RateLimitedLog",
+    "ReplaySlots",
     "SourceCounters",
     "SourceDriver",
     "SourceStats",
@@ -83,8 +85,62 @@ _LOG_EVERY = 10.0
 
 # What one replay reply was (`SourceDriver._on_reply`).
 _END, _BATCH, _JUNK = object(), object(), object()
-# A replay holding its slot past replay_slice looks this often for a source waiting for one.
-_SLOT_CHECK = 0.02
+
+
+class _Turn:
+    """One replay turn holding a slot: since when, and the scope of its current wait (to wake it)."""
+
+    __slots__ = ("began", "nudged", "scope")
+
+    def __init__(self) -> None:
+        self.began = 0.0
+        self.nudged = False
+        self.scope: anyio.CancelScope | None = None
+
+
+class ReplaySlots:
+    """The replay slots every source of a client shares: first come, first served, and no slot kept.
+
+    `turn` waits for a slot in arrival order. A turn that has held its slot for ``slice``
+    seconds gives way as soon as another source waits (`contended`): the waiter wakes the
+    oldest such holder at once, which ends its turn. So a few slow or hostile replay
+    endpoints delay an honest source's replay by at most about one slice.
+    """
+
+    def __init__(self, capacity: int, slice_seconds: float) -> None:
+        self._limiter = anyio.CapacityLimiter(capacity)
+        self.slice = slice_seconds
+        self._holders: dict[_Turn, None] = {}  # oldest first
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[_Turn]:
+        """Hold one slot for the body of the ``async with``."""
+        turn = _Turn()
+        if self._limiter.available_tokens < 1:
+            self._nudge()
+        await self._limiter.acquire_on_behalf_of(turn)
+        turn.began = anyio.current_time()
+        self._holders[turn] = None
+        try:
+            yield turn
+        finally:
+            del self._holders[turn]
+            self._limiter.release_on_behalf_of(turn)
+
+    @property
+    def contended(self) -> bool:
+        """Some source waits for a slot."""
+        return self._limiter.statistics().tasks_waiting > 0
+
+    def _nudge(self) -> None:
+        now = anyio.current_time()
+        for turn in self._holders:
+            if not turn.nudged and now - turn.began >= self.slice and turn.scope is not None:
+                turn.nudged = True
+                turn.scope.cancel()
+                return
+
+
 # The longest the pump works between two yields to the event loop (one batch may overrun it).
 _SLICE = 0.01
 
@@ -369,7 +425,7 @@ class SourceDriver:
         config: SubscriberConfig,
         index: PrefixIndex,
         sink: EventSink,
-        limiter: anyio.CapacityLimiter,
+        limiter: ReplaySlots,
         on_change: Callable[[], None],
         resume: Cursor | None = None,
     ) -> None:
@@ -664,8 +720,8 @@ class SourceDriver:
         cfg = self._cfg
         run = _ReplayRun(anyio.current_time() + cfg.replay_deadline, cfg.replay_budget, cfg.replay_timeout)
         while True:
-            async with self._limiter:
-                yielded = await self._replay_turn(start, run)
+            async with self._limiter.turn() as turn:
+                yielded = await self._replay_turn(start, run, turn)
             if not yielded:
                 break
             # Gave the slot up with nothing to show: re-queue behind whoever waited (FIFO).
@@ -681,7 +737,7 @@ class SourceDriver:
                 return run.items, False, run.cut or f"no reply within {cfg.replay_timeout:g} s"
         return run.items, run.complete, None
 
-    async def _replay_turn(self, start: int, run: _ReplayRun) -> bool:
+    async def _replay_turn(self, start: int, run: _ReplayRun, turn: _Turn) -> bool:
         """One turn holding a replay slot; True when it yielded the slot with no reply to hand over."""
         endpoint = self.source.replay_endpoint
         assert endpoint is not None  # the replay task runs only for sources with one
@@ -706,7 +762,7 @@ class SourceDriver:
             return False
         clock = anyio.current_time
         began = last = clock()
-        stats = self._limiter.statistics
+        slots = self._limiter
         # The machine holds at most max_held batches; reading more than that from one answer
         # only buys memory a publisher that never sends the end marker could exhaust.
         cap = self.machine.max_held
@@ -723,18 +779,23 @@ class SourceDriver:
                 return False
             if run.silent_left <= 0:
                 return False
-            if now - began >= cfg.replay_slice and stats().tasks_waiting:
+            past_slice = now - began >= cfg.replay_slice
+            if past_slice and slots.contended:
                 if items:
                     return False  # the machine applies these and asks for the rest, in its turn
                 self._close_dealer()
                 return True
-            # Wake at least every _SLOT_CHECK once the slice is used up: someone may be waiting.
-            wait = min(run.deadline, now + run.silent_left, max(began + cfg.replay_slice, now + _SLOT_CHECK)) - now
+            # Within the slice, wake at its end to look for waiters; past it, a waiter wakes us.
+            until = min(run.deadline, now + run.silent_left)
+            if not past_slice:
+                until = min(until, began + cfg.replay_slice)
             msgs: list[list[bytes]] = []
-            with anyio.move_on_after(wait):
+            with anyio.CancelScope(deadline=until) as scope:
+                turn.scope = scope
                 msgs, _ = await _zmq.recv_budget(
                     dealer, min(cfg.recv_batch, run.budget - run.replies), cfg.wakeup_bytes
                 )
+            turn.scope = None
             for frames in msgs:
                 run.replies += 1
                 run.item_bytes += len(frames[-1])

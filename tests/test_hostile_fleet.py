@@ -1,0 +1,253 @@
+"""A fleet that misbehaves: hostile or broken publishers beside honest engines, on real sockets.
+
+Each case drives one kind of trouble at a running `KvEventClient` and asserts two things: the
+outcome the bound promises (README "Security and limits"), and that the honest engines' index
+stays exact throughout, compared with the simulated engines' own caches (`kvroute.sim.PrefixCache`),
+not with anything kvroute computed.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import msgspec
+import pytest
+import zmq
+
+from kvroute import KvEventClient, PrefixIndex, SubscriberConfig, WorkerKey
+from kvroute._models import EventSource
+from kvroute._wire import BlockRemoved, BlockStored, EventBatch, encode_batch
+from kvroute.sim import PrefixCache
+from kvroute.sim._publisher import EventPublisher
+
+pytestmark = pytest.mark.anyio
+
+MiB = 1 << 20
+BLOCK = 4
+FLEET = SubscriberConfig(reconnect_ivl=0.02, reconnect_ivl_max=0.1, replay_timeout=0.5, quiet_interval=60.0)
+
+
+class Honest:
+    """An honest engine rank: a `PrefixCache` serving requests, publishing what it stores and evicts."""
+
+    def __init__(self, seed: int, **publisher: object) -> None:
+        self.rng = random.Random(seed)
+        self.cache = PrefixCache(capacity_blocks=256, block_size=BLOCK)
+        self.pub = EventPublisher(**publisher)  # type: ignore[arg-type]
+        self.stems = [[self.rng.randrange(50_000) for _ in range(8 * BLOCK)] for _ in range(6)]
+        self.prompts: list[list[int]] = []
+        self._n = 0
+
+    async def __aenter__(self) -> Honest:
+        await self.pub.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.pub.__aexit__(None, None, None)
+
+    def source(self, name: str, **overrides: object) -> EventSource:
+        return self.pub.source(name, **overrides)
+
+    def step(self) -> None:
+        """One request through the cache; its events (if any) published as one batch."""
+        stem = self.rng.choice(self.stems)
+        prompt = stem[: self.rng.randrange(1, len(stem))] + [self.rng.randrange(50_000) for _ in range(3 * BLOCK)]
+        self._n += 1
+        if self.cache.admit(self._n, prompt, max_tokens=0) is None:
+            return
+        self.cache.computed(self._n, prompt)
+        self.cache.release(self._n)
+        self.prompts.append(prompt)
+        events = self.cache.drain_events()
+        if events:
+            self.pub.publish(events)
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.step()
+
+    def exact(self, index: PrefixIndex, key: WorkerKey) -> bool:
+        """The index holds exactly this engine's cache: block count and every prompt's match."""
+        if index.num_blocks(key) != self.cache.num_cached_blocks:
+            return False
+        for prompt in self.prompts[-40:] + self.stems:
+            if index.find_matches(prompt).get(key, 0) != self.cache.match_blocks(prompt):
+                return False
+        return True
+
+    def assert_exact(self, index: PrefixIndex, key: WorkerKey) -> None:
+        assert index.num_blocks(key) == self.cache.num_cached_blocks, key
+        for prompt in self.prompts[-40:] + self.stems:
+            assert index.find_matches(prompt).get(key, 0) == self.cache.match_blocks(prompt), key
+
+
+async def until(check: Callable[[], bool], limit: float = 20.0) -> float:
+    """Seconds until ``check()`` holds, looking every 5 ms; fails the test after ``limit``."""
+    start = time.perf_counter()
+    with anyio.fail_after(limit):
+        while not check():  # noqa: ASYNC110 (a condition on counters, not an event)
+            await anyio.sleep(0.005)
+    return time.perf_counter() - start
+
+
+def _seq8(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def _valid_payload(ts: float = 1.0, blocks: int = 1, tokens_per_block: int = BLOCK) -> bytes:
+    # Stored and removed in the same batch: valid, and it leaves nothing in the index.
+    hashes = list(range(10**12, 10**12 + blocks))
+    ev_store = BlockStored(
+        block_hashes=hashes, token_ids=[7] * (blocks * tokens_per_block), block_size=tokens_per_block
+    )
+    return encode_batch(EventBatch(ts=ts, events=[ev_store, BlockRemoved(block_hashes=hashes)]))
+
+
+class BadEngine:
+    """A publisher whose PUB sends nothing (or a flood) and whose ROUTER answers badly.
+
+    ``replay``: "drip" sends one valid reply every ``drip`` seconds and never the end marker;
+    "junk" sends a malformed frame every 20 ms; "silent" never answers.
+    """
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], replay: str = "drip", drip: float = 0.5) -> None:
+        self.ctx = ctx
+        self.replay = replay
+        self.drip = drip
+        self.pub: zmq.Socket[bytes] = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.router: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.requests = 0
+
+    def source(self, name: str, **overrides: object) -> EventSource:
+        fields: dict[str, object] = {
+            "worker_id": name,
+            "endpoint": f"tcp://127.0.0.1:{self.pub_port}",
+            "replay_endpoint": f"tcp://127.0.0.1:{self.router_port}",
+        }
+        fields.update(overrides)
+        return EventSource(**fields)  # type: ignore[arg-type]
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        from kvroute import _zmq
+
+        async with anyio.create_task_group() as tg:
+            task_status.started()
+            while True:
+                for frames in await _zmq.recv_many(self.router, 64):
+                    self.requests += 1
+                    if len(frames) == 3 and len(frames[2]) == 8:
+                        tg.start_soon(self._answer, frames[0], int.from_bytes(frames[2], "big"))
+
+    async def _answer(self, ident: bytes, start: int) -> None:
+        if self.replay == "silent":
+            return
+        seq = start
+        for _ in range(2_000):  # bounded: ~17 min of drip, ~40 s of junk
+            if self.router.closed:
+                return
+            try:
+                if self.replay == "drip":
+                    self.router.send_multipart([ident, b"", b"", _seq8(seq), _valid_payload()], zmq.NOBLOCK)
+                    seq += 1
+                else:
+                    self.router.send_multipart([ident, b"junk"], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            await anyio.sleep(self.drip if self.replay == "drip" else 0.02)
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.router.close(0)
+
+
+@asynccontextmanager
+async def bad_fleet(n: int, replay: str) -> AsyncIterator[list[BadEngine]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    bad = [
+        BadEngine(ctx, "drip" if replay == "mixed" and i % 2 else replay if replay != "mixed" else "junk")
+        for i in range(n)
+    ]  # type: ignore[arg-type]
+    try:
+        async with anyio.create_task_group() as tg:
+            for b in bad:
+                await tg.start(b.serve)
+            yield bad
+            tg.cancel_scope.cancel()
+    finally:
+        for b in bad:
+            b.close()
+        ctx.term()
+
+
+# --- row 1: replay endpoints that drip or send junk -----------------------------------------
+
+
+async def _cold_start(honest: Honest, client: KvEventClient, name: str) -> float:
+    src = honest.source(name)
+    start = time.perf_counter()
+    assert client.add_source(src)
+    with anyio.fail_after(30):
+        while True:
+            st = client.worker_status(src.key)
+            if st is not None and st.state == "synced" and honest.exact(client.index, src.key):
+                break
+            await anyio.sleep(0.002)
+    elapsed = time.perf_counter() - start
+    honest.assert_exact(client.index, src.key)
+    client.remove_source(src)
+    return elapsed
+
+
+async def test_bad_replayers_cannot_starve_an_honest_cold_start() -> None:
+    async with Honest(1) as honest:
+        honest.steps(3000)  # a replay long enough that scheduling noise does not decide the ratio
+        async with KvEventClient(config=FLEET) as client:
+            alone = [await _cold_start(honest, client, f"alone{i}") for i in range(3)]
+        async with (
+            bad_fleet(8, "mixed") as bad,
+            KvEventClient([b.source(f"bad{i}") for i, b in enumerate(bad)], config=FLEET) as client,
+        ):
+            # Every slot taken by a bad replay, for longer than a slice.
+            await until(lambda: all(b.requests for b in bad))
+            await anyio.sleep(0.3)
+            beside = [await _cold_start(honest, client, f"beside{i}") for i in range(3)]
+            st = client.stats()
+            bad_stats = [st.sources[WorkerKey(f"bad{i}", 0)] for i in range(8)]
+        t_alone, t_beside = statistics.median(alone), statistics.median(beside)
+        print(f"honest cold start: alone {t_alone * 1000:.0f} ms, beside 8 bad replayers {t_beside * 1000:.0f} ms")
+        assert t_beside <= 2 * t_alone, (alone, beside)
+        # The bad ones gave their slots up (junk: no decodable reply within replay_timeout;
+        # drips: handed over what came at a slice boundary) instead of holding them.
+        # The bad ones still got their turns: nothing here starves them either.
+        assert all(s.replays >= 1 for s in bad_stats)
+
+
+async def test_a_replay_ends_at_its_deadline_and_junk_never_keeps_it_open() -> None:
+    cfg = msgspec.structs.replace(FLEET, replay_deadline=1.0, replay_timeout=0.3)
+    async with bad_fleet(2, "junk") as bad:
+        bad[1].replay = "drip"
+        bad[1].drip = 0.05
+        async with KvEventClient([bad[0].source("junk"), bad[1].source("drip")], config=cfg) as client:
+            junk, drip = WorkerKey("junk", 0), WorkerKey("drip", 0)
+            # Junk every 20 ms: the request still fails after 0.3 s of no decodable reply (the
+            # old timeout only ran between replies, so junk kept it open for ever).
+            t = await until(lambda: client.stats().sources[junk].replay_failures >= 1, limit=10)
+            assert t < 3.0, t
+            assert client.stats().sources[junk].skipped_frames > 0
+            # Valid drips every 50 ms, never an end marker: cut at the 1 s deadline, applied, asked again.
+            await until(lambda: client.stats().sources[drip].replay_cutoffs >= 2, limit=10)
+            st = client.stats().sources[drip]
+            assert st.batches > 0 and st.replays >= 3
+            assert client.index.num_blocks(drip) == 0  # each drip stores and removes its block
