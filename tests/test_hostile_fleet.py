@@ -9,7 +9,10 @@ not with anything kvroute computed.
 from __future__ import annotations
 
 import random
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -251,3 +254,131 @@ async def test_a_replay_ends_at_its_deadline_and_junk_never_keeps_it_open() -> N
             st = client.stats().sources[drip]
             assert st.batches > 0 and st.replays >= 3
             assert client.index.num_blocks(drip) == 0  # each drip stores and removes its block
+
+
+# --- rows 2, 3 and 8: a flood of large valid batches; hwm 0, 2^31-1 and 2^32-1 advertised ----------
+
+# A separate process floods, as fast as a PUB can send: the client's process is measured alone.
+_FLOODER = r"""
+import sys, time, zmq
+from kvroute._wire import BlockRemoved, BlockStored, EventBatch, encode_batch
+seconds = float(sys.argv[1])
+hashes = list(range(10**12, 10**12 + 1024))
+stored = BlockStored(block_hashes=hashes, token_ids=[70_000] * (1024 * 256), block_size=256)
+payload = zmq.Frame(encode_batch(EventBatch(ts=1.0, events=[stored, BlockRemoved(block_hashes=hashes)])))
+ctx = zmq.Context()
+pubs = []
+for _ in range(2):
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 64)  # past it the PUB drops: the flooder's own memory stays small
+    pub.setsockopt(zmq.LINGER, 0)
+    pubs.append((pub, pub.bind_to_random_port("tcp://127.0.0.1")))
+print(*[port for _, port in pubs], len(payload.bytes), flush=True)
+sys.stdin.readline()  # go
+seq, end = 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    # ~2.5 GB/s offered per PUB, far past what any reader decodes; paced so that this process
+    # leaves the (shared) CPU to the client it floods.
+    for _ in range(64):
+        for pub, _ in pubs:
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload], copy=False)
+        seq += 1
+    time.sleep(0.03)
+print(seq, flush=True)
+sys.stdin.readline()
+"""
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def per_source_bound(cfg: SubscriberConfig) -> int:
+    """The worst-case memory of one source, as README "Security and limits" states it."""
+    queues = 2 * cfg.queue_bytes + 2 * cfg.max_message_size  # SUB and DEALER: queued, and one being read
+    wakeup = cfg.wakeup_bytes + cfg.max_message_size  # one wakeup's raw messages
+    decoded = 8 * (cfg.max_message_size + 2 * (cfg.held_bytes + cfg.max_message_size))  # one batch, held, replay
+    return queues + wakeup + decoded
+
+
+async def test_a_flood_of_large_batches_stays_in_its_memory_bound_and_never_stalls_the_loop(
+    anyio_backend: str,
+) -> None:
+    if anyio_backend == "trio":
+        pytest.skip("one backend is enough for a 6 s flood; the pump code is the same")
+
+    cfg = FLEET
+    # Plain Popen: the flooder's lines are read before the client starts, and written in one call.
+    proc = subprocess.Popen(  # noqa: ASYNC220
+        [sys.executable, "-c", _FLOODER, "5"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        port0, port1, size = map(int, proc.stdout.readline().split())
+        assert size > MiB
+        async with Honest(3) as honest, bad_fleet(1, "drip") as (drip,):
+            honest.steps(50)
+            h = honest.source("honest")
+            # hwm 0 (libzmq's "unlimited") and 2^31-1; the drip replay keeps the second one's
+            # live batches held (cold replay never ends) until held_bytes is passed.
+            floods = [
+                EventSource(worker_id="flood0", endpoint=f"tcp://127.0.0.1:{port0}", hwm=0),
+                EventSource(
+                    worker_id="flood1",
+                    endpoint=f"tcp://127.0.0.1:{port1}",
+                    replay_endpoint=drip.source("x").replay_endpoint,
+                    hwm=2**31 - 1,
+                ),
+            ]
+            lags: list[float] = []
+            cpu_lags: list[float] = []
+
+            async def ticker() -> None:
+                # Wall-clock lag includes the OS starving this process on a loaded machine; the
+                # loop thread's CPU time between two ticks is the work that held the loop.
+                while True:
+                    t, c = time.perf_counter(), time.thread_time()
+                    await anyio.sleep(0.005)
+                    lags.append(time.perf_counter() - t - 0.005)
+                    cpu_lags.append(time.thread_time() - c)
+
+            base = _rss()
+            peak = base
+            async with KvEventClient([h, *floods], config=cfg) as client:
+                await until(lambda: honest.exact(client.index, h.key) and client.worker_status(h.key).state == "synced")  # type: ignore[union-attr]
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(ticker)
+                    proc.stdin.write("\n")
+                    proc.stdin.flush()
+                    end = time.monotonic() + 5.5
+                    while time.monotonic() < end:
+                        honest.steps(5)
+                        await until(lambda: honest.exact(client.index, h.key), limit=10)
+                        peak = max(peak, _rss())
+                        await anyio.sleep(0.05)
+                    tg.cancel_scope.cancel()
+                st = client.stats()
+                exit_start = time.perf_counter()
+            exit_seconds = time.perf_counter() - exit_start
+        lags.sort()
+        cpu_lags.sort()
+        p99, cpu_p99 = lags[int(len(lags) * 0.99)], cpu_lags[int(len(cpu_lags) * 0.99)]
+        bound = 2 * per_source_bound(cfg)
+        print(
+            f"flood: RSS +{(peak - base) / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB for 2 flooded sources), "
+            f"loop lag p99 {p99 * 1000:.1f} ms wall, {cpu_p99 * 1000:.1f} ms of loop-thread CPU, {len(lags)} ticks, "
+            f"exit {exit_seconds * 1000:.0f} ms, messages {st.totals.messages}, overflows {st.totals.overflows}"
+        )
+        assert peak - base <= bound
+        assert exit_seconds < 1.0
+        # The pump yields between batches every 10 ms of work; one worst-case 1.3 MB batch (262k
+        # tokens) costs ~30 ms to decode and index, two flooded sources take turns, and an
+        # overflow applies the held batches (<= held_bytes) in one go. The aim is 50 ms.
+        assert cpu_p99 < 0.25
+        f0, f1 = st.sources[WorkerKey("flood0", 0)], st.sources[WorkerKey("flood1", 0)]
+        assert f0.messages > 0 and f0.wakeups_cut > 0
+        assert f1.overflows >= 1  # held past held_bytes: the uncovered-gap path, counted
+    finally:
+        proc.kill()
+        proc.wait()
