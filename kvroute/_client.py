@@ -31,7 +31,6 @@ import msgspec
 import zmq
 
 from ._discovery import DiscoveryOptions, diff_sources, follow_target
-from ._errors import SnapshotError
 from ._events import Envelope, Overflow, Removed
 from ._index import PrefixIndex
 from ._models import EventSource, WorkerKey, WorkerStatus
@@ -224,7 +223,8 @@ class KvEventClient:
     is at entry when there are no targets. Until their sources are synced, restored
     workers are not "synced", so a router does not trust them. Leaving ``async with`` keeps
     where each source stopped: entering again resumes from there, like a restored index.
-    Raises `SnapshotError` when a restored position is out of range.
+    A restored position out of range (or a ts that is not finite) drops that worker's
+    restored state, with a warning; the other workers keep theirs.
     """
 
     def __init__(
@@ -255,10 +255,14 @@ class KvEventClient:
         self._discovery_options = discovery_options or DiscoveryOptions()
         # Warm restart: positions not yet handed to a source, and the restored workers no
         # source has claimed yet (removed once discovery has had its first say).
-        self._resume: dict[WorkerKey, Cursor] = dict(self._index.restored_cursors)
-        for key, cursor in self._resume.items():
-            if not 0 <= cursor.seq < 2**64 - 1 or not math.isfinite(cursor.ts):
-                raise SnapshotError(f"restored position of {key} is invalid: seq {cursor.seq}, ts {cursor.ts}")
+        self._resume: dict[WorkerKey, Cursor] = {}
+        for key, cursor in self._index.restored_cursors.items():
+            if isinstance(cursor.seq, int) and 0 <= cursor.seq < 2**64 - 1 and math.isfinite(cursor.ts):
+                self._resume[key] = cursor
+            else:
+                # One bad position costs that worker its restored state, never the fleet's.
+                log.warning("%s: restored state dropped: invalid position seq %r, ts %r", key, cursor.seq, cursor.ts)
+                self._index.remove_worker(key)
         self._index.restored_cursors = {}
         self._unclaimed: set[WorkerKey] = self._index.workers() | set(self._resume)
         self._subs: dict[WorkerKey, _Subscription] = {}

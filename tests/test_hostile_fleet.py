@@ -8,6 +8,7 @@ not with anything kvroute computed.
 
 from __future__ import annotations
 
+import math
 import random
 import resource
 import statistics
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import anyio.abc
@@ -26,6 +28,7 @@ import zmq
 
 from kvroute import KvEventClient, PrefixIndex, SubscriberConfig, WorkerKey
 from kvroute._models import EventSource
+from kvroute._snapshot import Cursor
 from kvroute._wire import BlockRemoved, BlockStored, EventBatch, encode_batch
 from kvroute.sim import PrefixCache
 from kvroute.sim._publisher import EventPublisher
@@ -84,6 +87,14 @@ class Honest:
             if index.find_matches(prompt).get(key, 0) != self.cache.match_blocks(prompt):
                 return False
         return True
+
+    def within(self, index: PrefixIndex, key: WorkerKey) -> bool:
+        """The index claims nothing this engine does not hold (a partial worker's guarantee)."""
+        if index.num_blocks(key) > self.cache.num_cached_blocks:
+            return False
+        return all(
+            index.find_matches(p).get(key, 0) <= self.cache.match_blocks(p) for p in self.prompts[-40:] + self.stems
+        )
 
     def assert_exact(self, index: PrefixIndex, key: WorkerKey) -> None:
         assert index.num_blocks(key) == self.cache.num_cached_blocks, key
@@ -382,3 +393,55 @@ async def test_a_flood_of_large_batches_stays_in_its_memory_bound_and_never_stal
     finally:
         proc.kill()
         proc.wait()
+
+
+# --- row 9: a batch with ts = NaN; row 10 (client side): a bad restored position ------------
+
+
+async def test_a_nan_ts_is_undecodable_and_never_reaches_a_snapshot(tmp_path: Path) -> None:
+    cfg = msgspec.structs.replace(FLEET, quiet_interval=0.2)
+    async with Honest(4) as honest, Honest(5) as broken:
+        honest.steps(20)
+        broken.steps(20)
+        h, b = honest.source("honest"), broken.source("broken")
+        async with KvEventClient([h, b], config=cfg) as client:
+            await until(lambda: honest.exact(client.index, h.key) and broken.exact(client.index, b.key))
+            broken.pub.publish(broken.cache.drain_events(), ts=math.nan)  # an empty step, NaN ts
+            broken.steps(5)
+            honest.steps(5)
+            await until(lambda: client.stats().sources[b.key].decode_errors >= 1)
+            await until(lambda: honest.exact(client.index, h.key))
+            resets = client.stats().sources[b.key].resets
+            # Several quiet probes later: no reset on every probe (the NaN was never recorded).
+            probes = client.stats().sources[b.key].probes
+            await until(lambda: client.stats().sources[b.key].probes >= probes + 3, limit=10)
+            assert client.stats().sources[b.key].resets == resets <= 1
+            assert all(math.isfinite(c.ts) for c in client.cursors().values())
+            assert broken.within(client.index, b.key)
+            honest.assert_exact(client.index, h.key)
+            client.snapshot(tmp_path / "fleet.kvs")
+        index = PrefixIndex.restore(tmp_path / "fleet.kvs")
+        assert all(math.isfinite(c.ts) for c in index.restored_cursors.values())
+        # A forged position (NaN ts) for one worker costs that worker its state, not the client.
+        index.restored_cursors[b.key] = Cursor(3, math.nan)
+        async with KvEventClient([h, b], index=index, config=cfg) as client:
+            honest.steps(3)
+            await until(lambda: honest.exact(client.index, h.key))
+            await client.wait_synced(20)
+            assert broken.within(client.index, b.key)
+
+
+# --- row 8: an advertised hwm of 2^31 or more --------------------------------------------------
+
+
+async def test_an_advertised_hwm_past_int32_is_clamped_not_an_overflow() -> None:
+    async with Honest(6) as honest:
+        honest.steps(10)
+        sources = [honest.source(f"w{i}", dp_rank=i, hwm=hwm) for i, hwm in enumerate((2**31, 2**32 - 1, 2**63))]
+        async with KvEventClient(sources, config=FLEET) as client:
+            await client.wait_synced(20)
+            honest.steps(5)
+            for src in sources:
+                await until(lambda src=src: honest.exact(client.index, src.key))  # type: ignore[misc]
+            st = client.stats()
+            assert st.failed_sources == 0 and st.removed_sources == 0 and st.totals.sources == 3
