@@ -23,6 +23,7 @@ from ._discovery import (
     follow_target,
 )
 from ._errors import (
+    ConfigError,
     DecodeError,
     DiscoveryError,
     EventsDisabledError,
@@ -79,6 +80,7 @@ __all__ = [
     "Connected",
     "CostModel",
     "Cursor",
+    "ConfigError",
     "DecodeError",
     "Disconnected",
     "DiscoveryError",

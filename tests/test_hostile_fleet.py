@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -445,3 +446,158 @@ async def test_an_advertised_hwm_past_int32_is_clamped_not_an_overflow() -> None
                 await until(lambda src=src: honest.exact(client.index, src.key))  # type: ignore[misc]
             st = client.stats()
             assert st.failed_sources == 0 and st.removed_sources == 0 and st.totals.sources == 3
+
+
+# --- row 5: hosts judged as addresses -----------------------------------------------------------
+
+_LOOPBACK_SPELLINGS = [
+    "tcp://127.1:5557",
+    "tcp://2130706433:5557",
+    "tcp://0x7f000001:5557",
+    "tcp://0177.0.0.1:5557",
+    "tcp://127.0.0.2:5557",
+    "tcp://localhost.localdomain:5557",
+    "tcp://[::ffff:127.0.0.1]:5557",
+    "tcp://[::ffff:7f00:1]:5557",
+    "tcp://[::127.0.0.1]:5557",
+    "tcp://[0:0:0:0:0:0:0:1]:5557",
+]
+
+
+def test_a_remote_target_cannot_point_at_this_machine_in_any_spelling() -> None:
+    from kvroute._discovery import DiscoveryOptions, _Resolver, _Unusable
+
+    remote = _Resolver("10.0.0.7", DiscoveryOptions())
+    for endpoint in _LOOPBACK_SPELLINGS:
+        with pytest.raises(_Unusable, match="bound to loopback"):
+            remote.endpoint(endpoint)
+    # Unspecified in any spelling is a wildcard: the dialled host, never this machine.
+    for wildcard in ("tcp://0:5557", "tcp://0.0:5557", "tcp://[::0]:5557", "tcp://[::ffff:0.0.0.0]:5557"):
+        assert remote.endpoint(wildcard) == "tcp://10.0.0.7:5557"
+    # What is connected to is the address judged, canonical: libzmq reads nothing else into it.
+    assert remote.endpoint("tcp://10.1:5557") == "tcp://10.0.0.1:5557"
+    assert remote.endpoint("tcp://[::ffff:10.0.0.9]:5557") == "tcp://10.0.0.9:5557"
+    # A target on this machine may point at this machine.
+    assert _Resolver("127.1", DiscoveryOptions()).endpoint("tcp://127.1:5557") == "tcp://127.0.0.1:5557"
+
+
+async def test_a_host_name_is_resolved_to_judge_it_and_connected_to_as_judged() -> None:
+    from kvroute._discovery import DiscoveryOptions, _pin_names, _Resolver
+    from kvroute._errors import UnusableSourceError
+
+    name = socket.gethostname()
+    addresses = {info[4][0] for info in socket.getaddrinfo(name, None)}
+    if not any(a.startswith("127.") or a == "::1" for a in addresses):
+        pytest.skip(f"{name} does not resolve to loopback here")
+    remote = _Resolver("10.0.0.7", DiscoveryOptions())
+    src = EventSource(worker_id="w", endpoint=remote.endpoint(f"tcp://{name}:5557"))
+    with pytest.raises(UnusableSourceError, match="resolves to this machine"):
+        await _pin_names("10.0.0.7:50051", [src], remote, time.monotonic() + 5, anyio.CapacityLimiter(1))
+    local = _Resolver("127.0.0.1", DiscoveryOptions())
+    assert await _pin_names("t", [src], local, time.monotonic() + 5, anyio.CapacityLimiter(1)) == [src]
+    # A resolvable name from a remote target is connected to by its address.
+    other = _Resolver("10.0.0.7", DiscoveryOptions())
+    dotted = EventSource(worker_id="w", endpoint="tcp://localhost:5557")
+    with pytest.raises(UnusableSourceError):
+        await _pin_names("10.0.0.7:50051", [dotted], other, time.monotonic() + 5, anyio.CapacityLimiter(1))
+
+
+# --- row 6: an engine on [::1] --------------------------------------------------------------------
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_an_engine_on_ipv6_loopback_is_followed() -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctx.setsockopt(zmq.IPV6, 1)
+    try:
+        async with Honest(7, endpoint="tcp://[::1]:0", replay_endpoint="tcp://[::1]:0", context=ctx) as v6:
+            v6.steps(20)
+            src = v6.source("v6")
+            assert src.endpoint.startswith("tcp://[::1]:")
+            async with KvEventClient([src], config=FLEET) as client:  # the client's own context
+                await client.wait_synced(10)
+                v6.steps(5)
+                await until(lambda: v6.exact(client.index, src.key))
+    finally:
+        ctx.term()
+
+
+# --- row 7: hundreds of sources -----------------------------------------------------------------
+
+
+async def test_three_hundred_sources_fit_the_context_and_the_descriptors() -> None:
+    async with Honest(8) as honest:
+        honest.steps(10)
+        sources = [honest.source(f"w{i}") for i in range(300)]
+        async with KvEventClient(sources, config=FLEET) as client:
+            await client.wait_synced(60)
+            honest.steps(5)
+            await until(lambda: all(honest.exact(client.index, s.key) for s in sources[::50]), limit=30)
+            st = client.stats()
+            assert st.failed_sources == 0 and st.refused_sources == 0 and st.totals.synced == 300
+
+
+async def test_max_sources_is_checked_against_the_context_at_start() -> None:
+    from kvroute import ConfigError
+    from kvroute._zmq import SOCKETS_PER_SOURCE
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 200)
+    try:
+        with pytest.raises(ConfigError, match="max_sources=100 does not fit"):
+            async with KvEventClient(config=msgspec.structs.replace(FLEET, max_sources=100), context=ctx):
+                pass
+        async with Honest(9) as honest:
+            honest.steps(3)
+            fit = (200 - 64) // SOCKETS_PER_SOURCE
+            sources = [honest.source(f"w{i}", replay_endpoint=None) for i in range(fit + 2)]
+            async with KvEventClient(sources, config=FLEET, context=ctx) as client:
+                st = client.stats()
+                assert st.totals.sources == fit and st.refused_sources == 2
+    finally:
+        ctx.term()
+
+
+# --- row 12: discovery targets that accept TCP and never answer ----------------------------------
+
+
+async def test_silent_targets_do_not_hold_up_a_good_targets_discovery() -> None:
+    from kvroute.sim._grpc import VllmControlService, serve_grpc
+
+    listeners = []
+    try:
+        for _ in range(80):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen(16)  # the kernel accepts; nobody ever answers
+            listeners.append(s)
+        silent = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
+        async with Honest(10) as honest:
+            honest.steps(5)
+            src = honest.source("ignored")
+            service = VllmControlService(lambda: [src])
+            async with (
+                serve_grpc([service]) as server,
+                KvEventClient(targets=silent, config=FLEET) as client,
+            ):
+                await anyio.sleep(0.5)  # every silent discovery is waiting on its thread
+                start = time.perf_counter()
+                client.add_target(server.target)
+                await until(lambda: any(s.target == server.target for s in client.sources()), limit=10)
+                elapsed = time.perf_counter() - start
+                print(f"good target discovered in {elapsed * 1000:.0f} ms beside 80 silent ones")
+                assert elapsed < 1.0
+                key = next(s.key for s in client.sources() if s.target == server.target)
+                await until(lambda: honest.exact(client.index, key))
+    finally:
+        for s in listeners:
+            s.close()
