@@ -23,6 +23,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import anyio.to_thread
 import msgspec
 import pytest
 import zmq
@@ -601,3 +602,57 @@ async def test_silent_targets_do_not_hold_up_a_good_targets_discovery() -> None:
     finally:
         for s in listeners:
             s.close()
+
+
+# --- row 13: Prometheus scrapes during source churn ---------------------------------------------
+
+
+async def test_scrapes_during_source_churn_are_whole_and_consistent() -> None:
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvroute._metrics import KvRouteCollector
+
+    async with Honest(11) as honest:
+        honest.steps(10)
+        keep = honest.source("keep")
+        churn = [honest.source(f"c{i}", replay_endpoint=None) for i in range(20)]
+        async with KvEventClient([keep], config=FLEET) as client:
+            registry = CollectorRegistry()
+            KvRouteCollector(client).register(registry)
+            server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+            url = f"http://127.0.0.1:{server.server_port}/metrics"
+            results: list[tuple[int, int, int]] = []
+
+            def scrape(n: int) -> None:
+                for _ in range(n):
+                    with urllib.request.urlopen(url, timeout=10) as resp:
+                        body = resp.read().decode("utf-8")
+                        fams = {f.name: f for f in text_string_to_metric_families(body)}
+                        series = len(fams["kvroute_source_connected"].samples)
+                        results.append((resp.status, series, int(fams["kvroute_client_sources"].samples[0].value)))
+
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(anyio.to_thread.run_sync, scrape, 50)
+                    for _ in range(400):  # churn until the scrapes are done (bounded)
+                        if len(results) >= 50:
+                            break
+                        for src in churn:
+                            client.add_source(src)
+                        await anyio.sleep(0.002)
+                        for src in churn:
+                            client.remove_source(src)
+                        honest.step()
+                        await anyio.sleep(0.002)
+            finally:
+                server.shutdown()
+                server.server_close()
+                thread.join(5)
+            # Every scrape answered, and within each the per-source series match the source count.
+            assert len(results) == 50 and all(status == 200 for status, _, _ in results)
+            assert all(series == sources for _, series, sources in results), results
+            assert {sources for _, _, sources in results} > {1}  # the churn was seen
+            await until(lambda: honest.exact(client.index, keep.key))
