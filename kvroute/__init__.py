@@ -23,6 +23,7 @@ from ._discovery import (
     follow_target,
 )
 from ._errors import (
+    ClientStateError,
     ConfigError,
     DecodeError,
     DiscoveryError,
@@ -80,6 +81,7 @@ __all__ = [
     "Connected",
     "CostModel",
     "Cursor",
+    "ClientStateError",
     "ConfigError",
     "DecodeError",
     "Disconnected",

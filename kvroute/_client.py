@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from ._discovery import DiscoveryOptions, diff_sources, follow_target
+from ._errors import ClientStateError, ConfigError
 from ._events import Envelope, Overflow, Removed
 from ._index import PrefixIndex
 from ._models import EventSource, WorkerKey, WorkerStatus
@@ -240,7 +241,7 @@ class KvEventClient:
         discovery_options: DiscoveryOptions | None = None,
     ) -> None:
         if not discovery_interval > 0 or not discovery_grace >= 0:
-            raise ValueError(
+            raise ConfigError(
                 "discovery_interval must be > 0 and discovery_grace >= 0, "
                 f"not {discovery_interval!r}, {discovery_grace!r}"
             )
@@ -283,13 +284,16 @@ class KvEventClient:
 
     async def __aenter__(self) -> KvEventClient:
         if self._tg is not None:
-            raise RuntimeError("KvEventClient is already running")
+            raise ClientStateError("KvEventClient is already running")
         if self._ctx is None:
             self._ctx = zmq.Context()
             # Engines may publish on IPv6 ([::1] or a global address); libzmq's default is IPv4 only.
             self._ctx.setsockopt(zmq.IPV6, 1)
         try:
-            self._max_sources = fit_sources(self._ctx, self._config.max_sources, own_context=self._own_ctx)
+            try:
+                self._max_sources = fit_sources(self._ctx, self._config.max_sources, own_context=self._own_ctx)
+            except zmq.ZMQError as exc:
+                raise ConfigError(f"cannot size the zmq context for max_sources: {exc}") from exc
         except BaseException:
             if self._own_ctx:
                 self._ctx.term()
@@ -334,7 +338,7 @@ class KvEventClient:
 
     def _task_group(self) -> anyio.abc.TaskGroup:
         if self._tg is None:
-            raise RuntimeError("KvEventClient is not running (use `async with`)")
+            raise ClientStateError("KvEventClient is not running (use `async with`)")
         return self._tg
 
     # --- sources ----------------------------------------------------------------------------------
@@ -579,7 +583,7 @@ class KvEventClient:
         with anyio.fail_after(timeout):
             while not self._all_synced():
                 if self._tg is None:
-                    raise RuntimeError("KvEventClient is not running (use `async with`)")
+                    raise ClientStateError("KvEventClient is not running (use `async with`)")
                 if self._changed is None:
                     self._changed = anyio.Event()
                 await self._changed.wait()

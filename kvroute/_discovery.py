@@ -40,7 +40,7 @@ import logging
 import re
 import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Final
 
@@ -108,6 +108,8 @@ _METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
 _METADATA_VALUE = re.compile(r"[\x20-\x7e]*")
 # Host names a discovery answer may use: DNS-ish labels (underscores appear in container names).
 _HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.\-]*[A-Za-z0-9_])?")
+# ZeroMQ's z85 alphabet (a CURVE key is 40 of these characters).
+_Z85 = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]+")
 
 
 class InvalidOptionsError(KvRouteError, ValueError):
@@ -153,6 +155,27 @@ class TlsConfig(msgspec.Struct, frozen=True, kw_only=True):
         if (self.private_key is None) != (self.certificate_chain is None):
             raise InvalidOptionsError("TLS private_key and certificate_chain go together (a client certificate)")
 
+    def __repr__(self) -> str:
+        # A private key given as PEM bytes never reaches a log or a traceback (a path may).
+        key = "<secret>" if isinstance(self.private_key, bytes) else repr(self.private_key)
+        return (
+            f"TlsConfig(root_certificates={_short(self.root_certificates)}, private_key={key}, "
+            f"certificate_chain={_short(self.certificate_chain)}, server_name={self.server_name!r})"
+        )
+
+
+def _short(pem: bytes | str | None) -> str:
+    return f"<{len(pem)} bytes of PEM>" if isinstance(pem, bytes) else repr(pem)
+
+
+# Call metadata keys that carry credentials: refused over plaintext to a remote target unless
+# allowed, and never shown by repr.
+_CREDENTIAL_KEY = re.compile(r".*(auth|token|secret|password|passwd|cookie|api-?key|credential|session).*")
+
+
+def _is_credential(key: str) -> bool:
+    return _CREDENTIAL_KEY.fullmatch(key) is not None
+
 
 class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How to ask a target: engine, overall timeout, TLS, call metadata, naming and endpoint policy.
@@ -162,6 +185,12 @@ class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
     pairs sent with every call (e.g. ``("authorization", "Bearer <token>")``). ``worker_id``:
     the name of the target's workers (default: the target string). ``allow_ipc``,
     ``allowed_hosts``, ``max_sources_per_target``: the endpoint policy (module docstring).
+    ``allow_plaintext_credentials``: send credential metadata (``authorization``, keys naming
+    a token, key, secret, password, cookie or session) without TLS to a target that is not
+    this machine; refused by default (`InvalidOptionsError` when discovering). ``curve_server_keys``:
+    the CURVE server public key (z85) of each target's publishers, by target string as given
+    to the client (engines do not advertise keys); every source discovered from that target
+    carries it. ``repr`` shows neither credential values nor a private key.
     """
 
     engine: str = "auto"
@@ -172,6 +201,16 @@ class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
     allow_ipc: bool = False
     allowed_hosts: Sequence[str] | None = None
     max_sources_per_target: int = DEFAULT_MAX_SOURCES
+    allow_plaintext_credentials: bool = False
+    curve_server_keys: Mapping[str, str] | Sequence[tuple[str, str]] = ()
+
+    def __repr__(self) -> str:
+        shown = []
+        for name, value in msgspec.structs.asdict(self).items():
+            if name == "metadata":
+                value = tuple((k, "<secret>" if _is_credential(k) else v) for k, v in value)
+            shown.append(f"{name}={value!r}")
+        return f"DiscoveryOptions({', '.join(shown)})"
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -193,6 +232,27 @@ class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
             hosts = tuple(self.allowed_hosts)
             _HostAllowList(hosts)  # validates every entry
             msgspec.structs.force_setattr(self, "allowed_hosts", hosts)
+        # Kept as sorted (target, key) pairs: the options stay hashable, like the other sequences.
+        keys = dict(self.curve_server_keys)
+        for target, key in keys.items():
+            if not isinstance(key, str) or len(key) != 40 or not _Z85.fullmatch(key):
+                raise InvalidOptionsError(f"curve_server_keys[{target!r}] must be a 40-character z85 public key")
+        msgspec.structs.force_setattr(self, "curve_server_keys", tuple(sorted(keys.items())))
+
+    def curve_server_key(self, target: str) -> str | None:
+        """The CURVE server key configured for ``target``'s publishers, if any."""
+        return dict(self.curve_server_keys).get(target)
+
+    def check_channel(self, target: str, host: str) -> None:
+        """Refuse credential metadata over plaintext to a remote ``target`` (unless allowed)."""
+        if self.tls is not None or self.allow_plaintext_credentials or _is_local(host):
+            return
+        secret = [k for k, _ in self.metadata if _is_credential(k)]
+        if secret:
+            raise InvalidOptionsError(
+                f"{target}: metadata {', '.join(secret)} would go over plaintext; "
+                "configure tls, or set allow_plaintext_credentials=True"
+            )
 
 
 def _check_metadata(key: str, value: str | bytes) -> None:
@@ -707,6 +767,14 @@ async def _pin_names(
     return out
 
 
+def _with_curve(target: str, sources: list[EventSource], options: DiscoveryOptions) -> list[EventSource]:
+    """Every source of ``target`` carries the CURVE server key configured for it, if any."""
+    key = options.curve_server_key(target)
+    if key is None:
+        return sources
+    return [msgspec.structs.replace(src, curve_server_key=key) for src in sources]
+
+
 async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSource]:
     """`discover` with its options in one `DiscoveryOptions` value (what `follow_target` uses).
 
@@ -715,6 +783,7 @@ async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSou
     by exhausting anyio's shared thread pool.
     """
     host, port = _split_target(target)
+    options.check_channel(target, host)
     limiter = anyio.CapacityLimiter(1)
     caller = _Caller(target, host, port, options, limiter)
     dialled: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
@@ -731,9 +800,8 @@ async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSou
                 raise
             log.debug("%s: no vLLM Control service, trying SGLang", target)
         else:
-            return await _pin_names(
-                target, _vllm_sources(target, resolver, options, answer), resolver, caller.deadline, limiter
-            )
+            sources = _vllm_sources(target, resolver, options, answer)
+            return _with_curve(target, await _pin_names(target, sources, resolver, caller.deadline, limiter), options)
     try:
         info = await caller.call(
             SGLANG_METHOD, sglang_pb.GetServerInfoRequest(), sglang_pb.GetServerInfoResponse.FromString
@@ -745,7 +813,7 @@ async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSou
             ) from None
         raise
     sources = _sglang_sources(target, resolver, options, info.json_info)
-    return await _pin_names(target, sources, resolver, caller.deadline, limiter)
+    return _with_curve(target, await _pin_names(target, sources, resolver, caller.deadline, limiter), options)
 
 
 class SourceDiff(msgspec.Struct, frozen=True, kw_only=True):

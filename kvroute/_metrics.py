@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from ._client import ClientStats, KvEventClient
+from ._errors import ConfigError
 from ._index import IndexStats, PrefixIndex
 from ._router import SELECT_BUCKETS, Router, RouterStats
 from ._subscriber import COUNTER_FIELDS, SourceStats, described_fields
@@ -192,7 +193,7 @@ class KvRouteCollector:
         self, client: KvEventClient | None = None, router: Router | None = None, index: PrefixIndex | None = None
     ) -> None:
         if client is None and router is None and index is None:
-            raise ValueError("KvRouteCollector needs a client, a router or an index to read")
+            raise ConfigError("KvRouteCollector needs a client, a router or an index to read")
         try:
             import prometheus_client  # noqa: F401 (fail here, not at the first scrape)
         except ImportError as exc:

@@ -656,3 +656,89 @@ async def test_scrapes_during_source_churn_are_whole_and_consistent() -> None:
             assert all(series == sources for _, series, sources in results), results
             assert {sources for _, _, sources in results} > {1}  # the churn was seen
             await until(lambda: honest.exact(client.index, keep.key))
+
+
+# --- row 14: config mistakes are KvRouteErrors; secrets stay out of repr and off plaintext -----------
+
+
+async def test_config_mistakes_are_kvroute_errors_and_secrets_stay_hidden() -> None:
+    from kvroute import ClientStateError, ConfigError, KvRouteError
+    from kvroute._discovery import DiscoveryOptions, InvalidOptionsError, TlsConfig, discover_with
+    from kvroute._metrics import KvRouteCollector
+    from kvroute._zmq import curve_keypair
+
+    bad_configs: list[dict[str, object]] = [
+        {"replay_timeout": 0},
+        {"replay_deadline": math.nan},
+        {"replay_slice": math.inf},
+        {"rcvhwm": 0},
+        {"max_sources": 0},
+        {"queue_bytes": -1},
+        {"held_bytes": 0},
+        {"curve_public_key": "x" * 40},
+    ]
+    for kwargs in bad_configs:
+        with pytest.raises(ConfigError) as info:
+            SubscriberConfig(**kwargs)  # type: ignore[arg-type]
+        assert isinstance(info.value, KvRouteError) and isinstance(info.value, ValueError)
+    with pytest.raises(ConfigError):
+        KvEventClient(discovery_interval=0)
+    with pytest.raises(ConfigError):
+        KvRouteCollector()
+    client = KvEventClient()
+    with pytest.raises(ClientStateError):
+        client.add_target("127.0.0.1:1")
+    with pytest.raises(ClientStateError):
+        client.add_source(EventSource(worker_id="w", endpoint="tcp://127.0.0.1:1"))
+    # Secrets never in repr.
+    keys = curve_keypair()
+    cfg = SubscriberConfig(curve_public_key=keys.public, curve_secret_key=keys.secret)
+    tls_key = b"-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n-----END PRIVATE KEY-----\n"
+    options = DiscoveryOptions(
+        metadata=[("authorization", "Bearer hunter2"), ("x-tenant", "blue")],
+        tls=TlsConfig(private_key=tls_key, certificate_chain=b"chain"),
+    )
+    for text in (repr(cfg), str(cfg), repr(options), str(options), repr(options.tls)):
+        assert keys.secret not in text and "hunter2" not in text and "MIIEvQ" not in text, text
+    assert keys.public in repr(cfg) and "blue" in repr(options)
+    # A bearer token over plaintext to another host: refused before anything is sent (judged
+    # without a connection: these tests touch loopback only)...
+    plain = DiscoveryOptions(metadata=[("authorization", "Bearer hunter2")], timeout=0.5)
+    with pytest.raises(InvalidOptionsError, match="plaintext"):
+        plain.check_channel("10.255.255.1:50051", "10.255.255.1")
+    # ...unless opted into, or sent over TLS, or the target is this machine (then the call goes out).
+    msgspec.structs.replace(plain, allow_plaintext_credentials=True).check_channel("10.0.0.1:1", "10.0.0.1")
+    msgspec.structs.replace(plain, tls=TlsConfig()).check_channel("10.0.0.1:1", "10.0.0.1")
+    with pytest.raises(KvRouteError) as info2:
+        await discover_with("127.0.0.1:1", plain)
+    assert not isinstance(info2.value, InvalidOptionsError)
+
+
+# --- row 15: CURVE with discovery ------------------------------------------------------------------
+
+
+async def test_curve_works_with_discovery_through_per_target_server_keys() -> None:
+    from kvroute._discovery import DiscoveryOptions
+    from kvroute._zmq import curve_keypair
+    from kvroute.sim._grpc import VllmControlService, serve_grpc
+
+    server_keys, client_keys = curve_keypair(), curve_keypair()
+    cfg = msgspec.structs.replace(FLEET, curve_public_key=client_keys.public, curve_secret_key=client_keys.secret)
+    async with Honest(12, curve=server_keys) as engine, Honest(13) as plain:
+        engine.steps(20)
+        plain.steps(20)
+        # The engine advertises its sources without keys, as vLLM and SGLang do.
+        advertised = [engine.source("e", dp_rank=0, curve_server_key=None)]
+        async with serve_grpc([VllmControlService(lambda: advertised)]) as server:
+            options = DiscoveryOptions(curve_server_keys={server.target: server_keys.public})
+            async with KvEventClient(
+                [plain.source("plain")], targets=[server.target], config=cfg, discovery_options=options
+            ) as client:
+                await client.wait_synced(20)
+                (src,) = [s for s in client.sources() if s.target == server.target]
+                assert src.curve_server_key == server_keys.public
+                engine.steps(5)
+                plain.steps(5)
+                await until(lambda: engine.exact(client.index, src.key))
+                await until(lambda: plain.exact(client.index, WorkerKey("plain", 0)))
+                assert client.stats().sources[src.key].replayed_batches > 0  # the CURVE replay ROUTER too
