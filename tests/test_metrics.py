@@ -9,7 +9,7 @@ import urllib.request
 import anyio
 import msgspec
 import pytest
-from _publisher_helpers import FAST, Workload, settle
+from _publisher_helpers import FAST, Workload, settle, truth_index
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -92,7 +92,9 @@ async def test_scrape_matches_the_stats_end_to_end() -> None:
             pa.publish_raw([b"only one frame"])
             pa.publish(wa.batch())
             await settle(client, stream, {a.key: 4})
-            query = list(wa.queries[-1])
+            # A query a holds (by the engine-side truth, not kvroute's index): the newest full chain.
+            truth = truth_index({a.key: pa, b.key: pb})
+            query = list(next(q for q in reversed(wa.queries) if truth.find_matches(q).get(a.key)))
             decision = router.select(query, request_id="r1")
 
             samples, types = _scrape(registry)
