@@ -44,7 +44,9 @@ from ._events import (
     Reset,
     Synced,
 )
+from ._grpc_stream import GATEWAY_SERVICES, gateway_endpoint
 from ._index import IndexStats, OverlapScores, PrefixIndex
+from ._load import EngineLoad, EngineLoads, LoadPolicy
 from ._metrics import KvRouteCollector
 from ._models import CPU, DISK, EXTERNAL, GPU, TIERS, EventSource, WorkerKey, WorkerStates, WorkerStatus
 from ._router import CandidateScore, CostModel, Router, RouterError, RouterStats, RoutingDecision
@@ -68,6 +70,7 @@ __all__ = [
     "CPU",
     "DISK",
     "EXTERNAL",
+    "GATEWAY_SERVICES",
     "GPU",
     "TIERS",
     "AllBlocksCleared",
@@ -84,6 +87,8 @@ __all__ = [
     "DiscoveryError",
     "DiscoveryOptions",
     "EngineEvent",
+    "EngineLoad",
+    "EngineLoads",
     "Envelope",
     "EventBatch",
     "EventSource",
@@ -97,6 +102,7 @@ __all__ = [
     "KvRouteError",
     "LifecycleEvent",
     "Limits",
+    "LoadPolicy",
     "MalformedAnswerError",
     "NoWorkersError",
     "OverlapScores",
@@ -131,4 +137,5 @@ __all__ = [
     "discover_with",
     "follow_target",
     "encode_batch",
+    "gateway_endpoint",
 ]

@@ -44,8 +44,10 @@ import msgspec
 import tenacity
 
 from ._errors import DiscoveryError, EventsDisabledError, KvRouteError, UnusableSourceError
+from ._grpc_stream import GATEWAY_SERVICES, gateway_sources, probe_stream
 from ._models import EventSource, WorkerKey
 from ._proto import sglang_service_pb2 as sglang_pb
+from ._proto import smg_common_pb2 as smg_pb
 from ._proto import vllm_control_pb2 as vllm_pb
 
 __all__ = [
@@ -71,7 +73,7 @@ log = logging.getLogger("kvroute.discovery")
 
 VLLM_METHOD: Final = "/vllm.Control/GetKvEventSources"
 SGLANG_METHOD: Final = "/sglang.runtime.v1.SglangService/GetServerInfo"
-ENGINES: Final = ("auto", "vllm", "sglang")
+ENGINES: Final = ("auto", "vllm", "sglang", "gateway")
 #: Event schema versions this kvroute decodes (protocol.md §1: vLLM sends 1).
 KNOWN_SCHEMA_VERSIONS: Final = frozenset({1})
 # Bind-all hosts an engine may advertise (protocol.md §1), compared without brackets.
@@ -150,7 +152,8 @@ class TlsConfig(msgspec.Struct, frozen=True, kw_only=True):
 class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How to ask a target: engine, overall timeout, TLS, call metadata, naming and endpoint policy.
 
-    ``engine``: "auto" (vLLM, then SGLang when vLLM's method is UNIMPLEMENTED), "vllm" or "sglang".
+    ``engine``: "auto" (vLLM, then SGLang, then the gateway servicers' ``SubscribeKvEvents``, each
+    when the one before is UNIMPLEMENTED), "vllm", "sglang" or "gateway" (protocol.md §6).
     ``timeout``: seconds for the whole discovery, retries included. ``metadata``: (key, value)
     pairs sent with every call (e.g. ``("authorization", "Bearer <token>")``). ``worker_id``:
     the name of the target's workers (default: the target string). ``allow_ipc``,
@@ -597,6 +600,8 @@ async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSou
     host, port = _split_target(target)
     caller = _Caller(target, host, port, options)
     resolver = _Resolver(host, options)
+    if options.engine == "gateway":
+        return await _gateway(target, caller, options)
     if options.engine in ("auto", "vllm"):
         try:
             answer = await caller.call(
@@ -614,11 +619,39 @@ async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSou
         )
     except RpcRejectedError as exc:
         if options.engine == "auto" and exc.code == "UNIMPLEMENTED":
-            raise RpcRejectedError(
-                target, exc.code, f"serves neither {VLLM_METHOD} nor {SGLANG_METHOD} (is it the engine's --grpc-port?)"
-            ) from None
+            return await _gateway(target, caller, options)
         raise
     return _sglang_sources(target, resolver, options, info.json_info)
+
+
+async def _gateway(target: str, caller: _Caller, options: DiscoveryOptions) -> list[EventSource]:
+    """A gateway servicer's stream (the first of `GATEWAY_SERVICES` that streams): one source per rank."""
+    for service, engine in GATEWAY_SERVICES.items():
+        channel = caller._channel()
+        try:
+            ended = await probe_stream(channel, service, caller.metadata, max(0.1, caller.deadline - time.monotonic()))
+        finally:
+            channel.close()
+        if ended is not None and ended.code() == grpc.StatusCode.UNIMPLEMENTED:
+            continue
+        if ended is not None:
+            raise caller._error(f"/{service}/SubscribeKvEvents", ended, 1)
+        ranks = 1
+        if engine in ("vllm", "sglang", "tokenspeed"):  # their servicers answer GetLoads with the rank count
+            try:
+                answer = await caller.call(
+                    f"/{service}/GetLoads", smg_pb.RankCountRequest(), smg_pb.RankCountResponse.FromString
+                )
+                ranks = max(1, answer.dp_rank_count)
+            except RpcRejectedError as exc:
+                if exc.code != "UNIMPLEMENTED":
+                    raise
+        _check_count(target, ranks, options)
+        return gateway_sources(target, caller.address, service, ranks, options.worker_id or target)
+    methods = ", ".join([VLLM_METHOD, SGLANG_METHOD, *(f"/{s}/SubscribeKvEvents" for s in GATEWAY_SERVICES)])
+    raise RpcRejectedError(
+        target, "UNIMPLEMENTED", f"serves none of {methods} (is it the engine's gRPC port, with KV events on?)"
+    )
 
 
 class SourceDiff(msgspec.Struct, frozen=True, kw_only=True):

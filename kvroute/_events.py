@@ -21,6 +21,10 @@ Reason tokens (``Reset.reason``, ``Partial.reason``), stable for logs and metric
 - ``"overflow"``: too many live batches were held while a replay was outstanding.
 - ``"reconnect"``: the SUB reconnected to a source without replay, whose identity
   therefore cannot be checked.
+- ``"snapshot"``: a gateway stream replaced the worker's state with a snapshot (protocol.md §6);
+  as a `Partial` reason, the snapshot itself misses older history (``unknown_before`` > 0).
+- ``"data-loss"``: a gateway stream ended with DATA_LOSS or OUT_OF_RANGE (a gap its relay
+  could not fill, or a publisher restart): the worker's state is gone.
 """
 
 from __future__ import annotations

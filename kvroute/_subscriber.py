@@ -23,6 +23,7 @@ from . import _zmq
 from ._errors import DecodeError
 from ._events import Envelope, LifecycleEvent, Partial, Reset
 from ._index import PrefixIndex
+from ._load import EngineLoad
 from ._models import EventSource, WorkerStatus
 from ._snapshot import Cursor
 from ._source import Action, Apply, Emit, RecreateSubscriber, RequestReplay, ResetWorker, SourceMachine
@@ -123,7 +124,8 @@ class SourceStats(msgspec.Struct, frozen=True, kw_only=True):
     ``gaps``: seq gaps seen; ``replays``: replay requests sent; ``replayed_batches``: batches
     received in replies; ``resets``: times the worker's index state was dropped;
     ``last_seq``: the last applied seq (-1 before any); ``connected``: the SUB has a
-    publisher; ``partial`` / ``state``: as in `WorkerStatus`.
+    publisher; ``partial`` / ``state``: as in `WorkerStatus`; ``load``: the engine's newest
+    load record (gateway streams only, `kvroute.EngineLoad`).
     """
 
     messages: int = 0
@@ -140,6 +142,7 @@ class SourceStats(msgspec.Struct, frozen=True, kw_only=True):
     connected: bool = False
     partial: bool = False
     state: str = "syncing"
+    load: EngineLoad | None = None
 
 
 class EventSink(Protocol):

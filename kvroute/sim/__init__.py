@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._cache import BlockInfo, CacheStats, CapacityError, InvalidRequestError, PrefixCache
 from ._engine import Completion, RequestAbortedError, SimConfig, SimEngine, SimRequest
+from ._gateway import GatewayKvService, LoadFigures
 from ._http import detokenize, tokenize
 from ._publisher import EventPublisher
 
@@ -19,7 +20,9 @@ __all__ = [
     "CapacityError",
     "Completion",
     "EventPublisher",
+    "GatewayKvService",
     "InvalidRequestError",
+    "LoadFigures",
     "PrefixCache",
     "RequestAbortedError",
     "SimConfig",

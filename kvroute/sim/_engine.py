@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import socket
+import time
 from array import array
 from collections import deque
 from collections.abc import Sequence
@@ -45,9 +46,12 @@ import zmq
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._errors import KvRouteError
+from .._grpc_stream import GATEWAY_SERVICES
 from .._models import EventSource
+from .._wire import EventBatch
 from ._cache import CapacityError, InvalidRequestError, PrefixCache, hash_seed
-from ._grpc import GrpcServer, SglangService, VllmControlService, sglang_server_info, start_grpc_server
+from ._gateway import GatewayKvService, LoadFigures
+from ._grpc import GrpcServer, SglangService, VllmControlService, _Service, sglang_server_info, start_grpc_server
 from ._http import EngineApp, HttpServer
 from ._publisher import EventPublisher
 
@@ -103,6 +107,12 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "sim-model"
     lora_names: tuple[str, ...] = ()
     vocab_size: int = 32_000
+    #: Serve the gateway servicer's ``SubscribeKvEvents`` stream (protocol.md §6) on the gRPC
+    #: port instead of ZMQ discovery: "vllm", "sglang", "trtllm", "mlx" or "tokenspeed" names
+    #: the servicer (``vllm serve --grpc`` is "vllm"). The ZMQ publishers still run.
+    gateway: str | None = None
+    #: Batches the simulated servicer keeps per rank; past them a new subscriber gets a snapshot.
+    gateway_history: int = 10_000
 
     def __post_init__(self) -> None:
         if self.engine not in ("vllm", "sglang"):
@@ -118,6 +128,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
         for field in ("block_size", "capacity_blocks", "buffer_steps", "max_batch", "max_batched_tokens", "vocab_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1")
+        if self.gateway is not None and self.gateway not in GATEWAY_SERVICES.values():
+            raise ValueError(f"gateway must be one of {sorted(GATEWAY_SERVICES.values())}, not {self.gateway!r}")
+        if self.gateway_history < 1:
+            raise ValueError("gateway_history must be >= 1")
         if self.max_batched_tokens < self.max_batch:
             raise ValueError("max_batched_tokens must be >= max_batch (every running request decodes one token)")
 
@@ -288,6 +302,9 @@ class SimEngine:
         self._change_ports = False
         self._pub_error: BaseException | None = None
         self._grpc: GrpcServer | None = None
+        self._gateway: GatewayKvService | None = None
+        #: Milliseconds the simulated engine reports it has been silent (a wedged engine), or None.
+        self.silence_ms: int | None = None
         self._http_port: int | None = None
         self._stack: contextlib.AsyncExitStack | None = None
 
@@ -303,13 +320,15 @@ class SimEngine:
             async with contextlib.AsyncExitStack() as stack:
                 stack.callback(self._abort_all, "engine stopped")
                 if cfg.grpc_port is not None:
-                    service: VllmControlService | SglangService
-                    if cfg.engine == "vllm":
+                    service: _Service
+                    if cfg.gateway is not None:
+                        service = self._gateway = self._new_gateway()
+                    elif cfg.engine == "vllm":
                         service = VllmControlService(self.advertised_sources)
                     else:
                         service = SglangService(self.server_info_json)
                     self._grpc = await start_grpc_server([service], host=cfg.host, port=cfg.grpc_port)
-                    stack.push_async_callback(self._grpc.stop)
+                    stack.push_async_callback(self._stop_grpc)
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(tg.cancel_scope.cancel)
                 await tg.start(self._own_publishers)
@@ -334,6 +353,41 @@ class SimEngine:
         finally:
             self._term_context()
         return None
+
+    async def _stop_grpc(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop()
+
+    def _new_gateway(self) -> GatewayKvService:
+        cfg = self.config
+        service = next(name for name, label in GATEWAY_SERVICES.items() if label == cfg.gateway)
+        return GatewayKvService(ranks=cfg.ranks, service=service, load=self.gateway_load, history=cfg.gateway_history)
+
+    def gateway_load(self, rank: int) -> LoadFigures:
+        """Rank ``rank``'s load as the gateway servicer reports it (see `kvroute.sim.LoadFigures`)."""
+        r = self._ranks[rank]
+        bs = self.config.block_size
+        uncached = sum(
+            max(0, len(q.prompt) - r.cache.match_blocks(q.prompt, lora_name=q.lora_name) * bs) for q in r.waiting
+        )
+        pending = sum(len(q.prompt) - q.prefilled for q in r.running if q.prefilled < len(q.prompt))
+        return len(r.running), len(r.waiting), uncached, r.cache.usage, pending, self.silence_ms
+
+    @property
+    def gateway(self) -> GatewayKvService:
+        """The simulated gateway servicer (only with ``SimConfig.gateway``)."""
+        if self._gateway is None:
+            raise RuntimeError("the engine serves no gateway stream (SimConfig.gateway)")
+        return self._gateway
+
+    async def restart_gateway(self) -> None:
+        """Restart the gateway servicer on the same port: open streams end, its history and record are lost."""
+        old, grpc_server = self.gateway, self._grpc
+        assert grpc_server is not None
+        old.end_streams()
+        await grpc_server.stop(grace=0)
+        self._gateway = self._new_gateway()
+        self._grpc = await start_grpc_server([self._gateway], host=self.config.host, port=grpc_server.port)
 
     def _term_context(self) -> None:
         if self._own_ctx and self._ctx is not None:
@@ -768,7 +822,10 @@ class SimEngine:
             return
         events = rank.cache.drain_events()
         if events:
-            self._pubs[rank.index].publish(events)
+            batch = EventBatch(time.time(), events, rank.index)
+            seq = self._pubs[rank.index].publish_batch(batch)
+            if self._gateway is not None:
+                self._gateway.record(rank.index, seq, batch)
 
     # --- fault knobs ------------------------------------------------------------------------------
 
