@@ -89,6 +89,11 @@ class EngineLoads:
         self._records: dict[WorkerKey, EngineLoad] = {}
         self.vetoes = 0
 
+    @property
+    def reporting(self) -> bool:
+        """Whether any worker has reported load."""
+        return bool(self._records)
+
     def update(self, worker: WorkerKey, record: EngineLoad) -> None:
         """Keep ``record`` as ``worker``'s load unless an already-kept one has a newer ``sample``."""
         old = self._records.get(worker)
