@@ -330,7 +330,9 @@ class GatewayKvService(_Service):
         if start:
             rec = self._records[0]
             held = [m for m in rec.history if m.sequence_number >= start]
-            if self.ranks != 1 or not held or held[0].sequence_number != start:
+            # Servable: the history holds ``start``, or ``start`` is the next seq (nothing missed yet).
+            reachable = (held and held[0].sequence_number == start) or (rec.first is not None and start == rec.last + 1)
+            if self.ranks != 1 or not reachable:
                 self.refusals += 1
                 return _Abort(grpc.StatusCode.OUT_OF_RANGE, f"seq {start} is not in the servicer's history")
             for m in held:
