@@ -8,6 +8,8 @@ ground truth kvroute did not compute): equal for a complete worker, never more f
 from __future__ import annotations
 
 import math
+import signal
+import sys
 from collections.abc import Callable, Sequence
 
 import anyio
@@ -393,3 +395,30 @@ def test_machine_data_loss_and_a_vouched_reconnect() -> None:
     m.on_live(7, 2.0, _batch(2.0))
     assert m.partial and m.last_seq == 7
     assert msgspec.structs.asdict(m.stats)["uncovered"] == 1
+
+
+# --- the command line ----------------------------------------------------------------------------------
+
+
+async def test_kvroute_sim_serves_the_gateway_stream(anyio_backend: str) -> None:
+    code = (
+        "import argparse, sys\n"
+        "from kvroute.sim._cli import register\n"
+        "p = argparse.ArgumentParser(prog='kvroute'); register(p.add_subparsers())\n"
+        "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
+    )
+    args = ["sim", "--engine", "sglang", "--ranks", "2", "--gateway-stream", "sglang", "--block-size", "8"]
+    async with await anyio.open_process([sys.executable, "-c", code, *args]) as proc:
+        assert proc.stdout is not None
+        text = ""
+        with anyio.fail_after(30):
+            while text.count("\n") < 6:
+                text += (await proc.stdout.receive()).decode()
+        lines = text.splitlines()
+        assert "sglang.grpc.scheduler.SglangScheduler/SubscribeKvEvents" in lines[2]
+        target = lines[2].split()[1]
+        found = await discover(target)
+        assert [(s.engine, s.dp_rank) for s in found] == [("sglang", 0), ("sglang", 1)]
+        proc.send_signal(signal.SIGINT)
+        with anyio.fail_after(20):
+            assert await proc.wait() == 0
