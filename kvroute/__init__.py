@@ -45,7 +45,8 @@ from ._events import (
     Synced,
 )
 from ._grpc_stream import GATEWAY_SERVICES, gateway_endpoint
-from ._index import IndexStats, OverlapScores, PrefixIndex
+from ._hashing import HASH_VERSION, MultimodalItem
+from ._index import IndexLimits, IndexLimitsError, IndexStats, OverlapScores, PrefixIndex
 from ._load import EngineLoad, EngineLoads, LoadPolicy
 from ._metrics import KvRouteCollector
 from ._models import CPU, DISK, EXTERNAL, GPU, TIERS, EventSource, WorkerKey, WorkerStates, WorkerStatus
@@ -95,6 +96,9 @@ __all__ = [
     "EventStream",
     "EventsDisabledError",
     "Gap",
+    "HASH_VERSION",
+    "IndexLimits",
+    "IndexLimitsError",
     "IndexStats",
     "InvalidOptionsError",
     "KvEventClient",
@@ -105,6 +109,7 @@ __all__ = [
     "LoadPolicy",
     "MalformedAnswerError",
     "NoWorkersError",
+    "MultimodalItem",
     "OverlapScores",
     "Overflow",
     "Partial",

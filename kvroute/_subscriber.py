@@ -414,11 +414,19 @@ class SourceDriver:
 
     def _decode(self, payload: bytes) -> EventBatch | None:
         try:
-            return self._decoder.decode(payload)
+            batch = self._decoder.decode(payload)
         except DecodeError as exc:
             self.decode_errors += 1
             self._log.warn("undecodable payload", str(exc))
             return None
+        if batch.untrusted is not None:
+            # A removal or clear that could not be read: applying the rest could leave blocks
+            # the engine dropped. As an undecodable batch the machine asks for a replay and,
+            # when that cannot fix it, resets the worker ("undecodable").
+            self.decode_errors += 1
+            self._log.warn("untrusted batch", batch.untrusted)
+            return None
+        return batch
 
     async def _watch(self, mon: zmq.Socket[bytes]) -> None:
         # Connection changes while no message flows; the pump and the replay task also read

@@ -23,6 +23,7 @@ from kvroute import (
     EngineLoads,
     KvEventClient,
     LoadPolicy,
+    MultimodalItem,
     PrefixIndex,
     Router,
     WorkerKey,
@@ -295,8 +296,43 @@ def test_proto_events_map_onto_the_msgpack_structs() -> None:
     w = WorkerKey("w", 0)
     a.apply(w, want)
     b.apply(w, got)
-    assert a.find_matches([1, 2, 3, 4, 5, 6, 7, 8], extra_keys=[[["img-sha-1", 2]], [["img-sha-1", 2]]]).get(w) == 2
-    assert b.find_matches([1, 2, 3, 4, 5, 6, 7, 8], extra_keys=[[["img-sha-1", 2]], [["img-sha-1", 2]]]).get(w) == 2
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    answers = [
+        (a.find_matches(tokens, mm_items=q).get(w, 0), b.find_matches(tokens, mm_items=q).get(w, 0))
+        for q in ([], *([MultimodalItem("img-sha-1", 2, n)] for n in range(1, 7)))
+    ]
+    assert all(x == y for x, y in answers) and answers[0] == (0, 0) and max(x for x, _ in answers) >= 1
+
+
+def test_a_relayed_salted_store_keys_like_the_msgpack_one() -> None:
+    # vllm-salt (protocol.md §3.1) as vLLM publishes it, and as the relay forwards it: the salt
+    # stays in block 0's extra keys and is also named in cache_salt.
+    golden = decode_batch(
+        bytes.fromhex(
+            "93cb41d954fc4020000091de000ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392ccc9cc"
+            "cab1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473980102030405060708aa626c6f636b5f7369"
+            "7a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b6579739291a8"
+            "74656e616e742d61c0a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474"
+            "656e74696f6e00"
+        )
+    )
+    stored = pb.KvBlocksStored(tier=pb.KV_CACHE_TIER_DEVICE, group_idx=0, kv_cache_spec_kind="full_attention")
+    stored.cache_salt = "tenant-a"
+    stored.blocks.add(
+        block_hash=201, token_ids=[1, 2, 3, 4], block_size=4, extra_keys=[pb.KvBlockExtraKey(text="tenant-a")]
+    )
+    stored.blocks.add(block_hash=202, token_ids=[5, 6, 7, 8], block_size=4)
+    msg = pb.KvEventBatch(sequence_number=0, timestamp=1.0)
+    msg.events.add(stored=stored)
+    batch, _, _ = convert_batch(msg, Limits())
+    assert batch is not None
+    a, b, w = PrefixIndex(), PrefixIndex(), WorkerKey("w", 0)
+    a.apply_batch(w, golden)
+    b.apply_batch(w, batch)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    for index in (a, b):
+        assert index.find_matches(tokens, cache_salt="tenant-a").get(w) == 2
+        assert index.find_matches(tokens).get(w, 0) == 0
 
 
 def test_tiers_hashes_namespaces_and_legacy_cache_level() -> None:
