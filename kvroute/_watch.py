@@ -31,6 +31,7 @@ from ._client import KvEventClient
 from ._discovery import ENGINES, DiscoveryOptions, discover_with
 from ._errors import KvRouteError
 from ._events import Envelope, Overflow, Removed, Reset
+from ._load import EngineLoad
 from ._models import TIERS, WorkerKey, normalize_medium
 from ._subscriber import SubscriberConfig
 from ._wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
@@ -62,6 +63,8 @@ class WatchRow(msgspec.Struct, frozen=True, kw_only=True):
     gaps: int
     replays: int
     resets: int
+    #: The engine's reported load (gateway streams): "running/waiting qQUEUED_TOKENS", "-" without one.
+    load: str = "-"
 
 
 class TierTally:
@@ -132,15 +135,23 @@ def rows(client: KvEventClient, tally: TierTally, rates: dict[WorkerKey, float])
                 gaps=st.gaps,
                 replays=st.replays,
                 resets=st.resets,
+                load=_load_cell(st.load),
             )
         )
     return out
 
 
+def _load_cell(load: EngineLoad | None) -> str:
+    if load is None:
+        return "-"
+    wedged = f" silent {load.engine_silence_ms / 1000:.0f}s" if load.engine_silence_ms else ""
+    return f"{load.running_requests}/{load.waiting_requests} q{load.queued_tokens}{wedged}"
+
+
 _HEADER = (
     *("worker", "rank", "engine", "state"),
     *("GPU", "CPU", "DISK", "EXT", "index"),
-    *("ev/s", "seq", "gaps", "replays", "resets"),
+    *("ev/s", "seq", "gaps", "replays", "resets", "load"),
 )
 
 
@@ -159,6 +170,7 @@ def _cells(row: WatchRow) -> list[str]:
         str(row.gaps),
         str(row.replays),
         str(row.resets),
+        row.load,
     ]
 
 

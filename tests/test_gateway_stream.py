@@ -33,6 +33,7 @@ from kvroute import (
 from kvroute._grpc_stream import convert_batch
 from kvroute._proto import smg_common_pb2 as pb
 from kvroute._source import Apply, ResetWorker, SourceMachine
+from kvroute._watch import TierTally, plain_table, rows
 from kvroute._wire import AllBlocksCleared, BlockStored, EventBatch, Limits
 from kvroute.sim import SimConfig, SimEngine
 
@@ -254,6 +255,9 @@ async def test_engine_load_reaches_the_router_and_vetoes_a_wedged_engine(anyio_b
         eng.silence_ms = None
         await until(lambda: not any((client.engine_loads.get(k) or EngineLoad()).engine_silence_ms for k in keys))
         assert router.select(PROMPTS[0]).worker in keys
+        # `kvroute watch` shows the reported load per worker.
+        table = rows(client, TierTally(), {})
+        assert [r.load.split()[0] for r in table] == ["0/0", "0/0"] and "load" in plain_table(table)
 
 
 # --- pure parts: the mapping, the load model, the machine's new inputs ---------------------------------
