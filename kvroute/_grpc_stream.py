@@ -31,14 +31,17 @@ both work.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import anyio.abc
+import anyio.from_thread
 import anyio.to_thread
 import grpc
 import tenacity
@@ -435,8 +438,81 @@ def _serialize(message: Any) -> bytes:
     return data
 
 
-def _next(it: Iterator[bytes]) -> bytes | None:
-    return next(it, None)
+#: How long after a call's headers its status may still arrive: a refusal (UNIMPLEMENTED,
+#: OUT_OF_RANGE) comes as a trailers-only answer, whose headers grpc can hand out a moment
+#: before it marks the call done.
+_ANSWER_GRACE: Final = 0.2
+
+
+async def _ended(call: Any) -> bool:
+    """Whether the call ended with its headers (a refusal) rather than starting to stream."""
+
+    def wait() -> bool:
+        try:
+            call.exception(timeout=_ANSWER_GRACE)
+        except grpc.FutureTimeoutError:
+            return False
+        except grpc.FutureCancelledError:
+            return True
+        return True
+
+    return await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
+
+
+class _Reader:
+    """Reads one call's messages in a worker thread; the event loop takes them in bursts.
+
+    One loop wakeup per burst instead of one thread hop per message: the thread appends to a
+    deque and wakes the loop only when the loop said it is waiting (checked after it says so,
+    so no message is left behind).
+    """
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._buf: deque[bytes] = deque()
+        self._ended = False
+        self._waiting = False
+        self._wakeup = anyio.Event()
+        self.error: grpc.RpcError | None = None
+
+    def _kick(self) -> None:
+        self._wakeup.set()
+
+    def _read(self) -> None:
+        buf = self._buf
+        try:
+            for raw in self._call:
+                buf.append(raw)
+                if self._waiting:
+                    self._waiting = False
+                    anyio.from_thread.run_sync(self._kick)
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self._ended = True
+            with contextlib.suppress(anyio.RunFinishedError):
+                anyio.from_thread.run_sync(self._kick)
+
+    async def run(self) -> None:
+        """Read until the call ends (its cancellation frees the thread)."""
+        await anyio.to_thread.run_sync(self._read, abandon_on_cancel=True)
+
+    async def take(self) -> list[bytes] | None:
+        """Every message read so far (waiting for one), or None once the call has ended."""
+        while True:
+            if self._buf:
+                out = list(self._buf)
+                for _ in out:
+                    self._buf.popleft()
+                return out
+            if self._ended:
+                return None
+            self._wakeup = anyio.Event()
+            self._waiting = True
+            if self._buf or self._ended:
+                self._waiting = False
+                continue
+            await self._wakeup.wait()
 
 
 class GatewayStream:
@@ -528,16 +604,22 @@ class GatewayStream:
             call = stub(request, metadata=self._metadata)
             self.streams += 1
             await anyio.to_thread.run_sync(call.initial_metadata, abandon_on_cancel=True)
-            if not call.done():
+            if not await _ended(call):
                 self.established = True
                 for drv in list(self.ranks.values()):
                     drv.connect(continued=bool(start))
-            while True:
-                raw = await anyio.to_thread.run_sync(_next, call, abandon_on_cancel=True)
-                if raw is None:
-                    break
-                delivered = True
-                self._dispatch(raw)
+            reader = _Reader(call)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reader.run)
+                while True:
+                    batch = await reader.take()
+                    if batch is None:
+                        break
+                    delivered = True
+                    for raw in batch:
+                        self._dispatch(raw)
+            if reader.error is not None:
+                return delivered, reader.error.code(), reader.error.details() or ""
             return delivered, call.code(), call.details() or ""
         except grpc.RpcError as exc:
             return delivered, exc.code(), exc.details() or ""
@@ -649,7 +731,7 @@ async def probe_stream(
     call: Any = stub(pb.SubscribeKvEventsRequest(), timeout=deadline, metadata=tuple(metadata))
     try:
         await anyio.to_thread.run_sync(call.initial_metadata, abandon_on_cancel=True)
-        if call.done() and call.code() != grpc.StatusCode.OK:
+        if await _ended(call) and call.code() != grpc.StatusCode.OK:
             err: grpc.RpcError = call  # the ended call is the RpcError grpc would raise
             return err
         return None

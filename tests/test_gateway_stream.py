@@ -449,11 +449,15 @@ async def test_kvroute_sim_serves_the_gateway_stream(anyio_backend: str) -> None
     )
     args = ["sim", "--engine", "sglang", "--ranks", "2", "--gateway-stream", "sglang", "--block-size", "8"]
     async with await anyio.open_process([sys.executable, "-c", code, *args]) as proc:
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stderr is not None
         text = ""
         with anyio.fail_after(30):
             while text.count("\n") < 6:
-                text += (await proc.stdout.receive()).decode()
+                try:
+                    text += (await proc.stdout.receive()).decode()
+                except anyio.EndOfStream:
+                    err = b"".join([chunk async for chunk in proc.stderr]).decode()
+                    raise AssertionError(f"kvroute sim exited ({await proc.wait()}): {text}{err}") from None
         lines = text.splitlines()
         assert "sglang.grpc.scheduler.SglangScheduler/SubscribeKvEvents" in lines[2]
         target = lines[2].split()[1]
