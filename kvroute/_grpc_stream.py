@@ -564,7 +564,13 @@ class GatewayStream:
         with self.scope:
             while True:
                 start = self._resume_from()
-                delivered, code, detail = await self._session(start)
+                try:
+                    delivered, code, detail = await self._session(start)
+                except Exception as exc:  # containment: the client's other sources go on
+                    # Something other than the stream failed (a channel that cannot be built, an
+                    # index that raised): every rank's state is suspect, as after DATA_LOSS.
+                    log.exception("%s %s: stream failed", self.address, self.service)
+                    delivered, code, detail = False, grpc.StatusCode.DATA_LOSS, f"{type(exc).__name__}: {exc}"
                 if code in _DATA_LOSS:
                     if start and code == grpc.StatusCode.OUT_OF_RANGE and not delivered:
                         # This servicer keeps no history to resume from; from now on, start at 0.

@@ -466,3 +466,29 @@ async def test_kvroute_sim_serves_the_gateway_stream(anyio_backend: str) -> None
         proc.send_signal(signal.SIGINT)
         with anyio.fail_after(20):
             assert await proc.wait() == 0
+
+
+class _FlakyIndex(PrefixIndex):
+    """An index whose next ``apply_batch`` raises once (a bug, or memory exhaustion, mid-stream)."""
+
+    fail_next = False
+
+    def apply_batch(self, worker: WorkerKey, batch: EventBatch) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("index failed")
+        super().apply_batch(worker, batch)
+
+
+async def test_a_failure_inside_the_stream_is_contained_and_recovered(anyio_backend: str) -> None:
+    index = _FlakyIndex()
+    async with gw(ranks=2) as eng, KvEventClient(targets=[eng.grpc_target], index=index) as client:
+        await until(lambda: len(client.sources()) == 2 and all(s.connected for s in client.stats().sources.values()))
+        await traffic(eng, PROMPTS[:6])
+        await settled(client, eng)
+        index.fail_next = True
+        await traffic(eng, PROMPTS[6:12])
+        await until(lambda: not index.fail_next)
+        await settled(client, eng)  # resubscribed from 0: the servicer's history rebuilt both ranks
+        stats = client.stats().sources
+        assert len(stats) == 2 and all(st.resets >= 1 for st in stats.values())
