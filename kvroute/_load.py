@@ -87,6 +87,13 @@ class EngineLoads:
         self.policy = policy if policy is not None else LoadPolicy()
         self.clock = clock
         self._records: dict[WorkerKey, EngineLoad] = {}
+        # Per worker, what `blend` reads: (received, queued tokens, silence ms (-1: none), the
+        # silence allowed in ms before a veto).
+        self._figures: dict[WorkerKey, tuple[float, int, float, float]] = {}
+        self._version = 0
+        self._zeros = False
+        self._cache: tuple[tuple[int, int], float, dict[WorkerKey, float], set[WorkerKey], set[WorkerKey]] | None = None
+        #: Veto decisions taken (a worker vetoed in one `blend` call counts once).
         self.vetoes = 0
 
     @property
@@ -100,10 +107,17 @@ class EngineLoads:
         if old is not None and record.sample and old.sample > record.sample:
             return
         self._records[worker] = record
+        p = self.policy
+        allowance = (p.wedge_after + (record.prefill_pending_tokens or 0) / p.prefill_tokens_per_s) * 1000.0
+        silence = -1.0 if record.engine_silence_ms is None else float(record.engine_silence_ms)
+        self._figures[worker] = (record.received, record.queued_tokens, silence, allowance)
+        self._version += 1
 
     def remove(self, worker: WorkerKey) -> None:
         """Forget ``worker``'s records (its source was removed)."""
         self._records.pop(worker, None)
+        self._figures.pop(worker, None)
+        self._version += 1
 
     def get(self, worker: WorkerKey) -> EngineLoad | None:
         """The newest record of ``worker``, fresh or not."""
@@ -134,32 +148,55 @@ class EngineLoads:
         allowance = p.wedge_after + (rec.prefill_pending_tokens or 0) / p.prefill_tokens_per_s
         return rec.engine_silence_ms / 1000.0 > allowance
 
+    def _engine_part(self, unit: int, now: float) -> tuple[dict[WorkerKey, float], set[WorkerKey], set[WorkerKey]]:
+        """(engine queue per fresh worker in blocks, wedged fresh workers, stale workers), cached
+        until a record changes or the next fresh record turns stale."""
+        cached = self._cache
+        if cached is not None and cached[0] == (self._version, unit) and now < cached[1]:
+            return cached[2], cached[3], cached[4]
+        stale_after = self.policy.stale_after
+        engine: dict[WorkerKey, float] = {}
+        wedged: set[WorkerKey] = set()
+        stale: set[WorkerKey] = set()
+        until = math.inf
+        zeros = False
+        for w, (received, queued, silence, allowance) in self._figures.items():
+            expires = received + stale_after
+            if expires < now:
+                stale.add(w)
+                continue
+            until = min(until, expires)
+            engine[w] = queued / unit
+            zeros = zeros or not queued
+            if silence > allowance:
+                wedged.add(w)
+        self._cache = ((self._version, unit), until, engine, wedged, stale)
+        self._zeros = zeros  # some fresh worker reports an empty queue: blend filters zeros out
+        return engine, wedged, stale
+
     def blend(self, own_tokens: Mapping[WorkerKey, int], unit: int) -> tuple[dict[WorkerKey, float], set[WorkerKey]]:
         """Load per worker in blocks of ``unit`` tokens, and the workers to veto.
 
-        ``own_tokens``: the router's in-flight tokens per worker.
+        ``own_tokens``: the router's in-flight tokens per worker. Runs on every `Router.select`:
+        the engine side is cached between record updates, so a call costs a copy of it and a
+        pass over the router's own (few) busy workers.
         """
-        now = self.clock()
         mode = self.policy.mode
-        loads: dict[WorkerKey, float] = {}
-        vetoed: set[WorkerKey] = set()
-        for w, t in own_tokens.items():
-            if t:
-                loads[w] = t / unit
         if mode == "router":
-            return loads, vetoed
-        for w in self._records:
-            own = own_tokens.get(w, 0)
-            if self.wedged(w, own, now):
-                vetoed.add(w)
-            rec = self.fresh(w, now)
-            if rec is None:
+            return {w: t / unit for w, t in own_tokens.items() if t}, set()
+        engine, wedged, stale = self._engine_part(unit, self.clock())
+        loads = {w: v for w, v in engine.items() if v} if self._zeros else dict(engine)
+        vetoed = set(wedged)
+        for w, t in own_tokens.items():
+            if not t:
                 continue
-            engine = rec.queued_tokens / unit
-            value = engine if mode == "engine" else max(engine, own / unit)
-            if value:
-                loads[w] = value
+            mine = t / unit
+            if w in engine:  # a fresh record: its queue, or the router's count if larger (blend)
+                if mode == "blend" and mine > engine[w]:
+                    loads[w] = mine
             else:
-                loads.pop(w, None)
+                loads[w] = mine
+                if w in stale:
+                    vetoed.add(w)  # records stopped while it holds routed work
         self.vetoes += len(vetoed)
         return loads, vetoed
