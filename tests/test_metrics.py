@@ -15,9 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute._client import ClientStats, KvEventClient, TotalStats
 from kvroute._index import IndexStats, PrefixIndex
+from kvroute._load import EngineLoad
 from kvroute._metrics import (
     CLIENT_FIELDS,
     INDEX_FIELDS,
+    LOAD_FIELDS,
     ROUTER_FIELDS,
     SELECT_HISTOGRAM,
     SOURCE_FIELDS,
@@ -151,7 +153,9 @@ def test_every_stats_field_is_exported() -> None:
     def fields(table: tuple[tuple[str, str, str, str], ...]) -> set[str]:
         return {f for _, f, _, _ in table}
 
-    assert fields((*SOURCE_FIELDS, SOURCE_SYNCED)) == set(SourceStats.__struct_fields__)
+    # `load` (gateway sources only) is the LOAD_FIELDS families.
+    assert fields((*SOURCE_FIELDS, SOURCE_SYNCED)) == set(SourceStats.__struct_fields__) - {"load"}
+    assert fields(LOAD_FIELDS) <= set(EngineLoad.__struct_fields__) | {"queued_tokens"}
     # `sources` is the per-source families, `totals` the TOTAL_FIELDS gauges.
     assert fields(CLIENT_FIELDS) == set(ClientStats.__struct_fields__) - {"sources", "totals"}
     # TotalStats' counters are the per-source counters summed: sum() them in PromQL.
@@ -162,7 +166,7 @@ def test_every_stats_field_is_exported() -> None:
     # The select_seconds_* fields are the SELECT_HISTOGRAM family.
     histogram = {"select_seconds_sum", "select_seconds_buckets"}
     assert fields(ROUTER_FIELDS) == set(RouterStats.__struct_fields__) - histogram
-    names = [n for n, *_ in (*SOURCE_FIELDS, SOURCE_SYNCED, *CLIENT_FIELDS, *TOTAL_FIELDS, *INDEX_FIELDS,
+    names = [n for n, *_ in (*SOURCE_FIELDS, SOURCE_SYNCED, *LOAD_FIELDS, *CLIENT_FIELDS, *TOTAL_FIELDS, *INDEX_FIELDS,
                              *ROUTER_FIELDS)]  # fmt: skip
     assert len(names) == len(set(names)) and all(n.startswith("kvroute_") for n in names)
     assert not any(n.endswith("_total") for n in names)  # prometheus_client adds it to counters
