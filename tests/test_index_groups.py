@@ -245,3 +245,25 @@ async def test_an_unreadable_removal_resets_the_worker() -> None:
             scores = client.index.find_matches(TOKS[:8])
             assert src.key not in scores  # what was held before the bad batch is gone
             assert client.index.find_matches(TOKS[8:12])[src.key] == 1
+
+
+def test_sink_full_attention_is_full_attention() -> None:
+    idx = PrefixIndex()
+    idx.apply(W, BlockStored(block_hashes=[1, 2], token_ids=TOKS[:8], block_size=4, group_idx=0,
+                             kv_cache_spec_kind="sink_full_attention"))
+    assert idx.find_matches(TOKS[:8])[W] == 2
+
+
+def test_multimodal_items_with_lookahead_key_the_window_past_the_block() -> None:
+    """With lookahead hashing vLLM keys a block with the items overlapping it *or its lookahead tokens*."""
+    from kvroute import MultimodalItem
+    from kvroute._hashing import mm_extras
+
+    item = MultimodalItem("img", 4, 2)  # tokens 4-5: past block 0 (0-3), inside its 1-token lookahead
+    assert mm_extras([item], 4, 0, 2) == [None, [["img", 0]]]
+    assert mm_extras([item], 4, 0, 2, lookahead=1) == [[["img", 4]], [["img", 0]]]
+    idx = PrefixIndex()
+    idx.apply(W, BlockStored(block_hashes=[1], token_ids=TOKS[:4], block_size=4, lookahead_token_ids=[[5]],
+                             extra_keys=[[["img", 4]]]))
+    assert idx.find_matches(TOKS[:6], mm_items=[item])[W] == 1
+    assert W not in idx.find_matches(TOKS[:6])
