@@ -661,7 +661,7 @@ class PrefixIndex:
     def _store(self, worker: WorkerKey, ev: BlockStored) -> None:
         hashes = ev.block_hashes
         n = len(hashes)
-        if ev.locality == "REMOTE":
+        if _remote(ev.locality):
             # A shared pool (filesystem, object store): not this worker's own cache.
             self._remote += n
             return
@@ -865,7 +865,7 @@ class PrefixIndex:
                 held[k] = held.get(k, 0) + 1
 
     def _remove(self, worker: WorkerKey, ev: BlockRemoved) -> None:
-        if ev.locality == "REMOTE":
+        if _remote(ev.locality):
             self._remote += len(ev.block_hashes)
             return
         w = self._workers.get(worker)
@@ -1183,6 +1183,11 @@ class PrefixIndex:
             if wk in out:
                 out[wk] = min(out[wk], n)  # a hybrid worker's run is already cut to its groups
         return out
+
+
+def _remote(locality: object) -> bool:
+    """``locality`` "REMOTE" (any case): a shared tier, not the worker's own cache."""
+    return isinstance(locality, str) and locality.upper() == "REMOTE"
 
 
 def _lim(index: PrefixIndex) -> int:
