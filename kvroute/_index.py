@@ -25,14 +25,14 @@ import os
 import warnings
 from bisect import bisect_right
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
-from itertools import accumulate, repeat
+from itertools import accumulate, pairwise, repeat
 from operator import and_, neg
 from typing import Any
 
 import msgspec
 
 from ._errors import KvRouteError
-from ._hashing import MultimodalItem, block_keys, mm_extras, root_key, tokens_to_bytes
+from ._hashing import MultimodalItem, block_keys, mm_extras, root_key, tokens_to_bytes, xxh128
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, normalize_medium
 from ._snapshot import Cursor, SnapGroup, SnapWorker, read_snapshot, write_snapshot
 from ._wire import FULL_KINDS, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EngineEvent, EventBatch
@@ -835,7 +835,10 @@ class PrefixIndex:
         bs = ev.block_size
         tokens = ev.token_ids
         keys: list[bytes] | None = None
-        if tokens and bs and len(tokens) == n * bs:
+        anchor_p = _anchor(w, grp)
+        if anchor_p and tokens and bs == grp.block_size:
+            keys = self._anchored_keys(w, ev, anchor_p)
+        elif tokens and bs and len(tokens) == n * bs:
             lora, salt, extras = self._namespaces(ev)
             parent = ev.parent_block_hash
             key = self._root(lora, salt) if parent is None else (self._lookup(w, grp, parent) or b"")
@@ -863,6 +866,54 @@ class PrefixIndex:
             self._entries += 1
             if k:
                 held[k] = held.get(k, 0) + 1
+
+    def _anchored_keys(self, w: _Worker, ev: BlockStored, p: int) -> list[bytes] | None:
+        """Keys of a store of a group with blocks smaller than the primary's (``p`` tokens).
+
+        vLLM names a ``p``-token block by the hash at its last ``hash_block_size`` boundary, so
+        this group's hashes at ``p`` boundaries are the primary group's, and their content keys
+        say where they are. The store must start on a ``p`` boundary the primary group knows;
+        each of its blocks is keyed by `_anchored_ids`; a sparse store's hashes (null blocks
+        skipped, in order) are placed between the known ones only where they fill a gap
+        exactly, and held unclaimable otherwise. None: the store cannot be placed this way.
+        """
+        lora, salt, extras = self._namespaces(ev)
+        s_bs = ev.block_size
+        tokens = ev.token_ids
+        if extras is not None or ev.lookahead_token_ids or len(tokens) % s_bs:
+            return None
+        parent = ev.parent_block_hash
+        anchor = self._root(lora, salt) if parent is None else w.blocks.get(parent)
+        if not anchor:
+            return None
+        try:
+            ids = _anchored_ids(anchor, tokens_to_bytes(tokens), s_bs, p, len(tokens) // s_bs)
+        except OverflowError:
+            self._unhashable += len(ev.block_hashes)
+            return None
+        hashes = ev.block_hashes
+        n, slots = len(hashes), len(ids)
+        if n == slots:
+            return ids
+        where = {k: j for j, k in enumerate(ids)}
+        pos: list[int | None] = []
+        for h in hashes:
+            k = w.blocks.get(h)
+            pos.append(where.get(k) if k else None)
+        known = [j for j in pos if j is not None]
+        if any(b <= a for a, b in pairwise(known)):
+            return [b""] * n  # out of order: nothing can be placed
+        prev_i, prev_j = -1, -1
+        for i in range(n + 1):
+            j = slots if i == n else pos[i]
+            if j is None:
+                continue
+            gap = i - prev_i - 1
+            if gap and gap == j - prev_j - 1:
+                for d in range(gap):
+                    pos[prev_i + 1 + d] = prev_j + 1 + d
+            prev_i, prev_j = i, j
+        return [ids[j] if j is not None else b"" for j in pos]
 
     def _remove(self, worker: WorkerKey, ev: BlockRemoved) -> None:
         if _remote(ev.locality):
@@ -1144,7 +1195,7 @@ class PrefixIndex:
             while hit:
                 before = hit
                 for grp in w.groups.values():
-                    hit = _group_hit(grp, query, (grp.block_size or bs, w.lookahead), hit, align)
+                    hit = _group_hit(grp, query, (grp.block_size or bs, w.lookahead), hit, align, _anchor(w, grp))
                     if not hit:
                         break
                 if hit == before:
@@ -1198,13 +1249,50 @@ def _entries_of(w: _Worker) -> int:
     return len(w.blocks) + sum(len(g.blocks) for g in w.groups.values()) if w.groups else len(w.blocks)
 
 
-def _group_hit(grp: _Group, query: _Query, cls: _Class, max_tokens: int, align: int) -> int:
+def _anchor(w: _Worker, grp: _Group) -> int:
+    """The primary block size when ``grp``'s blocks are keyed by `_anchored_ids` (a window or state
+    group with smaller blocks that divide it, no lookahead), else 0."""
+    s_bs, p = grp.block_size, w.bs
+    if grp.kind == "full" or not s_bs or p <= s_bs or p % s_bs or w.lookahead:
+        return 0
+    return p
+
+
+def _anchored_ids(anchor: bytes, data: bytes, s_bs: int, p: int, count: int) -> list[bytes]:
+    """Identities of ``count`` blocks of ``s_bs`` tokens after a ``p``-token boundary whose key is ``anchor``.
+
+    At a ``p`` boundary: the primary group's content key there (chained in blocks of ``p``);
+    between two: XXH3-128(key at the last ``p`` boundary + 0xfd + the tokens since). Both the
+    index and a query can compute them; blocks keyed this way match only through this path.
+    """
+    out: list[bytes] = []
+    step = 4 * s_bs
+    per = p // s_bs
+    key = anchor
+    for j in range(1, count + 1):
+        end = j * step
+        if j % per == 0:
+            key = xxh128(key + data[end - 4 * p : end])
+            out.append(key)
+        else:
+            out.append(xxh128(key + b"\xfd" + data[end - (j % per) * step : end]))
+    return out
+
+
+def _group_hit(grp: _Group, query: _Query, cls: _Class, max_tokens: int, align: int, anchor_p: int = 0) -> int:
     """The longest hit (tokens, <= ``max_tokens``) group ``grp`` serves, by the engine's rule for its kind."""
     kind = grp.kind
     if kind == "unknown":
         return 0
     bs = cls[0]
-    keys = query.upto(cls, max_tokens // bs)
+    if anchor_p:
+        count = min(max_tokens // bs, query.n_blocks((bs, 0)))
+        try:
+            keys = _anchored_ids(query.root, tokens_to_bytes(query.token_ids[: count * bs]), bs, anchor_p, count)
+        except OverflowError:
+            keys = []
+    else:
+        keys = query.upto(cls, max_tokens // bs)
     held = grp.held
     m = len(keys)
     if kind == "full":

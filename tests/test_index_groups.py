@@ -95,12 +95,20 @@ def test_groups_of_different_block_sizes() -> None:
     # Window needs block 3 (tokens 12-16) for a hit at 16, block 1 for a hit at 8.
     scores = idx.find_matches([*TOKS, 0])
     assert scores[W] == 1 and scores.tokens(W) == 8
-    # A sparse store of another block size cannot be placed (its hashes name 4-token
-    # prefixes the 8-token group does not key): held, never claimed — an under-claim.
+    # Sparse (vLLM's default retention): the hashes at 8-token boundaries are the full group's
+    # and place themselves; one between two placed ones fills its gap exactly.
     other = WorkerKey("sparse", 0)
     idx.apply(other, _full([h[1], h[3]], TOKS, 8))
-    idx.apply(other, _window([h[2], h[3]], TOKS, 4, window=5))
-    assert other not in idx.find_matches([*TOKS, 0])
+    idx.apply(other, _window([h[1], h[2], h[3]], TOKS, 4, window=9))  # block 0 null; 2 blocks needed
+    assert idx.find_matches([*TOKS, 0]).tokens(other) == 16
+    idx.apply(other, BlockRemoved(block_hashes=[h[2]], group_idx=1))
+    assert idx.find_matches([*TOKS, 0]).tokens(other) == 0  # no 2-block run ends on an 8-token boundary
+    # A hash that cannot be placed (two candidate slots) is held, never claimed.
+    third = WorkerKey("ambiguous", 0)
+    idx.apply(third, _full([h[1], h[3]], TOKS, 8))
+    idx.apply(third, _window([h[2], h[3]], TOKS, 4, window=9))
+    assert idx.find_matches([*TOKS, 0]).tokens(third) == 0
+    assert idx.num_blocks(third) == 4
 
 
 def test_unknown_group_kind_claims_nothing() -> None:
