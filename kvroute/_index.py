@@ -789,17 +789,19 @@ class PrefixIndex:
         counts[pos] = 1
         self._presence(w, ehash, old_key, pos, 1, False)
 
-    def _lookup(self, w: _Worker, grp: _Group, ehash: BlockHash) -> bytes | None:
+    def _lookup(self, w: _Worker, grp: _Group, ehash: BlockHash, *, anchored: bool = False) -> bytes | None:
         """The content key of an engine hash in a group of the worker with ``grp``'s block size.
 
         vLLM hashes every group alike, so one value names one prefix in every group; content
-        keys are chained per block size, so only a group of the same block size can lend one.
+        keys are chained per block size, so only a group of the same block size can lend one —
+        or, for a group keyed by `_anchored_ids`, the primary group (its keys are those
+        identities at its own boundaries).
         """
         got = grp.blocks.get(ehash)
         if got is not None:
             return got[0]  # type: ignore[no-any-return]
         bs = grp.block_size
-        if all(c[0] == bs for c in w.classes):
+        if anchored or all(c[0] == bs for c in w.classes):
             key = w.blocks.get(ehash)
             if key is not None:
                 return key
@@ -851,7 +853,7 @@ class PrefixIndex:
                 except OverflowError:
                     self._unhashable += n
         if keys is None:
-            keys = [self._lookup(w, grp, h) or b"" for h in hashes]
+            keys = [self._lookup(w, grp, h, anchored=bool(anchor_p)) or b"" for h in hashes]
         bit = 1 << _TIER_POS[normalize_medium(ev.medium)]
         blocks = grp.blocks
         held = grp.held

@@ -275,3 +275,14 @@ def test_multimodal_items_with_lookahead_key_the_window_past_the_block() -> None
                              extra_keys=[[["img", 4]]]))
     assert idx.find_matches(TOKS[:6], mm_items=[item])[W] == 1
     assert W not in idx.find_matches(TOKS[:6])
+
+
+def test_mamba_checkpoints_in_smaller_blocks_than_full_attention() -> None:
+    """A state checkpoint's hash at a full-block boundary is the full group's: it places itself."""
+    h = [41, 42, 43, 44]
+    idx = PrefixIndex()
+    idx.apply(W, _full([h[1], h[3]], TOKS, 8))
+    idx.apply(W, BlockStored(block_hashes=[h[1]], token_ids=[], block_size=4, group_idx=1, kv_cache_spec_kind="mamba"))
+    assert idx.find_matches([*TOKS, 0]).tokens(W) == 8
+    idx.apply(W, BlockStored(block_hashes=[h[3]], token_ids=[], block_size=4, group_idx=1, kv_cache_spec_kind="mamba"))
+    assert idx.find_matches([*TOKS, 0]).tokens(W) == 16
