@@ -23,7 +23,7 @@ from . import _zmq
 from ._errors import DecodeError
 from ._events import Envelope, LifecycleEvent, Partial, Reset
 from ._index import PrefixIndex
-from ._models import EventSource, WorkerStatus
+from ._models import EventSource, SourceState, WorkerStatus
 from ._snapshot import Cursor
 from ._source import Action, Apply, Emit, RecreateSubscriber, RequestReplay, ResetWorker, SourceMachine
 from ._wire import BatchDecoder, BlockStored, EventBatch, Limits
@@ -139,7 +139,7 @@ class SourceStats(msgspec.Struct, frozen=True, kw_only=True):
     last_seq: int = -1
     connected: bool = False
     partial: bool = False
-    state: str = "syncing"
+    state: SourceState = "syncing"
 
 
 class EventSink(Protocol):

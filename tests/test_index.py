@@ -70,6 +70,11 @@ class IndexMachine(RuleBasedStateMachine):
         self.index = PrefixIndex()
         self.model: dict[WorkerKey, dict[int, MBlock]] = {w: {} for w in W}
         self.next_hash = 1
+        # Every prefix ever stored, as (adapter, tokens), whether still held or not: queries
+        # drawn from it reach removed, cleared and reset workers' old chains, and an
+        # unknown-parent chain's tokens as if it were rooted (what an index that let it
+        # claim would match).
+        self.seen: list[tuple[str | None, tuple[int, ...]]] = []
 
     def _fresh_hash(self) -> int:
         self.next_hash += 1
@@ -124,6 +129,7 @@ class IndexMachine(RuleBasedStateMachine):
             cur = None if cur is None else cur + tuple(tokens[i * bs : (i + 1) * bs])
             # The block's chain starts with the adapter of the event that rooted it.
             idents.append(None if cur is None else (plora if parent_hash is not None else lora, bs, cur))
+        self.seen.append((lora, tuple(tokens)) if prefix is None else (plora, (prefix or ()) + tuple(tokens)))
         ev = BlockStored(
             block_hashes=hashes,
             parent_block_hash=parent_hash,
@@ -183,11 +189,15 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.index.restored_cursors == cursors
 
     @rule(w=st.sampled_from(W), pick=st.integers(0, 1000), extra=st.lists(st.integers(0, 3), max_size=6),
-          lora=st.sampled_from([None, "ad1"]))
-    def query(self, w: WorkerKey, pick: int, extra: list[int], lora: str | None) -> None:
+          lora=st.sampled_from([None, "ad1"]), from_seen=st.booleans())
+    def query(self, w: WorkerKey, pick: int, extra: list[int], lora: str | None, from_seen: bool) -> None:
+        """Query a held chain, or any chain ever stored (unknown-parent, removed, cleared ones too)."""
         blocks = self.model[w]
         idents = [b.ident for b in blocks.values() if b.ident is not None]
-        if idents:
+        if from_seen and self.seen:
+            lora, seen = self.seen[pick % len(self.seen)]
+            tokens = list(seen) + extra
+        elif idents:
             ident = sorted(idents, key=repr)[pick % len(idents)]
             tokens = list(ident[2]) + extra  # type: ignore[call-overload]
             lora = ident[0]  # type: ignore[assignment]

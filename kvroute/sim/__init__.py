@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ._cache import BlockInfo, CacheStats, CapacityError, InvalidRequestError, PrefixCache
 from ._engine import Completion, RequestAbortedError, SimConfig, SimEngine, SimRequest
+from ._faults import FAULT_KINDS, DiscoveryServer, FaultDriver, FaultKind
 from ._grpc import (
     GrpcServer,
     ServerTls,
@@ -25,12 +26,16 @@ from ._http import detokenize, tokenize
 from ._publisher import EventPublisher
 
 __all__ = [
+    "FAULT_KINDS",
     "BlockInfo",
     "CacheStats",
     "CapacityError",
     "Completion",
+    "DiscoveryServer",
     "EventPublisher",
     "GrpcServer",
+    "FaultDriver",
+    "FaultKind",
     "InvalidRequestError",
     "PrefixCache",
     "RequestAbortedError",
