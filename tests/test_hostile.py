@@ -377,7 +377,7 @@ def _many_hashes(n: int) -> bytes:
 
 @pytest.mark.parametrize(
     "payload",
-    [_tiny_unknown_events(Limits().max_events_per_batch + 1), _many_hashes(4 * MiB)],
+    [_tiny_unknown_events(Limits().max_events_per_batch + 1), _many_hashes(1 * MiB)],
     ids=["events-over-cap", "hashes-over-cap"],
 )
 async def test_a_batch_over_a_count_cap_is_refused_before_it_is_decoded(payload: bytes) -> None:
