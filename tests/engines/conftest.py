@@ -11,6 +11,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Judge this checkout's kvroute, not the one a shared venv was built from."""
+    import kvroute
+
+    repo = Path(__file__).resolve().parents[2]
+    where = Path(kvroute.__file__).resolve()
+    if repo not in where.parents:
+        raise pytest.UsageError(f"kvroute imported from {where}, not from {repo}: run tests/engines/run.sh")
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Per configuration: admissions, over-claims, under-claims (the README's table)."""
     from harness import RESULTS, report

@@ -71,6 +71,7 @@ class Tally:
     under_tokens: int = 0
     examples: list[str] = field(default_factory=list)
     events: dict[str, int] = field(default_factory=dict)  # what the engine published, by event type
+    kvroute: dict[str, int] = field(default_factory=dict)  # kvroute's counters at the end of the run
 
     def saw(self, kind: str, n: int = 1) -> None:
         self.events[kind] = self.events.get(kind, 0) + n
@@ -93,6 +94,7 @@ class Tally:
             f"over-claims {self.over} ({self.over_tokens} tokens), "
             f"under-claims {self.under} ({self.under_tokens} tokens); published "
             + ", ".join(f"{k} {v}" for k, v in sorted(self.events.items()))
+            + "; kvroute " + ", ".join(f"{k} {v}" for k, v in sorted(self.kvroute.items()))
         )
 
 
@@ -100,24 +102,40 @@ class Judge:
     """A running `KvEventClient` subscribed to one engine worker, queried from the test's thread."""
 
     def __init__(self, portal: BlockingPortal, client: kvroute.KvEventClient, worker: kvroute.WorkerKey,
-                 block_size: int) -> None:
+                 block_size: int, salt_in_extra_keys: bool) -> None:
+        self._salt_in_extra_keys = salt_in_extra_keys
         self._portal = portal
         self.client = client
         self.worker = worker
         self.block_size = block_size
 
     def wait_seq(self, seq: int, timeout: float = 30.0) -> None:
-        """Block until kvroute has applied the engine's batch ``seq`` (bounded in time)."""
+        """Block until kvroute has taken in the engine's batch ``seq`` (bounded in time).
+
+        Taken in = applied (the worker's cursor reached it), or received and found undecodable (kvroute
+        then recovers as it sees fit: a router asking now sees whatever state that leaves).
+        """
         if seq < 0:  # nothing published yet
             return
         deadline = time.monotonic() + timeout
         while True:
-            cur = self._portal.call(self.client.cursors).get(self.worker)
-            if cur is not None and cur.seq >= seq:
+            cur, st = self._portal.call(self._progress)
+            if cur >= seq or (st is not None and st.last_seq >= seq and st.decode_errors > 0):
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"kvroute did not reach seq {seq} (at {cur}) in {timeout} s")
+                raise TimeoutError(f"kvroute did not reach seq {seq} (at {cur}, {st}) in {timeout} s")
             time.sleep(0.002)
+
+    def _progress(self) -> tuple[int, Any]:
+        cur = self.client.cursors().get(self.worker)
+        return (-1 if cur is None else cur.seq), self.client.stats().sources.get(self.worker)
+
+    def kvroute_counters(self) -> dict[str, int]:
+        """kvroute's own view of the run: undecodable batches, resets, gaps."""
+        st = self._portal.call(self.client.stats).sources.get(self.worker)
+        if st is None:
+            return {}
+        return {"decode_errors": st.decode_errors, "resets": st.resets, "gaps": st.gaps}
 
     def tokens(self, prompt: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None,
                mm: Sequence[Mm] = ()) -> int:
@@ -134,6 +152,8 @@ class Judge:
             return int(scores.tokens(self.worker))
         # The older query: per-block extra keys in the engine's published (untagged) form.
         extra: list[list[Any] | None] | None = None
+        if cache_salt is not None and not self._salt_in_extra_keys:
+            cache_salt = None  # the older query has no way to ask for an SGLang salt
         if cache_salt is not None or mm:
             n_blocks = len(prompt) // self.block_size
             extra = []
@@ -150,7 +170,7 @@ class Judge:
 
 @contextmanager
 def judge(backend: str, endpoint: str, replay: str, *, worker_id: str, block_size: int,
-          topic: str = "") -> Iterator[Judge]:
+          topic: str = "", salt_in_extra_keys: bool = True) -> Iterator[Judge]:
     """Start a real `KvEventClient` for one engine publisher, synced before the workload starts."""
     ctx: zmq.Context[Any] = zmq.Context()
     enable_ipv6(ctx)
@@ -161,7 +181,7 @@ def judge(backend: str, endpoint: str, replay: str, *, worker_id: str, block_siz
         # The client's task group lives in one task of the portal's loop for the whole run.
         with start_blocking_portal(backend) as portal, portal.wrap_async_context_manager(client):
             portal.call(client.wait_synced, 30.0)
-            yield Judge(portal, client, source.key, block_size)
+            yield Judge(portal, client, source.key, block_size, salt_in_extra_keys)
     finally:
         ctx.term()
 

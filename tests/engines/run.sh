@@ -4,10 +4,14 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="${KVROUTE_ENGINES_CACHE:-$HOME/.cache/kvroute-engines}"
+# The venvs are shared between checkouts: this checkout's kvroute comes first on the path.
+export PYTHONPATH="$(cd "$here/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 "$here/setup.sh"
 status=0
 for venv in vllm-0.33.0 vllm-0.34.0; do
   echo "== engine suite: $venv"
   (cd "$here" && "$root/$venv/bin/python" -m pytest -q --confcutdir=. test_vllm.py "$@") || status=1
 done
+echo "== engine suite: sglang-0.5.23"
+(cd "$here" && "$root/sglang-0.5.23/bin/python" -m pytest -q --confcutdir=. test_sglang.py "$@") || status=1
 exit $status

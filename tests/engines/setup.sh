@@ -16,7 +16,9 @@ VLLM_DEPS=(packaging==26.4 numpy==2.4.6 msgspec==0.23.0 pyzmq==27.3.0 cbor2==6.3
   aiohttp==3.14.5 requests==2.34.2 openai-harmony==0.0.8 openai==3.57.0 pybase64==1.5.1
   cloudpickle==3.1.3 uvloop==0.23.0 py-cpuinfo==9.0.0 prometheus_client==0.26.0 xgrammar==0.2.9
   fastapi==0.165.0 partial-json-parser==0.2.1.1.post7 llguidance==1.9.1)
-SGLANG_DEPS=(packaging==26.4 numpy==2.4.6 msgspec==0.23.0 pyzmq==27.3.0 psutil==7.2.2)
+SGLANG_DEPS=(packaging==26.4 numpy==2.4.6 msgspec==0.23.0 pyzmq==27.3.0 psutil==7.2.2 orjson==3.13.0
+  pybase64==1.5.1 requests==2.34.2 pillow==13.0.0 starlette==1.10.0 pydantic==2.14.4 tqdm==4.70.1
+  ipython==9.18.1 aiohttp==3.14.5 transformers==5.20.2 dill==0.4.1 triton==3.8.0)
 
 build() {  # build <name> <engine requirement> <deps...>
   local name="$1" req="$2"; shift 2
@@ -32,8 +34,9 @@ build() {  # build <name> <engine requirement> <deps...>
   # torch is installed first and the engine without its dependencies.
   "$venv/bin/pip" install -q torch==2.13.0
   "$venv/bin/pip" install -q "$@"
-  "$venv/bin/pip" install -q --no-deps "$req"
   "$venv/bin/pip" install -q -e "$repo" 'pytest>=8' pytest-timeout 'trio>=0.25'  # kvroute + the runner
+  "$venv/bin/pip" install -q --no-deps "$req"
+  "$venv/bin/python" -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
   echo "$stamp_of_script" > "$venv/.stamp"
 }
 

@@ -72,7 +72,9 @@ class Config:
     requests: int = 300
     lookahead: int = 0
     report_full: float = 0.0  # share of requests asking kv_cache_report_mode "full"
-    retention: int | None = None  # KVCacheConfig.prefix_cache_retention_interval
+    # KVCacheConfig.prefix_cache_retention_interval: vLLM's default (CacheConfig) is 0, sparse
+    # sliding-window / Mamba checkpoints; None retains them densely.
+    retention: int | None = 0
     reset_at: int | None = None  # reset the prefix cache (when idle) after this many admissions
     max_running: int = 4
     chunk: int = 96  # chunked prefill: tokens per step
@@ -82,10 +84,8 @@ class Config:
 def _kv_cache_config(cfg: Config) -> KVCacheConfig:
     groups = [KVCacheGroupSpec(layer_names=[f"layer.{i}"], kv_cache_spec=g.spec())
               for i, g in enumerate(cfg.groups)]
-    kwargs: dict[str, Any] = {}
-    if cfg.retention is not None:
-        kwargs["prefix_cache_retention_interval"] = cfg.retention
-    return KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups, **kwargs)
+    return KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                         prefix_cache_retention_interval=cfg.retention)
 
 
 def _hash_block_size(cfg: Config) -> int:
@@ -166,6 +166,7 @@ def run(cfg: Config, backend: str = "asyncio") -> Tally:
         with judge(backend, endpoint, replay, worker_id=f"vllm-{cfg.name}",
                    block_size=_scheduler_block_size(cfg)) as j:
             _drive(cfg, engine, j, tally)
+            tally.kvroute = j.kvroute_counters()
     finally:
         engine.close()
     return tally
