@@ -23,8 +23,6 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-
 
 def _stand_in(name: str, **attrs: Any) -> None:
     module = types.ModuleType(name)
@@ -41,15 +39,15 @@ _stand_in(
     resolve_collector_class=lambda *a, **k: None,
 )
 
-from harness import Judge, Tally, judge  # noqa: E402
 from importlib.metadata import version as _version  # noqa: E402
-from workload import Namespaces, Req, Workload  # noqa: E402
 
+from harness import Judge, Tally, judge  # noqa: E402
 from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.events import KvEventLoraNames  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
+from workload import Namespaces, Req, Workload  # noqa: E402
 
 VERSION = _version("sglang")
 
