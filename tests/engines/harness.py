@@ -9,7 +9,6 @@ thread), and compares kvroute's answer with the engine's at every admission.
 
 from __future__ import annotations
 
-import inspect
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -21,11 +20,6 @@ import zmq
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 import kvroute
-
-# Does the index take the namespaced query arguments yet (the fixed contract), or only the older
-# ``lora_name`` / per-block ``extra_keys``? Read once from the signature so the suite runs against both.
-_FIND_PARAMS = set(inspect.signature(kvroute.PrefixIndex.find_matches).parameters)
-NEW_QUERY_API = {"cache_salt", "mm_items"} <= _FIND_PARAMS
 
 
 def free_port() -> int:
@@ -101,13 +95,10 @@ class Tally:
 class Judge:
     """A running `KvEventClient` subscribed to one engine worker, queried from the test's thread."""
 
-    def __init__(self, portal: BlockingPortal, client: kvroute.KvEventClient, worker: kvroute.WorkerKey,
-                 block_size: int, salt_in_extra_keys: bool) -> None:
-        self._salt_in_extra_keys = salt_in_extra_keys
+    def __init__(self, portal: BlockingPortal, client: kvroute.KvEventClient, worker: kvroute.WorkerKey) -> None:
         self._portal = portal
         self.client = client
         self.worker = worker
-        self.block_size = block_size
 
     def wait_seq(self, seq: int, timeout: float = 30.0) -> None:
         """Block until kvroute has taken in the engine's batch ``seq`` (bounded in time).
@@ -144,33 +135,14 @@ class Judge:
 
     def _tokens(self, prompt: list[int], lora_name: str | None, cache_salt: str | None,
                 mm: tuple[Mm, ...]) -> int:
-        index = self.client.index
-        if NEW_QUERY_API:
-            items = [kvroute.MultimodalItem(identifier=m.identifier, offset=m.offset, length=m.length)
-                     for m in mm]
-            scores = index.find_matches(prompt, lora_name=lora_name, cache_salt=cache_salt, mm_items=items)
-            return int(scores.tokens(self.worker))
-        # The older query: per-block extra keys in the engine's published (untagged) form.
-        extra: list[list[Any] | None] | None = None
-        if cache_salt is not None and not self._salt_in_extra_keys:
-            cache_salt = None  # the older query has no way to ask for an SGLang salt
-        if cache_salt is not None or mm:
-            n_blocks = len(prompt) // self.block_size
-            extra = []
-            for b in range(n_blocks):
-                start, end = b * self.block_size, (b + 1) * self.block_size
-                keys: list[Any] = [[m.identifier, m.offset - start] for m in mm
-                                   if m.offset < end and m.offset + m.length > start]
-                if b == 0 and cache_salt is not None:
-                    keys.append(cache_salt)
-                extra.append(keys or None)
-        scores = index.find_matches(prompt, lora_name=lora_name, extra_keys=extra)
-        return int(scores[self.worker]) * self.block_size
+        items = [kvroute.MultimodalItem(identifier=m.identifier, offset=m.offset, length=m.length) for m in mm]
+        scores = self.client.index.find_matches(prompt, lora_name=lora_name, cache_salt=cache_salt, mm_items=items)
+        return int(scores.tokens(self.worker))
 
 
 @contextmanager
 def judge(backend: str, endpoint: str, replay: str, *, worker_id: str, block_size: int,
-          topic: str = "", salt_in_extra_keys: bool = True) -> Iterator[Judge]:
+          topic: str = "") -> Iterator[Judge]:
     """Start a real `KvEventClient` for one engine publisher, synced before the workload starts."""
     ctx: zmq.Context[Any] = zmq.Context()
     enable_ipv6(ctx)
@@ -181,7 +153,7 @@ def judge(backend: str, endpoint: str, replay: str, *, worker_id: str, block_siz
         # The client's task group lives in one task of the portal's loop for the whole run.
         with start_blocking_portal(backend) as portal, portal.wrap_async_context_manager(client):
             portal.call(client.wait_synced, 30.0)
-            yield Judge(portal, client, source.key, block_size, salt_in_extra_keys)
+            yield Judge(portal, client, source.key)
     finally:
         ctx.term()
 

@@ -129,8 +129,7 @@ def run(cfg: Config, backend: str = "asyncio") -> Tally:
     tally = Tally(f"sglang-{VERSION} {cfg.name}")
     engine = Engine(cfg, endpoint, replay, tally)
     try:
-        with judge(backend, endpoint, replay, worker_id=f"sglang-{cfg.name}", block_size=cfg.page_size,
-                   salt_in_extra_keys=False) as j:
+        with judge(backend, endpoint, replay, worker_id=f"sglang-{cfg.name}", block_size=cfg.page_size) as j:
             _drive(cfg, engine, j, tally)
             tally.kvroute = j.kvroute_counters()
     finally:
