@@ -10,8 +10,8 @@ export PYTHONPATH="$(cd "$here/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 for venv in vllm-0.33.0 vllm-0.34.0; do
   echo "== engine suite: $venv"
-  (cd "$here" && "$root/$venv/bin/python" -m pytest -q --confcutdir=. test_vllm.py "$@") || status=1
+  (cd "$here" && "$root/$venv/bin/python" -m pytest -q --confcutdir=. test_vllm.py test_golden.py "$@") || status=1
 done
 echo "== engine suite: sglang-0.5.23"
-(cd "$here" && "$root/sglang-0.5.23/bin/python" -m pytest -q --confcutdir=. test_sglang.py "$@") || status=1
+(cd "$here" && "$root/sglang-0.5.23/bin/python" -m pytest -q --confcutdir=. test_sglang.py test_golden.py "$@") || status=1
 exit $status
