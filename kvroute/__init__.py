@@ -26,6 +26,8 @@ from ._discovery import (
     follow_target,
 )
 from ._errors import (
+    ClientStateError,
+    ConfigError,
     DecodeError,
     DiscoveryError,
     EventsDisabledError,
@@ -68,7 +70,7 @@ from ._models import (
 )
 from ._router import CandidateScore, CostModel, Router, RouterError, RouterStats, RoutingDecision
 from ._snapshot import Cursor
-from ._subscriber import SourceStats, SubscriberConfig
+from ._subscriber import SourceCounters, SourceStats, SubscriberConfig
 from ._wire import (
     AllBlocksCleared,
     BatchDecoder,
@@ -102,6 +104,8 @@ __all__ = [
     "Connected",
     "CostModel",
     "Cursor",
+    "ClientStateError",
+    "ConfigError",
     "DecodeError",
     "Disconnected",
     "DiscoveryError",
@@ -144,6 +148,7 @@ __all__ = [
     "SnapshotError",
     "SourceState",
     "SourceDiff",
+    "SourceCounters",
     "SourceStats",
     "SubscriberConfig",
     "Synced",

@@ -31,29 +31,26 @@ import msgspec
 import zmq
 
 from ._discovery import DiscoveryOptions, diff_sources, follow_target
-from ._errors import SnapshotError
+from ._errors import ClientStateError, ConfigError
 from ._events import Envelope, Overflow, Removed
 from ._index import PrefixIndex
 from ._models import EventSource, WorkerKey, WorkerStatus
 from ._snapshot import Cursor
-from ._subscriber import RateLimitedLog, SourceDriver, SourceStats, SubscriberConfig, source_problem
+from ._subscriber import (
+    COUNTER_FIELDS,
+    RateLimitedLog,
+    ReplaySlots,
+    SourceCounters,
+    SourceDriver,
+    SourceStats,
+    SubscriberConfig,
+    source_problem,
+)
+from ._zmq import DEFAULT_MAX_SOURCES, fit_sources
 
 __all__ = ["ClientStats", "EventStream", "KvEventClient", "SourceStats", "SubscriberConfig", "TotalStats"]
 
 log = logging.getLogger("kvroute.client")
-
-_COUNTERS = (
-    "messages",
-    "batches",
-    "blocks",
-    "decode_errors",
-    "unknown_events",
-    "skipped_frames",
-    "gaps",
-    "replays",
-    "replayed_batches",
-    "resets",
-)
 
 
 def _first_leaf(exc: BaseException) -> BaseException:
@@ -65,23 +62,13 @@ def _first_leaf(exc: BaseException) -> BaseException:
         exc = inner[0]
 
 
-class TotalStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters summed over the current sources, and how many are connected / synced / partial."""
+class TotalStats(SourceCounters, frozen=True, kw_only=True):  # type: ignore[misc]  # see SourceStats
+    """Every `SourceCounters` field summed over the current sources, and how many are connected / synced / partial."""
 
     sources: int = 0
     connected: int = 0
     synced: int = 0
     partial: int = 0
-    messages: int = 0
-    batches: int = 0
-    blocks: int = 0
-    decode_errors: int = 0
-    unknown_events: int = 0
-    skipped_frames: int = 0
-    gaps: int = 0
-    replays: int = 0
-    replayed_batches: int = 0
-    resets: int = 0
 
 
 class ClientStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -237,7 +224,8 @@ class KvEventClient:
     is at entry when there are no targets. Until their sources are synced, restored
     workers are not "synced", so a router does not trust them. Leaving ``async with`` keeps
     where each source stopped: entering again resumes from there, like a restored index.
-    Raises `SnapshotError` when a restored position is out of range.
+    A restored position out of range (or a ts that is not finite) drops that worker's
+    restored state, with a warning; the other workers keep theirs.
     """
 
     def __init__(
@@ -253,7 +241,7 @@ class KvEventClient:
         discovery_options: DiscoveryOptions | None = None,
     ) -> None:
         if not discovery_interval > 0 or not discovery_grace >= 0:
-            raise ValueError(
+            raise ConfigError(
                 "discovery_interval must be > 0 and discovery_grace >= 0, "
                 f"not {discovery_interval!r}, {discovery_grace!r}"
             )
@@ -268,10 +256,14 @@ class KvEventClient:
         self._discovery_options = discovery_options or DiscoveryOptions()
         # Warm restart: positions not yet handed to a source, and the restored workers no
         # source has claimed yet (removed once discovery has had its first say).
-        self._resume: dict[WorkerKey, Cursor] = dict(self._index.restored_cursors)
-        for key, cursor in self._resume.items():
-            if not 0 <= cursor.seq < 2**64 - 1 or not math.isfinite(cursor.ts):
-                raise SnapshotError(f"restored position of {key} is invalid: seq {cursor.seq}, ts {cursor.ts}")
+        self._resume: dict[WorkerKey, Cursor] = {}
+        for key, cursor in self._index.restored_cursors.items():
+            if isinstance(cursor.seq, int) and 0 <= cursor.seq < 2**64 - 1 and math.isfinite(cursor.ts):
+                self._resume[key] = cursor
+            else:
+                # One bad position costs that worker its restored state, never the fleet's.
+                log.warning("%s: restored state dropped: invalid position seq %r, ts %r", key, cursor.seq, cursor.ts)
+                self._index.remove_worker(key)
         self._index.restored_cursors = {}
         self._unclaimed: set[WorkerKey] = self._index.workers() | set(self._resume)
         self._subs: dict[WorkerKey, _Subscription] = {}
@@ -280,7 +272,8 @@ class KvEventClient:
         self._targets_pending: set[str] = set()
         self._hub = _Hub()
         self._tg: anyio.abc.TaskGroup | None = None
-        self._limiter: anyio.CapacityLimiter | None = None
+        self._limiter: ReplaySlots | None = None
+        self._max_sources = self._config.max_sources or DEFAULT_MAX_SOURCES
         self._changed: anyio.Event | None = None
         self._refused = 0
         self._removed = 0
@@ -291,10 +284,22 @@ class KvEventClient:
 
     async def __aenter__(self) -> KvEventClient:
         if self._tg is not None:
-            raise RuntimeError("KvEventClient is already running")
+            raise ClientStateError("KvEventClient is already running")
         if self._ctx is None:
             self._ctx = zmq.Context()
-        self._limiter = anyio.CapacityLimiter(self._config.max_concurrent_replays)
+            # Engines may publish on IPv6 ([::1] or a global address); libzmq's default is IPv4 only.
+            self._ctx.setsockopt(zmq.IPV6, 1)
+        try:
+            try:
+                self._max_sources = fit_sources(self._ctx, self._config.max_sources, own_context=self._own_ctx)
+            except zmq.ZMQError as exc:
+                raise ConfigError(f"cannot size the zmq context for max_sources: {exc}") from exc
+        except BaseException:
+            if self._own_ctx:
+                self._ctx.term()
+                self._ctx = None
+            raise
+        self._limiter = ReplaySlots(self._config.max_concurrent_replays, self._config.replay_slice)
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
@@ -333,7 +338,7 @@ class KvEventClient:
 
     def _task_group(self) -> anyio.abc.TaskGroup:
         if self._tg is None:
-            raise RuntimeError("KvEventClient is not running (use `async with`)")
+            raise ClientStateError("KvEventClient is not running (use `async with`)")
         return self._tg
 
     # --- sources ----------------------------------------------------------------------------------
@@ -371,8 +376,8 @@ class KvEventClient:
             if old.driver.source == source:
                 return True
             self._remove(source.key, "replaced")
-        elif len(self._subs) >= self._config.max_sources:
-            return self._refuse(source, f"max_sources ({self._config.max_sources}) reached")
+        elif len(self._subs) >= self._max_sources:
+            return self._refuse(source, f"max_sources ({self._max_sources}) reached")
         assert self._ctx is not None and self._limiter is not None  # set on entry
         problem = source_problem(source, self._ctx, self._config)
         if problem is not None:
@@ -578,7 +583,7 @@ class KvEventClient:
         with anyio.fail_after(timeout):
             while not self._all_synced():
                 if self._tg is None:
-                    raise RuntimeError("KvEventClient is not running (use `async with`)")
+                    raise ClientStateError("KvEventClient is not running (use `async with`)")
                 if self._changed is None:
                     self._changed = anyio.Event()
                 await self._changed.wait()
@@ -606,8 +611,10 @@ class KvEventClient:
 
     def stats(self) -> ClientStats:
         """A snapshot of every source's counters, their totals, and the client's own."""
-        per = {k: s.driver.stats() for k, s in self._subs.items()}
-        sums = {name: sum(getattr(st, name) for st in per.values()) for name in _COUNTERS}
+        # A copy first (one C call): a scrape from another thread must not iterate a dict
+        # the event loop resizes under it.
+        per = {k: s.driver.stats() for k, s in self._subs.copy().items()}
+        sums = {name: sum(getattr(st, name) for st in per.values()) for name, _ in COUNTER_FIELDS}
         totals = TotalStats(
             sources=len(per),
             connected=sum(st.connected for st in per.values()),

@@ -22,8 +22,14 @@ with jittered exponential backoff inside the caller's one overall timeout), `Rpc
 `MalformedAnswerError`, `TooManySourcesError`. Options that cannot work raise
 `InvalidOptionsError` (also a ValueError) before anything is sent.
 
+Hosts are judged as addresses, not spellings: every IPv4 shorthand libzmq would accept
+("127.1", "2130706433", "0x7f000001"), IPv4-mapped IPv6, and host names (resolved here, in
+the discovery's thread, then connected to by the address judged) count as loopback or
+unspecified when they are; an unspecified address is a wildcard (the dialled host).
+
 Threads: grpc's asyncio API runs only on asyncio and kvroute supports trio as well, so each call
-uses grpc's threaded client; the wait for its answer runs in one anyio worker thread, and
+uses grpc's threaded client; the wait for its answer runs in a worker thread from the
+discovery's own limiter (one thread per discovery, never anyio's shared pool), and
 cancelling the caller cancels the call, which frees that thread at once.
 """
 
@@ -32,8 +38,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Final
 
@@ -101,6 +108,8 @@ _METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
 _METADATA_VALUE = re.compile(r"[\x20-\x7e]*")
 # Host names a discovery answer may use: DNS-ish labels (underscores appear in container names).
 _HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.\-]*[A-Za-z0-9_])?")
+# ZeroMQ's z85 alphabet (a CURVE key is 40 of these characters).
+_Z85 = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]+")
 
 
 class InvalidOptionsError(KvRouteError, ValueError):
@@ -146,6 +155,27 @@ class TlsConfig(msgspec.Struct, frozen=True, kw_only=True):
         if (self.private_key is None) != (self.certificate_chain is None):
             raise InvalidOptionsError("TLS private_key and certificate_chain go together (a client certificate)")
 
+    def __repr__(self) -> str:
+        # A private key given as PEM bytes never reaches a log or a traceback (a path may).
+        key = "<secret>" if isinstance(self.private_key, bytes) else repr(self.private_key)
+        return (
+            f"TlsConfig(root_certificates={_short(self.root_certificates)}, private_key={key}, "
+            f"certificate_chain={_short(self.certificate_chain)}, server_name={self.server_name!r})"
+        )
+
+
+def _short(pem: bytes | str | None) -> str:
+    return f"<{len(pem)} bytes of PEM>" if isinstance(pem, bytes) else repr(pem)
+
+
+# Call metadata keys that carry credentials: refused over plaintext to a remote target unless
+# allowed, and never shown by repr.
+_CREDENTIAL_KEY = re.compile(r".*(auth|token|secret|password|passwd|cookie|api-?key|credential|session).*")
+
+
+def _is_credential(key: str) -> bool:
+    return _CREDENTIAL_KEY.fullmatch(key) is not None
+
 
 class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How to ask a target: engine, overall timeout, TLS, call metadata, naming and endpoint policy.
@@ -155,6 +185,12 @@ class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
     pairs sent with every call (e.g. ``("authorization", "Bearer <token>")``). ``worker_id``:
     the name of the target's workers (default: the target string). ``allow_ipc``,
     ``allowed_hosts``, ``max_sources_per_target``: the endpoint policy (module docstring).
+    ``allow_plaintext_credentials``: send credential metadata (``authorization``, keys naming
+    a token, key, secret, password, cookie or session) without TLS to a target that is not
+    this machine; refused by default (`InvalidOptionsError` when discovering). ``curve_server_keys``:
+    the CURVE server public key (z85) of each target's publishers, by target string as given
+    to the client (engines do not advertise keys); every source discovered from that target
+    carries it. ``repr`` shows neither credential values nor a private key.
     """
 
     engine: str = "auto"
@@ -165,6 +201,16 @@ class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
     allow_ipc: bool = False
     allowed_hosts: Sequence[str] | None = None
     max_sources_per_target: int = DEFAULT_MAX_SOURCES
+    allow_plaintext_credentials: bool = False
+    curve_server_keys: Mapping[str, str] | Sequence[tuple[str, str]] = ()
+
+    def __repr__(self) -> str:
+        shown = []
+        for name, value in msgspec.structs.asdict(self).items():
+            if name == "metadata":
+                value = tuple((k, "<secret>" if _is_credential(k) else v) for k, v in value)
+            shown.append(f"{name}={value!r}")
+        return f"DiscoveryOptions({', '.join(shown)})"
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -186,6 +232,27 @@ class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
             hosts = tuple(self.allowed_hosts)
             _HostAllowList(hosts)  # validates every entry
             msgspec.structs.force_setattr(self, "allowed_hosts", hosts)
+        # Kept as sorted (target, key) pairs: the options stay hashable, like the other sequences.
+        keys = dict(self.curve_server_keys)
+        for target, key in keys.items():
+            if not isinstance(key, str) or len(key) != 40 or not _Z85.fullmatch(key):
+                raise InvalidOptionsError(f"curve_server_keys[{target!r}] must be a 40-character z85 public key")
+        msgspec.structs.force_setattr(self, "curve_server_keys", tuple(sorted(keys.items())))
+
+    def curve_server_key(self, target: str) -> str | None:
+        """The CURVE server key configured for ``target``'s publishers, if any."""
+        return dict(self.curve_server_keys).get(target)
+
+    def check_channel(self, target: str, host: str) -> None:
+        """Refuse credential metadata over plaintext to a remote ``target`` (unless allowed)."""
+        if self.tls is not None or self.allow_plaintext_credentials or _is_local(host):
+            return
+        secret = [k for k, _ in self.metadata if _is_credential(k)]
+        if secret:
+            raise InvalidOptionsError(
+                f"{target}: metadata {', '.join(secret)} would go over plaintext; "
+                "configure tls, or set allow_plaintext_credentials=True"
+            )
 
 
 def _check_metadata(key: str, value: str | bytes) -> None:
@@ -233,9 +300,41 @@ def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         return None
 
 
-def _is_local(host: str) -> bool:
+# The IPv4 spellings inet_aton (and so getaddrinfo, and so libzmq) also accepts: 1 to 4 parts,
+# each decimal, octal or hex ("127.1", "2130706433", "0x7f000001", "0177.0.0.1", "0").
+_INET_ATON = re.compile(r"(?:0[xX][0-9a-fA-F]*|[0-9]+)(?:\.(?:0[xX][0-9a-fA-F]*|[0-9]+)){0,3}")
+_LOCAL_NAMES: Final = frozenset({"localhost", "localhost.", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``host`` spells, however it spells it; None for a host name.
+
+    Judged as an address, not a spelling: shorthand IPv4 is expanded, an IPv4-mapped or
+    IPv4-compatible IPv6 address is its IPv4 address.
+    """
     address = _ip(host)
-    return address.is_loopback if address is not None else host.lower() in ("localhost", "localhost.")
+    if address is None and _INET_ATON.fullmatch(host):
+        try:
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return address.ipv4_mapped
+        packed = address.packed
+        if packed[:12] == bytes(12) and packed[12:] != bytes(4) and address != ipaddress.IPv6Address("::1"):
+            return ipaddress.IPv4Address(packed[12:])  # ::a.b.c.d, the deprecated compatible form
+    return address
+
+
+def _this_host(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Connecting to ``address`` reaches this machine: loopback, or unspecified (0.0.0.0, ::)."""
+    return address.is_loopback or address.is_unspecified
+
+
+def _is_local(host: str) -> bool:
+    address = _address(host)
+    return _this_host(address) if address is not None else host.lower() in _LOCAL_NAMES
 
 
 def _fmt_host(host: str) -> str:
@@ -263,9 +362,16 @@ class _Unusable(Exception):
 class _Resolver:
     """Turns advertised endpoints into connectable, policy-checked ones for one dialled host."""
 
-    def __init__(self, dialled: str, options: DiscoveryOptions) -> None:
+    def __init__(
+        self,
+        dialled: str,
+        options: DiscoveryOptions,
+        dialled_addresses: Sequence[ipaddress.IPv4Address | ipaddress.IPv6Address] = (),
+    ) -> None:
         self.dialled = dialled
-        self.dialled_is_local = _is_local(dialled)
+        self.dialled_addresses = list(dialled_addresses)
+        # A dialled name is judged by what it resolved to (discover_with resolves it first).
+        self.dialled_is_local = _is_local(dialled) or any(_this_host(a) for a in dialled_addresses)
         self.allow_ipc = options.allow_ipc
         self.allow_list = None if options.allowed_hosts is None else _HostAllowList(options.allowed_hosts)
 
@@ -294,15 +400,18 @@ class _Resolver:
             host, sep, port = rest.rpartition(":")
         if not sep or not port.isdigit() or not 0 < int(port) < 65536:
             raise _Unusable(f"{endpoint}: needs host:port with a port in 1-65535")
-        if host in _WILDCARD_HOSTS:
-            host = self.dialled
-        elif _ip(host) is None and not _HOST_NAME.fullmatch(host):
+        address = _address(host)
+        if host in _WILDCARD_HOSTS or (address is not None and address.is_unspecified):
+            host, address = self.dialled, _address(self.dialled)
+        elif address is None and not _HOST_NAME.fullmatch(host):
             raise _Unusable(f"{endpoint}: {host!r} is not an IP address or host name")
         elif _is_local(host) and not self.dialled_is_local:
             raise _Unusable(f"{endpoint}: bound to loopback on {self.dialled}, unreachable from here")
-        if self.allow_list is not None and not self.allow_list.allows(host):
+        if self.allow_list is not None and not self.allow_list.allows(host if address is None else str(address)):
             raise _Unusable(f"{endpoint}: host {host} is not in allowed_hosts")
-        return f"tcp://{_fmt_host(host)}:{int(port)}"
+        # Connect to the address judged, in its canonical form: libzmq must not read another
+        # meaning into a spelling. A host name is resolved and judged later (`_pin_names`).
+        return f"tcp://{_fmt_host(host if address is None else str(address))}:{int(port)}"
 
 
 def _raise_unusable(target: str, problems: list[str]) -> None:
@@ -487,8 +596,11 @@ def _serialize(message: Any) -> bytes:
 class _Caller:
     """Unary calls to one target, retried within one deadline, failures mapped to typed errors."""
 
-    def __init__(self, target: str, host: str, port: int, options: DiscoveryOptions) -> None:
+    def __init__(
+        self, target: str, host: str, port: int, options: DiscoveryOptions, limiter: anyio.CapacityLimiter
+    ) -> None:
         self.target = target
+        self.limiter = limiter
         self.address = f"{_fmt_host(host)}:{port}"
         self.options = options
         self.deadline = time.monotonic() + options.timeout
@@ -516,7 +628,7 @@ class _Caller:
             call = channel.unary_unary(method, request_serializer=_serialize, response_deserializer=parse)
             future = call.future(request, timeout=seconds, metadata=self.metadata)
             try:
-                return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+                return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True, limiter=self.limiter)
             finally:
                 # A no-op once answered; on cancellation it ends the call and frees the waiting thread.
                 future.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leaves Future.cancel untyped
@@ -592,11 +704,92 @@ async def discover(
     return await discover_with(target, options)
 
 
+async def _resolve(
+    target: str, host: str, deadline: float, limiter: anyio.CapacityLimiter
+) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """Every address ``host`` resolves to (in this discovery's own worker thread, within its deadline)."""
+    try:
+        with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+            infos = await anyio.to_thread.run_sync(
+                socket.getaddrinfo, host, None, 0, socket.SOCK_STREAM, abandon_on_cancel=True, limiter=limiter
+            )
+    except (OSError, TimeoutError) as exc:
+        raise UnusableSourceError(target, f"cannot resolve {host!r}: {exc or 'timed out'}") from None
+    out: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
+    for info in infos:
+        address = _address(str(info[4][0]).partition("%")[0])
+        if address is not None and address not in out:
+            out.append(address)
+    if not out:
+        raise UnusableSourceError(target, f"{host!r} resolves to no address")
+    return out
+
+
+async def _pin_names(
+    target: str, sources: list[EventSource], resolver: _Resolver, deadline: float, limiter: anyio.CapacityLimiter
+) -> list[EventSource]:
+    """Resolve every host name the answer uses, judge the addresses, and connect to those instead.
+
+    A name resolving to this machine (loopback or unspecified) from a remote target is refused
+    like the address itself; resolving here and connecting to the result means a later DNS
+    answer cannot send the router somewhere the policy never saw.
+    """
+    if resolver.dialled_is_local:
+        return sources  # a target on this machine may point anywhere: nothing to judge
+    # The dialled name (a wildcard's substitute) is pinned to what it was judged by.
+    pinned: dict[str, str] = {}
+    if resolver.dialled_addresses:
+        pinned[resolver.dialled] = _fmt_host(str(resolver.dialled_addresses[0]))
+
+    async def pin(endpoint: str | None) -> str | None:
+        if endpoint is None or not endpoint.startswith("tcp://"):
+            return endpoint
+        rest = endpoint[len("tcp://") :]
+        host, _, port = rest.rpartition(":")
+        if host.startswith("[") or _address(host) is not None:
+            return endpoint
+        if host not in pinned:
+            addresses = await _resolve(target, host, deadline, limiter)
+            if not resolver.dialled_is_local and any(_this_host(a) for a in addresses):
+                raise UnusableSourceError(
+                    target,
+                    f"unusable KV-event source: {endpoint}: {host} resolves to this machine "
+                    f"({', '.join(map(str, addresses))}), and {resolver.dialled} is remote",
+                )
+            pinned[host] = _fmt_host(str(addresses[0]))
+        return f"tcp://{pinned[host]}:{port}"
+
+    out = []
+    for src in sources:
+        endpoint = await pin(src.endpoint)
+        assert endpoint is not None
+        out.append(msgspec.structs.replace(src, endpoint=endpoint, replay_endpoint=await pin(src.replay_endpoint)))
+    return out
+
+
+def _with_curve(target: str, sources: list[EventSource], options: DiscoveryOptions) -> list[EventSource]:
+    """Every source of ``target`` carries the CURVE server key configured for it, if any."""
+    key = options.curve_server_key(target)
+    if key is None:
+        return sources
+    return [msgspec.structs.replace(src, curve_server_key=key) for src in sources]
+
+
 async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSource]:
-    """`discover` with its options in one `DiscoveryOptions` value (what `follow_target` uses)."""
+    """`discover` with its options in one `DiscoveryOptions` value (what `follow_target` uses).
+
+    Its worker threads (the gRPC wait, name resolution) come from a limiter of its own, one
+    thread per discovery: targets that never answer cannot hold up another target's discovery
+    by exhausting anyio's shared thread pool.
+    """
     host, port = _split_target(target)
-    caller = _Caller(target, host, port, options)
-    resolver = _Resolver(host, options)
+    options.check_channel(target, host)
+    limiter = anyio.CapacityLimiter(1)
+    caller = _Caller(target, host, port, options, limiter)
+    dialled: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
+    if _address(host) is None and host.lower() not in _LOCAL_NAMES:
+        dialled = await _resolve(target, host, caller.deadline, limiter)
+    resolver = _Resolver(host, options, dialled)
     if options.engine in ("auto", "vllm"):
         try:
             answer = await caller.call(
@@ -607,7 +800,8 @@ async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSou
                 raise
             log.debug("%s: no vLLM Control service, trying SGLang", target)
         else:
-            return _vllm_sources(target, resolver, options, answer)
+            sources = _vllm_sources(target, resolver, options, answer)
+            return _with_curve(target, await _pin_names(target, sources, resolver, caller.deadline, limiter), options)
     try:
         info = await caller.call(
             SGLANG_METHOD, sglang_pb.GetServerInfoRequest(), sglang_pb.GetServerInfoResponse.FromString
@@ -618,7 +812,8 @@ async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSou
                 target, exc.code, f"serves neither {VLLM_METHOD} nor {SGLANG_METHOD} (is it the engine's --grpc-port?)"
             ) from None
         raise
-    return _sglang_sources(target, resolver, options, info.json_info)
+    sources = _sglang_sources(target, resolver, options, info.json_info)
+    return _with_curve(target, await _pin_names(target, sources, resolver, caller.deadline, limiter), options)
 
 
 class SourceDiff(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,6 +7,14 @@ class KvRouteError(Exception):
     """Base of every error kvroute raises on purpose."""
 
 
+class ConfigError(KvRouteError, ValueError):
+    """A configuration value is invalid, or does not fit this process (file descriptors, socket limits)."""
+
+
+class ClientStateError(KvRouteError, RuntimeError):
+    """A `KvEventClient` method was called in the wrong state (not running, or already running)."""
+
+
 class DecodeError(KvRouteError):
     """A payload or frame could not be decoded into kvroute's typed events."""
 

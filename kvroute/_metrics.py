@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from ._client import ClientStats, KvEventClient
+from ._errors import ConfigError
 from ._index import IndexStats, PrefixIndex
 from ._router import SELECT_BUCKETS, Router, RouterStats
+from ._subscriber import COUNTER_FIELDS, SourceStats, described_fields
 
 if TYPE_CHECKING:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -36,34 +38,17 @@ SOURCE_LABELS = ("worker_id", "dp_rank")
 # life (a source removed and added again starts from 0, which Prometheus reads as a reset).
 _Field = tuple[str, str, str, str]
 
-SOURCE_FIELDS: tuple[_Field, ...] = (
-    ("kvroute_source_messages", "messages", "counter", "Live messages received, of any shape."),
-    ("kvroute_source_batches", "batches", "counter", "Batches applied to the index, live or replayed."),
-    ("kvroute_source_blocks", "blocks", "counter", "Blocks stored by the applied batches."),
-    (
-        "kvroute_source_decode_errors",
-        "decode_errors",
-        "counter",
-        "Payloads that did not decode (malformed, or past a Limits cap).",
-    ),
-    ("kvroute_source_unknown_events", "unknown_events", "counter", "Events of an unknown type, skipped."),
-    (
-        "kvroute_source_skipped_frames",
-        "skipped_frames",
-        "counter",
-        "Messages or replay replies of the wrong frame shape, skipped.",
-    ),
-    ("kvroute_source_gaps", "gaps", "counter", "Seq gaps seen (an undecodable in-order batch is one too)."),
-    ("kvroute_source_replays", "replays", "counter", "Replay requests sent."),
-    ("kvroute_source_replayed_batches", "replayed_batches", "counter", "Batches received in replay replies."),
-    ("kvroute_source_resets", "resets", "counter", "Times the worker's index state was dropped."),
-    ("kvroute_source_last_seq", "last_seq", "gauge", "The last applied seq (-1 before any)."),
-    ("kvroute_source_connected", "connected", "gauge", "1 while the SUB socket has a publisher."),
-    ("kvroute_source_partial", "partial", "gauge", "1 when the worker's history before its replay buffer is unknown."),
+# Derived from the stats Structs' fields, each field's description its help: a counter added
+# to `SourceCounters` (or `RecoveryStats`) is exported with no edit here.
+SOURCE_FIELDS: tuple[_Field, ...] = tuple(
+    (f"kvroute_source_{name}", name, "counter", doc) for name, doc in COUNTER_FIELDS
+) + tuple(
+    (f"kvroute_source_{name}", name, "gauge", doc)
+    for name, doc in described_fields(SourceStats)
+    if name not in {n for n, _ in COUNTER_FIELDS} and doc
 )
 #: ``SourceStats.state`` becomes this 0/1 gauge (the other states are "syncing" and "resyncing").
 SOURCE_SYNCED: _Field = ("kvroute_source_synced", "state", "gauge", "1 when the source is caught up (state 'synced').")
-
 CLIENT_FIELDS: tuple[_Field, ...] = (
     (
         "kvroute_client_refused_sources",
@@ -213,7 +198,7 @@ class KvRouteCollector:
         self, client: KvEventClient | None = None, router: Router | None = None, index: PrefixIndex | None = None
     ) -> None:
         if client is None and router is None and index is None:
-            raise ValueError("KvRouteCollector needs a client, a router or an index to read")
+            raise ConfigError("KvRouteCollector needs a client, a router or an index to read")
         try:
             import prometheus_client  # noqa: F401 (fail here, not at the first scrape)
         except ImportError as exc:

@@ -61,9 +61,10 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Sequence
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
+from msgspec import Meta
 
 from ._events import (
     Connected,
@@ -147,33 +148,30 @@ class Emit(msgspec.Struct, frozen=True):
 Action = Apply | RequestReplay | ResetWorker | RecreateSubscriber | Emit
 
 
-class RecoveryStats(msgspec.Struct):
+class RecoveryStats(msgspec.Struct, kw_only=True):
     """Counters of one source's machine, monotonic over its lifetime.
 
-    ``applied``: batches handed out in `Apply`; ``duplicates``: copies of a batch already
-    applied or held, dropped; ``stale``: old seqs no longer in the ts ring (or unreadable, or
-    arriving while a source without replay is disconnected), dropped; ``undecodable``:
-    payloads that failed to decode; ``invalid``: seqs out of range and replies with no
-    request; ``gaps``: live gaps; ``replays``: requests issued, of which ``identity_checks``
-    and ``probes``; ``replay_failures``: requests that got no answer; ``restarts``: engine
-    restarts seen; ``resets``: `ResetWorker` actions; ``uncovered``: losses no replay could
-    fill; ``overflows``: batches that found the hold full.
+    The one definition of the recovery counters: `kvroute.SourceStats`, `kvroute.TotalStats`
+    and the Prometheus per-source families are derived from these fields (each field's
+    description is its metric's help text), so adding a counter here is the whole change.
     """
 
-    applied: int = 0
-    duplicates: int = 0
-    stale: int = 0
-    undecodable: int = 0
-    invalid: int = 0
-    gaps: int = 0
-    replays: int = 0
-    replay_failures: int = 0
-    identity_checks: int = 0
-    probes: int = 0
-    restarts: int = 0
-    resets: int = 0
-    uncovered: int = 0
-    overflows: int = 0
+    batches: Annotated[int, Meta(description="Batches applied to the index, live or replayed.")] = 0
+    duplicates: Annotated[int, Meta(description="Copies of a batch already applied or held, dropped.")] = 0
+    stale: Annotated[
+        int, Meta(description="Old seqs no longer in the ts ring, unreadable, or sent while down, dropped.")
+    ] = 0
+    undecodable: Annotated[int, Meta(description="Undecodable batches that fell in the sequence (holes).")] = 0
+    invalid: Annotated[int, Meta(description="Seqs out of range and replies with no request, dropped.")] = 0
+    gaps: Annotated[int, Meta(description="Live seq gaps seen (an undecodable in-order batch is one too).")] = 0
+    replays: Annotated[int, Meta(description="Replay requests issued.")] = 0
+    replay_failures: Annotated[int, Meta(description="Replay requests that got no usable answer.")] = 0
+    identity_checks: Annotated[int, Meta(description="Replay requests that checked the engine's identity.")] = 0
+    probes: Annotated[int, Meta(description="Replay probes for a lost tail (quiet source, first connect).")] = 0
+    restarts: Annotated[int, Meta(description="Engine restarts seen.")] = 0
+    resets: Annotated[int, Meta(description="Times the worker's index state was dropped.")] = 0
+    uncovered: Annotated[int, Meta(description="Losses no replay could fill (gaps skipped for good).")] = 0
+    overflows: Annotated[int, Meta(description="Batches that found the hold (waiting for a replay) full.")] = 0
 
 
 # A batch waiting to be applied: (ts, batch or None when undecodable, came from a replay).
@@ -198,7 +196,15 @@ class SourceMachine:
     publisher drop anyway.
     """
 
-    def __init__(self, *, has_replay: bool, ts_ring: int = 4096, max_held: int = 100_000) -> None:
+    def __init__(
+        self,
+        *,
+        has_replay: bool,
+        ts_ring: int = 4096,
+        max_held: int = 100_000,
+        max_held_bytes: int | None = None,
+        stats: RecoveryStats | None = None,
+    ) -> None:
         if ts_ring < 1:
             raise ValueError(f"ts_ring must be >= 1, got {ts_ring}")
         if max_held < 1:
@@ -206,13 +212,16 @@ class SourceMachine:
         self.has_replay = has_replay
         self.ts_ring = ts_ring
         self.max_held = max_held
+        #: Like ``max_held``, in the sizes `on_live` is given (None: no byte bound).
+        self.max_held_bytes = max_held_bytes
         #: Newest seq accounted for: applied, or skipped as lost. -1 before anything.
         self.last_seq = -1
         #: The history before the current run is unknown (see `Partial`).
         self.partial = False
         #: The replay request the driver is carrying out, if any.
         self.replay_in_flight: RequestReplay | None = None
-        self.stats = RecoveryStats()
+        #: Counted into ``stats`` when given (the driver's per-source counters extend it).
+        self.stats = stats if stats is not None else RecoveryStats()
         # The ts ring: slot seq % ts_ring holds the newest applied seq of that residue and its
         # ts (_SEQ_END: empty). Two flat arrays, 16 bytes a slot, one store each per batch.
         self._ring_seq = array("Q", [_SEQ_END]) * ts_ring
@@ -220,6 +229,9 @@ class SourceMachine:
         #: Newest seq recorded in the ring (-1: none since the last restart).
         self._newest = -1
         self._held: dict[int, _Held] = {}
+        # Sizes of the held live batches given one (`on_live`'s ``size``), and their sum.
+        self._held_size: dict[int, int] = {}
+        self._held_bytes = 0
         # Initial history not known yet: with replay, a cold replay is needed; without,
         # the first live message starts the history (and ``_first_reason`` says why).
         self._history: _History = "cold" if has_replay else "first-live"
@@ -323,8 +335,8 @@ class SourceMachine:
         self._down = True  # until the first connect: hold live batches, ask nothing
         return self._done(before, out)
 
-    def on_live(self, seq: int, ts: float, batch: EventBatch | None) -> list[Action]:
-        """One live message; ``batch`` None = its payload failed to decode."""
+    def on_live(self, seq: int, ts: float, batch: EventBatch | None, size: int = 0) -> list[Action]:
+        """One live message; ``batch`` None = its payload failed to decode; ``size``: its bytes (``max_held_bytes``)."""
         if (
             seq == self.last_seq + 1
             and batch is not None
@@ -341,11 +353,11 @@ class SourceMachine:
             self._ring_ts[i] = ts
             self._newest = self.last_seq = seq
             self._dirty = True
-            self.stats.applied += 1
+            self.stats.batches += 1
             return [Apply([(seq, ts, batch)])]
         before = self.state
         out: list[Action] = []
-        self._live(seq, ts, batch, out)
+        self._live(seq, ts, batch, out, size)
         return self._done(before, out)
 
     def on_replay(self, items: Sequence[tuple[int, float, EventBatch | None]], *, complete: bool) -> list[Action]:
@@ -465,11 +477,13 @@ class SourceMachine:
         self._ring_seq = array("Q", [_SEQ_END]) * self.ts_ring
         self._newest = -1
         self._held.clear()
+        self._held_size.clear()
+        self._held_bytes = 0
         self._identity_question = False
         self._identity_ok = False
         self._identity_failures = 0
 
-    def _live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action]) -> None:
+    def _live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action], size: int = 0) -> None:
         if not 0 <= seq < _SEQ_END:
             self.stats.invalid += 1
             return
@@ -497,17 +511,28 @@ class SourceMachine:
                 out.append(Emit(Gap(seq, seq, "undecodable")))
         if not self._hold(seq, ts, batch, False, out):
             return
-        if len(self._held) > self.max_held:
+        if size and seq in self._held and seq not in self._held_size:
+            self._held_size[seq] = size
+            self._held_bytes += size
+        if len(self._held) > self.max_held or (
+            self.max_held_bytes is not None and self._held_bytes > self.max_held_bytes
+        ):
             self.stats.overflows += 1
+            what = (
+                f"more than {self.max_held} batches"
+                if len(self._held) > self.max_held
+                else f"more than {self.max_held_bytes} bytes of batches"
+            )
             if self._identity_question or self._down:
                 # Applying them would trust an engine that has not been checked: start over.
-                detail = f"more than {self.max_held} batches held while the engine's identity is unchecked"
-                self._restart(detail, out, reason="overflow")
+                self._restart(f"{what} held while the engine's identity is unchecked", out, reason="overflow")
                 return
             # Batches are held only while a replay is in flight, and it (or its retry, or the
             # next gap or quiet probe) brings the newest one back from the engine's buffer:
             # drop that one rather than give up the older gap, which the replay may still fill.
-            del self._held[max(self._held)]
+            newest = max(self._held)
+            del self._held[newest]
+            self._held_bytes -= self._held_size.pop(newest, 0)
         self._advance(out)
 
     def _old_live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action]) -> None:
@@ -771,6 +796,7 @@ class SourceMachine:
     def _skip_to(self, h: int, reason: ResetReason, detail: str, out: list[Action]) -> None:
         for seq in [s for s in self._held if s <= h]:
             del self._held[seq]
+            self._held_bytes -= self._held_size.pop(seq, 0)
         self.last_seq = h
         self.stats.uncovered += 1
         self._reset(reason, detail, out)
@@ -799,11 +825,13 @@ class SourceMachine:
             if entry is None or entry[1] is None:
                 break
             del held[nxt]
+            if self._held_size:
+                self._held_bytes -= self._held_size.pop(nxt, 0)
             items.append((nxt, entry[0], entry[1]))
             self._record(nxt, entry[0])
             nxt += 1
         if items:
             self.last_seq = nxt - 1
             self._dirty = True
-            self.stats.applied += len(items)
+            self.stats.batches += len(items)
             out.append(Apply(items))

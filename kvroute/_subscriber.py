@@ -12,23 +12,46 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Annotated, Protocol, get_args
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import zmq
+from msgspec import Meta
 
 from . import _zmq
-from ._errors import DecodeError
+from ._errors import ConfigError, DecodeError
 from ._events import Envelope, LifecycleEvent, Partial, Reset
 from ._index import PrefixIndex
 from ._models import EventSource, SourceState, WorkerStatus
 from ._snapshot import Cursor
-from ._source import Action, Apply, Emit, RecreateSubscriber, RequestReplay, ResetWorker, SourceMachine
+from ._source import (
+    Action,
+    Apply,
+    Emit,
+    RecoveryStats,
+    RecreateSubscriber,
+    RequestReplay,
+    ResetWorker,
+    SourceMachine,
+)
 from ._wire import BatchDecoder, BlockStored, EventBatch, Limits
 
-__all__ = ["EventSink", "RateLimitedLog", "SourceDriver", "SourceStats", "SubscriberConfig", "source_problem"]
+__all__ = [
+    "EventSink",
+    "RateLimitedLog",
+    "ReplaySlots",
+    "SourceCounters",
+    "SourceDriver",
+    "SourceStats",
+    "SubscriberConfig",
+    "COUNTER_FIELDS",
+    "described_fields",
+    "source_problem",
+]
 
 log = logging.getLogger("kvroute.subscriber")
 
@@ -60,86 +83,263 @@ _HANDSHAKE_FAILED = (
 _LOG_EVERY = 10.0
 
 
+# What one replay reply was (`SourceDriver._on_reply`).
+_END, _BATCH, _JUNK = object(), object(), object()
+
+
+class _Turn:
+    """One replay turn holding a slot: since when, and the scope of its current wait (to wake it)."""
+
+    __slots__ = ("began", "nudged", "scope")
+
+    def __init__(self) -> None:
+        self.began = 0.0
+        self.nudged = False
+        self.scope: anyio.CancelScope | None = None
+
+
+class ReplaySlots:
+    """The replay slots every source of a client shares: first come, first served, and no slot kept.
+
+    `turn` waits for a slot in arrival order. A turn that has held its slot for ``slice``
+    seconds gives way as soon as another source waits (`contended`): the waiter wakes the
+    oldest such holder at once, which ends its turn. So a few slow or hostile replay
+    endpoints delay an honest source's replay by at most about one slice.
+    """
+
+    def __init__(self, capacity: int, slice_seconds: float) -> None:
+        self._limiter = anyio.CapacityLimiter(capacity)
+        self.slice = slice_seconds
+        self._holders: dict[_Turn, None] = {}  # oldest first
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[_Turn]:
+        """Hold one slot for the body of the ``async with``."""
+        turn = _Turn()
+        if self._limiter.available_tokens < 1:
+            self._nudge()
+        await self._limiter.acquire_on_behalf_of(turn)
+        turn.began = anyio.current_time()
+        self._holders[turn] = None
+        try:
+            yield turn
+        finally:
+            del self._holders[turn]
+            self._limiter.release_on_behalf_of(turn)
+
+    @property
+    def contended(self) -> bool:
+        """Some source waits for a slot."""
+        return self._limiter.statistics().tasks_waiting > 0
+
+    def _nudge(self) -> None:
+        now = anyio.current_time()
+        for turn in self._holders:
+            if not turn.nudged and now - turn.began >= self.slice and turn.scope is not None:
+                turn.nudged = True
+                turn.scope.cancel()
+                return
+
+
+# The longest the pump works between two yields to the event loop (one batch may overrun it).
+_SLICE = 0.01
+
+
+class _ReplayRun:
+    """One replay request across its turns: what came back and what it may still spend."""
+
+    __slots__ = ("budget", "complete", "cut", "deadline", "item_bytes", "items", "replies", "silent_left")
+
+    def __init__(self, deadline: float, budget: int, silent_left: float) -> None:
+        self.deadline = deadline
+        self.budget = budget
+        #: Slot time left without a decodable reply before the request is given up.
+        self.silent_left = silent_left
+        self.replies = 0
+        #: Payload bytes received: the items are bounded like held batches (``held_bytes``).
+        self.item_bytes = 0
+        self.items: list[tuple[int, float, EventBatch | None]] = []
+        self.complete = False
+        #: Why the request ended before its end marker (a deadline or budget), if it did.
+        self.cut: str | None = None
+
+
+_MiB = 1 << 20
+
+
 class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """How `KvEventClient` subscribes: socket options, replay bounds, fan-out and decode limits.
+    """How `KvEventClient` subscribes: socket options, replay bounds, memory budgets, fan-out and decode limits.
 
-    Times are in seconds. Defaults:
+    Times are in seconds, sizes in bytes. Defaults:
 
-    - ``max_message_size`` 16 MiB: a step's batch is far smaller (a 65,536-token step is
+    - ``max_message_size`` 4 MiB: a step's batch is far smaller (a 65,536-token step is
       ~0.3 MB of msgpack); larger messages make libzmq drop the connection.
+    - ``queue_bytes`` 64 MiB: what each socket (SUB, replay DEALER) may queue inside libzmq.
+      Its receive high-water mark is at most ``queue_bytes // max_message_size`` messages
+      (at least 1): past it the engine's side buffers (its PUB holds 100,000 batches).
+    - ``rcvhwm`` None: use the source's advertised ``hwm``, else libzmq's 1,000; either way
+      clamped to [1, ``queue_bytes // max_message_size``] (an advertised 0, libzmq's
+      "unlimited", never is).
+    - ``wakeup_bytes`` 4 MiB: payload bytes the pump decodes per wakeup before it yields to
+      the event loop (at least one message): a flood never blocks the loop for long.
+    - ``held_bytes`` 8 MiB: payload bytes of the live batches held while a replay is
+      outstanding (decoded, an engine's batch takes ~7x its payload); past it the newest
+      held batch is dropped (a replay fetches it again; counted in ``overflows``), as past
+      ``max_held`` batches.
+      One replay answer is read up to the same size before it is handed over.
     - ``reconnect_ivl`` 0.1 / ``reconnect_ivl_max`` 5.0: libzmq's 100 ms first retry, backing
       off to 5 s against an engine that stays down.
     - ``tcp_keepalive`` True: the OS probes idle connections, so a vanished host is noticed.
-    - ``rcvhwm`` None: use the source's advertised ``hwm`` (engines publish with 100,000),
-      else libzmq's 1,000.
-    - ``replay_timeout`` 1.0: the longest wait for the first reply and between replies; an
-      idle engine may answer ~100 ms late (docs/protocol.md §4).
-    - ``max_concurrent_replays`` 8: replays in flight across all sources; each engine
-      serves one at a time, and a reconnect storm must not stall every pump at once.
+    - ``replay_timeout`` 1.0: the longest a replay holds a slot without a decodable reply (for
+      the first one, and between replies; junk does not count); an idle engine may answer
+      ~100 ms late (docs/protocol.md §4).
+    - ``replay_deadline`` 30.0 / ``replay_budget`` 100,000: one replay request ends after
+      this long or this many replies (malformed ones included), end marker or not; what
+      came is applied and the rest asked again.
+    - ``replay_slice`` 0.1: a replay holding a slot this long gives it up as soon as another
+      source waits for one (its replies so far are applied; it queues again for the rest),
+      so a few slow or hostile replay endpoints cannot starve the others.
+    - ``max_concurrent_replays`` 8: replay slots shared by all sources; each engine serves
+      one at a time, and a reconnect storm must not stall every pump at once.
     - ``quiet_interval`` 2.0: a source silent this long gets a replay probe (docs/recovery.md rules
       7-8: lost tail, silent restart); one small request per source per interval.
     - ``recv_batch`` 1024: messages drained per wakeup before yielding to other sources.
     - ``events_buffer`` 10,000: envelopes buffered per `events()` iterator before the
       oldest are dropped.
-    - ``max_sources`` 4096: sources subscribed at once; more are refused (logged, counted).
+    - ``max_sources`` None: sources subscribed at once, more are refused (logged, counted).
+      None = as many as the process's file descriptors and the zmq context's socket limit
+      allow, at most 4,096 (checked when the client starts; an explicit value that does
+      not fit raises `ConfigError` there).
     - ``curve_public_key`` / ``curve_secret_key``: the client's CURVE key pair (z85); used
-      for every source that names a ``curve_server_key``.
+      for every source that names a ``curve_server_key``. Never shown by ``repr``.
     - ``limits``: decode caps per batch (`Limits`).
+
+    Invalid values raise `ConfigError` (a `KvRouteError` and a `ValueError`).
     """
 
-    max_message_size: int = 16 * 1024 * 1024
+    max_message_size: int = 4 * _MiB
+    queue_bytes: int = 64 * _MiB
+    rcvhwm: int | None = None
+    wakeup_bytes: int = 4 * _MiB
+    held_bytes: int = 8 * _MiB
     reconnect_ivl: float = 0.1
     reconnect_ivl_max: float = 5.0
     tcp_keepalive: bool = True
-    rcvhwm: int | None = None
     replay_timeout: float = 1.0
+    replay_deadline: float = 30.0
+    replay_budget: int = 100_000
+    replay_slice: float = 0.1
     max_concurrent_replays: int = 8
     quiet_interval: float = 2.0
     recv_batch: int = 1024
     events_buffer: int = 10_000
-    max_sources: int = 4096
+    max_sources: int | None = None
     curve_public_key: str | None = None
     curve_secret_key: str | None = None
     limits: Limits = msgspec.field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if (self.curve_public_key is None) != (self.curve_secret_key is None):
-            raise ValueError("curve_public_key and curve_secret_key go together")
-        for name in ("replay_timeout", "quiet_interval", "reconnect_ivl"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
-        for name in ("max_concurrent_replays", "recv_batch", "events_buffer", "max_sources"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+            raise ConfigError("curve_public_key and curve_secret_key go together")
+        for name in ("replay_timeout", "quiet_interval", "reconnect_ivl", "replay_deadline", "replay_slice"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a finite number > 0, not {value!r}")
+        if not (math.isfinite(self.reconnect_ivl_max) and self.reconnect_ivl_max >= 0):
+            raise ConfigError(f"reconnect_ivl_max must be a finite number >= 0, not {self.reconnect_ivl_max!r}")
+        for name in (
+            "max_concurrent_replays",
+            "recv_batch",
+            "events_buffer",
+            "max_sources",
+            "rcvhwm",
+            "max_message_size",
+            "queue_bytes",
+            "wakeup_bytes",
+            "held_bytes",
+            "replay_budget",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, not {value!r}")
+        if self.max_message_size >= 1 << 63:
+            raise ConfigError(f"max_message_size must be < 2**63, not {self.max_message_size}")
+
+    def __repr__(self) -> str:
+        # The secret key never reaches a log line or a traceback through repr.
+        fields = ", ".join(
+            f"{name}={'<secret>' if name == 'curve_secret_key' and value is not None else repr(value)}"
+            for name, value in msgspec.structs.asdict(self).items()
+        )
+        return f"SubscriberConfig({fields})"
+
+    def sub_rcvhwm(self, advertised: int | None) -> int:
+        """The receive high-water mark a socket gets: the configured or advertised one, within the byte budget."""
+        cap = max(1, self.queue_bytes // self.max_message_size)
+        wanted = self.rcvhwm if self.rcvhwm is not None else advertised if advertised is not None else 1000
+        # An advertised 0 is libzmq's "unlimited" (and a negative one is nonsense): the cap.
+        return cap if wanted < 1 else min(wanted, cap)
 
 
-class SourceStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters of one source since it was added.
+class SourceCounters(RecoveryStats, kw_only=True):
+    """Every counter of one source: the machine's recovery counters plus the driver's I/O counters.
 
-    ``messages``: live messages received; ``batches`` / ``blocks``: batches applied to the
-    index (live or replayed) and the blocks they stored; ``decode_errors``: payloads that did
-    not decode; ``unknown_events``: events of an unknown ``type``, skipped (docs/protocol.md §3);
-    ``skipped_frames``: messages of the wrong shape (live or replay);
-    ``gaps``: seq gaps seen; ``replays``: replay requests sent; ``replayed_batches``: batches
-    received in replies; ``resets``: times the worker's index state was dropped;
-    ``last_seq``: the last applied seq (-1 before any); ``connected``: the SUB has a
-    publisher; ``partial`` / ``state``: as in `WorkerStatus`.
+    The one definition of the I/O counters (the recovery ones are `RecoveryStats`'s): the
+    driver counts into one instance of this, which its machine shares; `SourceStats` and
+    `kvroute.TotalStats` extend it and the Prometheus per-source families are derived from
+    its fields, each field's description being the metric's help. Adding a counter is adding
+    a field here (or to `RecoveryStats`) and counting it.
     """
 
-    messages: int = 0
-    batches: int = 0
-    blocks: int = 0
-    decode_errors: int = 0
-    unknown_events: int = 0
-    skipped_frames: int = 0
-    gaps: int = 0
-    replays: int = 0
-    replayed_batches: int = 0
-    resets: int = 0
-    last_seq: int = -1
-    connected: bool = False
-    partial: bool = False
+    messages: Annotated[int, Meta(description="Live messages received, of any shape.")] = 0
+    blocks: Annotated[int, Meta(description="Blocks stored by the applied batches.")] = 0
+    decode_errors: Annotated[
+        int, Meta(description="Payloads that did not decode (malformed, non-finite ts, or past a Limits cap).")
+    ] = 0
+    unknown_events: Annotated[int, Meta(description="Events of an unknown type, skipped.")] = 0
+    skipped_frames: Annotated[
+        int, Meta(description="Messages or replay replies of the wrong frame shape, skipped.")
+    ] = 0
+    replayed_batches: Annotated[int, Meta(description="Batches received in replay replies.")] = 0
+    replay_yields: Annotated[
+        int, Meta(description="Replay turns that gave their slot up to a waiting source before any reply.")
+    ] = 0
+    replay_cutoffs: Annotated[
+        int, Meta(description="Replays ended by the replay deadline or reply budget, end marker unseen.")
+    ] = 0
+    wakeups_cut: Annotated[
+        int, Meta(description="Pump wakeups that stopped at the wakeup byte budget with messages still queued.")
+    ] = 0
+
+
+# msgspec lets a frozen Struct extend a mutable one; mypy applies dataclass rules, which do not.
+class SourceStats(SourceCounters, frozen=True, kw_only=True):  # type: ignore[misc]
+    """A snapshot of one source: its counters since it was added (`SourceCounters`) and its condition.
+
+    The counter fields are described in `SourceCounters` and `kvroute._source.RecoveryStats`
+    (e.g. ``messages``, ``batches``, ``gaps``, ``replays``, ``resets``, ``duplicates``,
+    ``stale``, ``restarts``, ``uncovered``, ``overflows``).
+    """
+
+    last_seq: Annotated[int, Meta(description="The last applied seq (-1 before any).")] = -1
+    connected: Annotated[bool, Meta(description="1 while the SUB socket has a publisher.")] = False
+    partial: Annotated[bool, Meta(description="1 when the worker's history before its replay buffer is unknown.")] = (
+        False
+    )
     state: SourceState = "syncing"
+
+
+def described_fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, str], ...]:
+    """(name, description) of every field of ``cls``, in definition order ("" when undescribed)."""
+    out = []
+    for f in msgspec.structs.fields(cls):
+        meta = [m for m in get_args(f.type)[1:] if isinstance(m, Meta)]
+        out.append((f.name, (meta[0].description or "") if meta else ""))
+    return tuple(out)
+
+
+#: (name, description) of every per-source counter, in definition order (`SourceCounters`).
+COUNTER_FIELDS = described_fields(SourceCounters)
 
 
 class EventSink(Protocol):
@@ -226,13 +426,17 @@ class SourceDriver:
         config: SubscriberConfig,
         index: PrefixIndex,
         sink: EventSink,
-        limiter: anyio.CapacityLimiter,
+        limiter: ReplaySlots,
         on_change: Callable[[], None],
         resume: Cursor | None = None,
     ) -> None:
         self.source = source
         self.key = source.key
-        self.machine = SourceMachine(has_replay=source.replay_endpoint is not None)
+        #: Every counter of this source; the machine counts its recovery ones into it too.
+        self.counters = SourceCounters()
+        self.machine = SourceMachine(
+            has_replay=source.replay_endpoint is not None, max_held_bytes=config.held_bytes, stats=self.counters
+        )
         # Resumed now, not in run(): the restored state is the machine's from the start, so
         # `cursor` reports it even before the task runs. Its actions are carried out in run().
         self._first_actions = self.machine.resume(resume.seq, resume.ts) if resume is not None else None
@@ -258,16 +462,6 @@ class SourceDriver:
         self._stopped = False
         self._last_activity = 0.0
         self.connected = False
-        # counters (plain ints on the hot path; `stats()` snapshots them)
-        self.messages = 0
-        self.batches = 0
-        self.blocks = 0
-        self.decode_errors = 0
-        self.skipped_frames = 0
-        self.gaps = 0
-        self.replays = 0
-        self.replayed_batches = 0
-        self.resets = 0
 
     # --- views ----------------------------------------------------------------------------------
 
@@ -290,23 +484,12 @@ class SourceDriver:
         return Cursor(*applied) if applied is not None else None
 
     def stats(self) -> SourceStats:
-        """A snapshot of this source's counters."""
+        """A snapshot of this source's counters and condition."""
+        c = self.counters
+        c.unknown_events = self._decoder.unknown_events
         m = self.machine
         return SourceStats(
-            messages=self.messages,
-            batches=self.batches,
-            blocks=self.blocks,
-            decode_errors=self.decode_errors,
-            unknown_events=self._decoder.unknown_events,
-            skipped_frames=self.skipped_frames,
-            gaps=self.gaps,
-            replays=self.replays,
-            replayed_batches=self.replayed_batches,
-            resets=self.resets,
-            last_seq=m.last_seq,
-            connected=self.connected,
-            partial=m.partial,
-            state=m.state,
+            **msgspec.structs.asdict(c), last_seq=m.last_seq, connected=self.connected, partial=m.partial, state=m.state
         )
 
     # --- running ------------------------------------------------------------------------------
@@ -336,7 +519,7 @@ class SourceDriver:
         sub = _zmq.socket(
             self._ctx,
             zmq.SUB,
-            rcvhwm=cfg.rcvhwm if cfg.rcvhwm is not None else src.hwm,
+            rcvhwm=cfg.sub_rcvhwm(src.hwm),
             max_message_size=cfg.max_message_size,
             reconnect_ivl=cfg.reconnect_ivl,
             reconnect_ivl_max=cfg.reconnect_ivl_max,
@@ -377,16 +560,22 @@ class SourceDriver:
     async def _pump(self, sub: zmq.Socket[bytes]) -> None:
         # The hot loop: locals instead of attribute lookups, and the common outcome (one Apply
         # of an in-order batch, docs/recovery.md rule 1) applied without the general dispatch.
-        batch_cap = self._cfg.recv_batch
+        # Each wakeup takes at most recv_batch messages and wakeup_bytes of payload, and the
+        # loop yields to the event loop every _SLICE seconds of work: a flood of large
+        # batches never stalls the other sources, the router, or leaving `async with`.
+        batch_cap, byte_cap = self._cfg.recv_batch, self._cfg.wakeup_bytes
         decode = self._decode
         on_live = self.machine.on_live
         apply, execute = self._apply, self._execute
         nan = math.nan
         poll_monitor = self._poll_monitor
+        counters = self.counters
+        clock = time.perf_counter
         while not self._recreate:
-            msgs = await _zmq.recv_many(sub, batch_cap)
+            msgs, more = await _zmq.recv_budget(sub, batch_cap, byte_cap)
             self._last_activity = anyio.current_time()
-            self.messages += len(msgs)
+            counters.messages += len(msgs)
+            counters.wakeups_cut += more
             # A disconnect must reach the machine before any message that came after it (a
             # restarted engine's first seqs would pass for the old one's). libzmq emits the
             # event before it reconnects, so whatever is queued in the monitor now is older
@@ -395,13 +584,21 @@ class SourceDriver:
             poll_monitor()
             if self._recreate:
                 return
+            yield_at = clock() + _SLICE
             for frames in msgs:
+                if clock() > yield_at:
+                    await anyio.lowlevel.checkpoint()
+                    yield_at = clock() + _SLICE
+                    if self._recreate:
+                        return
                 if len(frames) != 3 or len(frames[1]) != 8:
-                    self.skipped_frames += 1
+                    counters.skipped_frames += 1
                     self._log.warn("skipped message", f"{len(frames)} frames, expected [topic, seq8, payload]")
                     continue
-                batch = decode(frames[2])
-                actions = on_live(int.from_bytes(frames[1], "big"), batch.ts if batch is not None else nan, batch)
+                payload = frames[2]
+                batch = decode(payload)
+                seq = int.from_bytes(frames[1], "big")
+                actions = on_live(seq, batch.ts if batch is not None else nan, batch, len(payload))
                 if len(actions) == 1 and type(actions[0]) is Apply:
                     apply(actions[0].items)
                 else:
@@ -413,14 +610,20 @@ class SourceDriver:
         try:
             batch = self._decoder.decode(payload)
         except DecodeError as exc:
-            self.decode_errors += 1
+            self.counters.decode_errors += 1
             self._log.warn("undecodable payload", str(exc))
+            return None
+        if not math.isfinite(batch.ts):
+            # A NaN or infinite ts cannot tell a duplicate from a restart, nor be saved as a
+            # position: the batch is a hole, like any undecodable one.
+            self.counters.decode_errors += 1
+            self._log.warn("undecodable payload", f"ts {batch.ts!r} is not finite")
             return None
         if batch.untrusted is not None:
             # A removal or clear that could not be read: applying the rest could leave blocks
             # the engine dropped. As an undecodable batch the machine asks for a replay and,
             # when that cannot fix it, resets the worker ("undecodable").
-            self.decode_errors += 1
+            self.counters.decode_errors += 1
             self._log.warn("untrusted batch", batch.untrusted)
             return None
         return batch
@@ -498,8 +701,7 @@ class SourceDriver:
                 continue
             with anyio.CancelScope() as scope:
                 self._replay_scope = scope
-                async with self._limiter:
-                    items, complete, failure = await self._replay(request.from_seq)
+                items, complete, failure = await self._replay(request.from_seq)
             self._replay_scope = None
             if scope.cancelled_caught:
                 # The machine abandoned this request (restart, disconnect): stop waiting for
@@ -513,15 +715,47 @@ class SourceDriver:
                 self._execute(self.machine.on_replay(items, complete=complete))
 
     async def _replay(self, start: int) -> tuple[list[tuple[int, float, EventBatch | None]], bool, str | None]:
-        """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure)."""
+        """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).
+
+        Fair and bounded (README "Security and limits"): the request is carried out in turns,
+        each holding one of the client's replay slots. A turn ends at the end marker; when
+        other sources wait for a slot and it has held its own for ``replay_slice`` (with
+        replies so far, the machine gets them and asks for the rest; with none, the request
+        goes to the back of the queue and is sent again); or when the request as a whole
+        passes ``replay_deadline``, ``replay_budget`` replies (malformed ones count), or
+        ``replay_timeout`` of slot time without a decodable reply (junk does not keep it open).
+        """
+        cfg = self._cfg
+        run = _ReplayRun(anyio.current_time() + cfg.replay_deadline, cfg.replay_budget, cfg.replay_timeout)
+        while True:
+            async with self._limiter.turn() as turn:
+                yielded = await self._replay_turn(start, run, turn)
+            if not yielded:
+                break
+            # Gave the slot up with nothing to show: re-queue behind whoever waited (FIFO).
+            self.counters.replay_yields += 1
+        if not run.complete:
+            # Late replies to this request would pass for answers to the next one: start over
+            # with a fresh DEALER (the engine answers each connection separately).
+            self._close_dealer()
+            if run.cut is not None:
+                self.counters.replay_cutoffs += 1
+                self._log.warn("replay cut short", run.cut)
+            if not run.items:
+                return run.items, False, run.cut or f"no reply within {cfg.replay_timeout:g} s"
+        return run.items, run.complete, None
+
+    async def _replay_turn(self, start: int, run: _ReplayRun, turn: _Turn) -> bool:
+        """One turn holding a replay slot; True when it yielded the slot with no reply to hand over."""
         endpoint = self.source.replay_endpoint
         assert endpoint is not None  # the replay task runs only for sources with one
+        cfg = self._cfg
         if self._dealer is None:
-            cfg = self._cfg
             self._dealer = _zmq.connect(
                 self._ctx,
                 zmq.DEALER,
                 endpoint,
+                rcvhwm=cfg.sub_rcvhwm(None),
                 max_message_size=cfg.max_message_size,
                 reconnect_ivl=cfg.reconnect_ivl,
                 reconnect_ivl_max=cfg.reconnect_ivl_max,
@@ -530,56 +764,80 @@ class SourceDriver:
                 curve_server_key=self.source.curve_server_key if self._curve is not None else None,
             )
         dealer = self._dealer
-        self.replays += 1
-        items: list[tuple[int, float, EventBatch | None]] = []
         if not _zmq.send_nowait(dealer, [b"", start.to_bytes(8, "big")]):
             self._close_dealer()
-            return items, False, "replay request refused (queue full)"
-        complete = False
-        timeout = self._cfg.replay_timeout
+            run.cut = "replay request refused (queue full)"
+            return False
+        clock = anyio.current_time
+        began = last = clock()
+        slots = self._limiter
         # The machine holds at most max_held batches; reading more than that from one answer
         # only buys memory a publisher that never sends the end marker could exhaust.
         cap = self.machine.max_held
-        while not complete and len(items) < cap:
+        items = run.items
+        while len(items) < cap and run.item_bytes < cfg.held_bytes:
+            now = clock()
+            run.silent_left -= now - last
+            last = now
+            if now >= run.deadline:
+                run.cut = f"past the replay deadline ({cfg.replay_deadline:g} s)"
+                return False
+            if run.replies >= run.budget:
+                run.cut = f"past the reply budget ({run.budget} replies)"
+                return False
+            if run.silent_left <= 0:
+                return False
+            past_slice = now - began >= cfg.replay_slice
+            if past_slice and slots.contended:
+                if items:
+                    return False  # the machine applies these and asks for the rest, in its turn
+                self._close_dealer()
+                return True
+            # Within the slice, wake at its end to look for waiters; past it, a waiter wakes us.
+            until = min(run.deadline, now + run.silent_left)
+            if not past_slice:
+                until = min(until, began + cfg.replay_slice)
             msgs: list[list[bytes]] = []
-            with anyio.move_on_after(timeout):
-                msgs = await _zmq.recv_many(dealer, self._cfg.recv_batch)
-            if not msgs:
-                break
+            with anyio.CancelScope(deadline=until) as scope:
+                turn.scope = scope
+                msgs, _ = await _zmq.recv_budget(
+                    dealer, min(cfg.recv_batch, run.budget - run.replies), cfg.wakeup_bytes
+                )
+            turn.scope = None
             for frames in msgs:
-                if self._on_reply(frames, items):
-                    complete = True
-                    break
-        if not complete:
-            # Late replies to this request would pass for answers to the next one: start over
-            # with a fresh DEALER (the engine answers each connection separately).
-            self._close_dealer()
-            if not items:
-                return items, False, f"no reply within {timeout:g} s"
-        return items, complete, None
+                run.replies += 1
+                run.item_bytes += len(frames[-1])
+                outcome = self._on_reply(frames, items)
+                if outcome is _END:
+                    run.complete = True
+                    return False
+                if outcome is _BATCH:
+                    run.silent_left = cfg.replay_timeout
+                    last = clock()
+        return False
 
-    def _on_reply(self, frames: list[bytes], items: list[tuple[int, float, EventBatch | None]]) -> bool:
+    def _on_reply(self, frames: list[bytes], items: list[tuple[int, float, EventBatch | None]]) -> object:
         # Newer engines reply [b"", topic, seq8, payload], older [b"", seq8, payload]; accept
-        # both from every source (docs/protocol.md §4). Returns True at the end marker.
+        # both from every source (docs/protocol.md §4). Returns _END, _BATCH (decodable) or _JUNK.
         n = len(frames)
         if n == 4 and not frames[0]:
             seq8, payload = frames[2], frames[3]
         elif n == 3 and not frames[0]:
             seq8, payload = frames[1], frames[2]
         else:
-            self.skipped_frames += 1
+            self.counters.skipped_frames += 1
             self._log.warn("skipped replay reply", f"{n} frames")
-            return False
+            return _JUNK
         if len(seq8) != 8:
-            self.skipped_frames += 1
+            self.counters.skipped_frames += 1
             self._log.warn("skipped replay reply", f"{len(seq8)}-byte seq")
-            return False
+            return _JUNK
         if seq8 == _END_SEQ:
-            return True
-        self.replayed_batches += 1
+            return _END
+        self.counters.replayed_batches += 1
         batch = self._decode(payload)
         items.append((int.from_bytes(seq8, "big"), batch.ts if batch is not None else math.nan, batch))
-        return False
+        return _BATCH if batch is not None else _JUNK
 
     def _close_dealer(self) -> None:
         if self._dealer is not None:
@@ -603,7 +861,6 @@ class SourceDriver:
                 if self._replay_wakeup is not None:
                     self._replay_wakeup.set()
             elif isinstance(action, ResetWorker):
-                self.resets += 1
                 self._index.remove_worker(self.key)
             elif isinstance(action, RecreateSubscriber):
                 self._recreate = True
@@ -629,14 +886,10 @@ class SourceDriver:
                     blocks += len(ev.block_hashes)
                 if emit:
                     sink.publish(Envelope(source=src, seq=seq, ts=ts, event=ev))
-        self.batches += len(items)
-        self.blocks += blocks
+        self.counters.blocks += blocks
 
     def _emit(self, event: LifecycleEvent) -> None:
-        kind = event.kind
-        if kind == "gap":
-            self.gaps += 1
-        elif isinstance(event, Reset):
+        if isinstance(event, Reset):
             self._log.warn("index state reset", f"{event.reason}: {event.detail}")
         elif isinstance(event, Partial):
             self._log.warn("history incomplete", f"{event.reason}: blocks known from seq {event.first_seq} on")

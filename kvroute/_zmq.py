@@ -15,6 +15,8 @@ waiter (it gets `anyio.ClosedResourceError`) before the descriptor goes away.
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import struct
 from typing import Any, NamedTuple, cast
 
@@ -22,14 +24,21 @@ import anyio
 import anyio.lowlevel
 import zmq
 
+from ._errors import ConfigError
+
 __all__ = [
+    "DEFAULT_MAX_SOURCES",
+    "FDS_PER_SOURCE",
+    "SOCKETS_PER_SOURCE",
     "CurveKeys",
     "MonitorEvent",
     "close",
     "connect",
     "curve_keypair",
+    "fit_sources",
     "open_monitor",
     "read_monitor",
+    "recv_budget",
     "recv_many",
     "recv_nowait",
     "send_nowait",
@@ -41,6 +50,8 @@ __all__ = [
 #: (zmq_socket_monitor(3)).
 _MONITOR_HEAD = struct.Struct("=hi")
 _monitor_ids = itertools.count()
+
+log = logging.getLogger("kvroute.client")
 
 
 class CurveKeys(NamedTuple):
@@ -74,13 +85,21 @@ async def wait_readable(sock: zmq.Socket[bytes]) -> None:
         await anyio.wait_readable(sock.FD)
 
 
-def _drain(sock: zmq.Socket[bytes], max_messages: int, out: list[list[bytes]]) -> None:
+def _drain(sock: zmq.Socket[bytes], max_messages: int, out: list[list[bytes]], max_bytes: int | None = None) -> bool:
+    """Append queued messages to ``out``; True when it stopped at a cap with more possibly queued."""
     recv = sock.recv_multipart
+    size = 0
     try:
         while len(out) < max_messages:
-            out.append(recv(zmq.NOBLOCK))
+            msg = recv(zmq.NOBLOCK)
+            out.append(msg)
+            if max_bytes is not None:
+                size += sum(len(f) for f in msg)
+                if size >= max_bytes:
+                    return True
     except zmq.Again:
-        pass
+        return False
+    return True
 
 
 def recv_nowait(sock: zmq.Socket[bytes], max_messages: int) -> list[list[bytes]]:
@@ -96,12 +115,23 @@ async def recv_many(sock: zmq.Socket[bytes], max_messages: int) -> list[list[byt
     Each message is its list of frames. Yields to the event loop first, so one busy socket
     never starves the other tasks: a reader that loops on this is fair by construction.
     """
+    msgs, _ = await recv_budget(sock, max_messages)
+    return msgs
+
+
+async def recv_budget(
+    sock: zmq.Socket[bytes], max_messages: int, max_bytes: int | None = None
+) -> tuple[list[list[bytes]], bool]:
+    """`recv_many`, also stopping once ``max_bytes`` of frames are taken (at least one message).
+
+    Returns the messages and whether it stopped at a cap (more may be queued).
+    """
     await anyio.lowlevel.checkpoint()
     out: list[list[bytes]] = []
     while True:
-        _drain(sock, max_messages, out)
+        capped = _drain(sock, max_messages, out, max_bytes)
         if out:
-            return out
+            return out, capped
         await wait_readable(sock)
 
 
@@ -212,3 +242,68 @@ def close(sock: zmq.Socket[bytes], *, monitor: zmq.Socket[bytes] | None = None) 
     if not sock.closed:
         anyio.notify_closing(sock.FD)
         sock.close(linger=0)
+
+
+#: Sockets one source holds at most: its SUB, the SUB monitor's two PAIR ends, the replay
+#: DEALER, and the throwaway socket `source_problem` tries endpoints on.
+SOCKETS_PER_SOURCE = 5
+#: File descriptors one source holds at most: one mailbox per socket, plus the SUB's and the
+#: DEALER's TCP connections.
+FDS_PER_SOURCE = SOCKETS_PER_SOURCE + 2
+#: ``max_sources`` when the process has room for them.
+DEFAULT_MAX_SOURCES = 4096
+# Left for everything else: the client's own sockets, discovery's gRPC channels, logging.
+_SPARE = 64
+
+
+def fit_sources(ctx: zmq.Context[zmq.Socket[bytes]], wanted: int | None, *, own_context: bool) -> int:
+    """How many sources this context and process can hold: ``wanted``, or what fits when it is None.
+
+    A context the caller did not give (``own_context``) gets a socket limit sized for the
+    sources (libzmq's default, 1,023, holds ~200); the soft file-descriptor limit is raised
+    towards the hard one when it is too low. An explicit ``wanted`` that still does not fit
+    raises `ConfigError` naming the limit, instead of "Too many open files" later.
+    """
+    target = wanted if wanted is not None else DEFAULT_MAX_SOURCES
+    sockets_needed = target * SOCKETS_PER_SOURCE + _SPARE
+    limit = ctx.get(zmq.MAX_SOCKETS)
+    if own_context and limit < sockets_needed:
+        ctx.set(zmq.MAX_SOCKETS, min(sockets_needed, ctx.get(zmq.SOCKET_LIMIT)))
+        limit = ctx.get(zmq.MAX_SOCKETS)
+    fds = _fd_room(target * FDS_PER_SOURCE + _SPARE)
+    fit = max(0, min((limit - _SPARE) // SOCKETS_PER_SOURCE, (fds - _SPARE) // FDS_PER_SOURCE))
+    if wanted is None:
+        if fit < DEFAULT_MAX_SOURCES:
+            log.info("max_sources %d: what the zmq socket limit (%d) and file descriptors (%d) allow", fit, limit, fds)
+        return max(1, min(DEFAULT_MAX_SOURCES, fit))
+    if wanted > fit:
+        raise ConfigError(
+            f"max_sources={wanted} does not fit: the zmq context allows {limit} sockets and the process "
+            f"{fds} more file descriptors ({SOCKETS_PER_SOURCE} sockets and {FDS_PER_SOURCE} descriptors a "
+            f"source); raise the limits (ulimit -n, zmq.MAX_SOCKETS) or lower max_sources"
+        )
+    return wanted
+
+
+def _fd_room(needed: int) -> int:
+    """File descriptors this process may still open, after raising the soft limit towards ``needed`` more."""
+    try:
+        import resource
+    except ImportError:  # not a Unix: no limit to read
+        return needed
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = _SPARE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return needed
+    if soft - in_use < needed and soft != hard:
+        new = in_use + needed if hard == resource.RLIM_INFINITY else min(hard, in_use + needed)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            log.info("raised the soft file-descriptor limit from %d to %d", soft, new)
+            soft = new
+        except (ValueError, OSError):
+            pass
+    return max(0, soft - in_use)

@@ -303,7 +303,7 @@ async def test_clean_shutdown_mid_replay(ctx: zmq.Context[zmq.Socket[bytes]]) ->
                 await wait_for(lambda: client.stats().sources[src.key].replays >= 1, "the cold replay is asked")
                 st = client.stats().sources[src.key]
                 # 20,000 replies take far longer than the few ms since the request went out.
-                assert st.replays == 1 and st.batches == 0 and st.state == "syncing"
+                assert st.replays == 1 and st.batches == 0 and st.state == "syncing", st
         # Every socket the client opened is closed (the publisher's two are still open).
         open_sockets = [s for s in ctx._sockets if not s.closed]
         assert len(open_sockets) == 2

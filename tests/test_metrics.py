@@ -9,11 +9,11 @@ import urllib.request
 import anyio
 import msgspec
 import pytest
-from _publisher_helpers import FAST, Workload, settle
+from _publisher_helpers import FAST, Workload, settle, truth_index
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute._client import _COUNTERS, ClientStats, KvEventClient, TotalStats
+from kvroute._client import ClientStats, KvEventClient, TotalStats
 from kvroute._index import IndexStats, PrefixIndex
 from kvroute._metrics import (
     CLIENT_FIELDS,
@@ -28,7 +28,8 @@ from kvroute._metrics import (
 )
 from kvroute._models import WorkerKey
 from kvroute._router import Router, RouterStats
-from kvroute._subscriber import SourceStats
+from kvroute._source import RecoveryStats
+from kvroute._subscriber import SourceCounters, SourceStats
 from kvroute.sim._publisher import EventPublisher
 
 # No quiet-tick probes during a test: they bump `replays` between two reads of the stats.
@@ -91,7 +92,9 @@ async def test_scrape_matches_the_stats_end_to_end() -> None:
             pa.publish_raw([b"only one frame"])
             pa.publish(wa.batch())
             await settle(client, stream, {a.key: 4})
-            query = list(wa.queries[-1])
+            # A query a holds (by the engine-side truth, not kvroute's index): the newest full chain.
+            truth = truth_index({a.key: pa, b.key: pb})
+            query = list(next(q for q in reversed(wa.queries) if truth.find_matches(q).get(a.key)))
             decision = router.select(query, request_id="r1")
 
             samples, types = _scrape(registry)
@@ -152,8 +155,9 @@ def test_every_stats_field_is_exported() -> None:
     # `sources` is the per-source families, `totals` the TOTAL_FIELDS gauges.
     assert fields(CLIENT_FIELDS) == set(ClientStats.__struct_fields__) - {"sources", "totals"}
     # TotalStats' counters are the per-source counters summed: sum() them in PromQL.
-    assert fields(TOTAL_FIELDS) == set(TotalStats.__struct_fields__) - set(_COUNTERS)
-    assert set(_COUNTERS) <= fields(SOURCE_FIELDS)
+    counters = set(SourceCounters.__struct_fields__)
+    assert fields(TOTAL_FIELDS) == set(TotalStats.__struct_fields__) - counters
+    assert counters <= fields(SOURCE_FIELDS)
     assert fields(INDEX_FIELDS) == set(IndexStats.__struct_fields__)
     # The select_seconds_* fields are the SELECT_HISTOGRAM family.
     histogram = {"select_seconds_sum", "select_seconds_buckets"}
@@ -162,6 +166,22 @@ def test_every_stats_field_is_exported() -> None:
                              *ROUTER_FIELDS)]  # fmt: skip
     assert len(names) == len(set(names)) and all(n.startswith("kvroute_") for n in names)
     assert not any(n.endswith("_total") for n in names)  # prometheus_client adds it to counters
+
+
+def test_one_definition_of_the_per_source_counters() -> None:
+    """Recovery counters are RecoveryStats' fields, I/O counters SourceCounters' own: each defined once."""
+    recovery = set(RecoveryStats.__struct_fields__)
+    assert {"duplicates", "stale", "restarts", "uncovered", "overflows"} <= recovery
+    io = set(SourceCounters.__struct_fields__) - recovery
+    assert io and not io & recovery
+    # SourceStats and TotalStats carry every counter; every counter is a Prometheus counter
+    # whose help is the field's description.
+    for cls in (SourceStats, TotalStats):
+        assert set(SourceCounters.__struct_fields__) <= set(cls.__struct_fields__)
+    exported = {f: (kind, doc) for _, f, kind, doc in SOURCE_FIELDS}
+    for name in SourceCounters.__struct_fields__:
+        kind, doc = exported[name]
+        assert kind == "counter" and doc, name
 
 
 def test_describe_names_what_collect_yields() -> None:

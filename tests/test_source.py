@@ -195,7 +195,7 @@ def test_in_order_live_is_applied_directly() -> None:
     m = synced_machine(2)
     for seq in range(3, 50):
         assert live(m, seq) == [Apply([item(seq)])]  # type: ignore[list-item]
-    assert m.stats.applied == 50
+    assert m.stats.batches == 50
 
 
 def test_duplicate_live_with_same_ts_is_dropped() -> None:
@@ -707,7 +707,7 @@ def test_invalid_seqs_and_unsolicited_replies_are_counted_and_skipped() -> None:
 
 def test_stats_and_events_are_plain_structs() -> None:
     m = synced_machine(3)
-    assert msgspec.json.decode(msgspec.json.encode(m.stats))["applied"] == 4
+    assert msgspec.json.decode(msgspec.json.encode(m.stats))["batches"] == 4
     assert Reset("restart").kind == "reset"
 
 

@@ -15,7 +15,7 @@ from kvroute import _zmq
 from kvroute._events import Envelope
 from kvroute._index import PrefixIndex
 from kvroute._models import EventSource, WorkerStatus
-from kvroute._subscriber import SourceDriver, SubscriberConfig, source_problem
+from kvroute._subscriber import ReplaySlots, SourceDriver, SubscriberConfig, source_problem
 from kvroute._wire import decode_batch, encode_batch
 from kvroute.sim._publisher import END_SEQ, EventPublisher
 
@@ -258,7 +258,7 @@ async def test_driver_counts_malformed_replies_and_follows_the_socket(
                 config=FAST,
                 index=index,
                 sink=sink,
-                limiter=anyio.CapacityLimiter(1),
+                limiter=ReplaySlots(1, 0.1),
                 on_change=lambda: changes.append(1),
             )
             async with anyio.create_task_group() as tg:

@@ -398,8 +398,10 @@ def test_another_hash_version_is_refused(tmp_path: Path) -> None:
         PrefixIndex.restore(path)
 
 
-def test_an_invalid_restored_position_is_refused_up_front(tmp_path: Path) -> None:
+def test_an_invalid_restored_position_drops_that_worker_only(tmp_path: Path) -> None:
     path = tmp_path / "index.kvs"
-    PrefixIndex().snapshot(path, cursors={WorkerKey("w", 0): Cursor(-5, 1.0)})
-    with pytest.raises(SnapshotError, match="invalid"):
-        KvEventClient(index=PrefixIndex.restore(path))
+    good, bad = WorkerKey("good", 0), WorkerKey("w", 0)
+    PrefixIndex().snapshot(path, cursors={bad: Cursor(-5, 1.0), good: Cursor(3, 1.0)})
+    client = KvEventClient(index=PrefixIndex.restore(path))  # no error for the whole fleet
+    client.snapshot(tmp_path / "again.kvs")
+    assert PrefixIndex.restore(tmp_path / "again.kvs").restored_cursors == {good: Cursor(3, 1.0)}

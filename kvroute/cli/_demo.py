@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=float,
         default=None,
         help="replay the trace this many times faster, engines included: arrivals and simulated prefill and"
-        " decode times are divided by it, so the fleet carries the trace's own load (default 10)",
+        " decode times are divided by it, so the fleet carries the trace's own load; reported times are the"
+        " run's, 1/SPEEDUP of the trace's (default 10)",
     )
     p.add_argument("--rate", type=float, default=WorkloadConfig().rate, help="synthetic arrivals per second")
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (trace: the cap)")
