@@ -92,7 +92,8 @@ class Engine:
                                  page_size=cfg.page_size, is_eagle=cfg.eagle, enable_kv_cache_events=True,
                                  kv_event_lora_names=self.lora_names)
         self.cache = RadixCache(params)
-        self.cache.kv_events.take()  # the constructor's reset records an AllBlocksCleared before any use
+        # The constructor's reset() already recorded an AllBlocksCleared: it goes out with the first batch,
+        # as from a starting SGLang scheduler.
         self.publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=endpoint, replay_endpoint=replay,
                                            buffer_steps=100_000, bind=True)
         self.published = -1

@@ -66,4 +66,4 @@ def test_workload_exercises_evictions_and_reset() -> None:
     """The plain run really evicted and really reset (else its zero counts prove less)."""
     t = _tally("plain")
     assert t.events.get("BlockRemoved", 0) > 0
-    assert t.events.get("AllBlocksCleared", 0) == 1
+    assert t.events.get("AllBlocksCleared", 0) == 2  # the cache's construction, then the mid-run reset
