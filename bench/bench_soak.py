@@ -37,13 +37,7 @@ import anyio
 import msgspec
 import zmq
 
-from kvroute import _zmq
-from kvroute._client import KvEventClient, TotalStats
-from kvroute._discovery import DiscoveryOptions
-from kvroute._index import PrefixIndex
-from kvroute._models import WorkerKey
-from kvroute._snapshot import Cursor
-from kvroute._subscriber import SubscriberConfig
+from kvroute import Cursor, DiscoveryOptions, KvEventClient, PrefixIndex, SubscriberConfig, TotalStats, WorkerKey, _zmq
 from kvroute.sim import DiscoveryServer, FaultDriver, FaultKind, RequestAbortedError, SimConfig, SimEngine
 
 BS = 16

@@ -2,13 +2,16 @@
 
 Discovery (gRPC) → subscriber (ZMQ, one SUB per rank, with replay recovery) → wire codec (msgpack)
 → prefix index → router. Everything public is re-exported here; every other module is private.
-Simulated engines for tests and demos live in `kvroute.sim`.
+Simulated engines for tests and demos live in `kvroute.sim`; the ``kvroute`` command line in
+`kvroute.cli`, built on these public names only.
 """
 
 from __future__ import annotations
 
 from ._client import ClientStats, EventStream, KvEventClient, TotalStats
 from ._discovery import (
+    DEFAULT_MAX_SOURCES,
+    ENGINES,
     DiscoveryOptions,
     InvalidOptionsError,
     MalformedAnswerError,
@@ -47,15 +50,29 @@ from ._events import (
     ResetReason,
     Synced,
 )
-from ._index import IndexStats, OverlapScores, PrefixIndex
+from ._hashing import HASH_VERSION, MultimodalItem, chain_keys
+from ._index import IndexLimits, IndexLimitsError, IndexStats, OverlapScores, PrefixIndex
 from ._metrics import KvRouteCollector
-from ._models import CPU, DISK, EXTERNAL, GPU, TIERS, EventSource, SourceState, WorkerKey, WorkerStates, WorkerStatus
+from ._models import (
+    CPU,
+    DISK,
+    EXTERNAL,
+    GPU,
+    TIERS,
+    EventSource,
+    SourceState,
+    WorkerKey,
+    WorkerStates,
+    WorkerStatus,
+    normalize_medium,
+)
 from ._router import CandidateScore, CostModel, Router, RouterError, RouterStats, RoutingDecision
 from ._snapshot import Cursor
 from ._subscriber import SourceStats, SubscriberConfig
 from ._wire import (
     AllBlocksCleared,
     BatchDecoder,
+    BlockHash,
     BlockRemoved,
     BlockStored,
     EngineEvent,
@@ -69,12 +86,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPU",
+    "DEFAULT_MAX_SOURCES",
     "DISK",
+    "ENGINES",
     "EXTERNAL",
     "GPU",
     "TIERS",
     "AllBlocksCleared",
     "BatchDecoder",
+    "BlockHash",
     "BlockRemoved",
     "BlockStored",
     "CandidateScore",
@@ -93,6 +113,9 @@ __all__ = [
     "EventStream",
     "EventsDisabledError",
     "Gap",
+    "HASH_VERSION",
+    "IndexLimits",
+    "IndexLimitsError",
     "GapReason",
     "IndexStats",
     "InvalidOptionsError",
@@ -103,6 +126,7 @@ __all__ = [
     "Limits",
     "MalformedAnswerError",
     "NoWorkersError",
+    "MultimodalItem",
     "OverlapScores",
     "Overflow",
     "Partial",
@@ -132,10 +156,12 @@ __all__ = [
     "WorkerStates",
     "WorkerStatus",
     "__version__",
+    "chain_keys",
     "decode_batch",
     "diff_sources",
     "discover",
     "discover_with",
     "follow_target",
     "encode_batch",
+    "normalize_medium",
 ]

@@ -43,7 +43,7 @@ class EventSource(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # Storage tiers. vLLM and SGLang name them differently; `normalize_medium` maps every
-# spelling onto these four (protocol.md §3: nil = GPU).
+# spelling onto these four (docs/protocol.md §3: nil = GPU).
 GPU = "GPU"
 CPU = "CPU"
 DISK = "DISK"

@@ -2,7 +2,7 @@
 
 One `SourceMachine` follows one KV-event source (one engine rank). The socket driver
 (``_subscriber``) feeds it inputs and carries out the actions it returns, in order; the
-machine decides everything else. design.md's recovery rules 1-9 are the spec; the rule
+machine decides everything else. docs/recovery.md's rules 1-9 are the spec; the rule
 numbers below refer to them.
 
 Inputs (each returns ``list[Action]``):
@@ -92,11 +92,11 @@ __all__ = [
     "SourceMachine",
 ]
 
-#: The replay end marker's seq (0xFF x 8, protocol.md §4); real seqs are below it.
+#: The replay end marker's seq (0xFF x 8, docs/protocol.md §4); real seqs are below it.
 _SEQ_END: Final = (1 << 64) - 1
 
 #: An identity check that fails this many times in a row (no answer) is taken as a restart:
-#: one failure may be a dropped reply under load (protocol.md §4), a second means the
+#: one failure may be a dropped reply under load (docs/protocol.md §4), a second means the
 #: old state cannot be vouched for (rule 2: "a failed identity check means the engine restarted").
 _IDENTITY_ATTEMPTS: Final = 2
 
@@ -190,11 +190,11 @@ class SourceMachine:
     ``has_replay``: the source has a replay endpoint. ``ts_ring``: how many applied seqs
     keep their ts, to tell a duplicate from a restart (rule 2); the default 4,096 (64 KB a
     source) outlasts a replay's overlap with live traffic (a ROUTER sends at most 1,000
-    replies ahead of the reader, protocol.md §4), and an older seq costs one identity check,
+    replies ahead of the reader, docs/protocol.md §4), and an older seq costs one identity check,
     never a wrong answer. ``max_held``: how many batches may wait for a replay; past it the
     newest is dropped (the replay or a later one fetches it again from the engine's buffer),
     or, while the engine's identity is unchecked, the source starts over. The default 100,000
-    is the engines' PUB hwm (protocol.md §1): a replay outstanding that long has let the
+    is the engines' PUB hwm (docs/protocol.md §1): a replay outstanding that long has let the
     publisher drop anyway.
     """
 
@@ -686,7 +686,7 @@ class SourceMachine:
         if taken or req.purpose in ("cold", "gap", "retry"):
             out.append(Emit(Replayed(req.from_seq, taken, req.purpose)))
         if floor_means_lost and first is not None and first > from_seq:
-            # A start older than the buffer silently starts at its oldest batch (protocol.md §4).
+            # A start older than the buffer silently starts at its oldest batch (docs/protocol.md §4).
             self._uncover(first, "not-in-buffer", f"replay from seq {from_seq} began at seq {first}", out)
         self._uncover_undecodable(out)
         self._drain(out)
@@ -698,7 +698,7 @@ class SourceMachine:
             self._uncover(None, "no-progress", f"retry from seq {req.from_seq} brought nothing new", out)
             self._drain(out)
         elif not complete and progressed:
-            # The end marker was lost, so replies before it may have been dropped too (protocol.md §4).
+            # The end marker was lost, so replies before it may have been dropped too (docs/protocol.md §4).
             self._request(self.last_seq + 1, "retry", None, out)
 
     def _failed(self, req: RequestReplay, anchored: bool, reason: str, out: list[Action]) -> None:

@@ -3,7 +3,7 @@
 The recovery rules live in the sans-I/O `kvroute._source.SourceMachine`; this module only feeds it
 (live messages, replay results, socket monitor events, quiet ticks) and carries out what it
 returns (apply batches to the index, ask for a replay, reset the worker, recreate the SUB, emit
-lifecycle events). Every frame that is not what protocol.md §2 and §4 describe is counted and
+lifecycle events). Every frame that is not what docs/protocol.md §2 and §4 describe is counted and
 skipped, with a rate-limited log line: bad input never stops the pump.
 """
 
@@ -32,7 +32,7 @@ __all__ = ["EventSink", "RateLimitedLog", "SourceDriver", "SourceStats", "Subscr
 
 log = logging.getLogger("kvroute.subscriber")
 
-#: The replay end marker's seq (protocol.md §4).
+#: The replay end marker's seq (docs/protocol.md §4).
 _END_SEQ = b"\xff" * 8
 
 # Monitor events that change what the driver tells the machine. "Connected" is the completed
@@ -73,10 +73,10 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     - ``rcvhwm`` None: use the source's advertised ``hwm`` (engines publish with 100,000),
       else libzmq's 1,000.
     - ``replay_timeout`` 1.0: the longest wait for the first reply and between replies; an
-      idle engine may answer ~100 ms late (protocol.md §4).
+      idle engine may answer ~100 ms late (docs/protocol.md §4).
     - ``max_concurrent_replays`` 8: replays in flight across all sources; each engine
       serves one at a time, and a reconnect storm must not stall every pump at once.
-    - ``quiet_interval`` 2.0: a source silent this long gets a replay probe (design.md rules
+    - ``quiet_interval`` 2.0: a source silent this long gets a replay probe (docs/recovery.md rules
       7-8: lost tail, silent restart); one small request per source per interval.
     - ``recv_batch`` 1024: messages drained per wakeup before yielding to other sources.
     - ``events_buffer`` 10,000: envelopes buffered per `events()` iterator before the
@@ -118,7 +118,7 @@ class SourceStats(msgspec.Struct, frozen=True, kw_only=True):
 
     ``messages``: live messages received; ``batches`` / ``blocks``: batches applied to the
     index (live or replayed) and the blocks they stored; ``decode_errors``: payloads that did
-    not decode; ``unknown_events``: events of an unknown ``type``, skipped (protocol.md §3);
+    not decode; ``unknown_events``: events of an unknown ``type``, skipped (docs/protocol.md §3);
     ``skipped_frames``: messages of the wrong shape (live or replay);
     ``gaps``: seq gaps seen; ``replays``: replay requests sent; ``replayed_batches``: batches
     received in replies; ``resets``: times the worker's index state was dropped;
@@ -331,7 +331,7 @@ class SourceDriver:
 
     async def _run_session(self) -> None:
         # One SUB socket's life: recreated on the machine's request (a restarted engine's
-        # dead messages are still queued in the old one, design.md rule 2).
+        # dead messages are still queued in the old one, docs/recovery.md rule 2).
         src, cfg = self.source, self._cfg
         sub = _zmq.socket(
             self._ctx,
@@ -376,7 +376,7 @@ class SourceDriver:
 
     async def _pump(self, sub: zmq.Socket[bytes]) -> None:
         # The hot loop: locals instead of attribute lookups, and the common outcome (one Apply
-        # of an in-order batch, design.md rule 1) applied without the general dispatch.
+        # of an in-order batch, docs/recovery.md rule 1) applied without the general dispatch.
         batch_cap = self._cfg.recv_batch
         decode = self._decode
         on_live = self.machine.on_live
@@ -411,11 +411,19 @@ class SourceDriver:
 
     def _decode(self, payload: bytes) -> EventBatch | None:
         try:
-            return self._decoder.decode(payload)
+            batch = self._decoder.decode(payload)
         except DecodeError as exc:
             self.decode_errors += 1
             self._log.warn("undecodable payload", str(exc))
             return None
+        if batch.untrusted is not None:
+            # A removal or clear that could not be read: applying the rest could leave blocks
+            # the engine dropped. As an undecodable batch the machine asks for a replay and,
+            # when that cannot fix it, resets the worker ("undecodable").
+            self.decode_errors += 1
+            self._log.warn("untrusted batch", batch.untrusted)
+            return None
+        return batch
 
     async def _watch(self, mon: zmq.Socket[bytes]) -> None:
         # Connection changes while no message flows; the pump and the replay task also read
@@ -552,7 +560,7 @@ class SourceDriver:
 
     def _on_reply(self, frames: list[bytes], items: list[tuple[int, float, EventBatch | None]]) -> bool:
         # Newer engines reply [b"", topic, seq8, payload], older [b"", seq8, payload]; accept
-        # both from every source (protocol.md §4). Returns True at the end marker.
+        # both from every source (docs/protocol.md §4). Returns True at the end marker.
         n = len(frames)
         if n == 4 and not frames[0]:
             seq8, payload = frames[2], frames[3]

@@ -149,7 +149,7 @@ async def test_restart_with_seq_reset() -> None:
 
 async def test_killed_and_restarted_on_the_same_port_silently() -> None:
     # The new process publishes past the old one's last seq before the SUB reconnects, so no
-    # seq ever goes back: only the identity check on reconnect can tell (design.md rule 7).
+    # seq ever goes back: only the identity check on reconnect can tell (docs/recovery.md rule 7).
     wl = Workload(5)
     async with EventPublisher() as pub:
         src = pub.source("w")

@@ -471,7 +471,7 @@ async def test_discovery_finds_what_the_engine_publishes(flavour: dict[str, Any]
 def test_cli_runs_until_interrupted() -> None:
     code = (
         "import argparse, sys\n"
-        "from kvroute.sim._cli import register\n"
+        "from kvroute.cli._sim import register\n"
         "p = argparse.ArgumentParser(prog='kvroute'); register(p.add_subparsers())\n"
         "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
     )

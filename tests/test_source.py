@@ -1,4 +1,4 @@
-"""The per-source recovery state machine, rule by rule (design.md rules 1-9), plus a model check.
+"""The per-source recovery state machine, rule by rule (docs/recovery.md rules 1-9), plus a model check.
 
 No sockets here: the machine is sans-I/O, so each test plays the driver by hand, and the
 hypothesis test plays a whole engine (publisher, lossy SUB, replay buffer, restarts).
