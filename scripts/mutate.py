@@ -111,7 +111,7 @@ MUTATIONS: list[Mutation] = [
         "a block whose parent is unknown (and its descendants) is never claimed",
         "kvroute/_index.py",
         '            key = blocks.get(parent, b"")\n',
-        "            key = blocks.get(parent, self._root(ev.lora_name))\n",
+        "            key = blocks.get(parent, self._root(lora, salt))\n",
         ("tests/test_index.py", "tests/test_client.py", "tests/test_sim_engine.py"),
         (
             "tests/test_client.py::test_drops_past_the_buffer_reset_without_overclaiming",

@@ -122,7 +122,7 @@ async def test_drops_past_the_buffer_reset_without_overclaiming() -> None:
             st = client.stats().sources[src.key]
             assert st.resets >= 1 and st.partial
             truth = truth_index({src.key: pub})
-            assert_index_subset(client.index, truth, wl.queries)
+            assert_index_subset(client.index, truth, wl.probes)
             # The lost stretch made the index strictly smaller than the truth.
             assert client.index.num_blocks(src.key) < truth.num_blocks(src.key)
 
@@ -244,7 +244,7 @@ async def test_dead_replay_endpoint() -> None:
             await settle(client, stream, {src.key: _last(pub)})
             st = client.stats().sources[src.key]
             assert st.partial and st.replays >= 1
-            assert_index_subset(client.index, truth_index({src.key: pub}), wl.queries)
+            assert_index_subset(client.index, truth_index({src.key: pub}), wl.probes)
             assert client.index.num_blocks(src.key) > 0
 
 
