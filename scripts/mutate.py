@@ -5,8 +5,8 @@ deliberately wrong one. The script copies the repository's tracked files to a te
 directory, applies one mutation to the copy, runs the mutation's tests against the copy
 (``PYTHONPATH`` points at it, and the script checks that ``kvroute`` imports from there), and
 records which tests fail. The working tree is never modified, so an interrupted run (Ctrl-C,
-a crash) cannot leave it broken. The baseline (no mutation) runs first: a test that fails
-there is reported and ignored.
+SIGTERM, a crash) cannot leave it broken; the copy is removed on the way out. The baseline
+(no mutation) runs first: a test that fails there is reported and ignored.
 
 Each test is classed as a socket-level / end-to-end test (every anyio test: real ZMQ / gRPC
 sockets, simulated engines; and the example and demo programs) or a unit test (the rest: the
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,8 +65,8 @@ MUTATIONS: list[Mutation] = [
         "over-claim",
         "the index never claims a block a worker does not hold",
         "kvroute/_index.py",
-        "        if scores.get(wk, 0) < value:\n            scores[wk] = value",
-        "        if scores.get(wk, 0) < value + 1:\n            scores[wk] = value + 1",
+        "        if old is None or old * sizes[wk] < tokens:\n            scores[wk] = value\n",
+        "        if old is None or old * sizes[wk] < tokens:\n            scores[wk] = value + 1\n",
         ("tests/test_index.py", "tests/test_client.py", "tests/test_sim_engine.py", "tests/test_warm_restart.py"),
         (
             "tests/test_client.py::test_cold_start_with_history",
@@ -110,7 +111,7 @@ MUTATIONS: list[Mutation] = [
         "a block whose parent is unknown (and its descendants) is never claimed",
         "kvroute/_index.py",
         '            key = blocks.get(parent, b"")\n',
-        "            key = blocks.get(parent, self._root(ev.lora_name))\n",
+        "            key = blocks.get(parent, self._root(lora, salt))\n",
         ("tests/test_index.py", "tests/test_client.py", "tests/test_sim_engine.py"),
         (
             "tests/test_client.py::test_drops_past_the_buffer_reset_without_overclaiming",
@@ -266,6 +267,9 @@ def _is_socket(node: str) -> bool:
 
 
 def main() -> int:
+    # A terminated run cleans up like an interrupted one: SystemExit unwinds the temporary
+    # directory, and subprocess.run kills the pytest child it was waiting for.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")

@@ -44,11 +44,7 @@ class Workload:
 
     @property
     def queries(self) -> list[tuple[int, ...]]:
-        """The full token prefix of every stored chain, oldest first, then each chain's own tokens alone.
-
-        The second kind asks whether an index claims a chain from the root although it was
-        stored under a parent (which the index may never have seen: a partial history).
-        """
+        """The full token prefix of every stored chain, oldest first."""
         out = []
         for h in self._tails:
             parts: list[list[int]] = []
@@ -58,6 +54,16 @@ class Workload:
                 parts.append(tokens)
                 cur = parent
             out.append(tuple(t for block in reversed(parts) for t in block))
+        return out
+
+    @property
+    def probes(self) -> list[tuple[int, ...]]:
+        """`queries`, then each chain stored under a parent, its own tokens alone.
+
+        The second kind asks whether an index claims a chain from the root although it was
+        stored under a parent (which the index may never have seen: a partial history).
+        """
+        out = self.queries
         full = set(out)
         return out + [q for q in self._own if q not in full]
 
