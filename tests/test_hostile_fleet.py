@@ -413,6 +413,8 @@ async def test_a_nan_ts_is_undecodable_and_never_reaches_a_snapshot(tmp_path: Pa
             honest.steps(5)
             await until(lambda: client.stats().sources[b.key].decode_errors >= 1)
             await until(lambda: honest.exact(client.index, h.key))
+            # Its replayed copy is NaN too: that seq is lost for good, one reset (and partial).
+            await until(lambda: client.stats().sources[b.key].uncovered >= 1)
             resets = client.stats().sources[b.key].resets
             # Several quiet probes later: no reset on every probe (the NaN was never recorded).
             probes = client.stats().sources[b.key].probes
@@ -542,7 +544,7 @@ async def test_three_hundred_sources_fit_the_context_and_the_descriptors() -> No
         async with KvEventClient(sources, config=FLEET) as client:
             await client.wait_synced(60)
             honest.steps(5)
-            await until(lambda: all(honest.exact(client.index, s.key) for s in sources[::50]), limit=30)
+            await until(lambda: all(honest.exact(client.index, s.key) for s in sources[::50]), limit=60)
             st = client.stats()
             assert st.failed_sources == 0 and st.refused_sources == 0 and st.totals.synced == 300
 
