@@ -25,12 +25,20 @@ import time
 import anyio
 import zmq
 
-from kvroute._client import KvEventClient
-from kvroute._index import PrefixIndex
-from kvroute._models import EventSource, WorkerKey
-from kvroute._subscriber import SubscriberConfig
-from kvroute._wire import BlockRemoved, BlockStored, EngineEvent, EventBatch, decode_batch, encode_batch
-from kvroute.sim._publisher import EventPublisher
+from kvroute import (
+    BlockRemoved,
+    BlockStored,
+    EngineEvent,
+    EventBatch,
+    EventSource,
+    KvEventClient,
+    PrefixIndex,
+    SubscriberConfig,
+    WorkerKey,
+    decode_batch,
+    encode_batch,
+)
+from kvroute.sim import EventPublisher
 
 BS = 16
 VOCAB = 150_000

@@ -17,8 +17,16 @@ import random
 import time
 import tracemalloc
 
-from kvroute import BlockRemoved, BlockStored, EventBatch, PrefixIndex, WorkerKey, decode_batch, encode_batch
-from kvroute._hashing import chain_keys
+from kvroute import (
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    PrefixIndex,
+    WorkerKey,
+    chain_keys,
+    decode_batch,
+    encode_batch,
+)
 
 BS = 16
 VOCAB = 150_000

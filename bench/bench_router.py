@@ -26,10 +26,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from kvroute._index import PrefixIndex
-from kvroute._models import WorkerKey
-from kvroute._router import Router
-from kvroute._wire import BlockStored
+from kvroute import BlockStored, PrefixIndex, Router, WorkerKey
 
 BLOCK_SIZE = 16
 CHAIN_BLOCKS = 128  # blocks per filler chain: a long prompt's worth

@@ -30,22 +30,15 @@ import random
 import tempfile
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import msgspec
 import zmq
 
-from kvroute import _zmq
-from kvroute._client import KvEventClient, TotalStats
-from kvroute._discovery import DiscoveryOptions
-from kvroute._index import PrefixIndex
-from kvroute._models import WorkerKey
-from kvroute._snapshot import Cursor
-from kvroute._subscriber import SubscriberConfig
-from kvroute.sim import RequestAbortedError, SimConfig, SimEngine
-from kvroute.sim._grpc import GrpcServer, SglangService, VllmControlService, sglang_server_info, start_grpc_server
+from kvroute import Cursor, DiscoveryOptions, KvEventClient, PrefixIndex, SubscriberConfig, TotalStats, WorkerKey, _zmq
+from kvroute.sim import DiscoveryServer, FaultDriver, FaultKind, RequestAbortedError, SimConfig, SimEngine
 
 BS = 16
 VOCAB = 2_000
@@ -63,7 +56,7 @@ ENGINES = [
     SimConfig(engine="sglang", name="s1", buffer_steps=200, seed=2, **_COMMON),  # type: ignore[arg-type]
     SimConfig(engine="vllm", name="v2", form="array", reply_layout="old", seed=3, **_COMMON),  # type: ignore[arg-type]
 ]
-FAULTS = [
+FAULTS: list[FaultKind] = [
     "drop",
     "restart",
     "restart-new-ports",
@@ -90,7 +83,7 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     """What the router process asks the engines' process: ``op`` and its arguments."""
 
     op: str  # "fault", "load", "heal", "truth", "publish", "stop"
-    kind: str = ""
+    kind: FaultKind = "drop"  # for op "fault"
     engine: int = 0
     rank: int = 0
     on: bool = False
@@ -118,38 +111,12 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True):
 # --- the engines' process -----------------------------------------------------------------------------------
 
 
-class Discovery:
-    """An engine's discovery server that can be hidden (no sources) or stopped and started on its port."""
-
-    def __init__(self, eng: SimEngine) -> None:
-        self.hidden = False
-        self.service: VllmControlService | SglangService
-        if eng.config.engine == "vllm":
-            self.service = VllmControlService(lambda: [] if self.hidden else eng.advertised_sources())
-        else:
-            self.service = SglangService(lambda: sglang_server_info(None) if self.hidden else eng.server_info_json())
-        self.server: GrpcServer | None = None
-        self.port = 0
-
-    async def start(self) -> None:
-        with anyio.fail_after(10):
-            while self.server is None:
-                try:
-                    self.server = await start_grpc_server([self.service], port=self.port)
-                except OSError:
-                    await anyio.sleep(0.05)  # the old listener is still closing
-        self.port = self.server.port
-
-    async def stop(self) -> None:
-        server, self.server = self.server, None
-        if server is not None:
-            await server.stop()
-
-
 class Fleet:
     """The engines, their discovery servers, the load and the fault knobs (child process side)."""
 
-    def __init__(self, engines: list[SimEngine], discos: list[Discovery], pool: list[list[int]], seed: int) -> None:
+    def __init__(
+        self, engines: list[SimEngine], discos: list[DiscoveryServer], pool: list[list[int]], seed: int
+    ) -> None:
         self.engines = engines
         self.discos = discos
         self.pool = pool
@@ -157,53 +124,14 @@ class Fleet:
         self.load_on = anyio.Event()
         self.inflight = 0
         self.idle = anyio.Event()
-        self.undo: list[Callable[[], None]] = []
+        self.faults = FaultDriver(engines, discos, self.rng)
         self.fresh = 0
 
-    async def fault(self, kind: str, i: int, rank: int) -> None:
-        eng, disco = self.engines[i], self.discos[i]
-        rank %= eng.config.ranks
-        if kind == "drop":
-            eng.drop_rate = self.rng.choice([0.2, 0.5, 0.9])
-        elif kind in ("restart", "restart-new-ports"):
-            await eng.restart(change_ports=kind == "restart-new-ports")
-        elif kind == "silent-restart":
-            await eng.restart()
-            await anyio.sleep(0.05)
-            rate, eng.drop_rate = eng.drop_rate, 1.0
-            await eng.restart()
-            await anyio.sleep(0.2)
-            eng.drop_rate = rate
-        elif kind == "kill-replay":
-            pub = eng.publisher(rank)
-            pub.kill_replay()
-
-            def revive() -> None:
-                with contextlib.suppress(RuntimeError):
-                    if eng.publisher(rank) is pub:  # a dead publisher must not bind again
-                        pub.revive_replay()
-
-            self.undo.append(revive)
-        elif kind == "mute-replay":
-            pub = eng.publisher(rank)
-            pub.replay_mute = True
-            self.undo.append(lambda: setattr(pub, "replay_mute", False))
-        elif kind == "pause":
-            eng.pause()
-        elif kind == "hide":
-            disco.hidden = True
-        elif kind == "down":
-            await disco.stop()
+    async def fault(self, kind: FaultKind, i: int, rank: int) -> None:
+        await self.faults.inject(kind, i, rank)  # lasting faults are lifted by `heal`
 
     async def heal(self) -> None:
-        for fix in self.undo:
-            fix()
-        self.undo = []
-        for eng, disco in zip(self.engines, self.discos):
-            eng.drop_rate = 0.0
-            eng.resume()
-            disco.hidden = False
-            await disco.start()
+        await self.faults.heal()
 
     async def stop_load(self) -> None:
         """Stop sending requests and wait for the running ones: a cache mid-step holds unpublished changes."""
@@ -261,7 +189,7 @@ async def engines_main(control: str, seed: int) -> None:
     try:
         async with contextlib.AsyncExitStack() as stack:
             engines = [await stack.enter_async_context(SimEngine(cfg)) for cfg in ENGINES]
-            discos = [Discovery(e) for e in engines]
+            discos = [DiscoveryServer(e) for e in engines]
             for d in discos:
                 stack.push_async_callback(d.stop)
                 await d.start()

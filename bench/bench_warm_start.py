@@ -31,11 +31,8 @@ from pathlib import Path
 
 import anyio
 
-from kvroute._client import EventStream, KvEventClient
-from kvroute._index import PrefixIndex
-from kvroute._models import WorkerKey
-from kvroute._wire import BlockStored, EventBatch
-from kvroute.sim._publisher import EventPublisher
+from kvroute import BlockStored, EventBatch, EventStream, KvEventClient, PrefixIndex, WorkerKey
+from kvroute.sim import EventPublisher
 
 BS = 16
 VOCAB = 150_000

@@ -22,7 +22,7 @@ import json
 import random
 from itertools import count
 
-from kvroute import KvEventClient, Router
+from kvroute import KvEventClient, Router, WorkerKey
 from kvroute.sim import SimConfig, SimEngine
 
 # A client or engine that sends a larger head than this is not one we want to talk to.
@@ -125,6 +125,21 @@ class KvRouterServer:
             await writer.drain()
 
 
+async def caught_up(client: KvEventClient, engines: list[SimEngine]) -> None:
+    """Wait until the router's index has applied every engine rank's newest KV-event batch."""
+    for _ in range(1000):  # 10 s at most
+        cursors = client.cursors()
+        newest = {
+            WorkerKey(e.grpc_target or "", r): e.publisher(r).next_seq - 1
+            for e in engines
+            for r in range(e.config.ranks)
+        }
+        if all(w in cursors and cursors[w].seq == seq for w, seq in newest.items()):
+            return
+        await asyncio.sleep(0.01)
+    raise SystemExit("the router's index did not catch up with the engines within 10 s")
+
+
 async def main() -> None:
     configs = [
         SimConfig(engine="vllm", name="vllm-a", ranks=2),
@@ -144,7 +159,7 @@ async def main() -> None:
 
         rng = random.Random(1)
         system = [rng.randrange(32_000) for _ in range(512)]
-        totals = {"cached": 0, "prompt": 0}
+        totals = {"cached": 0, "prompt": 0, "history_hits": 0}
 
         async def user_turn(user: int, turn: int) -> str:
             # User u's conversation: the shared system prompt, then their own turns so far.
@@ -159,6 +174,8 @@ async def main() -> None:
             hit = usage["prompt_tokens_details"]["cached_tokens"]
             totals["cached"] += hit
             totals["prompt"] += usage["prompt_tokens"]
+            # Routed to where the conversation lives: everything but this turn's new 128 tokens is cached.
+            totals["history_hits"] += int(turn > 0 and hit == usage["prompt_tokens"] - 128)
             return f"user {user}: {usage['prompt_tokens']:4d} tokens, {hit:4d} cached -> {headers['x-kvroute-worker']}"
 
         async with server:
@@ -167,8 +184,9 @@ async def main() -> None:
                 # conversation where its history is cached.
                 lines = await asyncio.gather(*(user_turn(user, turn) for user in range(6)))
                 print(f"turn {turn}:\n  " + "\n  ".join(lines))
-                await asyncio.sleep(0.1)  # let the engines' KV events reach the router
+                await caught_up(client, engines)  # the next turn is routed on this one's blocks
         print(f"routed {sum(app.routed.values())} requests: {app.routed}")
+        print(f"later turns that found their whole history cached: {totals['history_hits']} of 12")
         print(f"prefix-cache hit rate through the router: {totals['cached'] / totals['prompt']:.1%}")
 
 

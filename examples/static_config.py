@@ -17,7 +17,7 @@ import socket
 
 import anyio
 
-from kvroute import EventSource, KvEventClient, Router
+from kvroute import EventSource, KvEventClient, Router, WorkerKey
 from kvroute.sim import SimConfig, SimEngine
 
 
@@ -31,6 +31,17 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+async def caught_up(client: KvEventClient, engines: dict[str, SimEngine]) -> None:
+    """Wait until the router's index has applied every engine's newest KV-event batch."""
+    with anyio.fail_after(10):
+        while True:
+            cursors = client.cursors()
+            newest = {WorkerKey(name, 0): e.publisher(0).next_seq - 1 for name, e in engines.items()}
+            if all(w in cursors and cursors[w].seq == seq for w, seq in newest.items()):
+                return
+            await anyio.sleep(0.01)
 
 
 async def main() -> None:
@@ -84,7 +95,7 @@ async def main() -> None:
             async with anyio.create_task_group() as tg:  # both documents at once: load spreads them
                 for doc in documents:
                     tg.start_soon(ask, round_, doc)
-            await anyio.sleep(0.1)  # let the engines' events arrive before the next round
+            await caught_up(client, engines)  # the next round is routed on this one's blocks
         print(f"index: {client.index.num_blocks()} blocks over {len(client.index.workers())} workers")
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections import Counter
 
 import trio
+import trio.testing
 
-from kvroute import BlockRemoved, BlockStored, KvEventClient
+from kvroute import BlockRemoved, BlockStored, KvEventClient, WorkerKey
 from kvroute.sim import SimConfig, SimEngine
 
 REQUESTS = 12
@@ -29,6 +30,18 @@ async def send_requests(engine: SimEngine) -> None:
         prompt = shared + [1000 + i * 50 + k for k in range(40)]
         done = await engine.complete(prompt, max_tokens=4, rank=i % 2)
         print(f"  request {i} on rank {done.rank}: {done.cached_tokens}/{done.prompt_tokens} tokens cached")
+
+
+async def caught_up(client: KvEventClient, engine: SimEngine) -> None:
+    """Wait until the index has applied each rank's newest batch, and the stream has had time to deliver it."""
+    with trio.fail_after(10):
+        while True:
+            cursors = client.cursors()
+            newest = {WorkerKey(engine.grpc_target or "", r): engine.publisher(r).next_seq - 1 for r in range(2)}
+            if all(w in cursors and cursors[w].seq == seq for w, seq in newest.items()):
+                break
+            await trio.sleep(0.01)
+    await trio.testing.wait_all_tasks_blocked()  # the stream's reader took what was delivered
 
 
 async def main() -> None:
@@ -60,7 +73,7 @@ async def main() -> None:
                 nursery.start_soon(consume)
                 await client.wait_synced(timeout=15)
                 await send_requests(engine)
-                await trio.sleep(0.3)  # the last steps' events are on their way
+                await caught_up(client, engine)  # the last steps' events are on their way
                 nursery.cancel_scope.cancel()
             print(f"events by kind: {dict(kinds)}")
             print(f"blocks stored per the stream: {blocks_stored}; in the index now: {client.index.num_blocks()}")

@@ -2,13 +2,16 @@
 
 Discovery (gRPC) → subscriber (ZMQ, one SUB per rank, with replay recovery) → wire codec (msgpack)
 → prefix index → router. Everything public is re-exported here; every other module is private.
-Simulated engines for tests and demos live in `kvroute.sim`.
+Simulated engines for tests and demos live in `kvroute.sim`; the ``kvroute`` command line in
+`kvroute.cli`, built on these public names only.
 """
 
 from __future__ import annotations
 
 from ._client import ClientStats, EventStream, KvEventClient, TotalStats
 from ._discovery import (
+    DEFAULT_MAX_SOURCES,
+    ENGINES,
     DiscoveryOptions,
     InvalidOptionsError,
     MalformedAnswerError,
@@ -38,23 +41,40 @@ from ._events import (
     Disconnected,
     Envelope,
     Gap,
+    GapReason,
     LifecycleEvent,
     Overflow,
     Partial,
     Removed,
     Replayed,
+    ReplayPurpose,
     Reset,
+    ResetReason,
     Synced,
 )
-from ._index import IndexStats, OverlapScores, PrefixIndex
+from ._hashing import HASH_VERSION, MultimodalItem, chain_keys
+from ._index import IndexLimits, IndexLimitsError, IndexStats, OverlapScores, PrefixIndex
 from ._metrics import KvRouteCollector
-from ._models import CPU, DISK, EXTERNAL, GPU, TIERS, EventSource, WorkerKey, WorkerStates, WorkerStatus
+from ._models import (
+    CPU,
+    DISK,
+    EXTERNAL,
+    GPU,
+    TIERS,
+    EventSource,
+    SourceState,
+    WorkerKey,
+    WorkerStates,
+    WorkerStatus,
+    normalize_medium,
+)
 from ._router import CandidateScore, CostModel, Router, RouterError, RouterStats, RoutingDecision
 from ._snapshot import Cursor
 from ._subscriber import SourceCounters, SourceStats, SubscriberConfig
 from ._wire import (
     AllBlocksCleared,
     BatchDecoder,
+    BlockHash,
     BlockRemoved,
     BlockStored,
     EngineEvent,
@@ -68,12 +88,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPU",
+    "DEFAULT_MAX_SOURCES",
     "DISK",
+    "ENGINES",
     "EXTERNAL",
     "GPU",
     "TIERS",
     "AllBlocksCleared",
     "BatchDecoder",
+    "BlockHash",
     "BlockRemoved",
     "BlockStored",
     "CandidateScore",
@@ -94,6 +117,10 @@ __all__ = [
     "EventStream",
     "EventsDisabledError",
     "Gap",
+    "HASH_VERSION",
+    "IndexLimits",
+    "IndexLimitsError",
+    "GapReason",
     "IndexStats",
     "InvalidOptionsError",
     "KvEventClient",
@@ -103,19 +130,23 @@ __all__ = [
     "Limits",
     "MalformedAnswerError",
     "NoWorkersError",
+    "MultimodalItem",
     "OverlapScores",
     "Overflow",
     "Partial",
     "PrefixIndex",
     "Removed",
     "Replayed",
+    "ReplayPurpose",
     "Reset",
+    "ResetReason",
     "Router",
     "RouterError",
     "RouterStats",
     "RoutingDecision",
     "RpcRejectedError",
     "SnapshotError",
+    "SourceState",
     "SourceDiff",
     "SourceCounters",
     "SourceStats",
@@ -130,10 +161,12 @@ __all__ = [
     "WorkerStates",
     "WorkerStatus",
     "__version__",
+    "chain_keys",
     "decode_batch",
     "diff_sources",
     "discover",
     "discover_with",
     "follow_target",
     "encode_batch",
+    "normalize_medium",
 ]

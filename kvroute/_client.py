@@ -12,7 +12,7 @@ but never slows indexing down.
 
 Warm restart: `KvEventClient.snapshot` writes the index with each source's position; a client
 given ``index=PrefixIndex.restore(path)`` resumes every source whose worker has a saved
-position (identity check first, design.md rule 7) and drops the restored state of the others.
+position (identity check first, docs/recovery.md rule 7) and drops the restored state of the others.
 """
 
 from __future__ import annotations
@@ -574,7 +574,7 @@ class KvEventClient:
     def _all_synced(self) -> bool:
         return not self._targets_pending and all(s.driver.machine.state == "synced" for s in self._subs.values())
 
-    async def wait_synced(self, timeout: float) -> None:  # noqa: ASYNC109 (the public API names it, api.md)
+    async def wait_synced(self, timeout: float) -> None:  # noqa: ASYNC109 (the public API names it, docs/architecture.md)
         """Return once every current source is caught up (cold-start replay done, no gap pending).
 
         Targets count too: each must have answered discovery once (or been given up on).

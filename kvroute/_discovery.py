@@ -1,4 +1,4 @@
-"""Discovery: ask an engine's gRPC server where its KV-event publishers are (protocol.md §1).
+"""Discovery: ask an engine's gRPC server where its KV-event publishers are (docs/protocol.md §1).
 
 `discover` calls vLLM's ``/vllm.Control/GetKvEventSources`` or SGLang's
 ``/sglang.runtime.v1.SglangService/GetServerInfo`` and returns one `EventSource` per
@@ -79,11 +79,11 @@ log = logging.getLogger("kvroute.discovery")
 VLLM_METHOD: Final = "/vllm.Control/GetKvEventSources"
 SGLANG_METHOD: Final = "/sglang.runtime.v1.SglangService/GetServerInfo"
 ENGINES: Final = ("auto", "vllm", "sglang")
-#: Event schema versions this kvroute decodes (protocol.md §1: vLLM sends 1).
+#: Event schema versions this kvroute decodes (docs/protocol.md §1: vLLM sends 1).
 KNOWN_SCHEMA_VERSIONS: Final = frozenset({1})
-# Bind-all hosts an engine may advertise (protocol.md §1), compared without brackets.
+# Bind-all hosts an engine may advertise (docs/protocol.md §1), compared without brackets.
 _WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::"})
-# The statuses the issue names transient: the server is not there yet, or did not answer in time.
+# The statuses retried as transient: the server is not there yet, or did not answer in time.
 _TRANSIENT: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # Backoff between attempts: start small so a server coming up is found quickly; cap at 1 s so a
 # late server is still picked up within about a second of listening (tenacity's jittered backoff).
@@ -484,7 +484,7 @@ _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class _SglangKvEvents(msgspec.Struct):
-    """SGLang's ``kv_events`` descriptor (protocol.md §1); unknown keys are ignored."""
+    """SGLang's ``kv_events`` descriptor (docs/protocol.md §1); unknown keys are ignored."""
 
     publisher: str
     endpoint_host: str
@@ -543,7 +543,7 @@ def _sglang_sources(target: str, resolver: _Resolver, options: DiscoveryOptions,
     kv_ports = range(kv.endpoint_port_base, kv.endpoint_port_base + kv.dp_size)
     replay_base = kv.replay_endpoint_port_base
     if replay_base is not None and replay_base < kv_ports.stop and kv.endpoint_port_base < replay_base + kv.dp_size:
-        # protocol.md §1: SGLang then fails to bind some publisher; the answer is still reported.
+        # docs/protocol.md §1: SGLang then fails to bind some publisher; the answer is still reported.
         log.warning(
             "%s: SGLang replay ports %d-%d overlap event ports %d-%d (dp_size %d): the engine cannot bind them all",
             target, replay_base, replay_base + kv.dp_size - 1, kv_ports.start, kv_ports.stop - 1, kv.dp_size,
@@ -554,7 +554,7 @@ def _sglang_sources(target: str, resolver: _Resolver, options: DiscoveryOptions,
     sources: list[EventSource] = []
     problems: list[str] = []
     for rank in range(kv.dp_size):
-        # protocol.md §1/§5: rank r publishes (and replays) on base + r.
+        # docs/protocol.md §1/§5: rank r publishes (and replays) on base + r.
         try:
             endpoint = resolver.endpoint(f"tcp://{host}:{kv.endpoint_port_base + rank}")
             replay = None if replay_base is None else resolver.endpoint(f"tcp://{host}:{replay_base + rank}")
@@ -678,7 +678,7 @@ async def discover(
     target: str,
     *,
     engine: str = "auto",
-    timeout: float = 5.0,  # noqa: ASYNC109  # api.md's signature; it bounds retries too, which fail_after cannot
+    timeout: float = 5.0,  # noqa: ASYNC109  # the public API's signature; it bounds retries too, which fail_after cannot
     tls: TlsConfig | None = None,
     metadata: Sequence[tuple[str, str | bytes]] = (),
     worker_id: str | None = None,

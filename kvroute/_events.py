@@ -18,14 +18,15 @@ Reason tokens (``Reset.reason``, ``Partial.reason``), stable for logs and metric
 - ``"replay-failed"``: the replay timed out or its socket failed.
 - ``"no-replay"``: the source has no replay endpoint, so nothing lost can be recovered.
 - ``"undecodable"``: a payload failed to decode and its replayed copy (if any) too.
-- ``"overflow"``: too many live batches were held while a replay was outstanding.
+- ``"overflow"``: too many live batches were held while the engine's identity was unchecked
+  (after a disconnect, or an old seq that needs an identity check).
 - ``"reconnect"``: the SUB reconnected to a source without replay, whose identity
   therefore cannot be checked.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -33,6 +34,9 @@ from ._models import EventSource
 from ._wire import EngineEvent
 
 __all__ = [
+    "GapReason",
+    "ReplayPurpose",
+    "ResetReason",
     "Connected",
     "Disconnected",
     "Envelope",
@@ -45,6 +49,16 @@ __all__ = [
     "Reset",
     "Synced",
 ]
+
+
+#: Why a worker was reset or marked partial: the reason tokens above.
+ResetReason = Literal[
+    "restart", "not-in-buffer", "no-progress", "replay-failed", "no-replay", "undecodable", "overflow", "reconnect"
+]
+#: What a replay request is for: a cold start, a gap, a retry, a quiet probe or an identity check.
+ReplayPurpose = Literal["cold", "gap", "retry", "probe", "identity"]
+#: Why seqs were missed: a jump in the live stream, or a batch that failed to decode.
+GapReason = Literal["seq", "undecodable"]
 
 
 class Connected(msgspec.Struct, frozen=True, tag="connected", tag_field="type"):
@@ -69,7 +83,7 @@ class Gap(msgspec.Struct, frozen=True, tag="gap", tag_field="type"):
     kind: ClassVar[str] = "gap"
     expected: int
     got: int
-    reason: str = "seq"
+    reason: GapReason = "seq"
 
 
 class Replayed(msgspec.Struct, frozen=True, tag="replayed", tag_field="type"):
@@ -81,7 +95,7 @@ class Replayed(msgspec.Struct, frozen=True, tag="replayed", tag_field="type"):
     kind: ClassVar[str] = "replayed"
     from_seq: int
     count: int
-    purpose: str = ""
+    purpose: ReplayPurpose | Literal[""] = ""
 
 
 class Reset(msgspec.Struct, frozen=True, tag="reset", tag_field="type"):
@@ -91,7 +105,7 @@ class Reset(msgspec.Struct, frozen=True, tag="reset", tag_field="type"):
     """
 
     kind: ClassVar[str] = "reset"
-    reason: str
+    reason: ResetReason
     detail: str = ""
 
 
@@ -99,7 +113,7 @@ class Partial(msgspec.Struct, frozen=True, tag="partial", tag_field="type"):
     """The worker's history before ``first_seq`` is unknown: the index holds a subset of its cache."""
 
     kind: ClassVar[str] = "partial"
-    reason: str
+    reason: ResetReason
     first_seq: int
 
 

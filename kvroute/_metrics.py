@@ -95,8 +95,13 @@ INDEX_FIELDS: tuple[_Field, ...] = (
         "kvroute_index_ignored_group_events",
         "ignored_group_events",
         "counter",
-        "Events of non-full-attention KV-cache groups, ignored.",
+        "Stores of a KV-cache group kind with no hit rule, or past the group bound.",
     ),
+    ("kvroute_index_remote_blocks", "remote_blocks", "counter", "Blocks of locality REMOTE, not credited."),
+    ("kvroute_index_repeated_stores", "repeated_stores", "counter", "Stores of a block already held on that tier."),
+    ("kvroute_index_refused_block_sizes", "refused_block_sizes", "counter", "Stores refused: block-size bound."),
+    ("kvroute_index_refused_entries", "refused_entries", "counter", "Blocks refused: entry bound."),
+    ("kvroute_index_uncached_roots", "uncached_roots", "counter", "Queries whose namespace root was not cached."),
 )
 
 ROUTER_FIELDS: tuple[_Field, ...] = (

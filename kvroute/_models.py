@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import msgspec
 
@@ -43,7 +43,7 @@ class EventSource(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # Storage tiers. vLLM and SGLang name them differently; `normalize_medium` maps every
-# spelling onto these four (protocol.md §3: nil = GPU).
+# spelling onto these four (docs/protocol.md §3: nil = GPU).
 GPU = "GPU"
 CPU = "CPU"
 DISK = "DISK"
@@ -69,6 +69,10 @@ def normalize_medium(medium: str | None) -> str:
     return tier
 
 
+#: A source's sync state (`WorkerStatus.state`); the recovery machine defines when each holds.
+SourceState = Literal["syncing", "synced", "resyncing"]
+
+
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     """What the subscriber knows of one worker's index state, as the router reads it.
 
@@ -79,7 +83,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     holds only a subset of what it caches.
     """
 
-    state: str
+    state: SourceState
     partial: bool = False
 
     @property

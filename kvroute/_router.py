@@ -42,7 +42,7 @@ from typing import Any
 import msgspec
 
 from ._errors import KvRouteError, NoWorkersError
-from ._hashing import chain_keys
+from ._hashing import MultimodalItem, chain_keys
 from ._index import OverlapScores, PrefixIndex
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, WorkerStates
 
@@ -246,13 +246,20 @@ class _Approx:
 class _Query:
     """One prompt with its content keys per block size, hashed only when an approximate worker asks."""
 
-    __slots__ = ("_keys", "extra_keys", "lora_name", "token_ids")
+    __slots__ = ("_keys", "cache_salt", "extra_keys", "lora_name", "mm_items", "token_ids")
 
     def __init__(
-        self, token_ids: Sequence[int], lora_name: str | None, extra_keys: Sequence[Sequence[Any] | None] | None
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+        extra_keys: Sequence[Sequence[Any] | None] | None,
+        cache_salt: str | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
     ) -> None:
         self.token_ids = token_ids
         self.lora_name = lora_name
+        self.cache_salt = cache_salt
+        self.mm_items = mm_items
         self.extra_keys = extra_keys
         self._keys: dict[int, list[bytes]] = {}
 
@@ -260,11 +267,18 @@ class _Query:
         got = self._keys.get(block_size)
         if got is None:
             try:
-                got = chain_keys(self.token_ids, block_size, lora_name=self.lora_name, extra_keys=self.extra_keys)
+                got = chain_keys(
+                    self.token_ids,
+                    block_size,
+                    lora_name=self.lora_name,
+                    cache_salt=self.cache_salt,
+                    mm_items=self.mm_items,
+                    extra_keys=self.extra_keys,
+                )
             except OverflowError:
                 got = []  # a token outside uint32 is never a held block (kvroute._hashing)
-            except (TypeError, msgspec.EncodeError) as exc:
-                raise RouterError(f"token_ids / extra_keys: not ints / encodable keys: {exc}") from None
+            except (TypeError, AttributeError, msgspec.EncodeError) as exc:
+                raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
             self._keys[block_size] = got
         return got
 
@@ -368,14 +382,17 @@ class Router:
         *,
         cached_tokens: int = 0,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
         extra_keys: Sequence[Sequence[Any] | None] | None = None,
     ) -> None:
         """Record that request ``request_id`` with prompt ``token_ids`` runs on ``worker`` (routed elsewhere).
 
         Its prompt tokens beyond the first ``cached_tokens`` (those already cached on ``worker``,
-        e.g. ``decision.overlap_blocks`` times its block size) count as load on ``worker`` until
-        `on_finish`; an approximate worker is assumed to cache the prompt. Starting an id that
-        is still active moves it.
+        e.g. the chosen candidate's ``overlap_blocks`` times its ``block_size``) count as load on
+        ``worker`` until `on_finish`; an approximate worker is assumed to cache the prompt
+        (under the request's namespaces ``lora_name``, ``cache_salt``, ``mm_items``, as for
+        `select`). Starting an id that is still active moves it.
         """
         worker = _key(worker)
         if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int) or cached_tokens < 0:
@@ -386,7 +403,8 @@ class Router:
             raise RouterError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}") from None
         store = self._approx.get(worker)
         # Hash before recording anything: bad tokens must leave no half-recorded request.
-        keys = _Query(token_ids, lora_name, extra_keys).keys(store.block_size) if store is not None else None
+        query = _Query(token_ids, lora_name, extra_keys, cache_salt, mm_items)
+        keys = query.keys(store.block_size) if store is not None else None
         self._start(request_id, worker, max(0, ntok - cached_tokens))
         if store is not None and keys is not None:
             store.note(keys, self._clock() + self.approximate_ttl)
@@ -455,33 +473,44 @@ class Router:
         token_ids: Sequence[int],
         *,
         lora_name: str | None = None,
-        extra_keys: Sequence[Sequence[Any] | None] | None = None,
+        cache_salt: str | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
         candidates: Iterable[WorkerKey] | None = None,
         load: Mapping[WorkerKey, float] | None = None,
         request_id: Hashable | None = None,
+        extra_keys: Sequence[Sequence[Any] | None] | None = None,
     ) -> RoutingDecision:
         """Choose the worker for a prompt; see the module docstring for the cost.
 
-        ``lora_name`` / ``extra_keys``: the adapter and per-block extra keys the engine hashes
-        with. ``candidates``: restrict the choice to these workers (removed ones still never
-        win). ``load``: active load per worker in blocks of ``block_size`` tokens, replacing the
-        tracked load for this call (absent = 0). ``request_id``: record the prompt (the part
-        not cached there) as load on the chosen worker until `on_finish`. A chosen approximate
+        ``lora_name`` / ``cache_salt`` / ``mm_items``: the request's namespaces as the engine
+        hashes them (`PrefixIndex.find_matches`; ``extra_keys`` is deprecated there too).
+        Each worker's overlap is priced in the block size it was measured in. ``candidates``:
+        restrict the choice to these workers (removed ones still never win). ``load``: active
+        load per worker in blocks of ``block_size`` tokens, replacing the tracked load for this
+        call (absent = 0). ``request_id``: record the prompt (the part not cached there) as load on
+        the chosen worker until `on_finish`. A chosen approximate
         worker is assumed to cache the prompt either way. Raises `NoWorkersError` when no
         candidate is left, `RouterError` on bad input.
         """
         started = time.perf_counter()
         try:
             ntok = len(token_ids)
-            scores = self.index.find_matches(token_ids, lora_name=lora_name, extra_keys=extra_keys)
-        except (TypeError, msgspec.EncodeError) as exc:
-            raise RouterError(f"token_ids / extra_keys: not ints / encodable keys: {exc}") from None
+            if extra_keys is None:
+                scores = self.index.find_matches(
+                    token_ids, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items
+                )
+            else:
+                scores = self.index.find_matches(
+                    token_ids, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items, extra_keys=extra_keys
+                )
+        except (TypeError, AttributeError, msgspec.EncodeError) as exc:
+            raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
         universe = self._universe(candidates)
         if not universe:
             if candidates is None:
                 raise NoWorkersError("no live or registered worker to route to")
             raise NoWorkersError("none of the given candidates is a live or registered worker")
-        query = _Query(token_ids, lora_name, extra_keys) if self._approx else None
+        query = _Query(token_ids, lora_name, extra_keys, cache_salt, mm_items) if self._approx else None
         unit = self.block_size
         model = self.cost_model
         cost_of = model.cost
@@ -619,7 +648,7 @@ class Router:
         full_credit = model.full_credit
         gpu_runs = scores.tier(GPU)
         approx = self._approx
-        block_size_of = self.index.block_size
+        block_size_of = scores.block_size
         load_get = loads.get
         states = self.states
         trust_partial = self.trust_partial
@@ -647,8 +676,8 @@ class Router:
                         scores.tier(DISK).get(w, 0),
                         scores.tier(EXTERNAL).get(w, 0),
                     )
-                # A worker storing under several block sizes reports its largest; never let
-                # that turn a claim into more tokens than the prompt has.
+                # The overlap is in the block size it was measured in (a worker may store
+                # under several); never let a claim exceed the prompt.
                 prefill = max(0.0, ntok - credited * bs) / unit
             else:
                 overlap = 0

@@ -3,7 +3,7 @@
 A snapshot holds, per worker, its engine-hash → content-key map (with copies per tier), and
 per source the last applied seq and that batch's ts. A client started from a snapshot replays
 each source from the saved seq; the ts lets it tell the same engine from a restarted one
-(design.md rule 7) before trusting the restored blocks.
+(docs/recovery.md rule 7) before trusting the restored blocks.
 
 Format: msgpack of `_Snapshot`; ``format`` and ``version`` are checked first, and the content
 hash version must match (keys made by another hash definition would never match a query).
@@ -23,9 +23,11 @@ from ._hashing import HASH_VERSION
 from ._models import WorkerKey
 from ._wire import BlockHash
 
-__all__ = ["Cursor", "SnapWorker", "read_snapshot", "write_snapshot"]
+__all__ = ["Cursor", "SnapGroup", "SnapWorker", "read_snapshot", "write_snapshot"]
 
 _FORMAT = "kvroute-index"
+# The tables' layout goes with the content hash version (checked below): a layout change
+# comes with a new hash version, so an older file is refused by that check.
 _VERSION = 1
 
 
@@ -36,16 +38,30 @@ class Cursor(msgspec.Struct, frozen=True, array_like=True):
     ts: float
 
 
+class SnapGroup(msgspec.Struct, array_like=True):
+    """One non-primary KV-cache group of a worker: its hit rule and engine hash → (content key, tier mask)."""
+
+    group_idx: int
+    kind: str
+    window: int | None
+    block_size: int
+    hashes: list[BlockHash]
+    keys: list[bytes]
+    masks: list[int]
+
+
 class SnapWorker(msgspec.Struct, array_like=True):
-    """One worker's tables as the index keeps them (engine hash → content key, copies per tier)."""
+    """One worker's tables as the index keeps them (engine hash → content key, presence per tier, groups)."""
 
     worker_id: str
     dp_rank: int
-    block_sizes: list[int]
-    nonfull_groups: list[int]
+    classes: list[tuple[int, int]]
+    primary: int | None
+    lookahead: int
     hashes: list[BlockHash]
     keys: list[bytes]
     special: list[tuple[BlockHash, list[int]]]
+    groups: list[SnapGroup]
 
 
 class _SnapCursor(msgspec.Struct, array_like=True):
@@ -66,6 +82,7 @@ class _Snapshot(msgspec.Struct):
 class _Header(msgspec.Struct):
     format: str = ""
     version: int = 0
+    hash_version: int = 0
 
 
 def write_snapshot(path: str | os.PathLike[str], workers: list[SnapWorker], cursors: dict[WorkerKey, Cursor]) -> None:
@@ -105,15 +122,15 @@ def read_snapshot(path: str | os.PathLike[str]) -> tuple[list[SnapWorker], dict[
         raise SnapshotError(f"{path} is not a kvroute snapshot (format {header.format!r})")
     if header.version != _VERSION:
         raise SnapshotError(f"{path} has snapshot version {header.version}; this kvroute reads {_VERSION}")
+    if header.hash_version and header.hash_version != HASH_VERSION:
+        # Keys made by another hash definition would never match a query: start cold.
+        raise SnapshotError(
+            f"{path} was written with content hash v{header.hash_version}; this kvroute uses v{HASH_VERSION}"
+            " (start without it: the sources replay their history)"
+        )
     try:
         snap = msgspec.msgpack.decode(data, type=_Snapshot)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise SnapshotError(f"{path} is corrupt: {exc}") from None
-    if snap.hash_version != HASH_VERSION:
-        raise SnapshotError(
-            f"{path} was written with content hash v{snap.hash_version}; this kvroute uses v{HASH_VERSION}"
-        )
-    for sw in snap.workers:
-        if len(sw.hashes) != len(sw.keys):
-            raise SnapshotError(f"{path} is corrupt: worker {sw.worker_id}/{sw.dp_rank} has mismatched tables")
+    # Each worker's tables are checked by PrefixIndex.restore: one bad worker is dropped, not the file.
     return snap.workers, {WorkerKey(c.worker_id, c.dp_rank): c.cursor for c in snap.cursors}

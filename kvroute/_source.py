@@ -2,7 +2,7 @@
 
 One `SourceMachine` follows one KV-event source (one engine rank). The socket driver
 (``_subscriber``) feeds it inputs and carries out the actions it returns, in order; the
-machine decides everything else. design.md's recovery rules 1-9 are the spec; the rule
+machine decides everything else. docs/recovery.md's rules 1-9 are the spec; the rule
 numbers below refer to them.
 
 Inputs (each returns ``list[Action]``):
@@ -61,12 +61,24 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Sequence
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 import msgspec
 from msgspec import Meta
 
-from ._events import Connected, Disconnected, Gap, LifecycleEvent, Partial, Replayed, Reset, Synced
+from ._events import (
+    Connected,
+    Disconnected,
+    Gap,
+    LifecycleEvent,
+    Partial,
+    Replayed,
+    ReplayPurpose,
+    Reset,
+    ResetReason,
+    Synced,
+)
+from ._models import SourceState
 from ._wire import EventBatch
 
 __all__ = [
@@ -81,11 +93,11 @@ __all__ = [
     "SourceMachine",
 ]
 
-#: The replay end marker's seq (0xFF x 8, protocol.md §4); real seqs are below it.
+#: The replay end marker's seq (0xFF x 8, docs/protocol.md §4); real seqs are below it.
 _SEQ_END: Final = (1 << 64) - 1
 
 #: An identity check that fails this many times in a row (no answer) is taken as a restart:
-#: one failure may be a dropped reply under load (protocol.md §4), a second means the
+#: one failure may be a dropped reply under load (docs/protocol.md §4), a second means the
 #: old state cannot be vouched for (rule 2: "a failed identity check means the engine restarted").
 _IDENTITY_ATTEMPTS: Final = 2
 
@@ -107,7 +119,7 @@ class RequestReplay(msgspec.Struct, frozen=True):
     """
 
     from_seq: int
-    purpose: str
+    purpose: ReplayPurpose
 
 
 #: The request `SourceMachine.replay_in_flight` holds: the same struct the action carries.
@@ -120,7 +132,7 @@ class ResetWorker(msgspec.Struct, frozen=True):
     ``reason`` is one of the reason tokens of `kvroute._events`.
     """
 
-    reason: str
+    reason: ResetReason
 
 
 class RecreateSubscriber(msgspec.Struct, frozen=True):
@@ -165,6 +177,10 @@ class RecoveryStats(msgspec.Struct, kw_only=True):
 # A batch waiting to be applied: (ts, batch or None when undecodable, came from a replay).
 _Held = tuple[float, EventBatch | None, bool]
 
+#: Where the source's history starts: "cold" (a cold replay from seq 0 will say), "first-live"
+#: (no replay, or the cold one failed: the first live seq starts it) or "known".
+_History = Literal["cold", "first-live", "known"]
+
 
 class SourceMachine:
     """Sequence, gap, restart and replay logic of one source, as a pure state machine.
@@ -172,10 +188,12 @@ class SourceMachine:
     ``has_replay``: the source has a replay endpoint. ``ts_ring``: how many applied seqs
     keep their ts, to tell a duplicate from a restart (rule 2); the default 4,096 (64 KB a
     source) outlasts a replay's overlap with live traffic (a ROUTER sends at most 1,000
-    replies ahead of the reader, protocol.md §4), and an older seq costs one identity check,
+    replies ahead of the reader, docs/protocol.md §4), and an older seq costs one identity check,
     never a wrong answer. ``max_held``: how many batches may wait for a replay; past it the
-    gap counts as uncovered (rule 5). The default 100,000 is the engines' PUB hwm
-    (protocol.md §1): a replay outstanding that long has let the publisher drop anyway.
+    newest is dropped (the replay or a later one fetches it again from the engine's buffer),
+    or, while the engine's identity is unchecked, the source starts over. The default 100,000
+    is the engines' PUB hwm (docs/protocol.md §1): a replay outstanding that long has let the
+    publisher drop anyway.
     """
 
     def __init__(
@@ -215,10 +233,9 @@ class SourceMachine:
         self._held_size: dict[int, int] = {}
         self._held_bytes = 0
         # Initial history not known yet: with replay, a cold replay is needed; without,
-        # the first live message starts the history.
-        self._cold = has_replay
-        self._await_first = not has_replay
-        self._await_reason = "no-replay"
+        # the first live message starts the history (and ``_first_reason`` says why).
+        self._history: _History = "cold" if has_replay else "first-live"
+        self._first_reason: ResetReason = "no-replay"
         # The request in flight answers a question that no longer matters (restart, outage).
         self._abandoned = False
         # ts of the seq an identity check / probe asked from; None for other requests.
@@ -239,9 +256,9 @@ class SourceMachine:
     # --- read-only state ------------------------------------------------------------
 
     @property
-    def state(self) -> str:
+    def state(self) -> SourceState:
         """ "syncing", "synced" or "resyncing", as `kvroute._models.WorkerStatus.state` means them."""
-        if self._cold or self._await_first or self._identity_question or not self._connected:
+        if self._history != "known" or self._identity_question or not self._connected:
             return "syncing"
         req = self.replay_in_flight
         if self._held or (req is not None and req.purpose in ("gap", "retry")):
@@ -311,7 +328,7 @@ class SourceMachine:
         if not self.has_replay:
             self._reset("no-replay", f"restored state through seq {seq} cannot be checked without replay", out)
             return self._done(before, out)
-        self._cold = False
+        self._history = "known"
         self.last_seq = seq
         self._record(seq, ts)
         self._identity_question = True
@@ -326,8 +343,7 @@ class SourceMachine:
             and seq != _SEQ_END
             and self.replay_in_flight is None
             and not self._held
-            and not self._await_first
-            and not self._cold
+            and self._history == "known"
             and not self._identity_question
             and not self._down
         ):
@@ -386,7 +402,7 @@ class SourceMachine:
 
     def on_quiet(self) -> list[Action]:
         """The source was quiet for the quiet interval: probe for a lost tail (rules 7-8)."""
-        if not self.has_replay or self.replay_in_flight is not None or self._cold or self._down:
+        if not self.has_replay or self.replay_in_flight is not None or self._history == "cold" or self._down:
             return []
         before = self.state
         out: list[Action] = []
@@ -408,7 +424,7 @@ class SourceMachine:
             # identity question now that the engine is there to answer it.
             self._advance(out)
             return self._done(before, out)
-        if self.has_replay and self._newest >= 0 and not self._cold:
+        if self.has_replay and self._newest >= 0 and self._history != "cold":
             self._ask_identity(out)
         else:
             # Nothing an identity check could vouch for (no replay endpoint, or nothing
@@ -438,7 +454,7 @@ class SourceMachine:
 
     # --- internals ------------------------------------------------------------------
 
-    def _done(self, before: str, out: list[Action]) -> list[Action]:
+    def _done(self, before: SourceState, out: list[Action]) -> list[Action]:
         if before != "synced" and self.state == "synced":
             out.append(Emit(Synced()))
         return out
@@ -477,16 +493,16 @@ class SourceMachine:
             return
         if batch is None:
             self.stats.undecodable += 1
-        if self._await_first:
-            self._await_first = False
+        if self._history == "first-live":
+            self._history = "known"
             if seq > 0:
                 self.last_seq = seq - 1
-                self._mark_partial(self._await_reason, seq, out)
+                self._mark_partial(self._first_reason, seq, out)
         last = self.last_seq
         if seq <= last:
             self._old_live(seq, ts, batch, out)
             return
-        if not self._held and self.replay_in_flight is None and not self._cold:
+        if not self._held and self.replay_in_flight is None and self._history != "cold":
             if seq > last + 1:
                 self.stats.gaps += 1
                 out.append(Emit(Gap(last + 1, seq)))
@@ -511,8 +527,12 @@ class SourceMachine:
                 # Applying them would trust an engine that has not been checked: start over.
                 self._restart(f"{what} held while the engine's identity is unchecked", out, reason="overflow")
                 return
-            self._uncover(None, "overflow", f"{what} held waiting for a replay", out)
-            self._drain(out)
+            # Batches are held only while a replay is in flight, and it (or its retry, or the
+            # next gap or quiet probe) brings the newest one back from the engine's buffer:
+            # drop that one rather than give up the older gap, which the replay may still fill.
+            newest = max(self._held)
+            del self._held[newest]
+            self._held_bytes -= self._held_size.pop(newest, 0)
         self._advance(out)
 
     def _old_live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action]) -> None:
@@ -583,11 +603,11 @@ class SourceMachine:
             self._drain(out)
             if self._held:
                 nxt = self._held.get(self.last_seq + 1)
-                reason = "undecodable" if nxt is not None else "no-replay"
+                reason: ResetReason = "undecodable" if nxt is not None else "no-replay"
                 self._uncover(None, reason, "no replay endpoint to recover lost batches from", out)
                 self._drain(out)
             return
-        if self._cold:
+        if self._history == "cold":
             self._request(0, "cold", None, out)
             return
         if self._identity_question:
@@ -600,7 +620,7 @@ class SourceMachine:
         if self._held:
             self._request(self.last_seq + 1, "gap", None, out)
 
-    def _request(self, from_seq: int, purpose: str, anchor_ts: float | None, out: list[Action]) -> None:
+    def _request(self, from_seq: int, purpose: ReplayPurpose, anchor_ts: float | None, out: list[Action]) -> None:
         req = RequestReplay(from_seq, purpose)
         self.replay_in_flight = req
         self._anchor_ts = anchor_ts
@@ -612,7 +632,7 @@ class SourceMachine:
             stats.probes += 1
         out.append(req)
 
-    def _request_probe(self, purpose: str, out: list[Action]) -> None:
+    def _request_probe(self, purpose: Literal["probe", "identity"], out: list[Action]) -> None:
         """Replay from the newest applied seq, so the first reply vouches for the engine (rule 7)."""
         if self._newest >= 0:
             self._request(self._newest, purpose, self._recorded(self._newest), out)
@@ -653,10 +673,8 @@ class SourceMachine:
         out: list[Action],
     ) -> None:
         """Rules 3-6: merge replayed batches with the held ones and apply the contiguous run."""
-        if req.purpose == "cold":
-            self._cold = False
         # An answer establishes where the history starts (from_seq, or the floor below).
-        self._await_first = False
+        self._history = "known"
         last_before = self.last_seq
         taken = 0
         first: int | None = None
@@ -693,7 +711,7 @@ class SourceMachine:
         if taken or req.purpose in ("cold", "gap", "retry"):
             out.append(Emit(Replayed(req.from_seq, taken, req.purpose)))
         if floor_means_lost and first is not None and first > from_seq:
-            # A start older than the buffer silently starts at its oldest batch (protocol.md §4).
+            # A start older than the buffer silently starts at its oldest batch (docs/protocol.md §4).
             self._uncover(first, "not-in-buffer", f"replay from seq {from_seq} began at seq {first}", out)
         self._uncover_undecodable(out)
         self._drain(out)
@@ -705,7 +723,7 @@ class SourceMachine:
             self._uncover(None, "no-progress", f"retry from seq {req.from_seq} brought nothing new", out)
             self._drain(out)
         elif not complete and progressed:
-            # The end marker was lost, so replies before it may have been dropped too (protocol.md §4).
+            # The end marker was lost, so replies before it may have been dropped too (docs/protocol.md §4).
             self._request(self.last_seq + 1, "retry", None, out)
 
     def _failed(self, req: RequestReplay, anchored: bool, reason: str, out: list[Action]) -> None:
@@ -716,17 +734,17 @@ class SourceMachine:
                     self._restart(f"identity check failed {self._identity_failures} times: {reason}", out)
             return
         if req.purpose == "cold":
-            self._cold = False
+            self._history = "known"
             if not self._held and self.last_seq < 0:
                 # Nothing known at all: like a source without replay, the next live seq starts it.
-                self._await_first = True
-                self._await_reason = "replay-failed"
+                self._history = "first-live"
+                self._first_reason = "replay-failed"
                 return
         if self._held:
             self._uncover(None, "replay-failed", f"replay from seq {req.from_seq} failed: {reason}", out)
             self._drain(out)
 
-    def _restart(self, detail: str, out: list[Action], reason: str = "restart") -> None:
+    def _restart(self, detail: str, out: list[Action], reason: ResetReason = "restart") -> None:
         """Rule 2's restart: reset, fresh SUB, follow the new process from its seq 0."""
         if reason == "restart":
             self.stats.restarts += 1
@@ -736,7 +754,7 @@ class SourceMachine:
         self._dirty = False
         self._fresh_start("no-replay", out)
 
-    def _fresh_start(self, await_reason: str, out: list[Action]) -> None:
+    def _fresh_start(self, first_reason: ResetReason, out: list[Action]) -> None:
         """Follow the source from scratch on a new SUB, as after `start()`."""
         out.append(RecreateSubscriber())
         self._forget()
@@ -745,12 +763,11 @@ class SourceMachine:
         self._down = False
         self._anchor_ts = None
         self._abandon()
-        self._cold = self.has_replay
-        self._await_first = not self.has_replay
-        self._await_reason = await_reason
+        self._history = "cold" if self.has_replay else "first-live"
+        self._first_reason = first_reason
         self._advance(out)
 
-    def _uncover(self, limit: int | None, reason: str, detail: str, out: list[Action]) -> None:
+    def _uncover(self, limit: int | None, reason: ResetReason, detail: str, out: list[Action]) -> None:
         """Rule 5: seqs missing below ``limit`` (None: anywhere) are lost; skip past the highest."""
         held = self._held
         last = self.last_seq
@@ -776,7 +793,7 @@ class SourceMachine:
             h = max(bad)
             self._skip_to(h, "undecodable", f"seq {h} failed to decode, and so did its replayed copy", out)
 
-    def _skip_to(self, h: int, reason: str, detail: str, out: list[Action]) -> None:
+    def _skip_to(self, h: int, reason: ResetReason, detail: str, out: list[Action]) -> None:
         for seq in [s for s in self._held if s <= h]:
             del self._held[seq]
             self._held_bytes -= self._held_size.pop(seq, 0)
@@ -785,14 +802,14 @@ class SourceMachine:
         self._reset(reason, detail, out)
         self._mark_partial(reason, h + 1, out)
 
-    def _reset(self, reason: str, detail: str, out: list[Action]) -> None:
+    def _reset(self, reason: ResetReason, detail: str, out: list[Action]) -> None:
         if self._dirty:
             self.stats.resets += 1
             out.append(ResetWorker(reason))
             out.append(Emit(Reset(reason, detail)))
             self._dirty = False
 
-    def _mark_partial(self, reason: str, first_seq: int, out: list[Action]) -> None:
+    def _mark_partial(self, reason: ResetReason, first_seq: int, out: list[Action]) -> None:
         self.partial = True
         out.append(Emit(Partial(reason, first_seq)))
 

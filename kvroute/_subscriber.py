@@ -3,7 +3,7 @@
 The recovery rules live in the sans-I/O `kvroute._source.SourceMachine`; this module only feeds it
 (live messages, replay results, socket monitor events, quiet ticks) and carries out what it
 returns (apply batches to the index, ask for a replay, reset the worker, recreate the SUB, emit
-lifecycle events). Every frame that is not what protocol.md §2 and §4 describe is counted and
+lifecycle events). Every frame that is not what docs/protocol.md §2 and §4 describe is counted and
 skipped, with a rate-limited log line: bad input never stops the pump.
 """
 
@@ -26,7 +26,7 @@ from . import _zmq
 from ._errors import ConfigError, DecodeError
 from ._events import Envelope, LifecycleEvent, Partial, Reset
 from ._index import PrefixIndex
-from ._models import EventSource, WorkerStatus
+from ._models import EventSource, SourceState, WorkerStatus
 from ._snapshot import Cursor
 from ._source import (
     Action,
@@ -55,7 +55,7 @@ __all__ = [
 
 log = logging.getLogger("kvroute.subscriber")
 
-#: The replay end marker's seq (protocol.md §4).
+#: The replay end marker's seq (docs/protocol.md §4).
 _END_SEQ = b"\xff" * 8
 
 # Monitor events that change what the driver tells the machine. "Connected" is the completed
@@ -198,15 +198,16 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     - ``wakeup_bytes`` 4 MiB: payload bytes the pump decodes per wakeup before it yields to
       the event loop (at least one message): a flood never blocks the loop for long.
     - ``held_bytes`` 8 MiB: payload bytes of the live batches held while a replay is
-      outstanding (decoded, an engine's batch takes ~7x its payload); past it the gap is
-      uncovered (reset and partial, counted in ``overflows``), as past ``max_held`` batches.
+      outstanding (decoded, an engine's batch takes ~7x its payload); past it the newest
+      held batch is dropped (a replay fetches it again; counted in ``overflows``), as past
+      ``max_held`` batches.
       One replay answer is read up to the same size before it is handed over.
     - ``reconnect_ivl`` 0.1 / ``reconnect_ivl_max`` 5.0: libzmq's 100 ms first retry, backing
       off to 5 s against an engine that stays down.
     - ``tcp_keepalive`` True: the OS probes idle connections, so a vanished host is noticed.
     - ``replay_timeout`` 1.0: the longest a replay holds a slot without a decodable reply (for
       the first one, and between replies; junk does not count); an idle engine may answer
-      ~100 ms late (protocol.md §4).
+      ~100 ms late (docs/protocol.md §4).
     - ``replay_deadline`` 30.0 / ``replay_budget`` 100,000: one replay request ends after
       this long or this many replies (malformed ones included), end marker or not; what
       came is applied and the rest asked again.
@@ -216,7 +217,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
       hostile replay endpoints cannot starve the others.
     - ``max_concurrent_replays`` 8: replay slots shared by all sources; each engine serves
       one at a time, and a reconnect storm must not stall every pump at once.
-    - ``quiet_interval`` 2.0: a source silent this long gets a replay probe (design.md rules
+    - ``quiet_interval`` 2.0: a source silent this long gets a replay probe (docs/recovery.md rules
       7-8: lost tail, silent restart); one small request per source per interval.
     - ``recv_batch`` 1024: messages drained per wakeup before yielding to other sources.
     - ``events_buffer`` 10,000: envelopes buffered per `events()` iterator before the
@@ -341,7 +342,7 @@ class SourceStats(SourceCounters, frozen=True, kw_only=True):  # type: ignore[mi
     partial: Annotated[bool, Meta(description="1 when the worker's history before its replay buffer is unknown.")] = (
         False
     )
-    state: str = "syncing"
+    state: SourceState = "syncing"
 
 
 def described_fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, str], ...]:
@@ -529,7 +530,7 @@ class SourceDriver:
 
     async def _run_session(self) -> None:
         # One SUB socket's life: recreated on the machine's request (a restarted engine's
-        # dead messages are still queued in the old one, design.md rule 2).
+        # dead messages are still queued in the old one, docs/recovery.md rule 2).
         src, cfg = self.source, self._cfg
         sub = _zmq.socket(
             self._ctx,
@@ -574,7 +575,7 @@ class SourceDriver:
 
     async def _pump(self, sub: zmq.Socket[bytes]) -> None:
         # The hot loop: locals instead of attribute lookups, and the common outcome (one Apply
-        # of an in-order batch, design.md rule 1) applied without the general dispatch.
+        # of an in-order batch, docs/recovery.md rule 1) applied without the general dispatch.
         # Each wakeup takes at most recv_batch messages and wakeup_bytes of payload, and the
         # loop yields to the event loop every _SLICE seconds of work: a flood of large
         # batches never stalls the other sources, the router, or leaving `async with`.
@@ -633,6 +634,13 @@ class SourceDriver:
             # position: the batch is a hole, like any undecodable one.
             self.counters.decode_errors += 1
             self._log.warn("undecodable payload", f"ts {batch.ts!r} is not finite")
+            return None
+        if batch.untrusted is not None:
+            # A removal or clear that could not be read: applying the rest could leave blocks
+            # the engine dropped. As an undecodable batch the machine asks for a replay and,
+            # when that cannot fix it, resets the worker ("undecodable").
+            self.counters.decode_errors += 1
+            self._log.warn("untrusted batch", batch.untrusted)
             return None
         return batch
 
@@ -828,7 +836,7 @@ class SourceDriver:
 
     def _on_reply(self, frames: list[bytes], items: list[tuple[int, float, EventBatch | None]]) -> object:
         # Newer engines reply [b"", topic, seq8, payload], older [b"", seq8, payload]; accept
-        # both from every source (protocol.md §4). Returns _END, _BATCH (decodable) or _JUNK.
+        # both from every source (docs/protocol.md §4). Returns _END, _BATCH (decodable) or _JUNK.
         n = len(frames)
         if n == 4 and not frames[0]:
             seq8, payload = frames[2], frames[3]

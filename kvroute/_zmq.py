@@ -139,7 +139,7 @@ def send_nowait(sock: zmq.Socket[bytes], frames: list[bytes]) -> bool:
     """Send one message without blocking; False when the socket refused it (past its high-water mark).
 
     PUB and (non-mandatory) ROUTER sockets never refuse: they drop silently past the mark,
-    which is what engines do (protocol.md §2, §4).
+    which is what engines do (docs/protocol.md §2, §4).
     """
     try:
         sock.send_multipart(frames, zmq.NOBLOCK)

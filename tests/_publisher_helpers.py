@@ -1,10 +1,11 @@
-"""Test helpers for socket tests: a seeded engine workload, ground-truth indexes, and index comparisons."""
+"""Test helpers for socket tests: a seeded engine workload, an engine-side ground truth, and index comparisons."""
 
 from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
 
 import anyio
 import zmq
@@ -15,7 +16,7 @@ from kvroute._events import Envelope
 from kvroute._index import PrefixIndex
 from kvroute._models import WorkerKey
 from kvroute._subscriber import SubscriberConfig
-from kvroute._wire import BlockRemoved, BlockStored, EngineEvent
+from kvroute._wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EventBatch
 from kvroute.sim._publisher import EventPublisher
 
 BLOCK_SIZE = 4
@@ -38,10 +39,16 @@ class Workload:
         # The held hashes as a list for O(1) random picks (swap-remove keeps it dense).
         self._held: list[int] = []
         self._pos: dict[int, int] = {}
+        # The tokens of each chain stored under a parent, on their own.
+        self._own: list[tuple[int, ...]] = []
 
     @property
     def queries(self) -> list[tuple[int, ...]]:
-        """The full token prefix of every stored chain, oldest first."""
+        """The full token prefix of every stored chain, oldest first, then each chain's own tokens alone.
+
+        The second kind asks whether an index claims a chain from the root although it was
+        stored under a parent (which the index may never have seen: a partial history).
+        """
         out = []
         for h in self._tails:
             parts: list[list[int]] = []
@@ -51,7 +58,14 @@ class Workload:
                 parts.append(tokens)
                 cur = parent
             out.append(tuple(t for block in reversed(parts) for t in block))
-        return out
+        full = set(out)
+        return out + [q for q in self._own if q not in full]
+
+    def clear(self) -> list[EngineEvent]:
+        """The engine dropped its whole cache (``reset_prefix_cache``): one `AllBlocksCleared`."""
+        self._held.clear()
+        self._pos.clear()
+        return [AllBlocksCleared()]
 
     def _pick(self) -> int:
         return self._held[self.rng.randrange(len(self._held))]
@@ -76,6 +90,8 @@ class Workload:
             self._held.append(h)
             prev = h
         self._tails.append(hashes[-1])
+        if parent is not None:
+            self._own.append(tuple(tokens))
         if rng.random() < self.evict_rate:
             victim = self._pick()
             i = self._pos.pop(victim)
@@ -87,20 +103,101 @@ class Workload:
         return events
 
 
-def truth_index(publishers: Mapping[WorkerKey, EventPublisher]) -> PrefixIndex:
-    """The index each publisher's full history (its current process) implies: the ground truth."""
-    index = PrefixIndex()
+class EngineTruth:
+    """What the engines' published histories say each worker holds, computed without kvroute's index.
+
+    A model of the engine's cache, independent of `PrefixIndex`: per worker, every held engine
+    hash maps to the full token prefix it ends (its parent's prefix plus its own tokens), or to
+    None when its parent was not held when it was stored (such a block, and every block under
+    it, proves no prefix). A stored block whose hash is held already is another copy (kept
+    until every copy is removed); `AllBlocksCleared` empties the worker. A worker holds a
+    prefix of ``q`` of n blocks when each of ``q``'s first 1..n blocks is some held block's
+    prefix. It offers the three questions the tests ask an index: `workers`, `num_blocks`,
+    `find_matches`.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[WorkerKey, dict[object, tuple[tuple[int, ...] | None, int]]] = {}
+        self._block_size: dict[WorkerKey, int] = {}
+        self._prefixes: dict[WorkerKey, set[tuple[int, ...]]] = {}  # cache, dropped on each change
+
+    def apply(self, worker: WorkerKey, batch: EventBatch) -> None:
+        """One published batch of ``worker``."""
+        self._prefixes.pop(worker, None)
+        held = self._held.setdefault(worker, {})
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                bs = ev.block_size
+                self._block_size[worker] = bs
+                parent = ev.parent_block_hash
+                prefix: tuple[int, ...] | None = () if parent is None else (
+                    held[parent][0] if parent in held else None
+                )
+                for i, h in enumerate(ev.block_hashes):
+                    if prefix is not None:
+                        prefix = prefix + tuple(ev.token_ids[i * bs : (i + 1) * bs])
+                    cur = held.get(h)
+                    held[h] = (cur[0], cur[1] + 1) if cur is not None else (prefix, 1)
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    cur = held.get(h)
+                    if cur is not None:
+                        if cur[1] > 1:
+                            held[h] = (cur[0], cur[1] - 1)
+                        else:
+                            del held[h]
+            elif isinstance(ev, AllBlocksCleared):
+                held.clear()
+
+    def workers(self) -> set[WorkerKey]:
+        """Workers holding at least one block."""
+        return {w for w, held in self._held.items() if held}
+
+    def num_blocks(self, worker: WorkerKey) -> int:
+        """Distinct engine hashes ``worker`` holds."""
+        return len(self._held.get(worker, {}))
+
+    def find_matches(self, query: Sequence[int]) -> dict[WorkerKey, int]:
+        """Leading full blocks of ``query`` each worker holds (workers with none left out)."""
+        out: dict[WorkerKey, int] = {}
+        for w, held in self._held.items():
+            bs = self._block_size.get(w)
+            if not bs:
+                continue
+            prefixes = self._prefixes.get(w)
+            if prefixes is None:
+                prefixes = self._prefixes[w] = {p for p, _ in held.values() if p is not None}
+            n = 0
+            while (n + 1) * bs <= len(query) and tuple(query[: (n + 1) * bs]) in prefixes:
+                n += 1
+            if n:
+                out[w] = n
+        return out
+
+
+def truth_index(publishers: Mapping[WorkerKey, EventPublisher]) -> EngineTruth:
+    """What each publisher's full history (its current process) says its worker holds: the ground truth.
+
+    Computed by `EngineTruth`, not by kvroute: an index that agrees with it agrees with the engine.
+    """
+    truth = EngineTruth()
     for key, pub in publishers.items():
         for batch in pub.history:
-            index.apply_batch(key, batch)
-    return index
+            truth.apply(key, batch)
+    return truth
 
 
-def _scores(index: PrefixIndex, query: Sequence[int]) -> dict[WorkerKey, int]:
+class _Answers(Protocol):
+    def workers(self) -> set[WorkerKey]: ...
+    def num_blocks(self, worker: WorkerKey) -> int: ...
+    def find_matches(self, query: Sequence[int]) -> Mapping[WorkerKey, int]: ...
+
+
+def _scores(index: _Answers, query: Sequence[int]) -> dict[WorkerKey, int]:
     return {w: s for w, s in index.find_matches(query).items() if s}
 
 
-def assert_index_equal(index: PrefixIndex, truth: PrefixIndex, queries: Iterable[Sequence[int]]) -> None:
+def assert_index_equal(index: PrefixIndex, truth: _Answers, queries: Iterable[Sequence[int]]) -> None:
     """Same workers, same block counts, same scores for every query."""
     assert index.workers() == truth.workers()
     for w in truth.workers():
@@ -109,7 +206,7 @@ def assert_index_equal(index: PrefixIndex, truth: PrefixIndex, queries: Iterable
         assert _scores(index, q) == _scores(truth, q), q
 
 
-def assert_index_subset(index: PrefixIndex, truth: PrefixIndex, queries: Iterable[Sequence[int]]) -> None:
+def assert_index_subset(index: PrefixIndex, truth: _Answers, queries: Iterable[Sequence[int]]) -> None:
     """The index claims nothing the truth does not: never more blocks, never a longer match."""
     assert index.workers() <= truth.workers()
     for w in index.workers():
@@ -171,3 +268,15 @@ async def next_event(stream: EventStream, kind: str) -> Envelope:
             if getattr(env.event, "kind", None) == kind:
                 return env
     raise AssertionError(f"stream ended before a {kind!r} event")
+
+
+async def wait_for(condition: Callable[[], bool], what: str) -> None:
+    """Wait until ``condition()`` holds, checking every 5 ms; fails the test after 10 s.
+
+    For conditions no event announces (a counter of another component, a socket's peer):
+    the test waits for the state it needs instead of sleeping a fixed time and hoping.
+    """
+    with anyio.fail_after(10):
+        while not condition():  # noqa: ASYNC110 (nothing to wait on: the state is polled)
+            await anyio.sleep(0.005)
+    assert condition(), what

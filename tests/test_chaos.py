@@ -2,17 +2,19 @@
 
 Four `SimEngine`s (vLLM with 2 ranks; SGLang with a shallow replay buffer; an old vLLM: array
 form, old reply layout, bytes hashes; SGLang with 2 ranks and no replay at all) serve
-requests while a seeded fault driver sets drop rates, restarts engines (same or new ports),
+requests while a fault driver (`kvroute.sim.FaultDriver`), its plan drawn from the seed alone,
+sets drop rates, restarts engines (same or new ports),
 kills, mutes and revives replay endpoints, holds publishers back, and hides or stops each
-engine's discovery server. A `KvEventClient` follows them through discovery.
+engine's discovery server; every router life has a prefix-cache clear and a silent restart.
+A `KvEventClient` follows them through discovery.
 
 Checkpoints, every 100-200 ms while the faults run: the index must never claim what the
 engine does not hold. The index lags the engine (an eviction is claimed until its event
 arrives), so each worker is compared with the engine's truth *as of the last batch the
 client applied*: the client's position (`KvEventClient.cursors`: seq and ts) names one
 engine process (the publisher whose history has that ts at that seq; one that matches no
-process fails the test) and the index that process's history implies up to that seq is the
-truth the sim tests prove equal to its cache (``test_sim_engine``). A worker must then be
+process fails the test), and what that process's history up to that seq says it holds is the
+truth (`EngineTruth`, a model of the engine's cache computed without kvroute's index). A worker must then be
 equal to it (not partial) or a subset of it (partial: leading-block scores and block counts
 never larger); a worker without a position must hold nothing, and the index must hold no
 worker that no source feeds. Any false claim fails at once.
@@ -32,12 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import anyio
 import anyio.abc
 import pytest
+from _publisher_helpers import EngineTruth
 
 from kvroute._client import KvEventClient
 from kvroute._discovery import DiscoveryOptions
@@ -45,15 +48,22 @@ from kvroute._index import PrefixIndex
 from kvroute._models import WorkerKey
 from kvroute._snapshot import Cursor
 from kvroute._subscriber import SubscriberConfig
-from kvroute.sim import RequestAbortedError, SimConfig, SimEngine, SimRequest
-from kvroute.sim._grpc import GrpcServer, SglangService, VllmControlService, sglang_server_info, start_grpc_server
-from kvroute.sim._publisher import EventPublisher
+from kvroute.sim import (
+    DiscoveryServer,
+    EventPublisher,
+    FaultDriver,
+    FaultKind,
+    RequestAbortedError,
+    SimConfig,
+    SimEngine,
+    SimRequest,
+)
 
 pytestmark = pytest.mark.anyio
 
 SEED = 7
-#: Seconds of faults per backend: the whole test stays under ~25 s on a slow 2-core machine.
-CHAOS_SECONDS = {"asyncio": 7.0, "trio": 4.5}
+#: Faults per backend (~125 ms apart): the whole test stays under ~25 s on a slow 2-core machine.
+CHAOS_FAULTS = {"asyncio": 56, "trio": 36}
 VOCAB = 50
 MAX_TOKENS = 3
 
@@ -86,54 +96,24 @@ CONFIG = SubscriberConfig(
 )
 
 
-class Discovery:
-    """An engine's gRPC discovery server that the fault driver can hide (empty answer) or stop and start again."""
-
-    def __init__(self, eng: SimEngine) -> None:
-        self.eng = eng
-        self.hidden = False
-        self.service: VllmControlService | SglangService
-        if eng.config.engine == "vllm":
-            self.service = VllmControlService(lambda: [] if self.hidden else eng.advertised_sources())
-        else:
-            self.service = SglangService(lambda: sglang_server_info(None) if self.hidden else eng.server_info_json())
-        self.server: GrpcServer | None = None
-        self.port = 0
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        if self.server is not None:
-            return
-        with anyio.fail_after(5):
-            while True:
-                try:
-                    self.server = await start_grpc_server([self.service], port=self.port)
-                    break
-                except OSError:
-                    await anyio.sleep(0.02)  # the old listener is still closing
-        self.port = self.server.port
-
-    async def stop(self) -> None:
-        server, self.server = self.server, None
-        if server is not None:
-            await server.stop()
-
-
 class Truth:
     """Every engine process each worker ever had, and the index each one's history implies up to a seq."""
 
     def __init__(self) -> None:
         self.engines: dict[WorkerKey, tuple[SimEngine, int]] = {}
         self.procs: dict[WorkerKey, list[EventPublisher]] = {}
-        self._shadows: dict[int, tuple[PrefixIndex, int]] = {}
+        self._shadows: dict[int, tuple[EngineTruth, int]] = {}
 
     def track(self, worker: WorkerKey, eng: SimEngine, rank: int) -> None:
         self.engines[worker] = (eng, rank)
         self.procs[worker] = []
         self.note(worker)
+
+    def note_engine(self, eng: SimEngine) -> None:
+        """Record the new process of every worker of ``eng`` (called after each restart)."""
+        for w, (e, _) in self.engines.items():
+            if e is eng:
+                self.note(w)
 
     def note(self, worker: WorkerKey) -> None:
         """Record the worker's current process (none while its engine is restarting)."""
@@ -152,15 +132,18 @@ class Truth:
                 return pub
         return None
 
-    def at(self, worker: WorkerKey, pub: EventPublisher, seq: int) -> PrefixIndex:
-        """The index ``pub``'s history implies up to ``seq`` (kept per process, advanced lazily)."""
-        index, pos = self._shadows.get(id(pub), (PrefixIndex(), -1))
+    def at(self, worker: WorkerKey, pub: EventPublisher, seq: int) -> EngineTruth:
+        """What ``pub``'s history up to ``seq`` says the worker holds (kept per process, advanced lazily).
+
+        `EngineTruth` models the engine's cache from its events without kvroute's index.
+        """
+        model, pos = self._shadows.get(id(pub), (EngineTruth(), -1))
         if pos > seq:  # the client went back (a source re-added): start over
-            index, pos = PrefixIndex(), -1
+            model, pos = EngineTruth(), -1
         for batch in pub.history[pos + 1 : seq + 1]:
-            index.apply_batch(worker, batch)
-        self._shadows[id(pub)] = (index, seq)
-        return index
+            model.apply(worker, batch)
+        self._shadows[id(pub)] = (model, seq)
+        return model
 
 
 def check(client: KvEventClient, truth: Truth, queries: Sequence[Sequence[int]]) -> None:
@@ -211,117 +194,29 @@ def workload(seed: int) -> tuple[list[list[int]], list[list[int]]]:
 
 
 @contextlib.asynccontextmanager
-async def fleet() -> AsyncIterator[tuple[list[SimEngine], list[Discovery]]]:
+async def fleet() -> AsyncIterator[tuple[list[SimEngine], list[DiscoveryServer]]]:
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(SimEngine(cfg)) for cfg in ENGINES]
-        discos = [Discovery(e) for e in engines]
+        discos = [DiscoveryServer(e) for e in engines]
         for d in discos:
             stack.push_async_callback(d.stop)
             await d.start()
         yield engines, discos
 
 
-class Faults:
-    """The seeded fault driver: one random fault every 50-200 ms, each undone after a while."""
+#: The faults drawn, by weight; every half of every run also has a clear and a silent restart.
+KINDS: list[FaultKind] = ["drop"] * 3 + ["restart", "restart-new-ports"] + ["kill-replay"] * 2
+KINDS += ["silent-restart"] * 2 + ["mute-replay", "pause", "hide", "down", "clear"]
+EVERY_RUN: tuple[FaultKind, ...] = ("clear", "silent-restart")
 
-    def __init__(self, engines: list[SimEngine], discos: list[Discovery], truth: Truth, rng: random.Random) -> None:
-        self.engines = engines
-        self.discos = discos
-        self.truth = truth
-        self.rng = rng
-        self.undo: list[tuple[float, Callable[[], Awaitable[None]]]] = []
-        self.done: dict[str, int] = {}
 
-    async def run(self, seconds: float) -> None:
-        rng = self.rng
-        end = anyio.current_time() + seconds
-        kinds = ["drop"] * 3 + ["restart"] * 2 + ["kill-replay"] * 2
-        kinds += ["silent-restart"] * 2 + ["mute-replay", "pause", "hide", "down", "clear"]
-        while anyio.current_time() < end:
-            await anyio.sleep(rng.uniform(0.05, 0.2))
-            now = anyio.current_time()
-            due = [u for u in self.undo if u[0] <= now]
-            self.undo = [u for u in self.undo if u[0] > now]
-            for _, fix in due:
-                await fix()
-            i = rng.randrange(len(self.engines))
-            await self.inject(rng.choice(kinds), i)
-
-    async def inject(self, kind: str, i: int) -> None:
-        eng, disco, rng = self.engines[i], self.discos[i], self.rng
-        later = anyio.current_time() + rng.uniform(0.1, 0.8)
-        rank = rng.randrange(eng.config.ranks)
-        has_replay = eng.config.replay_port is not None
-        if kind == "drop":
-            eng.drop_rate = rng.choice([0.0, 0.2, 0.5, 0.9])
-        elif kind == "restart":
-            await eng.restart(change_ports=rng.random() < 0.4)
-            self.note(eng)
-        elif kind == "silent-restart":
-            # A young process, then another one whose first batches are all lost: its first
-            # seq the client sees is past anything the first one sent, so no seq goes back
-            # and only an identity check can tell (design.md rule 7). Shorter than the quiet
-            # interval, so the reconnect's check, not the quiet probe's, is the one tested.
-            await eng.restart()
-            self.note(eng)
-            await anyio.sleep(rng.uniform(0.03, 0.06))
-            rate, eng.drop_rate = eng.drop_rate, 1.0
-            await eng.restart()
-            self.note(eng)
-            await anyio.sleep(rng.uniform(0.15, 0.25))
-            eng.drop_rate = rate
-        elif kind == "kill-replay" and has_replay:
-            pub = eng.publisher(rank)
-            pub.kill_replay()
-
-            def revive() -> None:
-                # Only while that process lives: a restarted engine's new one has its own (and
-                # a dead publisher must not bind again: nothing would close that socket).
-                with contextlib.suppress(RuntimeError):
-                    if eng.publisher(rank) is pub:
-                        pub.revive_replay()
-
-            self.later(later, revive)
-        elif kind == "mute-replay" and has_replay:
-            pub = eng.publisher(rank)
-            pub.replay_mute = True
-            self.later(later, lambda: setattr(pub, "replay_mute", False))
-        elif kind == "pause":
-            eng.pause()
-            self.later(later, eng.resume)
-        elif kind == "hide":
-            disco.hidden = True
-            self.later(later, lambda: setattr(disco, "hidden", False))
-        elif kind == "down":
-            await disco.stop()
-            self.undo.append((later, disco.start))
-        elif kind == "clear":
-            if not eng.reset_prefix_cache():
-                return  # requests running: the engine refuses
-        else:
-            return
-        self.done[kind] = self.done.get(kind, 0) + 1
-
-    def note(self, eng: SimEngine) -> None:
-        for w, (e, _) in self.truth.engines.items():
-            if e is eng:
-                self.truth.note(w)
-
-    def later(self, when: float, fix: Callable[[], object]) -> None:
-        async def run() -> None:
-            fix()
-
-        self.undo.append((when, run))
-
-    async def heal(self) -> None:
-        for _, fix in self.undo:
-            await fix()
-        self.undo = []
-        for eng, disco in zip(self.engines, self.discos):
-            eng.drop_rate = 0.0
-            eng.resume()
-            disco.hidden = False
-            await disco.start()
+async def run_faults(driver: FaultDriver, count: int) -> None:
+    """``count`` faults planned from the seed, one every 50-200 ms, each lifted after 0.1-0.8 s."""
+    rng = driver.rng
+    for kind, i, rank in driver.plan(count, KINDS, every_run=EVERY_RUN):
+        await anyio.sleep(rng.uniform(0.05, 0.2))
+        await driver.undo_due()
+        await driver.inject(kind, i, rank, undo_at=anyio.current_time() + rng.uniform(0.1, 0.8))
 
 
 async def serve_load(
@@ -411,17 +306,17 @@ async def all_live(client: KvEventClient, truth: Truth) -> None:
 
 
 async def test_chaos(anyio_backend: str, tmp_path: Path) -> None:
-    seed = SEED + list(CHAOS_SECONDS).index(anyio_backend) * 100  # each backend its own fault sequence
+    seed = SEED + list(CHAOS_FAULTS).index(anyio_backend) * 100  # each backend its own fault sequence
     rng = random.Random(seed)
     prompts, queries = workload(seed)
     truth = Truth()
-    half = CHAOS_SECONDS[anyio_backend] / 2
+    half = CHAOS_FAULTS[anyio_backend] // 2
     async with fleet() as (engines, discos), anyio.create_task_group() as load:
         for d in discos:
             for rank in range(d.eng.config.ranks):
                 truth.track(WorkerKey(d.target, rank), d.eng, rank)
         targets = [d.target for d in discos]
-        faults = Faults(engines, discos, truth, random.Random(seed + 1))
+        faults = FaultDriver(engines, discos, random.Random(seed + 1), on_restart=truth.note_engine)
         calm, idle = anyio.Event(), anyio.Event()
         load.start_soon(serve_load, engines, prompts, seed, calm, idle)
         checks = [0]
@@ -431,7 +326,7 @@ async def test_chaos(anyio_backend: str, tmp_path: Path) -> None:
             await all_live(client, truth)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(checkpoints, client, truth, queries, random.Random(seed + 2), checks)
-                await faults.run(half)
+                await run_faults(faults, half)
                 tg.cancel_scope.cancel()
             await faults.heal()
             first = client.stats()
@@ -452,7 +347,7 @@ async def test_chaos(anyio_backend: str, tmp_path: Path) -> None:
             assert deep and all(per[w].resets == 0 for w in deep), {w: per[w] for w in deep}
             async with anyio.create_task_group() as tg:
                 tg.start_soon(checkpoints, client, truth, queries, random.Random(seed + 3), checks)
-                await faults.run(half)
+                await run_faults(faults, half)
                 calm.set()
                 await idle.wait()
                 await faults.heal()
@@ -474,7 +369,9 @@ async def test_chaos(anyio_backend: str, tmp_path: Path) -> None:
             gaps, replays, resets = a.gaps + b.gaps, a.replays + b.replays, a.resets + b.resets
             removed = first.removed_sources + stats.removed_sources
             assert checks[0] >= 10
-            assert faults.done.get("restart", 0) >= 2 and faults.done.get("kill-replay", 0) >= 1
+            done = faults.done
+            assert done.get("restart", 0) + done.get("restart-new-ports", 0) >= 2 and done.get("kill-replay", 0) >= 1
+            assert done.get("clear", 0) >= 2 and done.get("silent-restart", 0) >= 2  # one each per router life
             assert gaps > 0 and replays > 0 and resets > 0 and removed > 0
             print(
                 f"\nchaos[{anyio_backend}]: {checks[0]} checkpoints, faults {faults.done}, {len(deep)} workers"

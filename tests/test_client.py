@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -19,6 +20,7 @@ from _publisher_helpers import (
     next_event,
     settle,
     truth_index,
+    wait_for,
 )
 
 from kvroute import _zmq
@@ -62,6 +64,17 @@ async def test_cold_start_with_history(form: str, signed: bool, layout: str) -> 
         src = pub.source("w")
         async with KvEventClient([src], config=FAST) as client:
             stream = client.events()
+            # The hashes reach the stream as the engine meant them (SGLang's int64 folded to uint64).
+            want = [h for b in pub.history for e in b.events if isinstance(e, BlockStored) for h in e.block_hashes]
+            assert any(h >= 1 << 63 for h in want)
+            delivered: list[object] = []
+            with anyio.fail_after(10):
+                async for env in stream:
+                    if isinstance(env.event, BlockStored):
+                        delivered += env.event.block_hashes
+                    if len(delivered) >= len(want):
+                        break
+            assert delivered == want
             await settle(client, stream, {src.key: 39})
             st = client.stats().sources[src.key]
             assert (st.replayed_batches, st.batches, st.partial, st.resets) == (40, 40, False, 0)
@@ -136,7 +149,7 @@ async def test_restart_with_seq_reset() -> None:
 
 async def test_killed_and_restarted_on_the_same_port_silently() -> None:
     # The new process publishes past the old one's last seq before the SUB reconnects, so no
-    # seq ever goes back: only the identity check on reconnect can tell (design.md rule 7).
+    # seq ever goes back: only the identity check on reconnect can tell (docs/recovery.md rule 7).
     wl = Workload(5)
     async with EventPublisher() as pub:
         src = pub.source("w")
@@ -282,18 +295,21 @@ async def test_clean_shutdown_mid_replay(ctx: zmq.Context[zmq.Socket[bytes]]) ->
         for _ in range(20_000):
             pub.publish(wl.batch())
         src = pub.source("w")
-        with anyio.fail_after(5):
-            async with KvEventClient([src], config=FAST, context=ctx) as client:
+        # A replay timeout the test never reaches: nothing is applied before the end marker.
+        cfg = msgspec.structs.replace(FAST, replay_timeout=60.0)
+        with anyio.fail_after(10):
+            async with KvEventClient([src], config=cfg, context=ctx) as client:
                 stream = client.events()
-                await next_event(stream, "connected")
-                await anyio.sleep(0.1)  # the request is out; 20,000 replies take far longer
+                await wait_for(lambda: client.stats().sources[src.key].replays >= 1, "the cold replay is asked")
                 st = client.stats().sources[src.key]
-        assert st.replays == 1 and st.batches == 0 and st.state == "syncing", st
+                # 20,000 replies take far longer than the few ms since the request went out.
+                assert st.replays == 1 and st.batches == 0 and st.state == "syncing", st
         # Every socket the client opened is closed (the publisher's two are still open).
         open_sockets = [s for s in ctx._sockets if not s.closed]
         assert len(open_sockets) == 2
         with anyio.fail_after(1):
-            assert [e async for e in stream] == []  # the stream ended instead of waiting forever
+            rest = [e async for e in stream]  # the stream ended instead of waiting forever
+        assert all(e.seq is None for e in rest)  # lifecycle events only: no batch was applied
 
 
 async def test_iterators_and_overflow() -> None:
@@ -362,7 +378,8 @@ async def test_source_cap_refuses_extra_sources() -> None:
 
 
 async def test_wait_synced_times_out() -> None:
-    cfg = msgspec.structs.replace(FAST, replay_timeout=5.0)
+    # No quiet probe: one still out when replay is muted would be the request ignored instead.
+    cfg = msgspec.structs.replace(FAST, replay_timeout=5.0, quiet_interval=60.0)
     async with EventPublisher() as pub:
         pub.kill_replay()
         src = pub.source("w", replay_endpoint=pub.replay_endpoint)
@@ -475,7 +492,8 @@ async def test_a_failing_source_is_removed_and_the_rest_carry_on() -> None:
 async def test_a_replay_made_moot_by_a_disconnect_is_not_waited_for() -> None:
     # The gap's replay is swallowed; the engine then restarts. Waiting out the 5 s replay
     # timeout would hold the new engine's state back: the driver drops the request at once.
-    cfg = msgspec.structs.replace(FAST, replay_timeout=5.0)
+    # No quiet probe: one still out when replay is muted would be the request ignored instead.
+    cfg = msgspec.structs.replace(FAST, replay_timeout=5.0, quiet_interval=60.0)
     wl = Workload(22)
     async with EventPublisher() as pub:
         src = pub.source("w")
@@ -490,7 +508,7 @@ async def test_a_replay_made_moot_by_a_disconnect_is_not_waited_for() -> None:
             pub.drop_rate = 0.0
             pub.publish(wl.batch())
             await next_event(stream, "gap")
-            await anyio.sleep(0.2)
+            await wait_for(lambda: pub.replays_ignored >= 1, "the gap's request reached the muted endpoint")
             assert pub.replays_ignored == 1
             pub.replay_mute = False
             pub.restart()
@@ -505,20 +523,101 @@ async def test_a_replay_made_moot_by_a_disconnect_is_not_waited_for() -> None:
 async def test_a_removed_source_touches_the_index_no_more() -> None:
     # The driver is woken with messages queued, then its source is removed before it runs:
     # cancellation reaches it only at its next checkpoint, after it would have applied them.
+    # asyncio runs the woken tasks in order, trio in a random one: eight rounds reach the
+    # driver-runs-after-removal order on either backend (trio misses it with odds 1/256).
     wl = Workload(24)
+    async with EventPublisher() as pub, KvEventClient([], config=FAST) as client:
+        for rnd in range(8):
+            src = pub.source(f"w{rnd}")
+            assert client.add_source(src)
+            with anyio.fail_after(10):
+                while client.index.num_blocks(src.key) == 0:  # the SUB joined and applies
+                    pub.publish(wl.batch())
+                    await anyio.sleep(0.01)
+            for _ in range(20):
+                pub.publish(wl.batch())
+            time.sleep(0.1)  # noqa: ASYNC251 (blocks the loop: the SUB's queue fills, its FD turns readable)
+            # Two rounds of the loop: the FD's callback runs, then the driver's step is due.
+            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
+            assert client.remove_source(src)
+            await anyio.wait_all_tasks_blocked()  # the driver ran what it was due to run
+            assert client.index.workers() == set() and client.index.num_blocks() == 0
+
+
+async def test_clear_drops_everything_the_engine_held() -> None:
+    # reset_prefix_cache: the engine drops its whole cache and says so with AllBlocksCleared.
+    wl = Workload(25)
     async with EventPublisher() as pub:
         src = pub.source("w")
         async with KvEventClient([src], config=FAST) as client:
             stream = client.events()
-            pub.publish(wl.batch())
-            await settle(client, stream, {src.key: 0})
-            for _ in range(20):
+            for _ in range(15):
                 pub.publish(wl.batch())
-            time.sleep(0.1)  # noqa: ASYNC251 (blocks the loop: the SUB's queue fills, its FD turns readable)
-            # Two rounds of the loop: the FD's callback runs, then the driver's step is due
-            # behind this task's (asyncio runs them in order; trio in random order).
-            await anyio.lowlevel.checkpoint()
-            await anyio.lowlevel.checkpoint()
-            assert client.remove_source(src)
-            await anyio.sleep(0.2)
-            assert client.index.workers() == set() and client.index.num_blocks() == 0
+            await settle(client, stream, {src.key: 14})
+            before = client.index.num_blocks(src.key)
+            pub.publish(wl.clear())
+            for _ in range(3):
+                pub.publish(wl.batch())
+            await settle(client, stream, {src.key: _last(pub)})
+            truth = truth_index({src.key: pub})
+            assert 0 < truth.num_blocks(src.key) < before
+            assert_index_equal(client.index, truth, wl.queries)
+
+
+def _forward(ctx: zmq.Context[zmq.Socket[bytes]], upstream: str, xpub: zmq.Socket[bytes]) -> None:
+    """A PUB/SUB forwarder (as a fan-out proxy runs): XSUB connected upstream, ``xpub`` downstream."""
+    xsub = ctx.socket(zmq.XSUB)
+    xsub.linger = 0
+    xsub.connect(upstream)
+    try:
+        zmq.proxy(xsub, xpub)
+    except zmq.ContextTerminated:
+        pass
+    finally:
+        xsub.close()
+        xpub.close()
+
+
+async def test_a_restart_behind_a_forwarder_is_told_from_duplicates_by_its_ts() -> None:
+    # Behind a forwarder the SUB never disconnects, so no identity check runs: the new
+    # process's seqs 0.. arrive live, equal to seqs already applied, and only their ts tells
+    # them from duplicates (rule 2). Taken as duplicates, the old blocks would stay claimed.
+    wl = Workload(26)
+    fwd_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    async with EventPublisher() as pub:
+        xpub = fwd_ctx.socket(zmq.XPUB)
+        xpub.linger = 0
+        port = xpub.bind_to_random_port("tcp://127.0.0.1")
+        thread = threading.Thread(target=_forward, args=(fwd_ctx, pub.endpoint, xpub), daemon=True)
+        thread.start()
+        try:
+            src = msgspec.structs.replace(pub.source("w"), endpoint=f"tcp://127.0.0.1:{port}")
+            async with KvEventClient([src], config=FAST) as client:
+                stream = client.events()
+                with anyio.fail_after(10):
+                    while client.stats().sources[src.key].batches < 10:  # until the chain is joined
+                        pub.publish(wl.batch())
+                        await anyio.sleep(0.02)
+                # A long old run: the new process's seqs must reach the client while they are
+                # still below its end (a first seq past it would look like a plain gap).
+                while _last(pub) < 400:
+                    pub.publish(wl.batch())
+                await settle(client, stream, {src.key: _last(pub)})
+                old_last = _last(pub)
+                pub.restart()
+                wl = Workload(27)
+                with anyio.fail_after(20):
+                    # The forwarder's XSUB rejoins the new PUB; publish until the client saw the restart.
+                    while client.stats().sources[src.key].resets == 0:
+                        assert _last(pub) < old_last, "the forwarder took too long to rejoin"
+                        pub.publish(wl.batch())
+                        await anyio.sleep(0.03)
+                while _last(pub) <= old_last + 3:  # past the old run, so seqs alone look fine
+                    pub.publish(wl.batch())
+                await settle(client, stream, {src.key: _last(pub)})
+                assert client.stats().sources[src.key].connected
+                assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+        finally:
+            await anyio.to_thread.run_sync(fwd_ctx.term)
+            thread.join(5)

@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvroute._cli import main
-from kvroute._demo import POLICIES, DemoOptions, run_demo
+from kvroute.cli import POLICIES, DemoOptions, main, run_demo
 
 REQUIRED = ("hit_rate", "prefill_tokens", "ttft_p50", "ttft_p99", "decision_p50_us", "decision_p99_us")
 
@@ -77,6 +76,31 @@ def test_mooncake_trace_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert kv["requests"] == kv["completed"] == 80
     assert kv["prompt_tokens"] == 80 * (7 * 64 - 9)
     assert kv["hit_rate"] > 0.6 and kv["hit_rate"] > rnd["hit_rate"]
+
+
+def test_long_prompt_trace_shows_its_reuse_with_default_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Mooncake-shaped: 12k-token prompts (24 hash ids of 512 tokens) a second apart; 40 documents, then the
+    # 10 oldest asked again, 30-40 s later. 8,192 blocks per rank held ~10 such prompts and evicted them
+    # all (0 %); the defaults keep them, and the 10x replay runs the engines 10x faster too.
+    lines = [
+        json.dumps(
+            {
+                "timestamp": i * 1000,
+                "input_length": 25 * 512,
+                "output_length": 20,
+                "hash_ids": [doc * 100 + b for b in range(24)] + [10_000 + i],
+            }
+        )
+        for i, doc in enumerate([*range(40), *range(10)])
+    ]
+    trace = tmp_path / "long.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    kv = _json_demo(capsys, "--trace", str(trace), "--engines", "2", "--policies", "kvroute")["kvroute"]
+    assert kv["completed"] == 50 and kv["rejected"] == 0
+    assert kv["reachable_hit_rate"] == pytest.approx(10 * 24 * 512 / (50 * 25 * 512), abs=1e-4)
+    assert kv["hit_rate"] > 0.1 and kv["reachable_share"] > 0.5, kv
 
 
 def test_table_progress_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

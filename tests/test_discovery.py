@@ -18,18 +18,6 @@ import grpc
 import pytest
 import trustme
 
-from kvroute._cli_discover import (
-    EXIT_EVENTS_DISABLED,
-    EXIT_FAILED,
-    EXIT_MALFORMED_ANSWER,
-    EXIT_OK,
-    EXIT_REJECTED,
-    EXIT_TOO_MANY_SOURCES,
-    EXIT_UNREACHABLE,
-    EXIT_UNUSABLE_SOURCE,
-    EXIT_USAGE,
-    register,
-)
 from kvroute._discovery import (
     DiscoveryOptions,
     InvalidOptionsError,
@@ -48,6 +36,18 @@ from kvroute._discovery import (
 from kvroute._errors import DiscoveryError, EventsDisabledError, KvRouteError, UnusableSourceError
 from kvroute._models import EventSource, WorkerKey
 from kvroute._proto import vllm_control_pb2 as vllm_pb
+from kvroute.cli._discover import register
+from kvroute.cli._display import (
+    EXIT_EVENTS_DISABLED,
+    EXIT_FAILED,
+    EXIT_MALFORMED_ANSWER,
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_TOO_MANY_SOURCES,
+    EXIT_UNREACHABLE,
+    EXIT_UNUSABLE_SOURCE,
+    EXIT_USAGE,
+)
 from kvroute.sim._grpc import ServerTls, SglangService, VllmControlService, serve_grpc, sglang_server_info
 
 pytestmark = pytest.mark.anyio
@@ -73,7 +73,7 @@ def free_port() -> int:
 
 
 def kv_source(rank: int = 0, endpoint: str | None = None, **fields: Any) -> vllm_pb.KvEventSource:
-    """A KvEventSource as vLLM fills it (protocol.md §1 defaults), with overrides."""
+    """A KvEventSource as vLLM fills it (docs/protocol.md §1 defaults), with overrides."""
     values: dict[str, Any] = {
         "transport": "zmq",
         "endpoint": endpoint or f"tcp://*:{5557 + rank}",
@@ -91,7 +91,7 @@ def kv_source(rank: int = 0, endpoint: str | None = None, **fields: Any) -> vllm
 
 
 def sglang_kv(dp_size: Any = 1, **fields: Any) -> dict[str, Any]:
-    """SGLang's kv_events descriptor (protocol.md §1), with overrides."""
+    """SGLang's kv_events descriptor (docs/protocol.md §1), with overrides."""
     kv: dict[str, Any] = {
         "publisher": "zmq",
         "endpoint_host": "*",
@@ -259,7 +259,7 @@ async def test_sglang_dp1_without_replay() -> None:
 
 
 async def test_sglang_real_dp2_example_warns_about_replay_overlap(caplog: pytest.LogCaptureFixture) -> None:
-    # protocol.md §1, real output of SGLang with dp_size 2 (its replay base collides with rank 1).
+    # docs/protocol.md §1, real output of SGLang with dp_size 2 (its replay base collides with rank 1).
     kv = (
         '{"publisher":"zmq","endpoint_host":"*","endpoint_port_base":5557,"topic":"","block_size":64,'
         '"dp_size":2,"load_endpoint_port_base":5560,"load_topic":"load","replay_endpoint_port_base":5558}'

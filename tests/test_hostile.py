@@ -68,16 +68,8 @@ HOSTILE: dict[str, bytes] = {
     "events-is-an-int": _enc([1.0, 7, 0]),
     "hashes-is-a-string": _enc([1.0, [{"type": "BlockRemoved", "block_hashes": "abc"}], 0]),
     "hash-is-a-float": _enc([1.0, [{"type": "BlockRemoved", "block_hashes": [1.5]}], 0]),
-    "token-is-a-float": _enc(
-        [1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1.5], "block_size": 1}], 0]
-    ),
+    # (A store of a bad shape costs that store, not its batch: tests/test_wire.py.)
     "type-is-an-int": _enc([1.0, [{"type": 3, "block_hashes": [1]}], 0]),
-    "negative-block-size": _enc(
-        [1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [], "block_size": -4}], 0]
-    ),
-    "tokens-do-not-fit": _enc(
-        [1.0, [{"type": "BlockStored", "block_hashes": [1, 2], "token_ids": [1, 2, 3, 4, 5], "block_size": 2}], 0]
-    ),
     "truncated": _enc([1.0, [{"type": "BlockRemoved", "block_hashes": [1, 2, 3]}], 0])[:-3],
     "not-msgpack": b"\xc1\xc1\xc1",
 }

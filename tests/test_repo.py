@@ -1,4 +1,4 @@
-"""Repository invariants: the README's commands are the ones CI runs, and the public names of api.md import."""
+"""Repository invariants: the README's commands are the ones CI runs; the public API (docs/architecture.md) imports."""
 
 from __future__ import annotations
 

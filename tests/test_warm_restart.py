@@ -5,10 +5,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import anyio
 import msgspec
 import pytest
-from _publisher_helpers import FAST, Workload, assert_index_equal, assert_index_subset, next_event, settle, truth_index
+from _publisher_helpers import (
+    FAST,
+    Workload,
+    assert_index_equal,
+    assert_index_subset,
+    next_event,
+    settle,
+    truth_index,
+    wait_for,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_source import World, applied, events, item, items, requests, resets, run_world, step, synced_machine, ts_of
@@ -118,7 +126,8 @@ def test_applied_follows_the_run_the_index_holds() -> None:
     down=st.integers(0, 25),
     depth=st.one_of(st.just(10_000), st.integers(1, 30)),
     ts_ring=st.integers(1, 64),
-    final=st.integers(1, 4),
+    final=st.integers(0, 4),
+    lost_tail=st.integers(0, 2),
     faults=st.booleans(),
 )
 def test_model_resume_keeps_the_index_a_true_contiguous_run(
@@ -129,11 +138,12 @@ def test_model_resume_keeps_the_index_a_true_contiguous_run(
     depth: int,
     ts_ring: int,
     final: int,
+    lost_tail: int,
     faults: bool,
 ) -> None:
     """Run, snapshot, router down (engine restarts or not, publishes meanwhile), resume, run: the oracle holds."""
     world = World(has_replay=True, depth=depth, ts_ring=ts_ring)
-    run_world(world, before, final=final, faults=faults)
+    run_world(world, before, final=final, faults=faults, lost_tail=lost_tail)
     saved = world.m.applied
     if saved is not None:
         assert world.run[-1] == (world.epoch, saved[0]), "the position is not where the index's run ends"
@@ -160,7 +170,7 @@ def test_model_resume_keeps_the_index_a_true_contiguous_run(
         world.handle(world.m.resume(*saved))
     world.monitor_pending = True  # the first connect is reported when run_world says so
     resets_before = len(world.resets)
-    run_world(world, after, final=final, faults=faults)
+    run_world(world, after, final=final, faults=faults, lost_tail=lost_tail)
     restarted_after = any(s[0] == "outage" and s[1] for s in after)
     if not faults and not restart and not restarted_after and depth == 10_000 and saved is not None:
         # A deep, faithful buffer covers the outage: the restored run goes on, no reset at all.
@@ -301,6 +311,23 @@ async def test_restored_workers_without_a_source_or_position_are_dropped(tmp_pat
         assert set(PrefixIndex.restore(path).restored_cursors) == {a.key}
 
 
+async def joined(client: KvEventClient, pub: EventPublisher, src: EventSource) -> None:
+    """Return once the client's SUB receives what the PUB sends (slow joiner).
+
+    It sends frames with a malformed seq, which the client counts and skips without touching
+    any source state, until one is counted: the batches published after it reach the SUB.
+    """
+    before = client.stats().sources[src.key].skipped_frames
+
+    def arrived() -> bool:
+        if client.stats().sources[src.key].skipped_frames > before:
+            return True
+        pub.publish_raw([src.topic.encode(), b"\x00\x01", b"\x90"])
+        return False
+
+    await wait_for(arrived, "the SUB joined the PUB")
+
+
 @pytest.mark.anyio
 async def test_restored_state_of_a_source_without_replay_is_dropped(tmp_path: Path) -> None:
     wl = Workload(37)
@@ -309,8 +336,7 @@ async def test_restored_state_of_a_source_without_replay_is_dropped(tmp_path: Pa
         src = pub.source("w")
         async with KvEventClient([src], config=FAST) as client:
             stream = client.events()
-            await next_event(stream, "connected")
-            await anyio.sleep(0.1)  # the subscription reaches the PUB (slow joiner)
+            await joined(client, pub, src)
             for _ in range(5):
                 pub.publish(wl.batch())
             await settle(client, stream, {src.key: 4})
@@ -321,8 +347,7 @@ async def test_restored_state_of_a_source_without_replay_is_dropped(tmp_path: Pa
         async with KvEventClient([src], config=FAST, index=index) as client:
             assert client.index.num_blocks(src.key) == 0
             stream = client.events()
-            await next_event(stream, "connected")
-            await anyio.sleep(0.1)
+            await joined(client, pub, src)
             pub.publish(wl.batch())
             await settle(client, stream, {src.key: 5})
             assert client.stats().sources[src.key].partial

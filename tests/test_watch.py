@@ -11,11 +11,10 @@ import anyio
 import msgspec
 import pytest
 
-from kvroute._cli import main
 from kvroute._events import Envelope, Overflow, Reset
 from kvroute._models import EventSource, WorkerKey
-from kvroute._watch import TierTally, plain_table, watch
 from kvroute._wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.cli import TierTally, main, plain_table, watch
 from kvroute.sim._engine import SimConfig, SimEngine
 
 # Fast steps: the tests check what is shown, not realistic timing.
@@ -89,7 +88,7 @@ async def test_cli_runs_for_the_duration() -> None:
     async with fleet() as (v, _):
         assert v.grpc_target is not None
         proc = await anyio.run_process(
-            [sys.executable, "-m", "kvroute._cli", "watch", v.grpc_target, "--duration", "0.5", "--interval", "0.2"],
+            [sys.executable, "-m", "kvroute.cli", "watch", v.grpc_target, "--duration", "0.5", "--interval", "0.2"],
             check=False,
         )
         assert proc.returncode == 0, proc.stderr.decode()

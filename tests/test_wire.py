@@ -1,4 +1,4 @@
-"""The wire codec against protocol.md §3: golden engine bytes, round trips of both forms, and fuzzing."""
+"""The wire codec against docs/protocol.md §3: golden engine bytes, round trips of both forms, and fuzzing."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from kvroute import (
     encode_batch,
 )
 
-# protocol.md §3: vLLM 0.33.0, map form, 291 bytes.
+# docs/protocol.md §3: vLLM 0.33.0, map form, 291 bytes.
 GOLDEN_VLLM = bytes.fromhex(
     "93cb41d954fc4020000093de000ba474797065ab426c6f636b53746f726564ac"
     "626c6f636b5f68617368657392cf84b146b151d55111cfd43b57df56b58fb1b1"
@@ -120,22 +120,56 @@ def test_hash_forms_normalise_to_one_key() -> None:
         (b"", "empty"),
         (GOLDEN_VLLM[:100], "truncated"),
         (b"\xc1", "malformed"),
-        (msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1, 2], "token_ids": [1, 2, 3],
-                                        "block_size": 4}], 0]), "do not fit"),
-        (msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1],
-                                        "block_size": 0}], 0]), "block_size"),
-        (msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": "nope"}], 0]), "Expected"),
         (msgspec.msgpack.encode(["x", [], 0]), "Expected"),
-        (msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": [1.5]}], 0]), "Expected"),
-        (msgspec.msgpack.encode([1.0, [7], 0]), "neither"),
         (msgspec.msgpack.encode(42), "Expected"),
     ],
 )
-def test_malformed_input_is_a_decode_error(payload: bytes, reason: str) -> None:
+def test_malformed_envelope_is_a_decode_error(payload: bytes, reason: str) -> None:
     with pytest.raises(DecodeError, match=reason) as info:
         decode_batch(payload)
     assert isinstance(info.value, KvRouteError)
     assert len(str(info.value)) <= 200
+
+
+_GOOD_STORE = {"type": "BlockStored", "block_hashes": [9], "token_ids": [1, 2], "block_size": 2}
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        ({"type": "BlockStored", "block_hashes": [1, 2], "token_ids": [1, 2, 3], "block_size": 4}, "shape"),
+        ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 0}, "block-size"),
+        ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 2,
+          "extra_keys": [None, None]}, "extra-keys"),
+        ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 2,
+          "lookahead_token_ids": [[1], [2]]}, "lookahead"),
+        ({"type": "BlockStored", "block_hashes": "nope", "token_ids": [1, 2], "block_size": 2}, "malformed"),
+        ({"type": "Heartbeat"}, "unknown-type"),
+    ],
+)
+def test_a_bad_store_costs_that_store(bad: dict[str, object], reason: str) -> None:
+    """A store kvroute cannot use is skipped and counted by reason; the rest of its batch decodes."""
+    dec = BatchDecoder()
+    batch = dec.decode(msgspec.msgpack.encode([1.0, [_GOOD_STORE, bad, {"type": "AllBlocksCleared"}], 0]))
+    assert [type(e).__name__ for e in batch.events] == ["BlockStored", "AllBlocksCleared"]
+    assert batch.skipped == {reason: 1} and batch.untrusted is None
+    assert dec.skipped_events == {reason: 1}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"type": "BlockRemoved", "block_hashes": "nope"},
+        {"type": "BlockRemoved", "block_hashes": [1.5]},
+        ["BlockRemoved", "not a list"],
+        7,
+    ],
+)
+def test_an_unreadable_removal_makes_the_batch_untrusted(bad: object) -> None:
+    """A removal (or clear, or an event that may be one) that cannot be read: the worker's state is suspect."""
+    batch = BatchDecoder().decode(msgspec.msgpack.encode([1.0, [_GOOD_STORE, bad], 0]))
+    assert [type(e).__name__ for e in batch.events] == ["BlockStored"]
+    assert batch.untrusted is not None and sum(batch.skipped.values()) == 1
 
 
 def test_limits() -> None:

@@ -11,11 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute._errors import KvRouteError
-from kvroute._workload import (
+from kvroute.cli import (
+    Reachable,
     TraceError,
     WorkloadConfig,
     WorkloadRequest,
     generate_workload,
+    reachable_hits,
     read_mooncake_trace,
 )
 
@@ -221,3 +223,51 @@ def test_missing_trace_and_bad_options(tmp_path: Path) -> None:
         read_mooncake_trace(trace, block_tokens=0)
     with pytest.raises(ValueError):
         read_mooncake_trace(trace, speedup=0.0)
+
+
+def _req(i: int, tokens: list[int], arrival: float | None = None) -> WorkloadRequest:
+    return WorkloadRequest(
+        id=i, arrival=float(i) if arrival is None else arrival, token_ids=tokens, max_tokens=1, kind="x"
+    )
+
+
+def test_reachable_hits_count_whole_blocks_an_earlier_request_stored() -> None:
+    a = list(range(100, 132))  # 4 blocks of 8
+    same_prefix = a[:16] + list(range(500, 516))  # shares 2 blocks with a, then diverges
+    got = reachable_hits([_req(0, a), _req(1, [*a, 7]), _req(2, same_prefix), _req(3, [1] * 5)], block_size=8)
+    # a: nothing before it; a + [7]: all 4 of a's blocks; same_prefix: 2; the short prompt: no full block.
+    assert got == Reachable(prompt_tokens=32 + 33 + 32 + 5, cached_tokens=(4 + 2) * 8)
+    assert got.hit_rate == pytest.approx(48 / 102)
+
+
+def test_reachable_hits_never_count_the_last_token_and_follow_arrival_order() -> None:
+    a = list(range(16))  # exactly 2 blocks of 8: a repeat can hit only the first (the engine computes the last)
+    assert reachable_hits([_req(0, a), _req(1, a)], block_size=8).cached_tokens == 8
+    # Listed out of order, the earlier arrival stores and the later one hits.
+    assert (
+        reachable_hits([_req(0, [*a, 1], arrival=5.0), _req(1, [*a, 2], arrival=1.0)], block_size=8).cached_tokens == 16
+    )
+    # A block is its content and its whole prefix: the same block after a different first block is new.
+    assert reachable_hits([_req(0, [1] * 8 + [2] * 9), _req(1, [3] * 8 + [2] * 9)], block_size=8).cached_tokens == 0
+    assert reachable_hits([], block_size=8).hit_rate == 0.0
+    with pytest.raises(ValueError, match="block_size"):
+        reachable_hits([], block_size=0)
+
+
+def test_reachable_hits_of_a_trace_follow_its_hash_ids(tmp_path: Path) -> None:
+    # Two documents, each asked three times: every repeat can reuse the document's 4 blocks of 64 tokens.
+    lines = [
+        json.dumps(
+            {
+                "timestamp": i,
+                "input_length": 5 * 64,
+                "output_length": 1,
+                "hash_ids": [d * 10 + b for b in range(4)] + [100 + i],
+            }
+        )
+        for i, d in enumerate([0, 1, 0, 1, 0, 1])
+    ]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    got = reachable_hits(read_mooncake_trace(trace, block_tokens=64), block_size=16)
+    assert got == Reachable(prompt_tokens=6 * 320, cached_tokens=4 * 256)

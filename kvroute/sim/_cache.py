@@ -52,7 +52,7 @@ HashStyle = Literal["vllm", "sglang"]
 
 _MEDIUM_GPU = "GPU"
 # vLLM ≥ 0.30 tags each BlockStored / BlockRemoved with its KV-cache group; a plain (non-hybrid)
-# model has one full-attention group, index 0 (protocol.md §3, golden payload).
+# model has one full-attention group, index 0 (docs/protocol.md §3, golden payload).
 _FULL_ATTENTION = "full_attention"
 # Token ids go into the hash as uint64 (array typecode "Q"), which also rejects negative and
 # oversized ids in C: no tokenizer produces an id outside [0, 2**64).
@@ -414,29 +414,20 @@ class PrefixCache:
         tokens: list[int] = []
         for b in run:
             tokens.extend(b.tokens)
-        if self.new_fields:
-            event = BlockStored(
-                block_hashes=[b.hash for b in run],
-                parent_block_hash=parent.hash if parent is not None else None,
-                token_ids=tokens,
-                block_size=self.block_size,
-                lora_id=self._lora_ids.get(lora_name) if lora_name is not None else None,
-                medium=_MEDIUM_GPU,
-                lora_name=lora_name,
-                extra_keys=[None] * len(run),
-                group_idx=0,
-                kv_cache_spec_kind=_FULL_ATTENTION,
-            )
-        else:
-            event = BlockStored(
-                block_hashes=[b.hash for b in run],
-                parent_block_hash=parent.hash if parent is not None else None,
-                token_ids=tokens,
-                block_size=self.block_size,
-                lora_id=self._lora_ids.get(lora_name) if lora_name is not None else None,
-                medium=_MEDIUM_GPU,
-                lora_name=lora_name,
-            )
+        # Engines without the newer fields leave them off the wire (None is omitted when encoding).
+        newer = self.new_fields
+        event = BlockStored(
+            block_hashes=[b.hash for b in run],
+            parent_block_hash=parent.hash if parent is not None else None,
+            token_ids=tokens,
+            block_size=self.block_size,
+            lora_id=self._lora_ids.get(lora_name) if lora_name is not None else None,
+            medium=_MEDIUM_GPU,
+            lora_name=lora_name,
+            extra_keys=[None] * len(run) if newer else None,
+            group_idx=0 if newer else None,
+            kv_cache_spec_kind=_FULL_ATTENTION if newer else None,
+        )
         self._events.append(event)
 
     # --- ground truth and gauges ---------------------------------------------------------

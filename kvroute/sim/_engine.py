@@ -4,7 +4,7 @@
 rank, a `PrefixCache`, an `EventPublisher` (PUB + ROUTER replay buffer) and a scheduler task;
 plus the engine's gRPC discovery service (vLLM ``Control.GetKvEventSources`` or SGLang
 ``GetServerInfo``) and its HTTP server (`kvroute.sim._http`). It publishes what the real
-engine would (protocol.md): vLLM — map-form events (array form with ``form="array"``, as
+engine would (docs/protocol.md): vLLM — map-form events (array form with ``form="array"``, as
 vLLM ≤ 0.23), uint64 or bytes hashes seeded per process, one source per rank; SGLang — signed
 int64 hashes, one BlockStored per page, ``json_info`` with ``kv_events`` whose per-rank ports
 are base + rank (so consecutive ports are bound).
@@ -33,188 +33,29 @@ import logging
 import socket
 from array import array
 from collections import deque
-from collections.abc import Sequence
-from types import TracebackType
-from typing import Literal
+from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.abc
-import msgspec
-import xxhash
 import zmq
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._errors import KvRouteError
 from .._models import EventSource
 from ._cache import CapacityError, InvalidRequestError, PrefixCache, hash_seed
 from ._grpc import GrpcServer, SglangService, VllmControlService, sglang_server_info, start_grpc_server
 from ._http import EngineApp, HttpServer
+from ._lifecycle import AsyncService
 from ._publisher import EventPublisher
+from ._request import Completion, RequestAbortedError, SimConfig, SimRequest
 
 __all__ = ["Completion", "RequestAbortedError", "SimConfig", "SimEngine", "SimRequest"]
 
 log = logging.getLogger("kvroute.sim")
 
-# vLLM's KVEventsConfig.max_queue_size default (protocol.md §1), advertised as is.
+# vLLM's KVEventsConfig.max_queue_size default (docs/protocol.md §1), advertised as is.
 _MAX_QUEUE_SIZE = 100_000
 # Attempts at finding free consecutive port ranges (SGLang): another process may take a probed
 # port before it is bound; a few retries make that race irrelevant.
 _PORT_ATTEMPTS = 8
-
-
-class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Options of a `SimEngine`; every field has a working default (a 1-rank vLLM on free loopback ports).
-
-    Ports: 0 picks free ones; a non-zero ``event_port`` / ``replay_port`` is rank 0's and rank r
-    uses base + r, as both engines do. ``replay_port=None`` turns the replay buffer off;
-    ``grpc_port`` / ``http_port`` None turn those servers off. ``advertise_host`` is the host
-    written into advertised endpoints (e.g. ``"*"``, as vLLM advertises its bind address);
-    default: ``host``. Give engines sharing a process distinct ``name`` or ``seed`` values: the
-    hash seed derives from both, as separate engine processes have separate seeds.
-    """
-
-    engine: Literal["vllm", "sglang"] = "vllm"
-    name: str = "sim"
-    ranks: int = 1
-    host: str = "127.0.0.1"
-    advertise_host: str | None = None
-    grpc_port: int | None = 0
-    http_port: int | None = 0
-    event_port: int = 0
-    replay_port: int | None = 0
-    topic: str = ""
-    block_size: int = 16
-    capacity_blocks: int = 4096
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    form: Literal["map", "array"] = "map"
-    bytes_hashes: bool = False
-    reply_layout: Literal["new", "old"] = "new"
-    drop_rate: float = 0.0
-    seed: int = 0
-    #: Seconds per uncached prompt token (5e-5: 20k tokens/s, a mid-size model on one GPU).
-    prefill_time_per_token: float = 5e-5
-    #: Seconds per engine step (one token for every running request).
-    decode_time_per_step: float = 0.01
-    #: Most requests running at once (vLLM's max_num_seqs).
-    max_batch: int = 64
-    #: Most tokens one step computes (vLLM's max_num_batched_tokens; prefills are chunked to fit).
-    max_batched_tokens: int = 8192
-    model: str = "sim-model"
-    lora_names: tuple[str, ...] = ()
-    vocab_size: int = 32_000
-
-    def __post_init__(self) -> None:
-        if self.engine not in ("vllm", "sglang"):
-            raise ValueError(f"engine must be 'vllm' or 'sglang', not {self.engine!r}")
-        if self.ranks < 1:
-            raise ValueError(f"ranks {self.ranks} < 1")
-        if self.bytes_hashes and self.engine != "vllm":
-            raise ValueError("bytes hashes exist only on vLLM")
-        if not 0.0 <= self.drop_rate <= 1.0:
-            raise ValueError(f"drop_rate {self.drop_rate} is not in [0, 1]")
-        if self.prefill_time_per_token < 0 or self.decode_time_per_step < 0:
-            raise ValueError("step times must be >= 0")
-        for field in ("block_size", "capacity_blocks", "buffer_steps", "max_batch", "max_batched_tokens", "vocab_size"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1")
-        if self.max_batched_tokens < self.max_batch:
-            raise ValueError("max_batched_tokens must be >= max_batch (every running request decodes one token)")
-
-
-class Completion(msgspec.Struct, frozen=True, kw_only=True):
-    """A finished request: what the engine reports, and how long it took (seconds, engine clock)."""
-
-    request_id: str
-    rank: int
-    prompt_tokens: int
-    cached_tokens: int
-    output_token_ids: list[int]
-    finish_reason: str
-    queue_time: float
-    ttft: float
-    latency: float
-
-
-class RequestAbortedError(KvRouteError):
-    """A request died with its engine (restarted or stopped) or was aborted."""
-
-
-class SimRequest:
-    """A request in flight: `result` waits for its `Completion`; `tokens` streams its output ids (``stream=True``)."""
-
-    def __init__(
-        self,
-        request_id: str,
-        rank: int,
-        prompt: list[int],
-        max_tokens: int,
-        lora_name: str | None,
-        arrival: float,
-        stream: bool,
-    ) -> None:
-        self.request_id = request_id
-        self.rank = rank
-        self.prompt = prompt
-        self.max_tokens = max_tokens
-        self.lora_name = lora_name
-        self.arrival = arrival
-        self.seq = list(prompt)  # prompt, then generated tokens
-        self.cached_tokens = 0
-        self.prefilled = 0
-        self.stored_blocks = 0  # blocks handed to the cache so far
-        self.admitted_at = 0.0
-        self.first_token_at = 0.0
-        self.finished = False
-        self.error: KvRouteError | None = None
-        self._completion: Completion | None = None
-        self._done = anyio.Event()
-        self._digest = xxhash.xxh64_digest(array("Q", prompt).tobytes() + (lora_name or "").encode())
-        self._send: MemoryObjectSendStream[int] | None = None
-        self._receive: MemoryObjectReceiveStream[int] | None = None
-        if stream:
-            # Room for every token: the scheduler never waits on a slow reader.
-            self._send, self._receive = anyio.create_memory_object_stream[int](max_tokens + 1)
-
-    @property
-    def generated(self) -> int:
-        """Tokens generated so far."""
-        return len(self.seq) - len(self.prompt)
-
-    def next_token(self, vocab_size: int) -> int:
-        """The greedy "model": the next token depends only on the prompt (and LoRA) and its position."""
-        return xxhash.xxh64_intdigest(self._digest, seed=self.generated) % vocab_size
-
-    def emit(self, token: int) -> None:
-        """Append a generated token (and stream it)."""
-        self.seq.append(token)
-        if self._send is not None:
-            self._send.send_nowait(token)
-
-    def finish(self, completion: Completion | None, error: KvRouteError | None = None) -> None:
-        """End the request with its completion or an error; wakes `result` and ends `tokens`."""
-        if self.finished:
-            return
-        self.finished = True
-        self._completion = completion
-        self.error = error
-        if self._send is not None:
-            self._send.close()
-        self._done.set()
-
-    async def result(self) -> Completion:
-        """Wait for the completion; raises `RequestAbortedError` if the request died."""
-        await self._done.wait()
-        if self.error is not None:
-            raise self.error
-        assert self._completion is not None  # finish() sets one or the other
-        return self._completion
-
-    def tokens(self) -> MemoryObjectReceiveStream[int]:
-        """The generated token ids as they come (iterate with ``async for``); only with ``stream=True``."""
-        if self._receive is None:
-            raise RuntimeError("request was not submitted with stream=True")
-        return self._receive
 
 
 class _Rank:
@@ -262,7 +103,7 @@ def _reserve_port_ranges(host: str, count: int, ranges: int) -> list[int]:
     raise OSError(f"no {ranges} runs of {count} consecutive free ports on {host}")
 
 
-class SimEngine:
+class SimEngine(AsyncService):
     """A simulated vLLM / SGLang engine (module docstring); use as ``async with SimEngine(config) as engine``.
 
     Starting takes a few milliseconds plus the gRPC server's start; `http_url`, `grpc_target`
@@ -289,53 +130,34 @@ class SimEngine:
         self._pub_error: BaseException | None = None
         self._grpc: GrpcServer | None = None
         self._http_port: int | None = None
-        self._stack: contextlib.AsyncExitStack | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    async def __aenter__(self) -> SimEngine:
+    async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         cfg = self.config
         if self._ctx is None:
             self._ctx = zmq.Context()
         if ":" in cfg.host:
             self._ctx.setsockopt(zmq.IPV6, 1)
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                stack.callback(self._abort_all, "engine stopped")
-                if cfg.grpc_port is not None:
-                    service: VllmControlService | SglangService
-                    if cfg.engine == "vllm":
-                        service = VllmControlService(self.advertised_sources)
-                    else:
-                        service = SglangService(self.server_info_json)
-                    self._grpc = await start_grpc_server([service], host=cfg.host, port=cfg.grpc_port)
-                    stack.push_async_callback(self._grpc.stop)
-                tg = await stack.enter_async_context(anyio.create_task_group())
-                stack.callback(tg.cancel_scope.cancel)
-                await tg.start(self._own_publishers)
-                if cfg.http_port is not None:
-                    server = HttpServer(EngineApp(self).handle, host=cfg.host, port=cfg.http_port)
-                    self._http_port = await tg.start(server.serve)
-                for rank in self._ranks:
-                    tg.start_soon(self._schedule, rank)
-                self._stack = stack.pop_all()
-        except BaseException:
-            self._term_context()
-            raise
-        return self
+        stack.callback(self._abort_all, "engine stopped")
+        if cfg.grpc_port is not None:
+            service: VllmControlService | SglangService
+            if cfg.engine == "vllm":
+                service = VllmControlService(self.advertised_sources)
+            else:
+                service = SglangService(self.server_info_json)
+            self._grpc = await start_grpc_server([service], host=cfg.host, port=cfg.grpc_port)
+            stack.push_async_callback(self._grpc.stop)
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)
+        await tg.start(self._own_publishers)
+        if cfg.http_port is not None:
+            server = HttpServer(EngineApp(self).handle, host=cfg.host, port=cfg.http_port)
+            self._http_port = await tg.start(server.serve)
+        for rank in self._ranks:
+            tg.start_soon(self._schedule, rank)
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
-        assert self._stack is not None
-        stack, self._stack = self._stack, None
-        try:
-            await stack.__aexit__(exc_type, exc, tb)
-        finally:
-            self._term_context()
-        return None
-
-    def _term_context(self) -> None:
+    def _release(self) -> None:
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -476,45 +298,34 @@ class SimEngine:
 
     def advertised_sources(self) -> list[EventSource]:
         """The sources as the engine advertises them: endpoints as bound (or with ``advertise_host``), verbatim."""
-        cfg = self.config
-        return [
-            EventSource(
-                worker_id=self.grpc_target or cfg.name,
-                dp_rank=r,
-                endpoint=self._advertised(endpoint),
-                topic=cfg.topic,
-                replay_endpoint=self._advertised(replay) if replay is not None else None,
-                hwm=cfg.hwm,
-                buffer_steps=cfg.buffer_steps if replay is not None else None,
-                block_size=cfg.block_size,
-                engine=cfg.engine,
-            )
-            for r, (endpoint, replay) in enumerate(self._bound)
-        ]
+        return self._sources(self.grpc_target or self.config.name, self._advertised, target=None)
 
     def sources(self, worker_id: str | None = None) -> list[EventSource]:
         """Connectable `EventSource` per rank, as discovery would resolve them.
 
         ``worker_id`` defaults to `grpc_target` (what `kvroute.discover` names the worker).
         """
-        cfg = self.config
         host = self._connect_host()
 
         def connectable(endpoint: str) -> str:
             return _tcp(host, _port_of(endpoint))
 
+        return self._sources(worker_id or self.grpc_target or self.config.name, connectable, target=self.grpc_target)
+
+    def _sources(self, worker_id: str, endpoint_of: Callable[[str], str], target: str | None) -> list[EventSource]:
+        cfg = self.config
         return [
             EventSource(
-                worker_id=worker_id or self.grpc_target or cfg.name,
+                worker_id=worker_id,
                 dp_rank=r,
-                endpoint=connectable(endpoint),
+                endpoint=endpoint_of(endpoint),
                 topic=cfg.topic,
-                replay_endpoint=connectable(replay) if replay is not None else None,
+                replay_endpoint=endpoint_of(replay) if replay is not None else None,
                 hwm=cfg.hwm,
                 buffer_steps=cfg.buffer_steps if replay is not None else None,
                 block_size=cfg.block_size,
                 engine=cfg.engine,
-                target=self.grpc_target,
+                target=target,
             )
             for r, (endpoint, replay) in enumerate(self._bound)
         ]

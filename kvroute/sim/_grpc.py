@@ -55,7 +55,7 @@ __all__ = [
     "start_grpc_server",
 ]
 
-# vLLM's KVEventsConfig defaults (protocol.md §1), advertised when an EventSource leaves them unset.
+# vLLM's KVEventsConfig defaults (docs/protocol.md §1), advertised when an EventSource leaves them unset.
 VLLM_DEFAULT_BUFFER_STEPS = 10_000
 VLLM_DEFAULT_HWM = 100_000
 VLLM_DEFAULT_MAX_QUEUE_SIZE = 100_000

@@ -27,7 +27,7 @@ import re
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.abc
@@ -36,9 +36,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .._errors import KvRouteError
 from ._cache import CapacityError, InvalidRequestError
-
-if TYPE_CHECKING:
-    from ._engine import SimEngine, SimRequest
+from ._request import SimConfig, SimRequest
 
 __all__ = ["EngineApp", "HttpRequest", "HttpServer", "Responder", "detokenize", "tokenize"]
 
@@ -416,10 +414,34 @@ def _error_body(status: int, message: str) -> bytes:
     return _json.encode(_ErrorBody(_ErrorDetail(message, kind, None, status)))
 
 
+class ServedEngine(Protocol):
+    """What `EngineApp` asks of the engine it serves (a `SimEngine`, which starts it; hence not imported here)."""
+
+    config: SimConfig
+
+    def submit(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int = 16,
+        *,
+        rank: int | None = None,
+        lora_name: str | None = None,
+        stream: bool = False,
+    ) -> SimRequest: ...
+
+    def abort(self, req: SimRequest) -> None: ...
+
+    def kv_events_configs(self) -> dict[str, dict[str, object]]: ...
+
+    def server_info_json(self) -> str: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+
 class EngineApp:
     """The HTTP routes of a `SimEngine` (module docstring); pass `handle` to an `HttpServer`."""
 
-    def __init__(self, engine: SimEngine) -> None:
+    def __init__(self, engine: ServedEngine) -> None:
         self.engine = engine
         self._created = int(time.time())
         self._routes: dict[str, dict[str, Handler]] = {

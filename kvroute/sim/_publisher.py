@@ -1,4 +1,4 @@
-"""A KV-event publisher that speaks protocol.md exactly: the engine side of one data-parallel rank.
+"""A KV-event publisher that speaks docs/protocol.md exactly: the engine side of one data-parallel rank.
 
 It is the mirror image of kvroute's subscriber: a PUB socket sending ``[topic, seq8, payload]``
 (seq from 0 at every process start, +1 per published batch) and a ROUTER replay buffer answering
@@ -18,7 +18,6 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterable
-from types import TracebackType
 from typing import Literal
 
 import anyio
@@ -28,10 +27,11 @@ import zmq
 from .. import _zmq
 from .._models import EventSource
 from .._wire import EngineEvent, EventBatch, encode_batch
+from ._lifecycle import AsyncService
 
 __all__ = ["END_SEQ", "EventPublisher"]
 
-#: The replay end marker's seq: 0xFF x 8 (-1 as a signed int64), protocol.md §4.
+#: The replay end marker's seq: 0xFF x 8 (-1 as a signed int64), docs/protocol.md §4.
 END_SEQ = b"\xff" * 8
 
 # A payload no decoder accepts: 0xc1 is the one byte msgpack never uses.
@@ -60,7 +60,7 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
             return last.decode("ascii")
 
 
-class EventPublisher:
+class EventPublisher(AsyncService):
     """One simulated engine rank's KV-event publisher (PUB) and replay server (ROUTER).
 
     Use as ``async with EventPublisher(...) as pub:``; it binds on entry and runs its replay
@@ -76,7 +76,7 @@ class EventPublisher:
     SGLang), ``reply_layout`` ("new": ``[b"", topic, seq8, payload]``; "old":
     ``[b"", seq8, payload]``), ``data_parallel_rank`` (written into every batch).
     ``hwm`` is the PUB send high-water mark; ``replay_sndhwm`` the ROUTER's (libzmq's
-    default 1,000, like the engines: a long replay can lose replies mid-way, protocol.md §4).
+    default 1,000, like the engines: a long replay can lose replies mid-way, docs/protocol.md §4).
     ``sndbuf`` sets the PUB's kernel send buffer: small, it makes a slow subscriber reach the
     high-water mark after a few hundred kilobytes instead of megabytes.
     ``curve`` is the server's CURVE key pair: clients must then use CURVE with its public key.
@@ -125,7 +125,7 @@ class EventPublisher:
         self.drop_rate = drop_rate
         self.corrupt_rate = corrupt_rate
         #: While True, replay requests are read and never answered (a loaded engine dropping
-        #: every reply, end marker included, protocol.md §4); counted in `replays_ignored`.
+        #: every reply, end marker included, docs/protocol.md §4); counted in `replays_ignored`.
         self.replay_mute = False
         self.replay_sndhwm = replay_sndhwm
         self.sndbuf = sndbuf
@@ -159,41 +159,25 @@ class EventPublisher:
         # Set (and replaced) whenever the ROUTER is rebound; created on entry (anyio events
         # need a running event loop).
         self._router_changed: anyio.Event | None = None
-        self._stack: contextlib.AsyncExitStack | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
 
-    async def __aenter__(self) -> EventPublisher:
+    async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         if self._ctx is None:
             self._ctx = zmq.Context()
         self._router_changed = anyio.Event()
-        try:
-            self._open_pub(self._bind_endpoint)
-            if self._bind_replay is not None:
-                self._open_router(self._bind_replay)
-            async with contextlib.AsyncExitStack() as stack:
-                tg = await stack.enter_async_context(anyio.create_task_group())
-                stack.callback(tg.cancel_scope.cancel)
-                tg.start_soon(self._serve_replay)
-                self._stack = stack.pop_all()
-        except BaseException:
-            self._close_sockets()
-            raise
-        return self
+        self._open_pub(self._bind_endpoint)
+        if self._bind_replay is not None:
+            self._open_router(self._bind_replay)
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)
+        tg.start_soon(self._serve_replay)
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
-        assert self._stack is not None
-        stack, self._stack = self._stack, None
-        try:
-            await stack.__aexit__(exc_type, exc, tb)
-        finally:
-            self._close_sockets()
-            if self._own_ctx and self._ctx is not None:
-                self._ctx.term()
-                self._ctx = None
-        return None
+    def _release(self) -> None:
+        self._close_sockets()
+        if self._own_ctx and self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
 
     def _context(self) -> zmq.Context[zmq.Socket[bytes]]:
         if self._ctx is None:
@@ -331,7 +315,7 @@ class EventPublisher:
     def restart(self, *, new_ports: bool = False) -> None:
         """Simulate an engine process restart: seq back to 0, buffer and history emptied, sockets new.
 
-        The engine announces nothing (no AllBlocksCleared, protocol.md §2). With
+        The engine announces nothing (no AllBlocksCleared, docs/protocol.md §2). With
         ``new_ports=False`` it binds the same ports again; otherwise fresh ones (see
         `endpoint`). Held messages die with the old process.
         """
@@ -376,7 +360,7 @@ class EventPublisher:
 
     async def _answer(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         # A ROUTER prefixes the peer identity; the request itself is [b"", seq8]. Anything
-        # else is malformed and gets no reply at all (protocol.md §4).
+        # else is malformed and gets no reply at all (docs/protocol.md §4).
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             return
         if self.replay_mute:

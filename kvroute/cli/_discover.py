@@ -23,30 +23,38 @@ from typing import TextIO
 import anyio
 import msgspec
 
-from ._discovery import (
+from kvroute import (
     DEFAULT_MAX_SOURCES,
     ENGINES,
+    DiscoveryError,
     DiscoveryOptions,
+    EventsDisabledError,
+    EventSource,
     InvalidOptionsError,
     MalformedAnswerError,
     RpcRejectedError,
     TargetUnreachableError,
     TlsConfig,
     TooManySourcesError,
+    UnusableSourceError,
     discover_with,
 )
-from ._errors import DiscoveryError, EventsDisabledError, UnusableSourceError
-from ._models import EventSource
 
-EXIT_OK = 0
-EXIT_FAILED = 1  # any other discovery failure (bad target string, unreadable TLS file)
-EXIT_USAGE = 2  # argparse's own code for bad arguments; also options that cannot work
-EXIT_UNREACHABLE = 3
-EXIT_EVENTS_DISABLED = 4
-EXIT_UNUSABLE_SOURCE = 5
-EXIT_MALFORMED_ANSWER = 6
-EXIT_TOO_MANY_SOURCES = 7
-EXIT_REJECTED = 8  # the server refused the call (unauthenticated, permission denied, not an engine)
+from ._display import (
+    EXIT_EVENTS_DISABLED,
+    EXIT_FAILED,
+    EXIT_MALFORMED_ANSWER,
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_TOO_MANY_SOURCES,
+    EXIT_UNREACHABLE,
+    EXIT_UNUSABLE_SOURCE,
+    EXIT_USAGE,
+    align,
+    error,
+)
+
+__all__ = ["register", "run"]
 
 # Most specific first: the first matching class names the failure kind and its exit code.
 _FAILURE_KINDS: tuple[tuple[type[DiscoveryError], str, int], ...] = (
@@ -171,10 +179,8 @@ def _table(sources: Sequence[EventSource], out: TextIO) -> None:
         (s.worker_id, s.dp_rank, s.engine, s.endpoint, s.replay_endpoint, s.topic, s.block_size, s.hwm, s.buffer_steps)
         for s in sources
     ]
-    cells = [header, *[tuple(_cell(v) for v in row) for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    for row in cells:
-        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "\n")
+    for line in align([header, *[tuple(_cell(v) for v in row) for row in rows]]):
+        out.write(line + "\n")
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -184,8 +190,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     try:
         options = _options(args)
     except InvalidOptionsError as exc:
-        err.write(f"kvroute discover: {exc}\n")
-        return EXIT_USAGE
+        return error("discover", exc, EXIT_USAGE, err)
     results = anyio.run(_discover_all, args.targets, options)
     sources = [s for r in results if not isinstance(r, DiscoveryError) for s in r]
     failures: list[_Failure] = []
@@ -195,7 +200,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
             kind, kind_code = _kind(result)
             failures.append(_Failure(result.target, kind, result.cause))
             code = code or kind_code
-            err.write(f"kvroute discover: {result.target}: {kind.replace('_', ' ')}: {result.cause}\n")
+            error("discover", f"{result.target}: {kind.replace('_', ' ')}: {result.cause}", kind_code, err)
     if args.json:
         out.write(msgspec.json.encode(_Report(sources, failures)).decode() + "\n")
     elif sources:

@@ -1,4 +1,4 @@
-"""Request workloads for the demo and benchmarks: a synthetic shared-prefix mix, and Mooncake traces.
+"""Request workloads for the demo: a synthetic shared-prefix mix, Mooncake traces, and their reachable hits.
 
 `generate_workload` builds what KV-aware routing is for, deterministically from a seed:
 
@@ -19,6 +19,11 @@ the way sessions of many users do.
 Each hash id stands for one block of ``block_tokens`` tokens (512 in Mooncake's traces); it is
 expanded into a deterministic token block, so equal hash ids give equal tokens, and any engine
 block size dividing ``block_tokens`` sees the same sharing the trace recorded.
+
+`reachable_hits` measures what any router could get from a workload: the prompt tokens an
+infinite prefix cache that sees every request, in arrival order, finds cached. That is also the
+best assignment of requests to workers (all of them on one worker with unbounded cache): a
+request can only hit blocks an earlier request computed, wherever that ran.
 """
 
 from __future__ import annotations
@@ -34,16 +39,18 @@ from collections.abc import Iterator
 import msgspec
 import xxhash
 
-from ._errors import KvRouteError
+from kvroute import KvRouteError
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
+    "Reachable",
     "TraceError",
     "TraceRecord",
     "WorkloadConfig",
     "WorkloadRequest",
     "generate_workload",
     "iter_mooncake_records",
+    "reachable_hits",
     "read_mooncake_trace",
 ]
 
@@ -320,3 +327,51 @@ def read_mooncake_trace(
             )
         )
     return out
+
+
+# --- what any router could reach ------------------------------------------------------------------
+
+
+class Reachable(msgspec.Struct, frozen=True, kw_only=True):
+    """The hits of an infinite cache that sees every request of a workload (module docstring).
+
+    ``cached_tokens``: prompt tokens it finds cached, counted as the engines count them (whole
+    blocks, never the last prompt token); ``hit_rate``: that share of ``prompt_tokens``.
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached / prompt tokens (0 for an empty workload)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def reachable_hits(workload: list[WorkloadRequest], block_size: int) -> Reachable:
+    """The reachable hits of ``workload`` on engines with ``block_size``-token blocks.
+
+    Requests are taken in arrival order; each finds the longest chain of leading full blocks
+    an earlier request stored (a block is its content and its whole prefix, as engines key
+    them), capped below the prompt's last token as the engines cap it, then stores its own.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, not {block_size}")
+    stored: set[bytes] = set()
+    prompt = cached = 0
+    for req in sorted(workload, key=lambda r: r.arrival):
+        tokens = req.token_ids
+        prompt += len(tokens)
+        key = b""
+        hits = 0
+        matching = True
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            block = array("I", tokens[start : start + block_size]).tobytes()
+            key = xxhash.xxh3_128_digest(key + block)
+            if matching and start + block_size <= len(tokens) - 1 and key in stored:
+                hits += 1
+            else:
+                matching = False
+            stored.add(key)
+        cached += hits * block_size
+    return Reachable(prompt_tokens=prompt, cached_tokens=cached)

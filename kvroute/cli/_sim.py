@@ -11,7 +11,9 @@ import anyio
 import msgspec
 import zmq
 
-from ._engine import SimConfig, SimEngine
+from kvroute.sim import SimConfig, SimEngine
+
+from ._display import EXIT_FAILED, EXIT_OK, EXIT_USAGE, error
 
 __all__ = ["register", "run_sim"]
 
@@ -145,17 +147,15 @@ def run_sim(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        print(f"kvroute sim: {exc}", file=sys.stderr)
-        return 2
+        return error("sim", exc, EXIT_USAGE)
     try:
         anyio.run(serve_until_signal, config, sys.stdout)
     except Exception as exc:
         cause = _bind_error(exc)
         if cause is None:
             raise
-        print(f"kvroute sim: cannot listen: {cause}", file=sys.stderr)
-        return 1
-    return 0
+        return error("sim", f"cannot listen: {cause}", EXIT_FAILED)
+    return EXIT_OK
 
 
 def _bind_error(exc: BaseException) -> BaseException | None:

@@ -27,22 +27,30 @@ from typing import TextIO
 import anyio
 import msgspec
 
-from ._client import KvEventClient
-from ._discovery import ENGINES, DiscoveryOptions, discover_with
-from ._errors import KvRouteError
-from ._events import Envelope, Overflow, Removed, Reset
-from ._models import TIERS, WorkerKey, normalize_medium
-from ._subscriber import SubscriberConfig
-from ._wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
+from kvroute import (
+    ENGINES,
+    TIERS,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    DiscoveryOptions,
+    Envelope,
+    KvEventClient,
+    KvRouteError,
+    Overflow,
+    Removed,
+    Reset,
+    SubscriberConfig,
+    WorkerKey,
+    discover_with,
+    normalize_medium,
+)
 
-__all__ = ["TierTally", "WatchRow", "register", "watch"]
+from . import _display
+from ._display import EXIT_FAILED, EXIT_OK, EXIT_USAGE, error
 
-# Columns of rich output written to a file or pipe (rich's default there is 80).
-_LOG_WIDTH = 140
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
+__all__ = ["TierTally", "WatchRow", "plain_table", "register", "watch"]
 
 
 class WatchRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -164,11 +172,7 @@ def _cells(row: WatchRow) -> list[str]:
 
 def plain_table(table_rows: Iterable[WatchRow]) -> str:
     """The table as aligned plain text."""
-    lines = [list(_HEADER), *(_cells(r) for r in table_rows)]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER))]
-    return "\n".join(
-        "  ".join(c.rjust(w) if i > 3 else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in lines
-    )
+    return "\n".join(_display.align([list(_HEADER), *(_cells(r) for r in table_rows)], right_from=4))
 
 
 class _PlainDisplay:
@@ -189,12 +193,9 @@ class _RichDisplay:
     """A rich Live table, refreshed by `watch`'s own task (auto_refresh would start a thread)."""
 
     def __init__(self, out: TextIO) -> None:
-        from rich.console import Console
         from rich.live import Live
 
-        # Off a terminal rich assumes 80 columns; the table needs more, and a log has room.
-        console = Console(file=out, width=None if out.isatty() else _LOG_WIDTH)
-        self._live = Live(console=console, auto_refresh=False)
+        self._live = Live(console=_display.console(out), auto_refresh=False)
         self._live.start()
 
     def show(self, table_rows: list[WatchRow], title: str, final: bool = False) -> None:
@@ -213,7 +214,7 @@ class _RichDisplay:
             self._live.console.line()  # rich leaves the final table without its newline off a terminal
 
 
-def _display(out: TextIO) -> _PlainDisplay | _RichDisplay:
+def _table_display(out: TextIO) -> _PlainDisplay | _RichDisplay:
     try:
         return _RichDisplay(out)
     except ImportError:
@@ -245,7 +246,7 @@ async def watch(
     for target in targets:
         # Fail fast on a target that is not an engine (the client would only log and retry).
         await discover_with(target, options)
-    display = None if json_lines else _display(out)
+    display = None if json_lines else _table_display(out)
     started = time.monotonic()
     try:
         async with KvEventClient(targets=targets, config=config, discovery_options=options) as client:
@@ -315,11 +316,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     if args.duration is not None and not args.duration > 0:
-        print("kvroute watch: --duration must be > 0", file=sys.stderr)
-        return EXIT_USAGE
+        return error("watch", "--duration must be > 0", EXIT_USAGE)
     if not (args.interval > 0 and args.quiet_interval > 0 and args.timeout > 0):
-        print("kvroute watch: --interval, --quiet-interval and --timeout must be > 0", file=sys.stderr)
-        return EXIT_USAGE
+        return error("watch", "--interval, --quiet-interval and --timeout must be > 0", EXIT_USAGE)
     try:
         anyio.run(
             lambda: watch(
@@ -333,6 +332,5 @@ def _main(args: argparse.Namespace) -> int:
             )
         )
     except (KvRouteError, ValueError) as exc:
-        print(f"kvroute watch: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return error("watch", exc, EXIT_FAILED)
     return EXIT_OK

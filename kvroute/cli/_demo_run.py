@@ -1,0 +1,569 @@
+"""Running ``kvroute demo``: simulated engines, a shared-prefix workload, kvroute against round-robin and random.
+
+For each policy the demo starts a fresh, identical fleet of `SimEngine`s on loopback (a mix of
+vLLM- and SGLang-style engines, some with 2 data-parallel ranks), finds them only through their
+gRPC discovery servers, subscribes with a `KvEventClient`, waits until every source is synced,
+then sends the workload. Arrivals follow the workload's times (a conversation's next turn also
+waits for the previous one to finish); every request is its own task, so requests overlap and
+load matters. A policy picks the worker (``kvroute``: `Router.select`, with its load tracking;
+``round_robin`` / ``random``: the baselines), the request runs through the engine's real serving
+path (`SimEngine.complete`), and the engine reports what it found cached and how long it took.
+The router learns only from the engines' ZMQ events. A request that dies with a restarting
+engine is routed again (at most `_ATTEMPTS` times). Each policy's hit rate is also given as a
+share of the workload's reachable hit rate: what an infinite cache that sees every request, in
+arrival order, would find (no assignment of requests to workers can do better).
+
+``faults=True`` injects, at the same points of every policy's run, live-message drops on one
+engine (recovered through replay) and a restart of another (its index state is reset and
+rebuilt), and reports when kvroute noticed and when the worker was synced again.
+
+`run_demo` is the programmatic entry point; `_demo_report` renders what it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+import sys
+import time
+import types
+from collections import Counter
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol, TextIO
+
+import anyio
+import msgspec
+
+from kvroute import Envelope, KvEventClient, Reset, Router, SubscriberConfig, Synced, WorkerKey
+from kvroute.sim import CapacityError, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
+
+from ._demo_report import (
+    DemoResult,
+    FaultNote,
+    PolicyResult,
+    Reporter,
+    RequestRecord,
+    make_reporter,
+    percentile,
+)
+from ._workload import (
+    MOONCAKE_BLOCK_TOKENS,
+    WorkloadConfig,
+    WorkloadRequest,
+    generate_workload,
+    reachable_hits,
+    read_mooncake_trace,
+)
+
+__all__ = ["POLICIES", "DemoOptions", "run_demo"]
+
+POLICIES = ("kvroute", "round_robin", "random")
+
+# The fleet's shape, cycled: (engine style, data-parallel ranks). Both engines, both rank counts.
+_FLEET = (("vllm", 2), ("sglang", 1), ("vllm", 1), ("sglang", 2))
+# A request that died with its engine (restart) is routed again, as an HTTP router retries a 503.
+_ATTEMPTS = 3
+# Synthetic default: enough requests for conversations to come back several times, few enough
+# to finish three policies in ~30 s on two slow cores (the demo's budget is 60 s).
+_DEFAULT_REQUESTS = 600
+# 1,024 blocks of 16 tokens (16k tokens) per rank: about ten conversations' worth, so caches
+# evict and where a prefix went matters.
+_SYNTHETIC_CAPACITY = 1024
+# A trace models production GPUs: 32,768 blocks of 16 tokens (512k tokens) per rank is what an
+# 80 GB GPU serving an 8B model with grouped-query attention keeps (128 KiB per token). Mooncake's
+# prompts average ~12k tokens: 8,192 blocks held ~10 of them, too few for the trace's reuse
+# (minutes apart) to survive eviction.
+_TRACE_CAPACITY = 32768
+# A trace replays 10x faster than recorded, engines included (`DemoOptions.speedup`): minutes of
+# trace in a demo's time, at the load the trace put on its fleet.
+_TRACE_SPEEDUP = 10.0
+
+
+class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What `run_demo` runs; every field has a default (the README's first command).
+
+    ``engines``: engines per fleet (cycling vLLM with 2 ranks, SGLang, vLLM, SGLang with 2 ranks).
+    ``requests``: synthetic requests (default 600), or the first N trace records (default all).
+    ``trace``: a Mooncake JSON-lines trace to replay instead of the synthetic workload, each
+    hash id expanded to ``trace_block_tokens`` tokens. ``speedup``: a trace runs that many
+    times faster than recorded (default 10): inter-arrival times and the engines' prefill and
+    decode step times are all divided by it, so the fleet carries the trace's own load.
+    ``rate``: synthetic arrivals per second. ``max_tokens``: output tokens per synthetic
+    request, and the cap on a trace's output lengths. ``capacity_blocks``: KV blocks per rank
+    (default 1,024 synthetic; 32,768 for a trace, an 80 GB GPU's worth for an 8B model).
+    ``quiet_interval``: the subscriber's probe interval (docs/recovery.md rules 7-8; short, so a
+    restart is noticed within the run).
+    """
+
+    engines: int = 4
+    requests: int | None = None
+    seed: int = 0
+    faults: bool = False
+    policies: tuple[str, ...] = POLICIES
+    trace: str | None = None
+    trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    speedup: float | None = None
+    rate: float = WorkloadConfig().rate
+    max_tokens: int = 16
+    block_size: int = 16
+    capacity_blocks: int | None = None
+    quiet_interval: float = 0.5
+    sync_timeout: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError(f"--engines must be >= 1, not {self.engines}")
+        if self.requests is not None and self.requests < 1:
+            raise ValueError(f"--requests must be >= 1, not {self.requests}")
+        unknown = [p for p in self.policies if p not in POLICIES]
+        if unknown or not self.policies or len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"policies must be distinct names among {', '.join(POLICIES)}, not {self.policies}")
+        if self.block_size < 1 or self.trace_block_tokens % self.block_size:
+            raise ValueError(
+                f"the trace block ({self.trace_block_tokens} tokens) must be a multiple of the engines' block size"
+                f" ({self.block_size}), so equal hash ids fill equal engine blocks"
+            )
+        if self.max_tokens < 1 or (self.capacity_blocks is not None and self.capacity_blocks < 1):
+            raise ValueError("max_tokens and capacity_blocks must be >= 1")
+        speedup = 1.0 if self.speedup is None else self.speedup
+        if not (speedup > 0 and self.rate > 0 and self.quiet_interval > 0 and self.sync_timeout > 0):
+            raise ValueError("speedup, rate, quiet_interval and sync_timeout must be > 0")
+
+
+# --- policies -------------------------------------------------------------------------------------
+
+
+class _Policy(Protocol):
+    def choose(self, request_id: object, token_ids: Sequence[int]) -> WorkerKey: ...
+
+    def finished(self, request_id: object) -> None: ...
+
+
+class _KvRoutePolicy:
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def choose(self, request_id: object, token_ids: Sequence[int]) -> WorkerKey:
+        return self._router.select(token_ids, request_id=request_id).worker
+
+    def finished(self, request_id: object) -> None:
+        self._router.on_finish(request_id)
+
+
+class _RoundRobinPolicy:
+    def __init__(self, client: KvEventClient) -> None:
+        self._client = client
+        self._next = 0
+
+    def choose(self, request_id: object, token_ids: Sequence[int]) -> WorkerKey:
+        workers = sorted(self._client.live_workers())
+        worker = workers[self._next % len(workers)]
+        self._next += 1
+        return worker
+
+    def finished(self, request_id: object) -> None:
+        return None
+
+
+class _RandomPolicy:
+    def __init__(self, client: KvEventClient, seed: int) -> None:
+        self._client = client
+        self._rng = random.Random(seed)
+
+    def choose(self, request_id: object, token_ids: Sequence[int]) -> WorkerKey:
+        return self._rng.choice(sorted(self._client.live_workers()))
+
+    def finished(self, request_id: object) -> None:
+        return None
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+
+_SKIP_SIZE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+
+
+def _deep_size(root: object) -> int:
+    """Bytes of every object reachable from ``root`` (each once), classes and functions excluded."""
+    seen: set[int] = set()
+    stack = [root]
+    total = 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _SKIP_SIZE):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+class _Lifecycle(msgspec.Struct, frozen=True):
+    t: float
+    worker: WorkerKey
+    event: str
+
+
+class _Tally:
+    """Running figures of one policy's run."""
+
+    def __init__(self) -> None:
+        self.records: list[RequestRecord] = []
+        self.decisions_ns: list[int] = []
+        self.ttfts: list[float] = []
+        self.latencies: list[float] = []
+        self.per_worker: Counter[WorkerKey] = Counter()
+        self.prompt = 0
+        self.cached = 0
+        self.failed = 0
+        self.retried = 0
+        self.rejected = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached / self.prompt if self.prompt else 0.0
+
+
+# --- one policy's run -----------------------------------------------------------------------------
+
+
+def _fleet(options: DemoOptions, capacity: int, speedup: float) -> list[SimConfig]:
+    # The engines' clock runs ``speedup`` times faster too: prefill and decode keep their share
+    # of the (compressed) time between arrivals, so a sped-up trace does not outrun them.
+    default = SimConfig()
+    configs = []
+    for i in range(options.engines):
+        engine, ranks = _FLEET[i % len(_FLEET)]
+        configs.append(
+            SimConfig(
+                engine="vllm" if engine == "vllm" else "sglang",
+                name=f"{engine}-{i}",
+                ranks=ranks,
+                block_size=options.block_size,
+                capacity_blocks=capacity,
+                seed=options.seed,
+                prefill_time_per_token=default.prefill_time_per_token / speedup,
+                decode_time_per_step=default.decode_time_per_step / speedup,
+            )
+        )
+    return configs
+
+
+class _PolicyRun:
+    """One policy's traffic on a running fleet: arrivals, retries, injected faults, and the tally.
+
+    `run` sends every request at its arrival time (a turn also waits for the one it follows),
+    each as its own task, and returns once all have finished. Lifecycle events are recorded
+    meanwhile, for the fault notes.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        policy: _Policy,
+        engines: Sequence[SimEngine],
+        client: KvEventClient,
+        reporter: Reporter,
+    ) -> None:
+        self.name = name
+        self.policy = policy
+        self.engines = engines
+        self.client = client
+        self.reporter = reporter
+        self.by_target = {engine.grpc_target: engine for engine in engines}
+        self.tally = _Tally()
+        self.lifecycle: list[_Lifecycle] = []
+        self.faults: list[tuple[float, _Fault]] = []
+        self.finished: dict[int, anyio.Event] = {}
+        self.t0 = 0.0
+
+    async def run(
+        self, workload: Sequence[WorkloadRequest], plan: dict[int, list[_Fault]], sync_timeout: float
+    ) -> None:
+        """Send ``workload``, injecting ``plan``'s faults before the arrival they are keyed by.
+
+        Returns once every request finished and the client settled (lifecycle events are recorded
+        until then, so a recovery that completes after the last request is still noted).
+        """
+        self.t0 = anyio.current_time()
+        self.finished = {req.id: anyio.Event() for req in workload}
+        self.reporter.start(self.name, len(workload))
+        async with anyio.create_task_group() as background:
+            background.start_soon(self._record_lifecycle)
+            background.start_soon(self._refresh)
+            async with anyio.create_task_group() as tg:
+                for i, req in enumerate(workload):
+                    await anyio.sleep_until(self.t0 + req.arrival)
+                    for fault in plan.get(i, ()):
+                        at = anyio.current_time() - self.t0
+                        self.faults.append((at, fault))
+                        self.reporter.note(f"t={at:.1f}s fault: {fault.label} on {fault.engine.config.name}")
+                        tg.start_soon(_inject, fault)
+                    tg.start_soon(self._request, req)
+            # Quiescent now: let the last batches land and every source settle before counting.
+            with contextlib.suppress(TimeoutError):
+                await self.client.wait_synced(sync_timeout)
+            await anyio.sleep(0.1)
+            background.cancel_scope.cancel()
+        self._progress()
+
+    async def _record_lifecycle(self) -> None:
+        async with self.client.events() as stream:
+            async for env in stream:
+                if env.seq is None:
+                    self.lifecycle.append(_Lifecycle(anyio.current_time() - self.t0, env.source.key, _describe(env)))
+
+    async def _refresh(self) -> None:
+        while True:
+            self.reporter.refresh()
+            await anyio.sleep(0.25)
+
+    async def _request(self, req: WorkloadRequest) -> None:
+        try:
+            if req.follows is not None:
+                await self.finished[req.follows].wait()
+                await anyio.sleep(req.think_time)
+            await self._send(req)
+        finally:
+            self.finished[req.id].set()
+
+    async def _send(self, req: WorkloadRequest) -> None:
+        tally = self.tally
+        for attempt in range(_ATTEMPTS):
+            rid = (req.id, attempt)
+            t = time.perf_counter_ns()
+            worker = self.policy.choose(rid, req.token_ids)
+            tally.decisions_ns.append(time.perf_counter_ns() - t)
+            engine = self.by_target[worker.worker_id]
+            try:
+                done = await engine.complete(req.token_ids, req.max_tokens, rank=worker.dp_rank)
+            except RequestAbortedError:
+                tally.retried += 1
+                continue
+            except (CapacityError, InvalidRequestError):
+                tally.rejected += 1
+                return
+            finally:
+                self.policy.finished(rid)
+            tally.prompt += done.prompt_tokens
+            tally.cached += done.cached_tokens
+            tally.ttfts.append(done.ttft)
+            tally.latencies.append(done.latency)
+            tally.per_worker[worker] += 1
+            tally.records.append(
+                RequestRecord(
+                    id=req.id,
+                    done=anyio.current_time() - self.t0,
+                    worker=worker,
+                    prompt_tokens=done.prompt_tokens,
+                    cached_tokens=done.cached_tokens,
+                    ttft=done.ttft,
+                    kind=req.kind,
+                )
+            )
+            self._progress()
+            return
+        tally.failed += 1
+
+    def _progress(self) -> None:
+        tally = self.tally
+        self.reporter.update(self.name, len(tally.records), tally.hit_rate, percentile(tally.ttfts, 50))
+
+
+def _policy(name: str, options: DemoOptions, client: KvEventClient) -> _Policy:
+    if name == "kvroute":
+        return _KvRoutePolicy(Router(client.index, states=client, block_size=options.block_size, seed=options.seed))
+    if name == "round_robin":
+        return _RoundRobinPolicy(client)
+    return _RandomPolicy(client, options.seed)
+
+
+async def _run_policy(
+    policy_name: str,
+    options: DemoOptions,
+    workload: Sequence[WorkloadRequest],
+    capacity: int,
+    speedup: float,
+    reachable: float,
+    reporter: Reporter,
+) -> tuple[PolicyResult, list[RequestRecord]]:
+    """A fresh fleet and client, the policy's traffic through them, then the figures once quiescent."""
+    started = time.perf_counter()
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(SimEngine(cfg)) for cfg in _fleet(options, capacity, speedup)]
+        targets = [engine.grpc_target for engine in engines if engine.grpc_target is not None]
+        config = SubscriberConfig(quiet_interval=options.quiet_interval, events_buffer=100_000)
+        client = await stack.enter_async_context(KvEventClient(targets=targets, config=config))
+        await client.wait_synced(options.sync_timeout)
+        run = _PolicyRun(policy_name, _policy(policy_name, options, client), engines, client, reporter)
+        await run.run(workload, _fault_plan(engines, len(workload)) if options.faults else {}, options.sync_timeout)
+        stats = client.stats()
+        index_memory = _deep_size(client.index)
+        index_blocks = client.index.num_blocks()
+        engine_blocks = sum(e.cache(r).num_cached_blocks for e in engines for r in range(e.config.ranks))
+        workers = len(client.live_workers())
+    tally, lifecycle, faults = run.tally, run.lifecycle, run.faults
+    totals = stats.totals
+    mean_load = sum(tally.per_worker.values()) / workers if workers else 0.0
+    result = PolicyResult(
+        policy=policy_name,
+        requests=len(workload),
+        completed=len(tally.records),
+        failed=tally.failed,
+        retried=tally.retried,
+        rejected=tally.rejected,
+        hit_rate=round(tally.hit_rate, 4),
+        reachable_hit_rate=round(reachable, 4),
+        reachable_share=round(tally.hit_rate / reachable, 4) if reachable else 0.0,
+        prompt_tokens=tally.prompt,
+        cached_tokens=tally.cached,
+        prefill_tokens=tally.prompt - tally.cached,
+        ttft_p50=round(percentile(tally.ttfts, 50), 4),
+        ttft_p99=round(percentile(tally.ttfts, 99), 4),
+        latency_p50=round(percentile(tally.latencies, 50), 4),
+        latency_p99=round(percentile(tally.latencies, 99), 4),
+        load_imbalance=round(max(tally.per_worker.values(), default=0) / mean_load, 3) if mean_load else 0.0,
+        decision_p50_us=round(percentile(tally.decisions_ns, 50) / 1e3, 1),
+        decision_p99_us=round(percentile(tally.decisions_ns, 99) / 1e3, 1),
+        index_blocks=index_blocks,
+        index_memory_bytes=index_memory,
+        engine_blocks=engine_blocks,
+        batches_applied=totals.batches,
+        blocks_stored=totals.blocks,
+        gaps=totals.gaps,
+        replays=totals.replays,
+        replayed_batches=totals.replayed_batches,
+        resets=totals.resets,
+        partial_workers=totals.partial,
+        workers=workers,
+        wall_time=round(time.perf_counter() - started, 2),
+        faults=[_recovery(t, fault, lifecycle) for t, fault in faults],
+    )
+    return result, tally.records
+
+
+def _describe(env: Envelope) -> str:
+    event = env.event
+    if isinstance(event, Reset):
+        return f"reset:{event.reason}"
+    if isinstance(event, Synced):
+        return "synced"
+    return str(getattr(event, "kind", type(event).__name__))
+
+
+class _Fault(NamedTuple):
+    engine: SimEngine
+    #: True: restart the engine; False: set its live-message drop rate to ``drop_rate``.
+    restart: bool
+    drop_rate: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return "restart" if self.restart else f"drop {self.drop_rate:.0%}"
+
+
+def _fault_plan(engines: Sequence[SimEngine], n: int) -> dict[int, list[_Fault]]:
+    """Faults keyed by the arrival index they happen at, the same for every policy.
+
+    Engine 0 drops 30% of its live messages from 20% to 50% of the run (recovered by replay);
+    at 55% another engine (the last with the most ranks) restarts: its state is gone, the client
+    resets the worker and rebuilds it from the new process's events.
+    """
+    others = engines[1:] or engines
+    victim = max(reversed(others), key=lambda e: e.config.ranks)
+    plan: dict[int, list[_Fault]] = {}
+    for at, fault in (
+        (n * 20 // 100, _Fault(engines[0], restart=False, drop_rate=0.3)),
+        (n * 50 // 100, _Fault(engines[0], restart=False, drop_rate=0.0)),
+        (n * 55 // 100, _Fault(victim, restart=True)),
+    ):
+        plan.setdefault(at, []).append(fault)
+    return plan
+
+
+async def _inject(fault: _Fault) -> None:
+    if fault.restart:
+        await fault.engine.restart()
+    else:
+        fault.engine.drop_rate = fault.drop_rate
+
+
+def _recovery(t: float, fault: _Fault, lifecycle: Sequence[_Lifecycle]) -> FaultNote:
+    engine = fault.engine
+    name = engine.config.name
+    if not fault.restart:
+        return FaultNote(t=round(t, 3), engine=name, action=fault.label)
+    target = engine.grpc_target
+    ranks = set(range(engine.config.ranks))
+    detected: float | None = None
+    synced: dict[int, float] = {}
+    for item in lifecycle:
+        if item.t < t or item.worker.worker_id != target:
+            continue
+        if item.event.startswith("reset") and detected is None:
+            detected = item.t - t
+        elif item.event == "synced" and detected is not None and item.worker.dp_rank not in synced:
+            synced[item.worker.dp_rank] = item.t - t
+    back = max(synced.values()) if set(synced) == ranks else None
+    return FaultNote(
+        t=round(t, 3),
+        engine=name,
+        action=fault.label,
+        detected_after=round(detected, 3) if detected is not None else None,
+        synced_after=round(back, 3) if back is not None else None,
+    )
+
+
+# --- the whole demo -------------------------------------------------------------------------------
+
+
+def _workload(options: DemoOptions) -> tuple[list[WorkloadRequest], int, float]:
+    """The requests, KV blocks per rank, and how much faster than recorded the run goes."""
+    if options.trace is not None:
+        speedup = options.speedup or _TRACE_SPEEDUP
+        workload = read_mooncake_trace(
+            options.trace,
+            block_tokens=options.trace_block_tokens,
+            limit=options.requests,
+            speedup=speedup,
+            max_tokens=options.max_tokens,
+        )
+        return workload, options.capacity_blocks or _TRACE_CAPACITY, speedup
+    config = WorkloadConfig(
+        requests=options.requests or _DEFAULT_REQUESTS,
+        seed=options.seed,
+        rate=options.rate,
+        max_tokens=options.max_tokens,
+    )
+    return generate_workload(config), options.capacity_blocks or _SYNTHETIC_CAPACITY, 1.0
+
+
+async def run_demo(
+    options: DemoOptions | None = None, *, out: TextIO | None = None, progress: bool = False
+) -> DemoResult:
+    """Run the demo (module docstring) and return every policy's figures.
+
+    With ``progress`` a live progress display (rich when installed) goes to ``out`` (stdout).
+    Raises `TraceError` for an unreadable trace and `KvRouteError` subclasses from the
+    components; engines and clients are closed whatever happens.
+    """
+    options = options or DemoOptions()
+    workload, capacity, speedup = _workload(options)
+    reachable = reachable_hits(workload, options.block_size).hit_rate
+    display = make_reporter(out or sys.stdout, quiet=not progress)
+    started = time.perf_counter()
+    results: dict[str, PolicyResult] = {}
+    records: dict[str, list[RequestRecord]] = {}
+    try:
+        for name in options.policies:
+            results[name], records[name] = await _run_policy(
+                name, options, workload, capacity, speedup, reachable, display
+            )
+    finally:
+        display.stop()
+    kinds = Counter(r.kind for r in workload)
+    shape = {"requests": len(workload), "prompt_tokens": sum(len(r.token_ids) for r in workload), **kinds}
+    return DemoResult(
+        policies=results, records=records, workload=shape, wall_time=round(time.perf_counter() - started, 2)
+    )

@@ -1,0 +1,334 @@
+"""Mutation check: break each rule kvroute keeps on purpose and report which tests notice.
+
+Each `Mutation` replaces one exact piece of source text (it must occur exactly once) with a
+deliberately wrong one. The script copies the repository's tracked files to a temporary
+directory, applies one mutation to the copy, runs the mutation's tests against the copy
+(``PYTHONPATH`` points at it, and the script checks that ``kvroute`` imports from there), and
+records which tests fail. The working tree is never modified, so an interrupted run (Ctrl-C,
+a crash) cannot leave it broken. The baseline (no mutation) runs first: a test that fails
+there is reported and ignored.
+
+Each test is classed as a socket-level / end-to-end test (every anyio test: real ZMQ / gRPC
+sockets, simulated engines; and the example and demo programs) or a unit test (the rest: the
+sans-I/O machine, the index, the codec). A
+mutation lists the socket-level tests that claim to check its rule (``claims``); the report
+marks each that passes under the mutation as SURVIVED. The aim: every mutation caught by at
+least one socket-level test, and no claiming test surviving.
+
+Usage (from the repository root, with the test dependencies installed)::
+
+    python scripts/mutate.py                 # every mutation
+    python scripts/mutate.py clear lost-tail # some, by name
+    python scripts/mutate.py --list          # names and rules
+
+Adding a rule: append one `Mutation` to `MUTATIONS` (name, rule, file, the exact text to
+break, its broken form, the tests to run, the socket-level tests that claim the rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Test files whose tests run real processes end to end without being async (anyio) tests.
+END_TO_END_FILES = frozenset({"test_examples.py", "test_demo.py"})
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One deliberate bug: ``old`` (exactly once in ``file``) becomes ``new``."""
+
+    name: str
+    rule: str
+    file: str
+    old: str
+    new: str
+    #: pytest arguments selecting what to run (files or node ids); unit and socket tests both.
+    tests: tuple[str, ...]
+    #: Socket-level tests (node-id prefixes) that claim to check this rule: each must fail.
+    claims: tuple[str, ...] = field(default=())
+
+
+MUTATIONS: list[Mutation] = [
+    Mutation(
+        "over-claim",
+        "the index never claims a block a worker does not hold",
+        "kvroute/_index.py",
+        "        if scores.get(wk, 0) < value:\n            scores[wk] = value",
+        "        if scores.get(wk, 0) < value + 1:\n            scores[wk] = value + 1",
+        ("tests/test_index.py", "tests/test_client.py", "tests/test_sim_engine.py", "tests/test_warm_restart.py"),
+        (
+            "tests/test_client.py::test_cold_start_with_history",
+            "tests/test_client.py::test_drops_inside_buffer_are_replayed",
+            "tests/test_sim_engine.py::test_kvroute_client_index_converges_to_the_engines_ground_truth",
+            "tests/test_warm_restart.py::test_warm_resume_replays_only_the_gap",
+        ),
+    ),
+    Mutation(
+        "lost-tail",
+        "rule 8: a quiet source is probed, and the probe recovers a lost tail",
+        "kvroute/_source.py",
+        '        self._request_probe("probe", out)\n        return self._done(before, out)',
+        "        return self._done(before, out)",
+        ("tests/test_source.py", "tests/test_client.py"),
+        ("tests/test_client.py::test_lost_tail_then_silence",),
+    ),
+    Mutation(
+        "contiguity",
+        "rule 1/3: only the batch that continues the applied run is applied; a hole is replayed first",
+        "kvroute/_source.py",
+        "            seq == self.last_seq + 1\n            and batch is not None",
+        "            seq > self.last_seq\n            and batch is not None",
+        ("tests/test_source.py", "tests/test_client.py"),
+        ("tests/test_client.py::test_drops_inside_buffer_are_replayed",),
+    ),
+    Mutation(
+        "identity-by-ts",
+        "rule 7: an identity check compares the replayed seq's ts with the applied one",
+        "kvroute/_source.py",
+        "if seq != req.from_seq or batch is None or ts != anchor_ts:",
+        "if seq != req.from_seq or batch is None:",
+        ("tests/test_source.py", "tests/test_client.py", "tests/test_warm_restart.py", "tests/test_chaos.py"),
+        (
+            "tests/test_client.py::test_killed_and_restarted_on_the_same_port_silently",
+            "tests/test_warm_restart.py::test_engine_restarted_while_the_router_was_down",
+            "tests/test_chaos.py",
+        ),
+    ),
+    Mutation(
+        "unknown-parent",
+        "a block whose parent is unknown (and its descendants) is never claimed",
+        "kvroute/_index.py",
+        '            key = blocks.get(parent, b"")\n',
+        "            key = blocks.get(parent, self._root(ev.lora_name))\n",
+        ("tests/test_index.py", "tests/test_client.py", "tests/test_sim_engine.py"),
+        (
+            "tests/test_client.py::test_drops_past_the_buffer_reset_without_overclaiming",
+            "tests/test_client.py::test_dead_replay_endpoint",
+        ),
+    ),
+    Mutation(
+        "clear",
+        "AllBlocksCleared drops every block of the worker",
+        "kvroute/_index.py",
+        "        elif isinstance(event, AllBlocksCleared):\n            self.remove_worker(worker)",
+        "        elif isinstance(event, AllBlocksCleared):\n            pass",
+        ("tests/test_index.py", "tests/test_client.py", "tests/test_sim_engine.py", "tests/test_chaos.py"),
+        (
+            "tests/test_sim_engine.py::test_kvroute_client_index_converges_to_the_engines_ground_truth",
+            "tests/test_chaos.py",
+            "tests/test_client.py::test_clear_drops_everything_the_engine_held",
+        ),
+    ),
+    Mutation(
+        "stopped-driver",
+        "a removed source's driver applies nothing more",
+        "kvroute/_subscriber.py",
+        "        if self._stopped:\n            return\n        apply_batch, key = self._index.apply_batch, self.key",
+        "        apply_batch, key = self._index.apply_batch, self.key",
+        ("tests/test_client.py",),
+        ("tests/test_client.py::test_a_removed_source_touches_the_index_no_more",),
+    ),
+    Mutation(
+        "partial-positions",
+        "a snapshot saves no position for a partial worker (its history is not the engine's)",
+        "kvroute/_client.py",
+        "if not self._subs[k].driver.machine.partial}",
+        "if True}",
+        ("tests/test_warm_restart.py", "tests/test_chaos.py"),
+        ("tests/test_warm_restart.py",),
+    ),
+    Mutation(
+        "signed-hashes",
+        "SGLang's signed int64 hashes fold onto uint64 (one key whatever the form)",
+        "kvroute/_wire.py",
+        "        return h & _MASK64\n    return h",
+        "        return h\n    return h",
+        ("tests/test_wire.py", "tests/test_sim_engine.py", "tests/test_client.py"),
+        (
+            "tests/test_sim_engine.py::test_sglang_events_carry_the_engines_hashes",
+            "tests/test_client.py::test_cold_start_with_history",
+        ),
+    ),
+    Mutation(
+        "duplicate-vs-restart",
+        "rule 2: a live seq already applied is a duplicate only with the same ts; another ts is a restart",
+        "kvroute/_source.py",
+        "            if recorded == ts:\n                self.stats.duplicates += 1\n                return",
+        "            if True:\n                self.stats.duplicates += 1\n                return",
+        ("tests/test_source.py", "tests/test_client.py", "tests/test_sim_engine.py"),
+        ("tests/test_client.py::test_a_restart_behind_a_forwarder_is_told_from_duplicates_by_its_ts",),
+    ),
+    Mutation(
+        "no-apply",
+        "the client applies what its sources publish (examples show it)",
+        "kvroute/_subscriber.py",
+        "            apply_batch(key, batch)\n",
+        "            pass\n",
+        ("tests/test_examples.py",),
+        ("tests/test_examples.py",),
+    ),
+]
+
+
+def _copy_tree(dest: Path) -> None:
+    """Copy the tracked files (and untracked, not ignored ones) of the repository to ``dest``."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for raw in listed:
+        if not raw:
+            continue
+        rel = raw.decode()
+        src = ROOT / rel
+        if not src.is_file():
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+
+
+def _env(tree: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(tree) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["CI"] = "1"  # fixed hypothesis seed: a mutation's verdict does not depend on the day's search
+    return env
+
+
+def _check_import(tree: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", "import kvroute; print(kvroute.__file__)"],
+        cwd=tree,
+        env=_env(tree),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not Path(out).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"kvroute imports from {out}, not from the mutated copy {tree}")
+
+
+def _run(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[set[str], set[str], float]:
+    """Run ``tests`` in ``tree``: (failed node ids, passed node ids, seconds)."""
+    report = tree / "junit.xml"
+    report.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *tests],
+        cwd=tree,
+        env=_env(tree),
+        capture_output=True,
+        timeout=timeout,
+    )
+    took = time.monotonic() - t0
+    failed: set[str] = set()
+    passed: set[str] = set()
+    if not report.exists():
+        return failed, passed, took
+    for case in ET.parse(report).getroot().iter("testcase"):
+        classname, name = case.get("classname", ""), case.get("name", "")
+        parts = classname.split(".")
+        # "tests.test_client" -> tests/test_client.py; a class in the file adds "::Class".
+        mod = next(i for i, p in enumerate(parts) if p.startswith("test_")) if any(
+            p.startswith("test_") for p in parts
+        ) else len(parts) - 1
+        node = "/".join(parts[: mod + 1]) + ".py" + "".join("::" + p for p in parts[mod + 1 :]) + "::" + name
+        if case.find("skipped") is not None:
+            continue
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.add(node)
+        else:
+            passed.add(node)
+    return failed, passed, took
+
+
+def _base(node: str) -> str:
+    """A node id without its parameters: one test function."""
+    return node.split("[", 1)[0]
+
+
+def _is_socket(node: str) -> bool:
+    """Socket-level or end to end: every socket test here is an anyio test, run on both backends."""
+    return "[asyncio" in node or "[trio" in node or Path(node.split("::", 1)[0]).name in END_TO_END_FILES
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run (default 900)")
+    args = parser.parse_args()
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:22} {m.rule}")
+        return 0
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    unknown = set(args.names) - {m.name for m in MUTATIONS}
+    if unknown:
+        parser.error(f"unknown mutation(s): {', '.join(sorted(unknown))}")
+
+    with tempfile.TemporaryDirectory(prefix="kvroute-mutate-") as tmp:
+        pristine = Path(tmp) / "pristine"
+        _copy_tree(pristine)
+        _check_import(pristine)
+        all_tests = tuple(sorted({t for m in chosen for t in m.tests}))
+        print(f"baseline: {' '.join(all_tests)}", flush=True)
+        base_failed, base_passed, took = _run(pristine, all_tests, args.timeout)
+        print(f"baseline: {len(base_passed)} passed, {len(base_failed)} failed ({took:.0f} s)", flush=True)
+        for node in sorted(base_failed):
+            print(f"  baseline failure (ignored below): {node}")
+        rows: list[tuple[Mutation, set[str], set[str], list[str], list[str]]] = []
+        for m in chosen:
+            tree = Path(tmp) / m.name
+            shutil.copytree(pristine, tree)
+            path = tree / m.file
+            text = path.read_text()
+            count = text.count(m.old)
+            if count != 1:
+                print(f"{m.name}: the text to break occurs {count} times in {m.file}; fix the entry", flush=True)
+                rows.append((m, set(), set(), [], ["(not applied)"]))
+                continue
+            path.write_text(text.replace(m.old, m.new))
+            failed, passed, took = _run(tree, m.tests, args.timeout)
+            new_failures = failed - base_failed
+            caught = {_base(n) for n in new_failures}
+            socket = {_base(n) for n in new_failures if _is_socket(n)}
+            survived = [c for c in m.claims if not any(n.startswith(c) for n in new_failures)]
+            flaky = [c for c in m.claims if any(n.startswith(c) for n in base_failed)]
+            missing = [c for c in m.claims if not any(n.startswith(c) for n in failed | passed)]
+            print(f"{m.name}: {len(caught)} tests caught it ({took:.0f} s)", flush=True)
+            rows.append((m, caught, socket, survived, missing + [f"failed at baseline: {c}" for c in flaky]))
+            shutil.rmtree(tree)
+
+    print()
+    print("| mutation | rule | caught by (unit / socket-level) | socket-level tests that caught it | survived |")
+    print("|---|---|---|---|---|")
+    status = 0
+    for m, caught, socket, survived, missing in rows:
+        units = caught - socket
+        names = sorted(n.split("::", 1)[-1] for n in socket)
+        shown = ", ".join(names[:4]) + (f", +{len(names) - 4} more" if len(names) > 4 else "")
+        bad = [f"**{c}**" for c in survived if c not in missing] + [
+            f"({c})" if c.startswith("failed at baseline") else f"(not run: {c})" for c in missing
+        ]
+        if bad or not socket:
+            status = 1
+        print(f"| {m.name} | {m.rule} | {len(units)} / {len(socket)} | {shown or '—'} | {', '.join(bad) or '—'} |")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

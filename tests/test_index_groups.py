@@ -1,0 +1,247 @@
+"""What the production configurations need of the index: groups, reuse reports, bounds, snapshot checks."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+from _publisher_helpers import FAST, settle
+
+from kvroute import (
+    BlockRemoved,
+    BlockStored,
+    Cursor,
+    IndexLimits,
+    IndexLimitsError,
+    PrefixIndex,
+    Router,
+    SnapshotError,
+    WorkerKey,
+)
+from kvroute._client import KvEventClient
+from kvroute._snapshot import _Snapshot
+from kvroute.sim._publisher import EventPublisher
+
+W = WorkerKey("w", 0)
+TOKS = list(range(1, 17))
+
+
+def _full(hashes: list[int], tokens: list[int], bs: int, parent: int | None = None, group: int = 0) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=bs,
+                       group_idx=group, kv_cache_spec_kind="full_attention")
+
+
+def _window(hashes: list[int], tokens: list[int], bs: int, window: int, parent: int | None = None,
+            group: int = 1) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=bs,
+                       group_idx=group, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=window)
+
+
+def test_a_reuse_report_never_outlives_the_engines_removal() -> None:
+    """kv_cache_report_mode "full": a BlockStored again for a cached block, and no removal for it later."""
+    idx = PrefixIndex()
+    store = _full([1, 2], TOKS[:8], 4)
+    idx.apply(W, store)
+    idx.apply(W, store)  # the report
+    assert idx.num_blocks(W) == 2 and idx.stats().repeated_stores == 2
+    idx.apply(W, BlockRemoved(block_hashes=[2], group_idx=0))
+    assert idx.find_matches(TOKS[:8])[W] == 1
+    idx.apply(W, BlockRemoved(block_hashes=[1], group_idx=0))
+    assert idx.find_matches(TOKS[:8]) == {} and idx.workers() == set()
+
+
+def test_a_hybrid_reuse_report_does_not_fill_the_window() -> None:
+    """vLLM reports a hit in every group from block 0, a window group's null blocks included."""
+    idx = PrefixIndex()
+    idx.apply(W, _full([1, 2, 3, 4], TOKS, 4))
+    idx.apply(W, _window([3, 4], TOKS, 4, window=5))  # blocks 0 and 1 were null: sparse
+    assert idx.find_matches([*TOKS, 0])[W] == 4
+    # A prompt that diverges after block 1: the engine's window group holds neither block 0 nor 1.
+    assert W not in idx.find_matches([*TOKS[:8], 0, 0, 0])
+    # The report of the full hit: every group, from block 0, dense.
+    idx.apply(W, _full([1, 2, 3, 4], TOKS, 4))
+    idx.apply(W, _window([1, 2, 3, 4], TOKS, 4, window=5))
+    assert W not in idx.find_matches([*TOKS[:8], 0, 0, 0])
+    assert idx.find_matches([*TOKS, 0])[W] == 4
+
+
+def test_window_rule_counts_the_blocks_before_the_hit_point() -> None:
+    """cdiv(window - 1, block_size) blocks before the hit point (vLLM SlidingWindowManager)."""
+    idx = PrefixIndex()
+    idx.apply(W, _full([1, 2, 3, 4], TOKS, 4))
+    idx.apply(W, _window([2, 3], TOKS[:12], 4, window=9))  # needs 2 blocks: [1, 3) held
+    scores = idx.find_matches([*TOKS, 0])
+    assert scores[W] == 3 and scores.tokens(W) == 12
+    idx.apply(W, BlockRemoved(block_hashes=[2], group_idx=1))
+    # Only block 2 in the window now: no 2-block run anywhere, and block 0 is not held.
+    assert W not in idx.find_matches([*TOKS, 0])
+    # A removal of the same hash value in group 1 never touched group 0.
+    assert idx.num_blocks(W) == 5
+
+
+def test_groups_of_different_block_sizes() -> None:
+    """Full attention 8, window 4 (hash_block_size 4): vLLM names an 8-block by the hash at its
+    last 4-token boundary (BlockHashListWithBlockSize); hits land on 8-token boundaries."""
+    h = [41, 42, 43, 44]  # the 4-token hashes of TOKS
+    idx = PrefixIndex()
+    idx.apply(W, _full([h[1], h[3]], TOKS, 8))
+    idx.apply(W, _window(h, TOKS, 4, window=5))  # dense (retention keeps every block)
+    scores = idx.find_matches([*TOKS, 0])
+    assert scores[W] == 2 and scores.block_size(W) == 8 and scores.tokens(W) == 16
+    idx.apply(W, BlockRemoved(block_hashes=[h[3]], group_idx=1))
+    # Window needs block 3 (tokens 12-16) for a hit at 16, block 1 for a hit at 8.
+    scores = idx.find_matches([*TOKS, 0])
+    assert scores[W] == 1 and scores.tokens(W) == 8
+    # A sparse store of another block size cannot be placed (its hashes name 4-token
+    # prefixes the 8-token group does not key): held, never claimed — an under-claim.
+    other = WorkerKey("sparse", 0)
+    idx.apply(other, _full([h[1], h[3]], TOKS, 8))
+    idx.apply(other, _window([h[2], h[3]], TOKS, 4, window=5))
+    assert other not in idx.find_matches([*TOKS, 0])
+
+
+def test_unknown_group_kind_claims_nothing() -> None:
+    idx = PrefixIndex()
+    idx.apply(W, _full([1, 2], TOKS[:8], 4))
+    idx.apply(W, BlockStored(block_hashes=[1], token_ids=TOKS[:4], block_size=4, group_idx=1,
+                             kv_cache_spec_kind="cross_attention"))
+    assert idx.find_matches([*TOKS[:8], 0]) == {}
+    assert idx.stats().ignored_group_events == 1
+
+
+def test_overlap_is_priced_in_its_own_block_size() -> None:
+    """2 blocks of 16 and one unrelated block of 4,096 must not look like 2 x 4,096 cached tokens."""
+    idx = PrefixIndex()
+    a, b = WorkerKey("a", 0), WorkerKey("b", 0)
+    prompt = list(range(5000))
+    idx.apply(a, BlockStored(block_hashes=[1, 2], token_ids=prompt[:32], block_size=16))
+    idx.apply(a, BlockStored(block_hashes=[9], token_ids=[7] * 4096, block_size=4096))
+    idx.apply(b, BlockStored(block_hashes=[1, 2, 3], token_ids=prompt[:48], block_size=16))
+    scores = idx.find_matches(prompt)
+    assert scores[a] == 2 and scores.tokens(a) == 32 and scores.tokens(b) == 48
+    decision = Router(idx, seed=1).select(prompt)
+    assert decision.worker == b
+    cand = {c.worker: c for c in decision.candidates}
+    assert cand[a].prefill_blocks == (5000 - 32) / 16
+
+
+def test_block_sizes_per_worker_are_bounded() -> None:
+    """One batch of 8,191 block sizes: refused past the bound, and queries stay cheap."""
+    idx = PrefixIndex(limits=IndexLimits(max_block_sizes=4))
+    for bs in range(2, 8193):
+        idx.apply(W, BlockStored(block_hashes=[bs], token_ids=[bs % 7] * bs, block_size=bs))
+    assert idx.stats().refused_block_sizes == 8191 - 4
+    assert len(idx._bs_members) == 4
+    prompt = list(range(8192))
+    start = time.perf_counter()
+    for _ in range(10):
+        idx.find_matches(prompt)
+    assert (time.perf_counter() - start) / 10 < 0.01
+
+
+def test_entries_per_worker_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "kvroute.index")
+    idx = PrefixIndex(limits=IndexLimits(max_entries_per_worker=3))
+    idx.apply(W, BlockStored(block_hashes=[1, 2], token_ids=TOKS[:8], block_size=4))
+    idx.apply(W, BlockStored(block_hashes=[3, 4], parent_block_hash=2, token_ids=TOKS[8:], block_size=4))
+    idx.apply(W, BlockStored(block_hashes=[5, 6], parent_block_hash=2, token_ids=TOKS[8:], block_size=4))
+    assert idx.num_blocks(W) == 2 and idx.stats().refused_entries == 4
+    assert idx.find_matches(TOKS)[W] == 2
+    assert len([r for r in caplog.records if "entry bound" in r.getMessage()]) == 1
+
+
+def test_namespace_root_cache_is_bounded() -> None:
+    idx = PrefixIndex(limits=IndexLimits(max_cached_roots=16))
+    idx.apply(W, BlockStored(block_hashes=[1], token_ids=TOKS[:4], block_size=4, lora_name="a"))
+    for i in range(1000):
+        idx.find_matches(TOKS, lora_name=f"adapter-{i}")
+    assert len(idx._roots) <= 16 and idx.stats().uncached_roots >= 1000 - 16
+    assert idx.find_matches(TOKS, lora_name="a")[W] == 1
+
+
+@pytest.mark.parametrize("bad", [{"max_block_sizes": 0}, {"max_cached_roots": -1}, {"max_entries_per_worker": True}])
+def test_index_limits_are_checked(bad: dict[str, int]) -> None:
+    with pytest.raises(IndexLimitsError):
+        IndexLimits(**bad)
+
+
+def _forge(path: Path, edit: str) -> None:
+    snap = msgspec.msgpack.decode(path.read_bytes(), type=_Snapshot)
+    victim = next(sw for sw in snap.workers if sw.worker_id == "bad")
+    if edit == "block-size-0":
+        victim.classes = [(0, 0)]
+    elif edit == "short-key":
+        victim.keys[0] = b"\x01\x02"
+    elif edit == "dangling-special":
+        victim.special.append((12345, [0, 1, 0, 0]))
+    elif edit == "duplicate-hash":
+        victim.hashes.append(victim.hashes[0])
+        victim.keys.append(victim.keys[0])
+    path.write_bytes(msgspec.msgpack.encode(snap))
+
+
+@pytest.mark.parametrize("edit", ["block-size-0", "short-key", "dangling-special", "duplicate-hash"])
+def test_a_forged_worker_is_dropped_not_the_index(tmp_path: Path, edit: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "kvroute.index")
+    idx = PrefixIndex()
+    good, bad = WorkerKey("good", 0), WorkerKey("bad", 0)
+    for w in (good, bad):
+        idx.apply(w, BlockStored(block_hashes=[1, 2], token_ids=TOKS[:8], block_size=4))
+    path = tmp_path / "index.kvs"
+
+    idx.snapshot(path, cursors={good: Cursor(5, 1.0), bad: Cursor(7, 1.0)})
+    _forge(path, edit)
+    restored = PrefixIndex.restore(path)
+    assert restored.find_matches(TOKS[:8]) == {good: 2}
+    assert set(restored.restored_cursors) == {good}
+    assert any("bad/0 dropped" in r.getMessage() for r in caplog.records)
+
+
+def test_an_old_hash_version_snapshot_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "old.kvs"
+    path.write_bytes(msgspec.msgpack.encode(
+        {"format": "kvroute-index", "version": 1, "hash_version": 1, "created": 0.0, "workers": [], "cursors": []}
+    ))
+    with pytest.raises(SnapshotError, match="content hash v1"):
+        PrefixIndex.restore(path)
+
+
+def test_snapshot_round_trip_keeps_groups_and_lookahead(tmp_path: Path) -> None:
+    idx = PrefixIndex()
+    idx.apply(W, _full([1, 2, 3, 4], TOKS, 4))
+    idx.apply(W, _window([3, 4], TOKS, 4, window=5))
+    la = WorkerKey("la", 0)
+    idx.apply(la, BlockStored(block_hashes=[1], token_ids=TOKS[:4], block_size=4, lookahead_token_ids=[[5]]))
+    path = tmp_path / "index.kvs"
+    idx.snapshot(path)
+    restored = PrefixIndex.restore(path)
+    for q in ([*TOKS, 0], [*TOKS[:8], 0, 0, 0], TOKS[:5], [*TOKS[:4], 9]):
+        a, b = idx.find_matches(q), restored.find_matches(q)
+        assert dict(a) == dict(b) and all(a.tokens(w) == b.tokens(w) for w in a), q
+    assert restored.num_blocks(W) == idx.num_blocks(W)
+
+
+@pytest.mark.anyio
+async def test_an_unreadable_removal_resets_the_worker() -> None:
+    """The rest of the batch decodes, but the worker's state can no longer be trusted: reset, partial."""
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        async with KvEventClient([src], config=FAST) as client:
+            stream = client.events()
+            await client.wait_synced(10)
+            pub.publish([BlockStored(block_hashes=[1, 2], token_ids=TOKS[:8], block_size=4)])
+            await settle(client, stream, {src.key: 0})
+            assert client.index.find_matches(TOKS[:8])[src.key] == 2
+            # A float hash: the event cannot be read; the publisher replays the same bytes.
+            bad = BlockRemoved(block_hashes=[1.5])  # type: ignore[list-item]
+            pub.publish([BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=TOKS[8:12], block_size=4), bad])
+            pub.publish([BlockStored(block_hashes=[9], token_ids=TOKS[8:12], block_size=4)])
+            await settle(client, stream, {src.key: 2})
+            st = client.stats().sources[src.key]
+            assert st.resets == 1 and st.partial
+            scores = client.index.find_matches(TOKS[:8])
+            assert src.key not in scores  # what was held before the bad batch is gone
+            assert client.index.find_matches(TOKS[8:12])[src.key] == 1
