@@ -6,7 +6,8 @@ Every figure is printed beside a baseline measured in the same run (the machines
 ingest as a ratio to decoding alone of the same payloads; find_matches beside hashing the
 whole prompt. Aims (issue "kvroute core"): ingest >= 600,000 blocks/s; find_matches p50 <= 30 us
 (32-block match) and <= 200 us (512-block match) with 64 workers and ~1,000,000 entries;
-<= 150 B per entry.
+<= 150 B per entry. A block-size flood (issue "fleet that misbehaves", row 4) is measured as the
+ratio of find_matches before and after it.
 """
 
 from __future__ import annotations
@@ -151,6 +152,28 @@ def bench_find_matches(entries: int, iters: int) -> None:
           f"full match / hashing = {percentile(full, .5) / percentile(hashing, .5):.2f}")
 
 
+def bench_block_size_flood(entries: int, iters: int) -> None:
+    """One worker sends 8,191 block sizes (2..8,192) in one batch: the bound keeps queries cheap."""
+    idx, prompt, workers = build_big_index(64, entries, 4)
+
+    def p50() -> float:
+        took = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            idx.find_matches(prompt)
+            took.append(time.perf_counter() - t0)
+        return percentile(took, 0.5)
+
+    before = p50()
+    flood = EventBatch(0.0, [BlockStored(block_hashes=[1 << 40 | bs], token_ids=[bs % 7] * bs, block_size=bs)
+                             for bs in range(2, 8193)])
+    idx.apply_batch(workers[-1], decode_batch(encode_batch(flood)))
+    after = p50()
+    print(f"block-size flood: 8,191 sizes from one worker, {idx.stats().refused_block_sizes:,} refused "
+          f"(IndexLimits.max_block_sizes {idx.limits.max_block_sizes}); find_matches p50 "
+          f"{before * 1e6:.1f} us before, {after * 1e6:.1f} us after, ratio {after / before:.2f}")
+
+
 def bench_memory(entries: int) -> None:
     gc.collect()
     tracemalloc.start()
@@ -176,6 +199,7 @@ def main() -> None:
     scale = 10 if args.quick else 1
     bench_ingest(200_000 // scale, 3)
     bench_find_matches(1_000_000 // scale, 300 // (scale // 5 or 1))
+    bench_block_size_flood(1_000_000 // scale, 100)
     bench_memory(1_000_000 // scale)
 
 

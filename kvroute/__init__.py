@@ -52,8 +52,10 @@ from ._events import (
     ResetReason,
     Synced,
 )
+from ._grpc_stream import GATEWAY_SERVICES, gateway_endpoint
 from ._hashing import HASH_VERSION, MultimodalItem, chain_keys
 from ._index import IndexLimits, IndexLimitsError, IndexStats, OverlapScores, PrefixIndex
+from ._load import EngineLoad, EngineLoads, LoadPolicy
 from ._metrics import KvRouteCollector
 from ._models import (
     CPU,
@@ -92,6 +94,7 @@ __all__ = [
     "DISK",
     "ENGINES",
     "EXTERNAL",
+    "GATEWAY_SERVICES",
     "GPU",
     "TIERS",
     "AllBlocksCleared",
@@ -111,6 +114,8 @@ __all__ = [
     "DiscoveryError",
     "DiscoveryOptions",
     "EngineEvent",
+    "EngineLoad",
+    "EngineLoads",
     "Envelope",
     "EventBatch",
     "EventSource",
@@ -128,6 +133,7 @@ __all__ = [
     "KvRouteError",
     "LifecycleEvent",
     "Limits",
+    "LoadPolicy",
     "MalformedAnswerError",
     "NoWorkersError",
     "MultimodalItem",
@@ -169,4 +175,5 @@ __all__ = [
     "follow_target",
     "encode_batch",
     "normalize_medium",
+    "gateway_endpoint",
 ]

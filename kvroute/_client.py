@@ -33,7 +33,9 @@ import zmq
 from ._discovery import DiscoveryOptions, diff_sources, follow_target
 from ._errors import ClientStateError, ConfigError
 from ._events import Envelope, Overflow, Removed
+from ._grpc_stream import GatewayStream, GatewayTransport
 from ._index import PrefixIndex
+from ._load import EngineLoads
 from ._models import EventSource, WorkerKey, WorkerStatus
 from ._snapshot import Cursor
 from ._subscriber import (
@@ -41,11 +43,10 @@ from ._subscriber import (
     RateLimitedLog,
     ReplaySlots,
     SourceCounters,
-    SourceDriver,
     SourceStats,
     SubscriberConfig,
-    source_problem,
 )
+from ._transport import Driver, Transport, ZmqTransport
 from ._zmq import DEFAULT_MAX_SOURCES, fit_sources
 
 __all__ = ["ClientStats", "EventStream", "KvEventClient", "SourceStats", "SubscriberConfig", "TotalStats"]
@@ -192,7 +193,7 @@ class _Hub:
 class _Subscription:
     __slots__ = ("driver", "origin", "scope")
 
-    def __init__(self, driver: SourceDriver, origin: str | None, scope: anyio.CancelScope) -> None:
+    def __init__(self, driver: Driver, origin: str | None, scope: anyio.CancelScope) -> None:
         self.driver = driver
         self.origin = origin
         self.scope = scope
@@ -279,6 +280,9 @@ class KvEventClient:
         self._removed = 0
         self._failed = 0
         self._log = RateLimitedLog("KvEventClient", log)
+        #: Engine load reported by gateway-stream sources; a `Router` given this client prices it.
+        self.engine_loads = EngineLoads()
+        self._transports: list[Transport] = []
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -303,6 +307,14 @@ class KvEventClient:
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
+
+        def spawn(stream: GatewayStream) -> None:
+            tg.start_soon(stream.run)
+
+        self._transports = [
+            GatewayTransport(self._config, self._discovery_options, self.engine_loads, spawn),
+            ZmqTransport(self._ctx, self._config, self._limiter),
+        ]
         try:
             for src in self._initial_sources:
                 self.add_source(src)
@@ -378,8 +390,8 @@ class KvEventClient:
             self._remove(source.key, "replaced")
         elif len(self._subs) >= self._max_sources:
             return self._refuse(source, f"max_sources ({self._max_sources}) reached")
-        assert self._ctx is not None and self._limiter is not None  # set on entry
-        problem = source_problem(source, self._ctx, self._config)
+        transport = next(t for t in self._transports if t.handles(source))
+        problem = transport.problem(source)
         if problem is not None:
             return self._refuse(source, problem)
         self._unclaimed.discard(source.key)
@@ -390,16 +402,7 @@ class KvEventClient:
         if cursor is None and self._index.num_blocks(source.key):
             # Restored without a position: SourceMachine.start() assumes an empty slate.
             self._index.remove_worker(source.key)
-        driver = SourceDriver(
-            source,
-            context=self._ctx,
-            config=self._config,
-            index=self._index,
-            sink=self._hub,
-            limiter=self._limiter,
-            on_change=self._wake,
-            resume=cursor,
-        )
+        driver = transport.driver(source, index=self._index, sink=self._hub, on_change=self._wake, resume=cursor)
         scope = anyio.CancelScope()
         self._subs[source.key] = _Subscription(driver, origin, scope)
         tg.start_soon(self._run_driver, driver, scope)
@@ -412,7 +415,7 @@ class KvEventClient:
         self._log.warn("refused source", f"{source.key} ({source.endpoint}): {why}")
         return False
 
-    async def _run_driver(self, driver: SourceDriver, scope: anyio.CancelScope) -> None:
+    async def _run_driver(self, driver: Driver, scope: anyio.CancelScope) -> None:
         with scope:
             try:
                 await driver.run()

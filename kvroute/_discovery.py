@@ -41,7 +41,6 @@ import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Annotated, Any, Final
 
 import anyio
@@ -50,10 +49,13 @@ import grpc
 import msgspec
 import tenacity
 
-from ._errors import DiscoveryError, EventsDisabledError, KvRouteError, UnusableSourceError
+from ._errors import DiscoveryError, EventsDisabledError, InvalidOptionsError, KvRouteError, UnusableSourceError
+from ._grpc_stream import GATEWAY_SERVICES, gateway_sources, probe_stream
 from ._models import EventSource, WorkerKey
 from ._proto import sglang_service_pb2 as sglang_pb
+from ._proto import smg_common_pb2 as smg_pb
 from ._proto import vllm_control_pb2 as vllm_pb
+from ._tls import TlsConfig
 
 __all__ = [
     "ENGINES",
@@ -78,7 +80,7 @@ log = logging.getLogger("kvroute.discovery")
 
 VLLM_METHOD: Final = "/vllm.Control/GetKvEventSources"
 SGLANG_METHOD: Final = "/sglang.runtime.v1.SglangService/GetServerInfo"
-ENGINES: Final = ("auto", "vllm", "sglang")
+ENGINES: Final = ("auto", "vllm", "sglang", "gateway")
 #: Event schema versions this kvroute decodes (docs/protocol.md §1: vLLM sends 1).
 KNOWN_SCHEMA_VERSIONS: Final = frozenset({1})
 # Bind-all hosts an engine may advertise (docs/protocol.md §1), compared without brackets.
@@ -112,10 +114,6 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.\-]*[A-Za-z0-9_])?")
 _Z85 = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]+")
 
 
-class InvalidOptionsError(KvRouteError, ValueError):
-    """Discovery options that cannot work (engine name, timeout, metadata, TLS, allow-list, cap)."""
-
-
 class TargetUnreachableError(DiscoveryError):
     """The target gave no answer within the timeout (every attempt ended UNAVAILABLE or DEADLINE_EXCEEDED)."""
 
@@ -136,38 +134,6 @@ class TooManySourcesError(DiscoveryError):
     """The answer lists more sources than ``max_sources_per_target`` allows."""
 
 
-class TlsConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """TLS for the discovery channel.
-
-    Each PEM item is given as ``bytes`` (the PEM content itself) or ``str`` (a path to a PEM
-    file, read at every discovery so rotated certificates are picked up). ``root_certificates``
-    None uses grpc's default roots. ``private_key`` and ``certificate_chain`` (both or neither)
-    present a client certificate. ``server_name`` overrides the name the server's certificate
-    is checked against (e.g. when dialling an IP address).
-    """
-
-    root_certificates: bytes | str | None = None
-    private_key: bytes | str | None = None
-    certificate_chain: bytes | str | None = None
-    server_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.private_key is None) != (self.certificate_chain is None):
-            raise InvalidOptionsError("TLS private_key and certificate_chain go together (a client certificate)")
-
-    def __repr__(self) -> str:
-        # A private key given as PEM bytes never reaches a log or a traceback (a path may).
-        key = "<secret>" if isinstance(self.private_key, bytes) else repr(self.private_key)
-        return (
-            f"TlsConfig(root_certificates={_short(self.root_certificates)}, private_key={key}, "
-            f"certificate_chain={_short(self.certificate_chain)}, server_name={self.server_name!r})"
-        )
-
-
-def _short(pem: bytes | str | None) -> str:
-    return f"<{len(pem)} bytes of PEM>" if isinstance(pem, bytes) else repr(pem)
-
-
 # Call metadata keys that carry credentials: refused over plaintext to a remote target unless
 # allowed, and never shown by repr.
 _CREDENTIAL_KEY = re.compile(r".*(auth|token|secret|password|passwd|cookie|api-?key|credential|session).*")
@@ -180,7 +146,8 @@ def _is_credential(key: str) -> bool:
 class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How to ask a target: engine, overall timeout, TLS, call metadata, naming and endpoint policy.
 
-    ``engine``: "auto" (vLLM, then SGLang when vLLM's method is UNIMPLEMENTED), "vllm" or "sglang".
+    ``engine``: "auto" (vLLM, then SGLang, then the gateway servicers' ``SubscribeKvEvents``, each
+    when the one before is UNIMPLEMENTED), "vllm", "sglang" or "gateway" (docs/protocol.md §6).
     ``timeout``: seconds for the whole discovery, retries included. ``metadata``: (key, value)
     pairs sent with every call (e.g. ``("authorization", "Bearer <token>")``). ``worker_id``:
     the name of the target's workers (default: the target string). ``allow_ipc``,
@@ -579,15 +546,6 @@ def _sglang_sources(target: str, resolver: _Resolver, options: DiscoveryOptions,
     return sources
 
 
-def _read_pem(target: str, name: str, item: bytes | str | None) -> bytes | None:
-    if item is None or isinstance(item, bytes):
-        return item
-    try:
-        return Path(item).read_bytes()
-    except OSError as exc:
-        raise DiscoveryError(target, f"cannot read TLS {name} file {item}: {exc.strerror or exc}") from None
-
-
 def _serialize(message: Any) -> bytes:
     data: bytes = message.SerializeToString()
     return data
@@ -609,11 +567,7 @@ class _Caller:
         self.credentials: grpc.ChannelCredentials | None = None
         tls = options.tls
         if tls is not None:
-            self.credentials = grpc.ssl_channel_credentials(
-                root_certificates=_read_pem(target, "root_certificates", tls.root_certificates),
-                private_key=_read_pem(target, "private_key", tls.private_key),
-                certificate_chain=_read_pem(target, "certificate_chain", tls.certificate_chain),
-            )
+            self.credentials = tls.credentials(target)
             if tls.server_name:
                 self.channel_options.append(("grpc.ssl_target_name_override", tls.server_name))
 
@@ -790,6 +744,8 @@ async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSou
     if _address(host) is None and host.lower() not in _LOCAL_NAMES:
         dialled = await _resolve(target, host, caller.deadline, limiter)
     resolver = _Resolver(host, options, dialled)
+    if options.engine == "gateway":
+        return await _gateway(target, caller, options)
     if options.engine in ("auto", "vllm"):
         try:
             answer = await caller.call(
@@ -808,12 +764,40 @@ async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSou
         )
     except RpcRejectedError as exc:
         if options.engine == "auto" and exc.code == "UNIMPLEMENTED":
-            raise RpcRejectedError(
-                target, exc.code, f"serves neither {VLLM_METHOD} nor {SGLANG_METHOD} (is it the engine's --grpc-port?)"
-            ) from None
+            return await _gateway(target, caller, options)
         raise
     sources = _sglang_sources(target, resolver, options, info.json_info)
     return _with_curve(target, await _pin_names(target, sources, resolver, caller.deadline, limiter), options)
+
+
+async def _gateway(target: str, caller: _Caller, options: DiscoveryOptions) -> list[EventSource]:
+    """A gateway servicer's stream (the first of `GATEWAY_SERVICES` that streams): one source per rank."""
+    for service, engine in GATEWAY_SERVICES.items():
+        channel = caller._channel()
+        try:
+            ended = await probe_stream(channel, service, caller.metadata, max(0.1, caller.deadline - time.monotonic()))
+        finally:
+            channel.close()
+        if ended is not None and ended.code() == grpc.StatusCode.UNIMPLEMENTED:
+            continue
+        if ended is not None:
+            raise caller._error(f"/{service}/SubscribeKvEvents", ended, 1)
+        ranks = 1
+        if engine in ("vllm", "sglang", "tokenspeed"):  # their servicers answer GetLoads with the rank count
+            try:
+                answer = await caller.call(
+                    f"/{service}/GetLoads", smg_pb.RankCountRequest(), smg_pb.RankCountResponse.FromString
+                )
+                ranks = max(1, answer.dp_rank_count)
+            except RpcRejectedError as exc:
+                if exc.code != "UNIMPLEMENTED":
+                    raise
+        _check_count(target, ranks, options)
+        return gateway_sources(target, caller.address, service, ranks, options.worker_id or target)
+    methods = ", ".join([VLLM_METHOD, SGLANG_METHOD, *(f"/{s}/SubscribeKvEvents" for s in GATEWAY_SERVICES)])
+    raise RpcRejectedError(
+        target, "UNIMPLEMENTED", f"serves none of {methods} (is it the engine's gRPC port, with KV events on?)"
+    )
 
 
 class SourceDiff(msgspec.Struct, frozen=True, kw_only=True):

@@ -39,6 +39,10 @@ class UnusableSourceError(DiscoveryError):
     """The engine advertised a source kvroute cannot subscribe to (transport, encoding, schema, policy)."""
 
 
+class InvalidOptionsError(KvRouteError, ValueError):
+    """Discovery options that cannot work (engine name, timeout, metadata, TLS, allow-list, cap)."""
+
+
 class NoWorkersError(KvRouteError):
     """`Router.select` was left with no worker to choose from."""
 

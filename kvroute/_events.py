@@ -22,6 +22,10 @@ Reason tokens (``Reset.reason``, ``Partial.reason``), stable for logs and metric
   (after a disconnect, or an old seq that needs an identity check).
 - ``"reconnect"``: the SUB reconnected to a source without replay, whose identity
   therefore cannot be checked.
+- ``"snapshot"``: a gateway stream replaced the worker's state with a snapshot (protocol.md §6);
+  as a `Partial` reason, the snapshot itself misses older history (``unknown_before`` > 0).
+- ``"data-loss"``: a gateway stream ended with DATA_LOSS or OUT_OF_RANGE (a gap its relay
+  could not fill, or a publisher restart): the worker's state is gone.
 """
 
 from __future__ import annotations
@@ -53,7 +57,17 @@ __all__ = [
 
 #: Why a worker was reset or marked partial: the reason tokens above.
 ResetReason = Literal[
-    "restart", "not-in-buffer", "no-progress", "replay-failed", "no-replay", "undecodable", "overflow", "reconnect"
+    "restart",
+    "not-in-buffer",
+    "no-progress",
+    "replay-failed",
+    "no-replay",
+    "undecodable",
+    "overflow",
+    "reconnect",
+    # Gateway streams (docs/protocol.md §6): a resync from a snapshot, and a stream ended by DATA_LOSS.
+    "snapshot",
+    "data-loss",
 ]
 #: What a replay request is for: a cold start, a gap, a retry, a quiet probe or an identity check.
 ReplayPurpose = Literal["cold", "gap", "retry", "probe", "identity"]

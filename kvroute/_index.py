@@ -25,14 +25,14 @@ import os
 import warnings
 from bisect import bisect_right
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
-from itertools import accumulate, repeat
+from itertools import accumulate, pairwise, repeat
 from operator import and_, neg
 from typing import Any
 
 import msgspec
 
 from ._errors import KvRouteError
-from ._hashing import MultimodalItem, block_keys, mm_extras, root_key, tokens_to_bytes
+from ._hashing import MultimodalItem, block_keys, mm_extras, root_key, tokens_to_bytes, xxh128
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, normalize_medium
 from ._snapshot import Cursor, SnapGroup, SnapWorker, read_snapshot, write_snapshot
 from ._wire import FULL_KINDS, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EngineEvent, EventBatch
@@ -661,7 +661,7 @@ class PrefixIndex:
     def _store(self, worker: WorkerKey, ev: BlockStored) -> None:
         hashes = ev.block_hashes
         n = len(hashes)
-        if ev.locality == "REMOTE":
+        if _remote(ev.locality):
             # A shared pool (filesystem, object store): not this worker's own cache.
             self._remote += n
             return
@@ -789,17 +789,19 @@ class PrefixIndex:
         counts[pos] = 1
         self._presence(w, ehash, old_key, pos, 1, False)
 
-    def _lookup(self, w: _Worker, grp: _Group, ehash: BlockHash) -> bytes | None:
+    def _lookup(self, w: _Worker, grp: _Group, ehash: BlockHash, *, anchored: bool = False) -> bytes | None:
         """The content key of an engine hash in a group of the worker with ``grp``'s block size.
 
         vLLM hashes every group alike, so one value names one prefix in every group; content
-        keys are chained per block size, so only a group of the same block size can lend one.
+        keys are chained per block size, so only a group of the same block size can lend one —
+        or, for a group keyed by `_anchored_ids`, the primary group (its keys are those
+        identities at its own boundaries).
         """
         got = grp.blocks.get(ehash)
         if got is not None:
             return got[0]  # type: ignore[no-any-return]
         bs = grp.block_size
-        if all(c[0] == bs for c in w.classes):
+        if anchored or all(c[0] == bs for c in w.classes):
             key = w.blocks.get(ehash)
             if key is not None:
                 return key
@@ -835,7 +837,10 @@ class PrefixIndex:
         bs = ev.block_size
         tokens = ev.token_ids
         keys: list[bytes] | None = None
-        if tokens and bs and len(tokens) == n * bs:
+        anchor_p = _anchor(w, grp)
+        if anchor_p and tokens and bs == grp.block_size:
+            keys = self._anchored_keys(w, ev, anchor_p)
+        elif tokens and bs and len(tokens) == n * bs:
             lora, salt, extras = self._namespaces(ev)
             parent = ev.parent_block_hash
             key = self._root(lora, salt) if parent is None else (self._lookup(w, grp, parent) or b"")
@@ -848,7 +853,7 @@ class PrefixIndex:
                 except OverflowError:
                     self._unhashable += n
         if keys is None:
-            keys = [self._lookup(w, grp, h) or b"" for h in hashes]
+            keys = [self._lookup(w, grp, h, anchored=bool(anchor_p)) or b"" for h in hashes]
         bit = 1 << _TIER_POS[normalize_medium(ev.medium)]
         blocks = grp.blocks
         held = grp.held
@@ -864,8 +869,56 @@ class PrefixIndex:
             if k:
                 held[k] = held.get(k, 0) + 1
 
+    def _anchored_keys(self, w: _Worker, ev: BlockStored, p: int) -> list[bytes] | None:
+        """Keys of a store of a group with blocks smaller than the primary's (``p`` tokens).
+
+        vLLM names a ``p``-token block by the hash at its last ``hash_block_size`` boundary, so
+        this group's hashes at ``p`` boundaries are the primary group's, and their content keys
+        say where they are. The store must start on a ``p`` boundary the primary group knows;
+        each of its blocks is keyed by `_anchored_ids`; a sparse store's hashes (null blocks
+        skipped, in order) are placed between the known ones only where they fill a gap
+        exactly, and held unclaimable otherwise. None: the store cannot be placed this way.
+        """
+        lora, salt, extras = self._namespaces(ev)
+        s_bs = ev.block_size
+        tokens = ev.token_ids
+        if extras is not None or ev.lookahead_token_ids or len(tokens) % s_bs:
+            return None
+        parent = ev.parent_block_hash
+        anchor = self._root(lora, salt) if parent is None else w.blocks.get(parent)
+        if not anchor:
+            return None
+        try:
+            ids = _anchored_ids(anchor, tokens_to_bytes(tokens), s_bs, p, len(tokens) // s_bs)
+        except OverflowError:
+            self._unhashable += len(ev.block_hashes)
+            return None
+        hashes = ev.block_hashes
+        n, slots = len(hashes), len(ids)
+        if n == slots:
+            return ids
+        where = {k: j for j, k in enumerate(ids)}
+        pos: list[int | None] = []
+        for h in hashes:
+            k = w.blocks.get(h)
+            pos.append(where.get(k) if k else None)
+        known = [j for j in pos if j is not None]
+        if any(b <= a for a, b in pairwise(known)):
+            return [b""] * n  # out of order: nothing can be placed
+        prev_i, prev_j = -1, -1
+        for i in range(n + 1):
+            j = slots if i == n else pos[i]
+            if j is None:
+                continue
+            gap = i - prev_i - 1
+            if gap and gap == j - prev_j - 1:
+                for d in range(gap):
+                    pos[prev_i + 1 + d] = prev_j + 1 + d
+            prev_i, prev_j = i, j
+        return [ids[j] if j is not None else b"" for j in pos]
+
     def _remove(self, worker: WorkerKey, ev: BlockRemoved) -> None:
-        if ev.locality == "REMOTE":
+        if _remote(ev.locality):
             self._remote += len(ev.block_hashes)
             return
         w = self._workers.get(worker)
@@ -1144,7 +1197,7 @@ class PrefixIndex:
             while hit:
                 before = hit
                 for grp in w.groups.values():
-                    hit = _group_hit(grp, query, (grp.block_size or bs, w.lookahead), hit, align)
+                    hit = _group_hit(grp, query, (grp.block_size or bs, w.lookahead), hit, align, _anchor(w, grp))
                     if not hit:
                         break
                 if hit == before:
@@ -1185,6 +1238,11 @@ class PrefixIndex:
         return out
 
 
+def _remote(locality: object) -> bool:
+    """``locality`` "REMOTE" (any case): a shared tier, not the worker's own cache."""
+    return isinstance(locality, str) and locality.upper() == "REMOTE"
+
+
 def _lim(index: PrefixIndex) -> int:
     return index.limits.max_entries_per_worker
 
@@ -1193,13 +1251,50 @@ def _entries_of(w: _Worker) -> int:
     return len(w.blocks) + sum(len(g.blocks) for g in w.groups.values()) if w.groups else len(w.blocks)
 
 
-def _group_hit(grp: _Group, query: _Query, cls: _Class, max_tokens: int, align: int) -> int:
+def _anchor(w: _Worker, grp: _Group) -> int:
+    """The primary block size when ``grp``'s blocks are keyed by `_anchored_ids` (a window or state
+    group with smaller blocks that divide it, no lookahead), else 0."""
+    s_bs, p = grp.block_size, w.bs
+    if grp.kind == "full" or not s_bs or p <= s_bs or p % s_bs or w.lookahead:
+        return 0
+    return p
+
+
+def _anchored_ids(anchor: bytes, data: bytes, s_bs: int, p: int, count: int) -> list[bytes]:
+    """Identities of ``count`` blocks of ``s_bs`` tokens after a ``p``-token boundary whose key is ``anchor``.
+
+    At a ``p`` boundary: the primary group's content key there (chained in blocks of ``p``);
+    between two: XXH3-128(key at the last ``p`` boundary + 0xfd + the tokens since). Both the
+    index and a query can compute them; blocks keyed this way match only through this path.
+    """
+    out: list[bytes] = []
+    step = 4 * s_bs
+    per = p // s_bs
+    key = anchor
+    for j in range(1, count + 1):
+        end = j * step
+        if j % per == 0:
+            key = xxh128(key + data[end - 4 * p : end])
+            out.append(key)
+        else:
+            out.append(xxh128(key + b"\xfd" + data[end - (j % per) * step : end]))
+    return out
+
+
+def _group_hit(grp: _Group, query: _Query, cls: _Class, max_tokens: int, align: int, anchor_p: int = 0) -> int:
     """The longest hit (tokens, <= ``max_tokens``) group ``grp`` serves, by the engine's rule for its kind."""
     kind = grp.kind
     if kind == "unknown":
         return 0
     bs = cls[0]
-    keys = query.upto(cls, max_tokens // bs)
+    if anchor_p:
+        count = min(max_tokens // bs, query.n_blocks((bs, 0)))
+        try:
+            keys = _anchored_ids(query.root, tokens_to_bytes(query.token_ids[: count * bs]), bs, anchor_p, count)
+        except OverflowError:
+            keys = []
+    else:
+        keys = query.upto(cls, max_tokens // bs)
     held = grp.held
     m = len(keys)
     if kind == "full":

@@ -47,6 +47,21 @@ SOURCE_FIELDS: tuple[_Field, ...] = tuple(
     for name, doc in described_fields(SourceStats)
     if name not in {n for n, _ in COUNTER_FIELDS} and doc
 )
+#: The engine load a gateway-stream source reports (`SourceStats.load`, `kvroute.EngineLoad`):
+#: exported only for sources that carry it. Optional figures the engine did not report are absent.
+LOAD_FIELDS: tuple[_Field, ...] = (
+    ("kvroute_engine_running_requests", "running_requests", "gauge", "Requests the engine runs (reported)."),
+    ("kvroute_engine_waiting_requests", "waiting_requests", "gauge", "Requests queued in the engine (reported)."),
+    (
+        "kvroute_engine_queued_tokens",
+        "queued_tokens",
+        "gauge",
+        "Prefill work the engine holds: waiting uncached plus pending prompt tokens (reported).",
+    ),
+    ("kvroute_engine_token_usage", "token_usage", "gauge", "KV-cache utilization in [0, 1] (reported)."),
+    ("kvroute_engine_silence_ms", "engine_silence_ms", "gauge", "Milliseconds since the engine last produced output."),
+)
+
 #: ``SourceStats.state`` becomes this 0/1 gauge (the other states are "syncing" and "resyncing").
 SOURCE_SYNCED: _Field = ("kvroute_source_synced", "state", "gauge", "1 when the source is caught up (state 'synced').")
 CLIENT_FIELDS: tuple[_Field, ...] = (
@@ -160,14 +175,20 @@ def _flat(fields: Sequence[_Field], stats: object | None) -> Iterator[Metric]:
 def _per_source(stats: ClientStats | None) -> Iterator[Metric]:
     families = [_family(spec, SOURCE_LABELS) for spec in SOURCE_FIELDS]
     synced = _family(SOURCE_SYNCED, SOURCE_LABELS)
+    loads = [_family(spec, SOURCE_LABELS) for spec in LOAD_FIELDS]
     if stats is not None:
         for key, st in stats.sources.items():
             labels = [key.worker_id, str(key.dp_rank)]
             for fam, spec in zip(families, SOURCE_FIELDS):
                 fam.add_metric(labels, float(getattr(st, spec[1])))
             synced.add_metric(labels, float(st.state == "synced"))
+            for fam, spec in zip(loads, LOAD_FIELDS):
+                value = getattr(st.load, spec[1]) if st.load is not None else None
+                if value is not None:
+                    fam.add_metric(labels, float(value))
     yield from families
     yield synced
+    yield from loads
 
 
 #: The `select` latency histogram, from RouterStats' ``select_seconds_*`` fields.

@@ -44,6 +44,7 @@ import msgspec
 from ._errors import KvRouteError, NoWorkersError
 from ._hashing import MultimodalItem, chain_keys
 from ._index import OverlapScores, PrefixIndex
+from ._load import EngineLoads
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, WorkerStates
 
 __all__ = ["SELECT_BUCKETS", "CandidateScore", "CostModel", "Router", "RouterError", "RouterStats", "RoutingDecision"]
@@ -295,6 +296,10 @@ class Router:
     ever under-claims. ``approximate_ttl`` (120 s, Dynamo's default for routers without KV
     events): how long an approximate worker is assumed to keep what was routed to it.
     ``seed``: seeds tie-breaking and temperature sampling. ``clock``: a monotonic clock in seconds.
+    ``engine_loads``: engine-reported load (`kvroute.EngineLoads`, default: the ``states``
+    client's ``engine_loads`` when it has one): when ``select`` is given no ``load``, each
+    worker's load is the blend of `EngineLoads.blend`, and wedged workers are vetoed while
+    another candidate is left.
 
     Not thread-safe: use it from one thread (or one event loop), like the index it reads.
     """
@@ -310,6 +315,7 @@ class Router:
         approximate_ttl: float = 120.0,
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        engine_loads: EngineLoads | None = None,
     ) -> None:
         _check_block_size(block_size)
         _check_range("approximate_ttl", approximate_ttl, 0.0, low_open=True)
@@ -321,6 +327,10 @@ class Router:
         self.approximate_ttl = float(approximate_ttl)
         self._rng = random.Random(seed)
         self._clock = clock
+        found = getattr(states, "engine_loads", None)
+        self.engine_loads = (
+            engine_loads if engine_loads is not None else found if isinstance(found, EngineLoads) else None
+        )
         self._registered: set[WorkerKey] = set()
         self._approx: dict[WorkerKey, _Approx] = {}
         self._load: dict[WorkerKey, int] = {}  # tokens the active requests added per worker
@@ -521,7 +531,13 @@ class Router:
         # Load per worker, and the factor that turns it into cost blocks: tracked load is kept
         # in tokens (valid by construction); supplied load is in blocks, checked once here.
         loads: Mapping[WorkerKey, float]
-        if load is None:
+        if load is None and self.engine_loads is not None and self.engine_loads.reporting:
+            # Engines report load: blend it in (a fleet without reports keeps the plain path).
+            loads, vetoed = self.engine_loads.blend(self._load, unit)
+            scale = 1.0
+            if vetoed and universe - vetoed:
+                universe = universe - vetoed
+        elif load is None:
             loads, scale = self._load, 1.0 / unit
         else:
             try:

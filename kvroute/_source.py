@@ -23,7 +23,14 @@ Inputs (each returns ``list[Action]``):
   owns the interval and bounds concurrent replays across sources, rule 9).
 - `on_reconnected()` / `on_disconnected()`: the SUB socket monitor saw a connect /
   disconnect. Report every connect, the first one included: a source is "synced" only
-  while its SUB is connected.
+  while its SUB is connected. ``on_reconnected(continued=True)``: the transport's server
+  vouches that what follows continues the applied run (a gateway stream resumed with
+  ``start_sequence_number``, protocol.md §6), so a source without replay keeps its state.
+- `on_resync(seq, ts, batch, partial=...)`: the first chunk of a state snapshot (a gateway
+  stream, protocol.md §6): the worker's state is replaced by what the snapshot's chunks,
+  ``seq`` and the ones after it, hold; ``partial`` when the snapshot misses older history.
+- `on_data_loss(detail)`: the transport reports that batches of this source were lost for
+  good (a gateway stream's DATA_LOSS): reset, and follow the source from scratch.
 
 Actions (see each class): `Apply`, `RequestReplay`, `ResetWorker`, `RecreateSubscriber`,
 `Emit`. Driver obligations:
@@ -409,8 +416,13 @@ class SourceMachine:
         self._request_probe("probe", out)
         return self._done(before, out)
 
-    def on_reconnected(self) -> list[Action]:
-        """The SUB socket (re)connected: check the engine is the one whose state is held (rule 7)."""
+    def on_reconnected(self, *, continued: bool = False) -> list[Action]:
+        """The SUB socket (re)connected: check the engine is the one whose state is held (rule 7).
+
+        ``continued``: the server vouches that the stream continues the applied run (a resumed
+        gateway stream); nothing is reset, and a seq that does not follow is a gap or a
+        restart as on any live stream.
+        """
         before = self.state
         out: list[Action] = [Emit(Connected())]
         first = not self._connected_once
@@ -418,7 +430,7 @@ class SourceMachine:
         self._connected = True
         self._down = False
         self._identity_ok = False
-        if first:
+        if first or continued:
             # What the SUB missed before it joined (slow joiner) shows as a gap at the next
             # live seq, or to the quiet probe (rules 3 and 8). A resumed source asks its
             # identity question now that the engine is there to answer it.
@@ -433,6 +445,38 @@ class SourceMachine:
             # restart must not leave the old blocks claimed).
             self._reset("reconnect", "reconnected with no applied seq a replay can vouch for", out)
             self._fresh_start("reconnect", out)
+        return self._done(before, out)
+
+    def on_resync(self, seq: int, ts: float, batch: EventBatch, *, partial: bool) -> list[Action]:
+        """The first chunk (seq ``seq``) of a state snapshot: it and the chunks after it are the state.
+
+        The worker is reset, sequence state is forgotten (the snapshot's seqs continue into
+        the live stream), and the chunk is applied; the following chunks arrive as live
+        batches. ``partial``: the snapshot does not cover the engine's whole history.
+        """
+        if not 0 <= seq < _SEQ_END or not math.isfinite(ts):
+            self.stats.invalid += 1
+            return []
+        before = self.state
+        out: list[Action] = []
+        self._reset("snapshot", f"state snapshot from seq {seq}", out)
+        self._forget()
+        self._cold = False
+        self._await_first = False
+        self.last_seq = seq - 1
+        if partial:
+            self._mark_partial("snapshot", seq, out)
+        self._hold(seq, ts, batch, False, out)
+        self._drain(out)
+        return self._done(before, out)
+
+    def on_data_loss(self, detail: str) -> list[Action]:
+        """Batches of this source were lost beyond recovery: reset and start over (like a restart)."""
+        before = self.state
+        out: list[Action] = []
+        self.stats.uncovered += 1
+        self._reset("data-loss", detail, out)
+        self._fresh_start("data-loss", out)
         return self._done(before, out)
 
     def on_disconnected(self) -> list[Action]:

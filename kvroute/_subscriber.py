@@ -26,6 +26,7 @@ from . import _zmq
 from ._errors import ConfigError, DecodeError
 from ._events import Envelope, LifecycleEvent, Partial, Reset
 from ._index import PrefixIndex
+from ._load import EngineLoad
 from ._models import EventSource, SourceState, WorkerStatus
 from ._snapshot import Cursor
 from ._source import (
@@ -343,6 +344,8 @@ class SourceStats(SourceCounters, frozen=True, kw_only=True):  # type: ignore[mi
         False
     )
     state: SourceState = "syncing"
+    #: The engine's newest load record (gateway streams only).
+    load: EngineLoad | None = None
 
 
 def described_fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, str], ...]:

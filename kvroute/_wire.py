@@ -83,8 +83,9 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=T
     - a Mamba checkpoint: one hash and no ``token_ids``;
     - ``lookahead_token_ids``: per block, the tokens after it that the engine's hash covers
       (SGLang's EAGLE ``[token, next_token]`` cells are folded into this form on decoding);
-    - ``origin``: accepted when an engine says whether a store is a new copy or a report of
-      a cached block (``"report"``), not interpreted otherwise.
+    - ``origin``: decoded when an engine says whether a store is a new copy or a report of a
+      cached block (an open upstream change; vLLM 0.33 does not send it). Not interpreted:
+      the index already treats every repeated store as one presence (README, guarantees).
     """
 
     block_hashes: _Hashes

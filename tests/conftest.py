@@ -19,3 +19,6 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+# tests/engines/ runs in the engines' own venvs (tests/engines/README.md), not in this suite.
+collect_ignore = ["engines"]

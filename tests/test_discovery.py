@@ -377,7 +377,7 @@ async def test_auto_prefers_vllm_and_sglang_only_asks_sglang() -> None:
 
 async def test_a_server_with_neither_service_is_rejected() -> None:
     async with serve_grpc([]) as server:
-        with pytest.raises(RpcRejectedError, match="serves neither"):
+        with pytest.raises(RpcRejectedError, match="serves none of"):
             await discover(server.target)
 
 

@@ -95,12 +95,20 @@ def test_groups_of_different_block_sizes() -> None:
     # Window needs block 3 (tokens 12-16) for a hit at 16, block 1 for a hit at 8.
     scores = idx.find_matches([*TOKS, 0])
     assert scores[W] == 1 and scores.tokens(W) == 8
-    # A sparse store of another block size cannot be placed (its hashes name 4-token
-    # prefixes the 8-token group does not key): held, never claimed — an under-claim.
+    # Sparse (vLLM's default retention): the hashes at 8-token boundaries are the full group's
+    # and place themselves; one between two placed ones fills its gap exactly.
     other = WorkerKey("sparse", 0)
     idx.apply(other, _full([h[1], h[3]], TOKS, 8))
-    idx.apply(other, _window([h[2], h[3]], TOKS, 4, window=5))
-    assert other not in idx.find_matches([*TOKS, 0])
+    idx.apply(other, _window([h[1], h[2], h[3]], TOKS, 4, window=9))  # block 0 null; 2 blocks needed
+    assert idx.find_matches([*TOKS, 0]).tokens(other) == 16
+    idx.apply(other, BlockRemoved(block_hashes=[h[2]], group_idx=1))
+    assert idx.find_matches([*TOKS, 0]).tokens(other) == 0  # no 2-block run ends on an 8-token boundary
+    # A hash that cannot be placed (two candidate slots) is held, never claimed.
+    third = WorkerKey("ambiguous", 0)
+    idx.apply(third, _full([h[1], h[3]], TOKS, 8))
+    idx.apply(third, _window([h[2], h[3]], TOKS, 4, window=9))
+    assert idx.find_matches([*TOKS, 0]).tokens(third) == 0
+    assert idx.num_blocks(third) == 4
 
 
 def test_unknown_group_kind_claims_nothing() -> None:
@@ -245,3 +253,36 @@ async def test_an_unreadable_removal_resets_the_worker() -> None:
             scores = client.index.find_matches(TOKS[:8])
             assert src.key not in scores  # what was held before the bad batch is gone
             assert client.index.find_matches(TOKS[8:12])[src.key] == 1
+
+
+def test_sink_full_attention_is_full_attention() -> None:
+    idx = PrefixIndex()
+    idx.apply(W, BlockStored(block_hashes=[1, 2], token_ids=TOKS[:8], block_size=4, group_idx=0,
+                             kv_cache_spec_kind="sink_full_attention"))
+    assert idx.find_matches(TOKS[:8])[W] == 2
+
+
+def test_multimodal_items_with_lookahead_key_the_window_past_the_block() -> None:
+    """With lookahead hashing vLLM keys a block with the items overlapping it *or its lookahead tokens*."""
+    from kvroute import MultimodalItem
+    from kvroute._hashing import mm_extras
+
+    item = MultimodalItem("img", 4, 2)  # tokens 4-5: past block 0 (0-3), inside its 1-token lookahead
+    assert mm_extras([item], 4, 0, 2) == [None, [["img", 0]]]
+    assert mm_extras([item], 4, 0, 2, lookahead=1) == [[["img", 4]], [["img", 0]]]
+    idx = PrefixIndex()
+    idx.apply(W, BlockStored(block_hashes=[1], token_ids=TOKS[:4], block_size=4, lookahead_token_ids=[[5]],
+                             extra_keys=[[["img", 4]]]))
+    assert idx.find_matches(TOKS[:6], mm_items=[item])[W] == 1
+    assert W not in idx.find_matches(TOKS[:6])
+
+
+def test_mamba_checkpoints_in_smaller_blocks_than_full_attention() -> None:
+    """A state checkpoint's hash at a full-block boundary is the full group's: it places itself."""
+    h = [41, 42, 43, 44]
+    idx = PrefixIndex()
+    idx.apply(W, _full([h[1], h[3]], TOKS, 8))
+    idx.apply(W, BlockStored(block_hashes=[h[1]], token_ids=[], block_size=4, group_idx=1, kv_cache_spec_kind="mamba"))
+    assert idx.find_matches([*TOKS, 0]).tokens(W) == 8
+    idx.apply(W, BlockStored(block_hashes=[h[3]], token_ids=[], block_size=4, group_idx=1, kv_cache_spec_kind="mamba"))
+    assert idx.find_matches([*TOKS, 0]).tokens(W) == 16

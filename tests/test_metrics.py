@@ -9,15 +9,17 @@ import urllib.request
 import anyio
 import msgspec
 import pytest
-from _publisher_helpers import FAST, Workload, settle
+from _publisher_helpers import FAST, Workload, settle, truth_index
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute._client import ClientStats, KvEventClient, TotalStats
 from kvroute._index import IndexStats, PrefixIndex
+from kvroute._load import EngineLoad
 from kvroute._metrics import (
     CLIENT_FIELDS,
     INDEX_FIELDS,
+    LOAD_FIELDS,
     ROUTER_FIELDS,
     SELECT_HISTOGRAM,
     SOURCE_FIELDS,
@@ -92,7 +94,9 @@ async def test_scrape_matches_the_stats_end_to_end() -> None:
             pa.publish_raw([b"only one frame"])
             pa.publish(wa.batch())
             await settle(client, stream, {a.key: 4})
-            query = list(wa.queries[-1])
+            # A query a holds (by the engine-side truth, not kvroute's index): the newest full chain.
+            truth = truth_index({a.key: pa, b.key: pb})
+            query = list(next(q for q in reversed(wa.queries) if truth.find_matches(q).get(a.key)))
             decision = router.select(query, request_id="r1")
 
             samples, types = _scrape(registry)
@@ -149,7 +153,9 @@ def test_every_stats_field_is_exported() -> None:
     def fields(table: tuple[tuple[str, str, str, str], ...]) -> set[str]:
         return {f for _, f, _, _ in table}
 
-    assert fields((*SOURCE_FIELDS, SOURCE_SYNCED)) == set(SourceStats.__struct_fields__)
+    # `load` (gateway sources only) is the LOAD_FIELDS families.
+    assert fields((*SOURCE_FIELDS, SOURCE_SYNCED)) == set(SourceStats.__struct_fields__) - {"load"}
+    assert fields(LOAD_FIELDS) <= set(EngineLoad.__struct_fields__) | {"queued_tokens"}
     # `sources` is the per-source families, `totals` the TOTAL_FIELDS gauges.
     assert fields(CLIENT_FIELDS) == set(ClientStats.__struct_fields__) - {"sources", "totals"}
     # TotalStats' counters are the per-source counters summed: sum() them in PromQL.
@@ -160,7 +166,7 @@ def test_every_stats_field_is_exported() -> None:
     # The select_seconds_* fields are the SELECT_HISTOGRAM family.
     histogram = {"select_seconds_sum", "select_seconds_buckets"}
     assert fields(ROUTER_FIELDS) == set(RouterStats.__struct_fields__) - histogram
-    names = [n for n, *_ in (*SOURCE_FIELDS, SOURCE_SYNCED, *CLIENT_FIELDS, *TOTAL_FIELDS, *INDEX_FIELDS,
+    names = [n for n, *_ in (*SOURCE_FIELDS, SOURCE_SYNCED, *LOAD_FIELDS, *CLIENT_FIELDS, *TOTAL_FIELDS, *INDEX_FIELDS,
                              *ROUTER_FIELDS)]  # fmt: skip
     assert len(names) == len(set(names)) and all(n.startswith("kvroute_") for n in names)
     assert not any(n.endswith("_total") for n in names)  # prometheus_client adds it to counters

@@ -11,6 +11,7 @@ import anyio
 import msgspec
 import zmq
 
+from kvroute import GATEWAY_SERVICES
 from kvroute.sim import SimConfig, SimEngine
 
 from ._display import EXIT_FAILED, EXIT_OK, EXIT_USAGE, error
@@ -81,6 +82,20 @@ def register(sub: Any) -> None:
         default=d.max_batched_tokens,
         help="most tokens one step computes; prefills are chunked to fit (default: %(default)s)",
     )
+    p.add_argument(
+        "--gateway-stream",
+        choices=sorted(GATEWAY_SERVICES.values()),
+        default=None,
+        metavar="SERVICER",
+        help="serve that gateway servicer's SubscribeKvEvents stream (vllm, sglang, trtllm, mlx, tokenspeed) "
+        "on the gRPC port instead of ZMQ discovery",
+    )
+    p.add_argument(
+        "--gateway-history",
+        type=int,
+        default=d.gateway_history,
+        help="batches the gateway servicer keeps per rank; later subscribers get a snapshot (default: %(default)s)",
+    )
     p.set_defaults(func=run_sim)
 
 
@@ -113,6 +128,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             max_batched_tokens=args.max_batched_tokens,
             model=args.model,
             lora_names=tuple(args.lora),
+            gateway=args.gateway_stream,
+            gateway_history=args.gateway_history,
         )
     except msgspec.ValidationError as exc:
         raise ValueError(str(exc)) from None
@@ -124,6 +141,9 @@ def describe(engine: SimEngine) -> list[str]:
     method = (
         "vllm.Control/GetKvEventSources" if cfg.engine == "vllm" else "sglang.runtime.v1.SglangService/GetServerInfo"
     )
+    if cfg.gateway is not None:
+        service = next(name for name, label in GATEWAY_SERVICES.items() if label == cfg.gateway)
+        method = f"{service}/SubscribeKvEvents"
     lines = [f"kvroute sim: {cfg.engine} engine {cfg.name!r}, {cfg.ranks} rank(s), block size {cfg.block_size}"]
     lines.append(f"  http    {engine.http_url}  (POST /v1/completions, GET /health, GET /v1/models)")
     lines.append(f"  grpc    {engine.grpc_target}  ({method})")

@@ -35,6 +35,7 @@ from kvroute import (
     BlockRemoved,
     BlockStored,
     DiscoveryOptions,
+    EngineLoad,
     Envelope,
     KvEventClient,
     KvRouteError,
@@ -70,6 +71,8 @@ class WatchRow(msgspec.Struct, frozen=True, kw_only=True):
     gaps: int
     replays: int
     resets: int
+    #: The engine's reported load (gateway streams): "running/waiting qQUEUED_TOKENS", "-" without one.
+    load: str = "-"
 
 
 class TierTally:
@@ -140,15 +143,23 @@ def rows(client: KvEventClient, tally: TierTally, rates: dict[WorkerKey, float])
                 gaps=st.gaps,
                 replays=st.replays,
                 resets=st.resets,
+                load=_load_cell(st.load),
             )
         )
     return out
 
 
+def _load_cell(load: EngineLoad | None) -> str:
+    if load is None:
+        return "-"
+    wedged = f" silent {load.engine_silence_ms / 1000:.0f}s" if load.engine_silence_ms else ""
+    return f"{load.running_requests}/{load.waiting_requests} q{load.queued_tokens}{wedged}"
+
+
 _HEADER = (
     *("worker", "rank", "engine", "state"),
     *("GPU", "CPU", "DISK", "EXT", "index"),
-    *("ev/s", "seq", "gaps", "replays", "resets"),
+    *("ev/s", "seq", "gaps", "replays", "resets", "load"),
 )
 
 
@@ -167,6 +178,7 @@ def _cells(row: WatchRow) -> list[str]:
         str(row.gaps),
         str(row.replays),
         str(row.resets),
+        row.load,
     ]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from ._cache import BlockInfo, CacheStats, CapacityError, InvalidRequestError, PrefixCache
 from ._engine import Completion, RequestAbortedError, SimConfig, SimEngine, SimRequest
 from ._faults import FAULT_KINDS, DiscoveryServer, FaultDriver, FaultKind
+from ._gateway import GatewayKvService, LoadFigures
 from ._grpc import (
     GrpcServer,
     ServerTls,
@@ -36,7 +37,9 @@ __all__ = [
     "GrpcServer",
     "FaultDriver",
     "FaultKind",
+    "GatewayKvService",
     "InvalidRequestError",
+    "LoadFigures",
     "PrefixCache",
     "RequestAbortedError",
     "ServerTls",

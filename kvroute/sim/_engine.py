@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import socket
+import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -39,9 +40,12 @@ import anyio
 import anyio.abc
 import zmq
 
+from .._grpc_stream import GATEWAY_SERVICES
 from .._models import EventSource
+from .._wire import EventBatch
 from ._cache import CapacityError, InvalidRequestError, PrefixCache, hash_seed
-from ._grpc import GrpcServer, SglangService, VllmControlService, sglang_server_info, start_grpc_server
+from ._gateway import GatewayKvService, LoadFigures
+from ._grpc import GrpcServer, SglangService, VllmControlService, _Service, sglang_server_info, start_grpc_server
 from ._http import EngineApp, HttpServer
 from ._lifecycle import AsyncService
 from ._publisher import EventPublisher
@@ -129,6 +133,9 @@ class SimEngine(AsyncService):
         self._change_ports = False
         self._pub_error: BaseException | None = None
         self._grpc: GrpcServer | None = None
+        self._gateway: GatewayKvService | None = None
+        #: Milliseconds the simulated engine reports it has been silent (a wedged engine), or None.
+        self.silence_ms: int | None = None
         self._http_port: int | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -141,13 +148,15 @@ class SimEngine(AsyncService):
             self._ctx.setsockopt(zmq.IPV6, 1)
         stack.callback(self._abort_all, "engine stopped")
         if cfg.grpc_port is not None:
-            service: VllmControlService | SglangService
-            if cfg.engine == "vllm":
+            service: _Service
+            if cfg.gateway is not None:
+                service = self._gateway = self._new_gateway()
+            elif cfg.engine == "vllm":
                 service = VllmControlService(self.advertised_sources)
             else:
                 service = SglangService(self.server_info_json)
             self._grpc = await start_grpc_server([service], host=cfg.host, port=cfg.grpc_port)
-            stack.push_async_callback(self._grpc.stop)
+            stack.push_async_callback(self._stop_grpc)
         tg = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(tg.cancel_scope.cancel)
         await tg.start(self._own_publishers)
@@ -156,6 +165,41 @@ class SimEngine(AsyncService):
             self._http_port = await tg.start(server.serve)
         for rank in self._ranks:
             tg.start_soon(self._schedule, rank)
+
+    async def _stop_grpc(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop()
+
+    def _new_gateway(self) -> GatewayKvService:
+        cfg = self.config
+        service = next(name for name, label in GATEWAY_SERVICES.items() if label == cfg.gateway)
+        return GatewayKvService(ranks=cfg.ranks, service=service, load=self.gateway_load, history=cfg.gateway_history)
+
+    def gateway_load(self, rank: int) -> LoadFigures:
+        """Rank ``rank``'s load as the gateway servicer reports it (see `kvroute.sim.LoadFigures`)."""
+        r = self._ranks[rank]
+        bs = self.config.block_size
+        uncached = sum(
+            max(0, len(q.prompt) - r.cache.match_blocks(q.prompt, lora_name=q.lora_name) * bs) for q in r.waiting
+        )
+        pending = sum(len(q.prompt) - q.prefilled for q in r.running if q.prefilled < len(q.prompt))
+        return len(r.running), len(r.waiting), uncached, r.cache.usage, pending, self.silence_ms
+
+    @property
+    def gateway(self) -> GatewayKvService:
+        """The simulated gateway servicer (only with ``SimConfig.gateway``)."""
+        if self._gateway is None:
+            raise RuntimeError("the engine serves no gateway stream (SimConfig.gateway)")
+        return self._gateway
+
+    async def restart_gateway(self) -> None:
+        """Restart the gateway servicer on the same port: open streams end, its history and record are lost."""
+        old, grpc_server = self.gateway, self._grpc
+        assert grpc_server is not None
+        old.end_streams()
+        await grpc_server.stop(grace=0)
+        self._gateway = self._new_gateway()
+        self._grpc = await start_grpc_server([self._gateway], host=self.config.host, port=grpc_server.port)
 
     def _release(self) -> None:
         if self._own_ctx and self._ctx is not None:
@@ -579,7 +623,10 @@ class SimEngine(AsyncService):
             return
         events = rank.cache.drain_events()
         if events:
-            self._pubs[rank.index].publish(events)
+            batch = EventBatch(time.time(), events, rank.index)
+            seq = self._pubs[rank.index].publish_batch(batch)
+            if self._gateway is not None:
+                self._gateway.record(rank.index, seq, batch)
 
     # --- fault knobs ------------------------------------------------------------------------------
 

@@ -59,8 +59,8 @@ __all__ = [
 VLLM_DEFAULT_BUFFER_STEPS = 10_000
 VLLM_DEFAULT_HWM = 100_000
 VLLM_DEFAULT_MAX_QUEUE_SIZE = 100_000
-# Discovery is a handful of small unary calls; a few threads serve any test or simulated fleet.
-_HANDLER_THREADS = 4
+# Discovery is a handful of small unary calls; a gateway stream holds a thread for its life.
+_HANDLER_THREADS = 16
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 
@@ -268,7 +268,7 @@ class GrpcServer:
 
 
 async def start_grpc_server(
-    services: Sequence[VllmControlService | SglangService],
+    services: Sequence[_Service],
     host: str = "127.0.0.1",
     port: int = 0,
     tls: ServerTls | None = None,
@@ -303,7 +303,7 @@ async def start_grpc_server(
 
 @asynccontextmanager
 async def serve_grpc(
-    services: Sequence[VllmControlService | SglangService],
+    services: Sequence[_Service],
     host: str = "127.0.0.1",
     port: int = 0,
     tls: ServerTls | None = None,

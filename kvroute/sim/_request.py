@@ -15,6 +15,7 @@ import xxhash
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._errors import KvRouteError
+from .._grpc_stream import GATEWAY_SERVICES
 
 __all__ = ["Completion", "RequestAbortedError", "SimConfig", "SimRequest"]
 
@@ -60,6 +61,12 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "sim-model"
     lora_names: tuple[str, ...] = ()
     vocab_size: int = 32_000
+    #: Serve the gateway servicer's ``SubscribeKvEvents`` stream (docs/protocol.md §6) on the gRPC
+    #: port instead of ZMQ discovery: "vllm", "sglang", "trtllm", "mlx" or "tokenspeed" names
+    #: the servicer (``vllm serve --grpc`` is "vllm"). The ZMQ publishers still run.
+    gateway: str | None = None
+    #: Batches the simulated servicer keeps per rank; past them a new subscriber gets a snapshot.
+    gateway_history: int = 10_000
 
     def __post_init__(self) -> None:
         if self.engine not in ("vllm", "sglang"):
@@ -75,6 +82,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
         for field in ("block_size", "capacity_blocks", "buffer_steps", "max_batch", "max_batched_tokens", "vocab_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1")
+        if self.gateway is not None and self.gateway not in GATEWAY_SERVICES.values():
+            raise ValueError(f"gateway must be one of {sorted(GATEWAY_SERVICES.values())}, not {self.gateway!r}")
+        if self.gateway_history < 1:
+            raise ValueError("gateway_history must be >= 1")
         if self.max_batched_tokens < self.max_batch:
             raise ValueError("max_batched_tokens must be >= max_batch (every running request decodes one token)")
 

@@ -1,0 +1,170 @@
+"""The side of the conformance suite that is not an engine: kvroute's subscriber and the judge.
+
+An engine driver (``vllm_driver.py``, ``sglang_driver.py``) runs the engine's own cache manager and
+publishes what it emits through the engine's own ``ZmqEventPublisher``. This module runs a real
+`kvroute.KvEventClient` against that publisher, in an event loop on a helper thread (asyncio or trio,
+through an anyio blocking portal: the engines' cache code is synchronous and runs on the test's
+thread), and compares kvroute's answer with the engine's at every admission.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+import kvroute
+
+
+def free_port() -> int:
+    """A TCP port on ::1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+        s.bind(("::1", 0))
+        return int(s.getsockname()[1])
+
+
+def loopback_endpoints() -> tuple[str, str]:
+    """(publish, replay) endpoints on IPv6 loopback.
+
+    The engines' publishers connect (instead of binding) to an endpoint naming a plain host, and bind
+    only wildcard or ``::`` endpoints; ``[::1]`` is such an endpoint and stays on loopback.
+    """
+    return f"tcp://[::1]:{free_port()}", f"tcp://[::1]:{free_port()}"
+
+
+def enable_ipv6(ctx: zmq.Context[Any]) -> None:
+    """Sockets made from ``ctx`` accept IPv6 endpoints (libzmq refuses them by default)."""
+    ctx.setsockopt(zmq.IPV6, 1)
+
+
+@dataclass
+class Mm:
+    """One multimodal item of a request: identifier, placeholder token offset, token count."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass
+class Tally:
+    """Per-configuration verdict: admissions compared, over-claims, under-claims (with examples)."""
+
+    name: str
+    admissions: int = 0
+    hits: int = 0  # admissions where the engine had a non-zero prefix hit
+    over: int = 0
+    under: int = 0
+    over_tokens: int = 0
+    under_tokens: int = 0
+    examples: list[str] = field(default_factory=list)
+    events: dict[str, int] = field(default_factory=dict)  # what the engine published, by event type
+    kvroute: dict[str, int] = field(default_factory=dict)  # kvroute's counters at the end of the run
+
+    def saw(self, kind: str, n: int = 1) -> None:
+        self.events[kind] = self.events.get(kind, 0) + n
+
+    def record(self, rid: str, kv: int, engine: int) -> None:
+        self.admissions += 1
+        self.hits += engine > 0
+        if kv > engine:
+            self.over += 1
+            self.over_tokens += kv - engine
+        elif kv < engine:
+            self.under += 1
+            self.under_tokens += engine - kv
+        if kv != engine and len(self.examples) < 5:
+            self.examples.append(f"{rid}: kvroute {kv} tokens, engine {engine}")
+
+    def line(self) -> str:
+        return (
+            f"{self.name}: admissions {self.admissions} (engine hits {self.hits}), "
+            f"over-claims {self.over} ({self.over_tokens} tokens), "
+            f"under-claims {self.under} ({self.under_tokens} tokens); published "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.events.items()))
+            + "; kvroute " + ", ".join(f"{k} {v}" for k, v in sorted(self.kvroute.items()))
+        )
+
+
+class Judge:
+    """A running `KvEventClient` subscribed to one engine worker, queried from the test's thread."""
+
+    def __init__(self, portal: BlockingPortal, client: kvroute.KvEventClient, worker: kvroute.WorkerKey) -> None:
+        self._portal = portal
+        self.client = client
+        self.worker = worker
+
+    def wait_seq(self, seq: int, timeout: float = 30.0) -> None:
+        """Block until kvroute has taken in the engine's batch ``seq`` (bounded in time).
+
+        Taken in = applied (the worker's cursor reached it), or received and found undecodable (kvroute
+        then recovers as it sees fit: a router asking now sees whatever state that leaves).
+        """
+        if seq < 0:  # nothing published yet
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            cur, st = self._portal.call(self._progress)
+            if cur >= seq or (st is not None and st.last_seq >= seq and st.decode_errors > 0):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kvroute did not reach seq {seq} (at {cur}, {st}) in {timeout} s")
+            time.sleep(0.002)
+
+    def _progress(self) -> tuple[int, Any]:
+        cur = self.client.cursors().get(self.worker)
+        return (-1 if cur is None else cur.seq), self.client.stats().sources.get(self.worker)
+
+    def kvroute_counters(self) -> dict[str, int]:
+        """kvroute's own view of the run: undecodable batches, resets, gaps."""
+        st = self._portal.call(self.client.stats).sources.get(self.worker)
+        if st is None:
+            return {}
+        return {"decode_errors": st.decode_errors, "resets": st.resets, "gaps": st.gaps}
+
+    def tokens(self, prompt: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None,
+               mm: Sequence[Mm] = ()) -> int:
+        """Leading prompt tokens kvroute says this worker holds, asked as a router would ask."""
+        return int(self._portal.call(self._tokens, list(prompt), lora_name, cache_salt, tuple(mm)))
+
+    def _tokens(self, prompt: list[int], lora_name: str | None, cache_salt: str | None,
+                mm: tuple[Mm, ...]) -> int:
+        items = [kvroute.MultimodalItem(identifier=m.identifier, offset=m.offset, length=m.length) for m in mm]
+        scores = self.client.index.find_matches(prompt, lora_name=lora_name, cache_salt=cache_salt, mm_items=items)
+        return int(scores.tokens(self.worker))
+
+
+@contextmanager
+def judge(backend: str, endpoint: str, replay: str, *, worker_id: str, block_size: int,
+          topic: str = "") -> Iterator[Judge]:
+    """Start a real `KvEventClient` for one engine publisher, synced before the workload starts."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    enable_ipv6(ctx)
+    source = kvroute.EventSource(worker_id=worker_id, endpoint=endpoint, replay_endpoint=replay,
+                                 topic=topic, block_size=block_size, engine="static")
+    client = kvroute.KvEventClient([source], context=ctx)
+    try:
+        # The client's task group lives in one task of the portal's loop for the whole run.
+        with start_blocking_portal(backend) as portal, portal.wrap_async_context_manager(client):
+            portal.call(client.wait_synced, 30.0)
+            yield Judge(portal, client, source.key)
+    finally:
+        ctx.term()
+
+
+# Every configuration run in this process, for the summary the suite prints at the end.
+RESULTS: list[Tally] = []
+
+
+def report(tallies: Sequence[Tally], emit: Callable[[str], None] = print) -> None:
+    """Print the per-configuration table (the README's measured table is copied from it)."""
+    for t in tallies:
+        emit(t.line())
+        for e in t.examples:
+            emit(f"    e.g. {e}")

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The engine-conformance stage: build (or reuse) the engines' venvs, then run the suite in each.
+# Usage: tests/engines/run.sh [pytest args...]
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="${KVROUTE_ENGINES_CACHE:-$HOME/.cache/kvroute-engines}"
+# The venvs are shared between checkouts: this checkout's kvroute comes first on the path.
+export PYTHONPATH="$(cd "$here/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+"$here/setup.sh"
+status=0
+for venv in vllm-0.33.0 vllm-0.34.0; do
+  echo "== engine suite: $venv"
+  (cd "$here" && "$root/$venv/bin/python" -m pytest -q --confcutdir=. test_vllm.py test_golden.py "$@") || status=1
+done
+echo "== engine suite: sglang-0.5.23"
+(cd "$here" && "$root/sglang-0.5.23/bin/python" -m pytest -q --confcutdir=. test_sglang.py test_golden.py "$@") || status=1
+exit $status
