@@ -88,15 +88,28 @@ _LOG_EVERY = 10.0
 _END, _BATCH, _JUNK = object(), object(), object()
 
 
-class _Turn:
-    """One replay turn holding a slot: since when, and the scope of its current wait (to wake it)."""
+# A replay turn receiving decodable batches at least this fast (per second) is productive: it
+# keeps its slot for _PRODUCTIVE_SLICES slices, not one, before giving way to a waiter.
+_PRODUCTIVE_RATE = 200.0
+_PRODUCTIVE_SLICES = 10
 
-    __slots__ = ("began", "nudged", "scope")
+
+class _Turn:
+    """One replay turn holding a slot: since when, how productive, and the scope of its current wait."""
+
+    __slots__ = ("batches", "began", "nudged", "scope")
 
     def __init__(self) -> None:
         self.began = 0.0
+        self.batches = 0
         self.nudged = False
         self.scope: anyio.CancelScope | None = None
+
+    def limit(self, now: float, slice_seconds: float) -> float:
+        """How long this turn may hold its slot while another source waits."""
+        held = now - self.began
+        productive = held > 0 and self.batches >= _PRODUCTIVE_RATE * held
+        return slice_seconds * (_PRODUCTIVE_SLICES if productive else 1)
 
 
 class ReplaySlots:
@@ -104,8 +117,10 @@ class ReplaySlots:
 
     `turn` waits for a slot in arrival order. A turn that has held its slot for ``slice``
     seconds gives way as soon as another source waits (`contended`): the waiter wakes the
-    oldest such holder at once, which ends its turn. So a few slow or hostile replay
-    endpoints delay an honest source's replay by at most about one slice.
+    oldest such holder at once, which ends its turn. A productive turn (decodable batches
+    streaming in, as from an honest engine's buffer) keeps its slot for 10 slices instead, so
+    slow or hostile endpoints yield first. So a few slow or hostile replay endpoints delay an
+    honest source's replay by at most about one slice.
     """
 
     def __init__(self, capacity: int, slice_seconds: float) -> None:
@@ -136,7 +151,7 @@ class ReplaySlots:
     def _nudge(self) -> None:
         now = anyio.current_time()
         for turn in self._holders:
-            if not turn.nudged and now - turn.began >= self.slice and turn.scope is not None:
+            if not turn.nudged and now - turn.began >= turn.limit(now, self.slice) and turn.scope is not None:
                 turn.nudged = True
                 turn.scope.cancel()
                 return
@@ -198,8 +213,9 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
       this long or this many replies (malformed ones included), end marker or not; what
       came is applied and the rest asked again.
     - ``replay_slice`` 0.1: a replay holding a slot this long gives it up as soon as another
-      source waits for one (its replies so far are applied; it queues again for the rest),
-      so a few slow or hostile replay endpoints cannot starve the others.
+      source waits for one (its replies so far are applied; it queues again for the rest);
+      one streaming decodable batches (>= 200/s) keeps it for 10 slices. So a few slow or
+      hostile replay endpoints cannot starve the others.
     - ``max_concurrent_replays`` 8: replay slots shared by all sources; each engine serves
       one at a time, and a reconnect storm must not stall every pump at once.
     - ``quiet_interval`` 2.0: a source silent this long gets a replay probe (docs/recovery.md rules
@@ -790,7 +806,8 @@ class SourceDriver:
                 return False
             if run.silent_left <= 0:
                 return False
-            past_slice = now - began >= cfg.replay_slice
+            turn_limit = turn.limit(now, cfg.replay_slice)
+            past_slice = now - began >= turn_limit
             if past_slice and slots.contended:
                 if items:
                     return False  # the machine applies these and asks for the rest, in its turn
@@ -799,7 +816,7 @@ class SourceDriver:
             # Within the slice, wake at its end to look for waiters; past it, a waiter wakes us.
             until = min(run.deadline, now + run.silent_left)
             if not past_slice:
-                until = min(until, began + cfg.replay_slice)
+                until = min(until, began + turn_limit)
             msgs: list[list[bytes]] = []
             with anyio.CancelScope(deadline=until) as scope:
                 turn.scope = scope
@@ -815,6 +832,7 @@ class SourceDriver:
                     run.complete = True
                     return False
                 if outcome is _BATCH:
+                    turn.batches += 1
                     run.silent_left = cfg.replay_timeout
                     last = clock()
         return False
