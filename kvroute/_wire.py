@@ -199,6 +199,8 @@ _ArrEvent: Any = Union[_ArrBlockStored, _ArrBlockRemoved, _ArrAllBlocksCleared] 
 # map-form encoder uses twins where they have no default and omit_defaults skips only the
 # rest — this is what makes re-encoding the golden payloads byte-exact.
 _OutBlockStored = _variant(BlockStored, 7, tag="BlockStored", tag_field="type", omit_defaults=True)
+# SGLang writes lora_name only when set (its msgspec types omit None defaults after medium).
+_SglOutBlockStored = _variant(BlockStored, 6, tag="BlockStored", tag_field="type", omit_defaults=True)
 _OutBlockRemoved = _variant(BlockRemoved, 2, tag="BlockRemoved", tag_field="type", omit_defaults=True)
 
 
@@ -504,7 +506,9 @@ def _to_wire(ev: EngineEvent, form: Literal["map", "array"], signed: bool) -> An
         if isinstance(ev, BlockStored):
             values[1] = _signed(values[1])
     if form == "map":
-        return _OutBlockStored(*values) if isinstance(ev, BlockStored) else _OutBlockRemoved(*values)
+        if isinstance(ev, BlockStored):
+            return _SglOutBlockStored(*values) if signed else _OutBlockStored(*values)
+        return _OutBlockRemoved(*values)
     floor = _ARR_MIN_BS_FIELDS if isinstance(ev, BlockStored) else _ARR_MIN_BR_FIELDS
     end = len(values)
     while end > floor and values[end - 1] is None:
@@ -521,7 +525,8 @@ def encode_batch(
     """Encode a batch the way an engine publishes it.
 
     ``form="map"`` is vLLM ≥ 0.24 / SGLang ≥ 0.5.21; ``form="array"`` the tagged-array form
-    of older releases. ``signed_hashes=True`` writes int hashes as int64, as SGLang does.
+    of older releases. ``signed_hashes=True`` writes int hashes as int64 and leaves a nil
+    ``lora_name`` out, as SGLang does.
     ``decode_batch(encode_batch(b, ...)) == b`` for every form.
     """
     if form not in ("map", "array"):

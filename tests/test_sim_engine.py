@@ -593,14 +593,7 @@ SGLANG_GOLDEN = [
 
 @pytest.mark.parametrize(
     "golden",
-    [
-        SGLANG_GOLDEN[0],
-        pytest.param(
-            SGLANG_GOLDEN[1],
-            # kvroute's encoder writes vLLM's always-present lora_name (nil); SGLang omits it.
-            marks=pytest.mark.xfail(strict=True, reason="the encoder writes lora_name: nil, SGLang omits it"),
-        ),
-    ],
+    [SGLANG_GOLDEN[0], SGLANG_GOLDEN[1]],
     ids=["sglang-lora", "sglang-salt"],
 )
 def test_the_simulators_sglang_bytes_are_sglangs(golden: str) -> None:
