@@ -58,6 +58,9 @@ class Mutation:
     tests: tuple[str, ...]
     #: Socket-level tests (node-id prefixes) that claim to check this rule: each must fail.
     claims: tuple[str, ...] = field(default=())
+    #: A ``-k`` expression for the engine-conformance stage (tests/engines/run.sh, the engines' own
+    #: cache code in their cached venvs); a failing run counts as the test ``tests/engines::<expr>``.
+    engines: str | None = None
 
 
 MUTATIONS: list[Mutation] = [
@@ -179,6 +182,54 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_examples.py",),
         ("tests/test_examples.py",),
     ),
+    # --- production configurations (issue: kvroute against the engines as they really run) ---
+    Mutation(
+        "salt-ignored",
+        "a salted block is keyed in its tenant's namespace, never claimed for a plain prompt",
+        "kvroute/_index.py",
+        "        salt = ev.cache_salt if isinstance(ev.cache_salt, str) and ev.cache_salt else None",
+        "        salt = None",
+        ("tests/test_index_model.py", "tests/test_production_shapes.py", "tests/test_gateway_stream.py"),
+        ("tests/engines::salt",),
+        engines="salt and over",
+    ),
+    Mutation(
+        "window-rule-off",
+        "a hybrid hit needs the sliding-window group's blocks before the hit point",
+        "kvroute/_index.py",
+        "        need = -(-(grp.window - 1) // bs)\n    if need <= 0:",
+        "        need = 0\n    if need <= 0:",
+        ("tests/test_index_groups.py", "tests/test_index_model.py", "tests/test_production_shapes.py"),
+        ("tests/engines::hybrid-swa",),
+        engines="hybrid-swa and over",
+    ),
+    Mutation(
+        "remote-credited",
+        "a REMOTE (shared-tier) block is not the worker's own cache",
+        "kvroute/_index.py",
+        "        if _remote(ev.locality):\n            # A shared pool",
+        "        if False:\n            # A shared pool",
+        ("tests/test_production_shapes.py", "tests/test_index_model.py"),
+    ),
+    Mutation(
+        "untrusted-batch",
+        "an unreadable removal or clear resets the worker instead of applying the rest",
+        "kvroute/_subscriber.py",
+        "        if batch.untrusted is not None:",
+        "        if False:",
+        ("tests/test_index_groups.py",),
+        ("tests/test_index_groups.py::test_an_unreadable_removal_resets_the_worker",),
+    ),
+    # --- the gateway stream ---
+    Mutation(
+        "data-loss-kept",
+        "DATA_LOSS on a gateway stream clears that rank's worker before it starts over",
+        "kvroute/_source.py",
+        '        self._reset("data-loss", detail, out)\n',
+        "",
+        ("tests/test_gateway_stream.py",),
+        ("tests/test_gateway_stream.py::test_data_loss_clears_the_rank_and_resubscribes",),
+    ),
 ]
 
 
@@ -256,6 +307,18 @@ def _run(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[set[str], 
     return failed, passed, took
 
 
+def _run_engines(tree: Path, expr: str, timeout: float) -> bool:
+    """Run the engine-conformance stage of ``tree`` on the configurations ``expr`` selects: True if it passed."""
+    done = subprocess.run(
+        ["bash", str(tree / "tests/engines/run.sh"), "-q", "-k", expr],
+        cwd=tree,
+        env=_env(tree),
+        capture_output=True,
+        timeout=timeout,
+    )
+    return done.returncode == 0
+
+
 def _base(node: str) -> str:
     """A node id without its parameters: one test function."""
     return node.split("[", 1)[0]
@@ -263,6 +326,8 @@ def _base(node: str) -> str:
 
 def _is_socket(node: str) -> bool:
     """Socket-level or end to end: every socket test here is an anyio test, run on both backends."""
+    if node.startswith("tests/engines::"):
+        return True  # the engines' own cache managers and publishers against a real client
     return "[asyncio" in node or "[trio" in node or Path(node.split("::", 1)[0]).name in END_TO_END_FILES
 
 
@@ -307,6 +372,14 @@ def main() -> int:
                 continue
             path.write_text(text.replace(m.old, m.new))
             failed, passed, took = _run(tree, m.tests, args.timeout)
+            if m.engines is not None:
+                node = f"tests/engines::{m.engines}"
+                if not _run_engines(pristine, m.engines, args.timeout):
+                    base_failed.add(node)
+                elif _run_engines(tree, m.engines, args.timeout):
+                    passed.add(node)
+                else:
+                    failed.add(node)
             new_failures = failed - base_failed
             caught = {_base(n) for n in new_failures}
             socket = {_base(n) for n in new_failures if _is_socket(n)}
