@@ -22,7 +22,7 @@ Reason tokens (``Reset.reason``, ``Partial.reason``), stable for logs and metric
   (after a disconnect, or an old seq that needs an identity check).
 - ``"reconnect"``: the SUB reconnected to a source without replay, whose identity
   therefore cannot be checked.
-- ``"snapshot"``: a gateway stream replaced the worker's state with a snapshot (protocol.md §6);
+- ``"snapshot"``: a gateway stream replaced the worker's state with a snapshot (docs/protocol.md §6);
   as a `Partial` reason, the snapshot itself misses older history (``unknown_before`` > 0).
 - ``"data-loss"``: a gateway stream ended with DATA_LOSS or OUT_OF_RANGE (a gap its relay
   could not fill, or a publisher restart): the worker's state is gone.

@@ -1,4 +1,4 @@
-"""The second transport: a gateway servicer's ``SubscribeKvEvents`` gRPC stream (protocol.md §6).
+"""The second transport: a gateway servicer's ``SubscribeKvEvents`` gRPC stream (docs/protocol.md §6).
 
 One stream per target (``host:port`` + service) carries every data-parallel rank; each rank is
 one `EventSource` (endpoint ``grpc://host:port/<service>``) followed by a `GatewayRankDriver`

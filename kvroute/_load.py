@@ -1,7 +1,7 @@
 """Engine-reported load: what a gateway stream's ``EngineLoad`` records say, and how the Router prices it.
 
 A gateway servicer puts its engine's load on every ``KvEventBatch`` (and on ``load_only``
-heartbeats while the engine is idle, protocol.md §6). `EngineLoads` keeps the newest record per
+heartbeats while the engine is idle, docs/protocol.md §6). `EngineLoads` keeps the newest record per
 worker; `EngineLoads.blend` turns the records and the router's own in-flight tokens into the
 load `Router.select` prices, and names the workers to veto.
 

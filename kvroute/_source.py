@@ -25,9 +25,9 @@ Inputs (each returns ``list[Action]``):
   disconnect. Report every connect, the first one included: a source is "synced" only
   while its SUB is connected. ``on_reconnected(continued=True)``: the transport's server
   vouches that what follows continues the applied run (a gateway stream resumed with
-  ``start_sequence_number``, protocol.md §6), so a source without replay keeps its state.
+  ``start_sequence_number``, docs/protocol.md §6), so a source without replay keeps its state.
 - `on_resync(seq, ts, batch, partial=...)`: the first chunk of a state snapshot (a gateway
-  stream, protocol.md §6): the worker's state is replaced by what the snapshot's chunks,
+  stream, docs/protocol.md §6): the worker's state is replaced by what the snapshot's chunks,
   ``seq`` and the ones after it, hold; ``partial`` when the snapshot misses older history.
 - `on_data_loss(detail)`: the transport reports that batches of this source were lost for
   good (a gateway stream's DATA_LOSS): reset, and follow the source from scratch.

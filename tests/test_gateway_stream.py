@@ -1,4 +1,4 @@
-"""The gateway servicers' ``SubscribeKvEvents`` stream as a source transport (protocol.md §6).
+"""The gateway servicers' ``SubscribeKvEvents`` stream as a source transport (docs/protocol.md §6).
 
 Real grpcio servers on 127.0.0.1 (the simulated servicer of `kvroute.sim`), both anyio backends.
 Every index is compared with the simulated engines' own caches (`PrefixCache.match_blocks`,
@@ -264,7 +264,7 @@ async def test_engine_load_reaches_the_router_and_vetoes_a_wedged_engine(anyio_b
 
 
 def test_proto_events_map_onto_the_msgpack_structs() -> None:
-    # The vllm-mm production shape (protocol.md §3.1) through the msgpack decoder ...
+    # The vllm-mm production shape (docs/protocol.md §3.1) through the msgpack decoder ...
     golden = decode_batch(
         bytes.fromhex(
             "93cb41d954fc4020000091de000ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cd012d"
@@ -309,7 +309,7 @@ def test_proto_events_map_onto_the_msgpack_structs() -> None:
 
 
 def test_a_relayed_salted_store_keys_like_the_msgpack_one() -> None:
-    # vllm-salt (protocol.md §3.1) as vLLM publishes it, and as the relay forwards it: the salt
+    # vllm-salt (docs/protocol.md §3.1) as vLLM publishes it, and as the relay forwards it: the salt
     # stays in block 0's extra keys and is also named in cache_salt.
     golden = decode_batch(
         bytes.fromhex(

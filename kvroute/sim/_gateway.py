@@ -1,4 +1,4 @@
-"""A simulated gateway servicer: ``SubscribeKvEvents`` as the Shepherd Model Gateway serves it (protocol.md §6).
+"""A simulated gateway servicer: ``SubscribeKvEvents`` as the Shepherd Model Gateway serves it (docs/protocol.md §6).
 
 ``GatewayKvService(ranks=2, service="vllm.grpc.engine.VllmEngine")`` is told every batch the
 engine's publishers sent (`record`, already in order: the relay it stands for fills gaps from
