@@ -39,8 +39,6 @@ CONFIGS: dict[str, tuple[Config, str]] = {
 # the strict xfail into a failure that says to delete the entry. "*" = every version. No configuration
 # over-claims; these are under-claims only.
 KNOWN: dict[tuple[str, str, str], str] = {
-    ("*", "evicting", "under"): "4/300 admissions one block short (64 tokens), e.g. kvroute 80 vs engine 96: "
-    "after the first removal of a hash held in several copies (the rule that never over-claims)",
     ("*", "hybrid-swa", "under"): "3/317 admissions under-claimed (176 tokens)",
     ("*", "hybrid-swa-dense", "under"): "8/300 admissions under-claimed (864 tokens), e.g. kvroute 0 vs engine 80",
     ("*", "mixed-block-sizes", "under"): "79/300 admissions under-claimed (5,888 tokens), e.g. kvroute 0 vs "
