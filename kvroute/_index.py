@@ -960,15 +960,32 @@ class PrefixIndex:
         known = [j for j in pos if j is not None]
         if any(b <= a for a, b in pairwise(known)):
             return [b""] * n  # out of order: nothing can be placed
+        # vLLM keeps a window group's blocks (BlockPool.cache_full_blocks skips null and masked
+        # ones) in runs that end on a scheduler-block boundary, here every ``p`` tokens
+        # (SlidingWindowManager.reachable_block_mask; null blocks are only ever a head), or at
+        # the store's end. A run ends on a boundary slot, and a boundary block the full group
+        # holds has a hash the index knows (the same value in both groups). So the unknown
+        # hashes just before a known one (or the store's end) are the slots right before it,
+        # when every boundary slot they could spread over is held by the full group: a gap
+        # among them would need a run ending on a boundary the index does not know.
+        per = p // s_bs
+        holders = self._holders
+        bit = w.bit
         prev_i, prev_j = -1, -1
         for i in range(n + 1):
             j = slots if i == n else pos[i]
             if j is None:
                 continue
             gap = i - prev_i - 1
-            if gap and gap == j - prev_j - 1:
+            if gap and (
+                gap == j - prev_j - 1
+                or (
+                    gap < j - prev_j - 1
+                    and all(holders.get(ids[b], 0) & bit for b in range(prev_j + 1, j) if (b + 1) % per == 0)
+                )
+            ):
                 for d in range(gap):
-                    pos[prev_i + 1 + d] = prev_j + 1 + d
+                    pos[prev_i + 1 + d] = j - gap + d
             prev_i, prev_j = i, j
         return [ids[j] if j is not None else b"" for j in pos]
 

@@ -103,11 +103,12 @@ def test_groups_of_different_block_sizes() -> None:
     assert idx.find_matches([*TOKS, 0]).tokens(other) == 16
     idx.apply(other, BlockRemoved(block_hashes=[h[2]], group_idx=1))
     assert idx.find_matches([*TOKS, 0]).tokens(other) == 0  # no 2-block run ends on an 8-token boundary
-    # A hash that cannot be placed (two candidate slots) is held, never claimed.
-    third = WorkerKey("ambiguous", 0)
+    # A hash just before a placed one: a gap between them would need a kept run ending on an
+    # 8-token boundary, whose hash (h[1]) the full group holds and would be in the list.
+    third = WorkerKey("before", 0)
     idx.apply(third, _full([h[1], h[3]], TOKS, 8))
     idx.apply(third, _window([h[2], h[3]], TOKS, 4, window=9))
-    assert idx.find_matches([*TOKS, 0]).tokens(third) == 0
+    assert idx.find_matches([*TOKS, 0]).tokens(third) == 16
     assert idx.num_blocks(third) == 4
 
 
@@ -384,3 +385,27 @@ def test_a_sparse_window_store_proves_the_full_groups_store_real() -> None:
     idx.apply(rep, _window([_H16, _H32], _T32, 16, window=64))
     idx.apply(rep, BlockRemoved(block_hashes=[_H32], group_idx=0))
     assert rep not in idx.find_matches([*_T32, 0])
+
+
+def test_sparse_window_hashes_before_a_known_boundary_are_placed() -> None:
+    """vLLM run r26 (full attention 32, window 64 in blocks of 16, default retention): the second
+    chunk's window store keeps the 4 blocks before the 192-token replay boundary, [144, 160, 176,
+    192] by end token; 160 and 192 are the full group's hashes too. The unknown hash before 160 is
+    at 144 (a gap would need a run ending on a 32-token boundary the index does not know); the
+    engine served 192 tokens of a 228-token prompt, kvroute had claimed 0."""
+    toks = list(range(1000, 1228))
+    h = {t: 9000 + t for t in range(16, 240, 16)}  # the engine's hash at each 16-token boundary
+    idx = PrefixIndex()
+    for w in (W, WorkerKey("unknown-boundary", 0)):
+        idx.apply(w, _full([h[32], h[64], h[96]], toks[:96], 32))
+        idx.apply(w, _window([], toks[:96], 16, window=64))
+        idx.apply(w, _full([h[128], h[160], h[192]], toks[96:192], 32, parent=h[96]))
+    assert idx.find_matches(toks).tokens(W) == 0  # no window block yet
+    # The other worker's full group lost its 160 block: 144 could then be at 112 or 128.
+    other = WorkerKey("unknown-boundary", 0)
+    idx.apply(other, BlockRemoved(block_hashes=[h[160]], group_idx=0))
+    for w in (W, other):
+        idx.apply(w, _window([h[144], h[160], h[176], h[192]], toks[96:192], 16, window=64, parent=h[96]))
+    scores = idx.find_matches(toks)
+    assert scores.tokens(W) == 192
+    assert idx.num_blocks(other) == 9 and other not in scores
