@@ -64,8 +64,9 @@ class IndexStats(msgspec.Struct, frozen=True, kw_only=True):
     ``ignored_group_events``: stores of a KV-cache group whose kind kvroute has no hit rule for
     (that worker's hits become 0) or past ``max_groups_per_worker``; ``remote_blocks``: blocks
     stored or removed with ``locality "REMOTE"`` (a shared tier, not the worker's own);
-    ``repeated_stores``: stores of a block already held on that tier (a prefix-cache reuse
-    report, or a real duplicate copy: the wire cannot tell them apart, so both count once);
+    ``repeated_stores``: stores of a block already held on that tier, taken as no new copy
+    (from block 0 a prefix-cache reuse report and a real copy look alike; the README's
+    "Copies" says which repeats are known copies and count as such);
     ``refused_block_sizes`` / ``refused_entries``: stores refused by `IndexLimits`;
     ``uncached_roots``: queries whose namespace root did not fit the root cache.
     """
@@ -922,7 +923,6 @@ class PrefixIndex:
         for h in hashes:
             if h in w.blocks and (h not in special or special[h][0]):
                 w.copies[h] = w.copies.get(h, 0) + 1
-                self._repeated -= 1  # counted as a repeat when it came
 
     def _anchored_keys(self, w: _Worker, ev: BlockStored, p: int) -> list[bytes] | None:
         """Keys of a store of a group with blocks smaller than the primary's (``p`` tokens).
