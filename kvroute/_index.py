@@ -64,8 +64,9 @@ class IndexStats(msgspec.Struct, frozen=True, kw_only=True):
     ``ignored_group_events``: stores of a KV-cache group whose kind kvroute has no hit rule for
     (that worker's hits become 0) or past ``max_groups_per_worker``; ``remote_blocks``: blocks
     stored or removed with ``locality "REMOTE"`` (a shared tier, not the worker's own);
-    ``repeated_stores``: stores of a block already held on that tier (a prefix-cache reuse
-    report, or a real duplicate copy: the wire cannot tell them apart, so both count once);
+    ``repeated_stores``: stores of a block already held on that tier, taken as no new copy
+    (from block 0 a prefix-cache reuse report and a real copy look alike; the README's
+    "Copies" says which repeats are known copies and count as such);
     ``refused_block_sizes`` / ``refused_entries``: stores refused by `IndexLimits`;
     ``uncached_roots``: queries whose namespace root did not fit the root cache.
     """
@@ -123,7 +124,7 @@ class _Group:
     checkpoint at the hit point), "unknown" (no rule: the worker's hits are 0).
     """
 
-    __slots__ = ("block_size", "blocks", "held", "kind", "window")
+    __slots__ = ("block_size", "blocks", "copies", "held", "kind", "window")
 
     def __init__(self, kind: str, window: int | None, block_size: int) -> None:
         self.kind = kind
@@ -131,6 +132,8 @@ class _Group:
         self.block_size = block_size
         self.blocks: dict[BlockHash, list[Any]] = {}
         self.held: dict[bytes, int] = {}
+        # engine hash -> GPU copies beyond the first (see _Worker.copies)
+        self.copies: dict[BlockHash, int] = {}
 
 
 def _group_kind(kind: str | None) -> str:
@@ -149,11 +152,13 @@ class _Worker:
         "blocks",
         "bs",
         "classes",
+        "copies",
         "fresh_root",
         "groups",
         "key",
         "lookahead",
         "multi",
+        "pending",
         "primary",
         "special",
         "warned",
@@ -168,6 +173,15 @@ class _Worker:
         self.special: dict[BlockHash, list[int]] = {}
         # content key -> engine hashes present per tier, once two engine hashes map to one key
         self.multi: dict[bytes, list[int]] = {}
+        # engine hash -> GPU copies beyond the first, primary group. Only a store that names a
+        # parent adds one: vLLM reports a prefix-cache reuse (kv_cache_report_mode "full") as a
+        # store from block 0 without a parent (BlockPool.emit_cached_block_events), so a store
+        # with a parent is always a new cache entry, and each entry gets its own BlockRemoved.
+        # Not in snapshots: a restored worker may under-claim, never over-claim.
+        self.copies: dict[BlockHash, int] = {}
+        # The last event was a primary store from block 0 naming blocks already held on GPU:
+        # (its tokens, those hashes). A report or real copies; see PrefixIndex._store_group.
+        self.pending: tuple[list[int], list[BlockHash]] | None = None
         self.classes: set[_Class] = set()
         self.bs = 0  # the largest block size in use
         # group_idx of the primary full-attention group (None: events carry no group)
@@ -666,6 +680,7 @@ class PrefixIndex:
             self._remote += n
             return
         w = self._worker(worker)
+        pending, w.pending = w.pending, None
         la = ev.lookahead_token_ids
         if la:
             w.lookahead = len(la[0])
@@ -675,7 +690,7 @@ class PrefixIndex:
             return
         if grp is not None:
             assert isinstance(grp, _Group)
-            self._store_group(w, grp, ev)
+            self._store_group(w, grp, ev, pending)
             self._maybe_release(w)
             return
         if not n:
@@ -686,6 +701,15 @@ class PrefixIndex:
         bs = ev.block_size
         tokens = ev.token_ids
         blocks = w.blocks
+        if n == 1 and 0 < bs < w.bs and tokens:
+            # vLLM's partial entry (cache_partial_block) comes between the full group's store
+            # and the other groups' stores of one cache_blocks call.
+            w.pending = pending
+        elif ev.parent_block_hash is None and not pos and tokens:
+            special = w.special
+            again = [h for h in hashes if h in blocks and (h not in special or special[h][0])]
+            if again:
+                w.pending = (tokens, again)
         if not tokens:
             # A placeholder (offload connectors): names a tier for hashes the worker holds;
             # an unknown hash is held on that tier but never claimable.
@@ -757,10 +781,11 @@ class PrefixIndex:
                 keys.append(b"")
         else:
             keys = [b""] * n
+        copy = parent is not None and pos == 0
         for ehash, k in zip(hashes, keys):
-            self._store_one(w, ehash, k, pos)
+            self._store_one(w, ehash, k, pos, copy)
 
-    def _store_one(self, w: _Worker, ehash: BlockHash, key: bytes, pos: int) -> None:
+    def _store_one(self, w: _Worker, ehash: BlockHash, key: bytes, pos: int, copy: bool = False) -> None:
         blocks = w.blocks
         old_key = blocks.get(ehash)
         if old_key is None:
@@ -772,11 +797,15 @@ class PrefixIndex:
                 w.special[ehash] = counts
             self._presence(w, ehash, key, pos, 1, True)
             return
-        # A block the worker already holds (same engine hash): a prefix-cache reuse report
-        # and a real duplicate copy look the same on the wire. Counting it as a copy would
-        # keep a report's block claimed after the engine's one removal, so a tier is
-        # present or not: the index never claims more than the engine holds.
+        # A block the worker already holds (same engine hash). With a parent it is a real
+        # duplicate copy (``copy``, see _Worker.copies). From block 0 a prefix-cache reuse
+        # report and a real copy look the same on the wire; counting it as a copy would keep
+        # a report's block claimed after the engine's one removal, so it counts once: the
+        # index never claims more than the engine holds.
         got = w.special.get(ehash)
+        if copy and (got is None or got[0]):
+            w.copies[ehash] = w.copies.get(ehash, 0) + 1
+            return
         if got is None:
             if pos == 0:
                 self._repeated += 1
@@ -812,14 +841,25 @@ class PrefixIndex:
                     return got[0]  # type: ignore[no-any-return]
         return None
 
-    def _store_group(self, w: _Worker, grp: _Group, ev: BlockStored) -> None:
+    def _store_group(
+        self, w: _Worker, grp: _Group, ev: BlockStored, pending: tuple[list[int], list[BlockHash]] | None = None
+    ) -> None:
         """A store of a non-primary group: dense ones are hashed; sparse ones (null blocks
         skipped) and token-less ones (checkpoints, placeholders) take each hash's content
         from the worker's other groups, or hold it unclaimable."""
         hashes = ev.block_hashes
         n = len(hashes)
+        tokens = ev.token_ids
+        # vLLM reports a reuse with every block from block 0, a window's null ones included
+        # (n * block_size == len(token_ids)); a store with fewer blocks than its tokens skipped
+        # null or unreachable blocks, so it is a real one (BlockPool.cache_full_blocks), and so
+        # was the primary group's store of the same tokens just before it, from the same call.
+        sparse = ev.parent_block_hash is None and n * ev.block_size < len(tokens) and grp.kind != "full"
+        if sparse and pending is not None and pending[0] == tokens:
+            self._add_copies(w, pending[1])
         if not n:
             return
+        skip = 0
         if (
             ev.parent_block_hash is None
             and grp.kind != "full"
@@ -827,15 +867,19 @@ class PrefixIndex:
             and all(h in w.blocks for h in hashes)
             and not w.fresh_root.issuperset(hashes)
         ):
-            # A reuse report (see _Worker.fresh_root): it would list blocks the engine nulled.
-            self._repeated += n
-            return
+            # Maybe a reuse report (see _Worker.fresh_root), maybe a real store of content the
+            # primary group holds already (a recompute after a window miss): the wire cannot
+            # tell. A report lists the blocks the engine nulled before its hit, but the blocks
+            # its hit used — the last `_hit_tail` — are held either way: keep those only.
+            skip = n - min(n, _hit_tail(grp))
+            self._repeated += skip
+            if skip == n:
+                return
         if _entries_of(w) + n > self.limits.max_entries_per_worker:
             self._refused_entries += n
             self._warn(w, "store refused: entry bound reached", f"max_entries_per_worker={_lim(self)}")
             return
         bs = ev.block_size
-        tokens = ev.token_ids
         keys: list[bytes] | None = None
         anchor_p = _anchor(w, grp)
         if anchor_p and tokens and bs == grp.block_size:
@@ -857,9 +901,13 @@ class PrefixIndex:
         bit = 1 << _TIER_POS[normalize_medium(ev.medium)]
         blocks = grp.blocks
         held = grp.held
-        for ehash, k in zip(hashes, keys):
+        copy = (ev.parent_block_hash is not None or sparse) and bit == 1  # a real copy (see _Worker.copies)
+        for ehash, k in zip(hashes[skip:], keys[skip:]):
             cur = blocks.get(ehash)
             if cur is not None:
+                if copy and cur[1] & 1:
+                    grp.copies[ehash] = grp.copies.get(ehash, 0) + 1
+                    continue
                 if cur[1] & bit:
                     self._repeated += 1
                 cur[1] |= bit
@@ -868,6 +916,13 @@ class PrefixIndex:
             self._entries += 1
             if k:
                 held[k] = held.get(k, 0) + 1
+
+    def _add_copies(self, w: _Worker, hashes: list[BlockHash]) -> None:
+        """One more GPU copy of each of ``hashes`` that the primary group still holds on GPU."""
+        special = w.special
+        for h in hashes:
+            if h in w.blocks and (h not in special or special[h][0]):
+                w.copies[h] = w.copies.get(h, 0) + 1
 
     def _anchored_keys(self, w: _Worker, ev: BlockStored, p: int) -> list[bytes] | None:
         """Keys of a store of a group with blocks smaller than the primary's (``p`` tokens).
@@ -905,15 +960,32 @@ class PrefixIndex:
         known = [j for j in pos if j is not None]
         if any(b <= a for a, b in pairwise(known)):
             return [b""] * n  # out of order: nothing can be placed
+        # vLLM keeps a window group's blocks (BlockPool.cache_full_blocks skips null and masked
+        # ones) in runs that end on a scheduler-block boundary, here every ``p`` tokens
+        # (SlidingWindowManager.reachable_block_mask; null blocks are only ever a head), or at
+        # the store's end. A run ends on a boundary slot, and a boundary block the full group
+        # holds has a hash the index knows (the same value in both groups). So the unknown
+        # hashes just before a known one (or the store's end) are the slots right before it,
+        # when every boundary slot they could spread over is held by the full group: a gap
+        # among them would need a run ending on a boundary the index does not know.
+        per = p // s_bs
+        holders = self._holders
+        bit = w.bit
         prev_i, prev_j = -1, -1
         for i in range(n + 1):
             j = slots if i == n else pos[i]
             if j is None:
                 continue
             gap = i - prev_i - 1
-            if gap and gap == j - prev_j - 1:
+            if gap and (
+                gap == j - prev_j - 1
+                or (
+                    gap < j - prev_j - 1
+                    and all(holders.get(ids[b], 0) & bit for b in range(prev_j + 1, j) if (b + 1) % per == 0)
+                )
+            ):
                 for d in range(gap):
-                    pos[prev_i + 1 + d] = prev_j + 1 + d
+                    pos[prev_i + 1 + d] = j - gap + d
             prev_i, prev_j = i, j
         return [ids[j] if j is not None else b"" for j in pos]
 
@@ -925,6 +997,7 @@ class PrefixIndex:
         if w is None:
             self._unknown_removals += len(ev.block_hashes)
             return
+        w.pending = None
         g = ev.group_idx
         if g is not None and g != w.primary:
             grp = w.groups.get(g)
@@ -937,10 +1010,14 @@ class PrefixIndex:
         pos = _TIER_POS[normalize_medium(ev.medium)]
         blocks = w.blocks
         special = w.special
+        copies = w.copies
         for ehash in ev.block_hashes:
             key = blocks.get(ehash)
             if key is None:
                 self._unknown_removals += 1
+                continue
+            if not pos and ehash in copies:
+                _drop_copy(copies, ehash)
                 continue
             counts = special.get(ehash)
             if counts is None:
@@ -970,10 +1047,14 @@ class PrefixIndex:
         bit = 1 << _TIER_POS[normalize_medium(ev.medium)]
         blocks = grp.blocks
         held = grp.held
+        copies = grp.copies
         for ehash in ev.block_hashes:
             cur = blocks.get(ehash)
             if cur is None or not cur[1] & bit:
                 self._unknown_removals += 1
+                continue
+            if bit == 1 and ehash in copies:
+                _drop_copy(copies, ehash)
                 continue
             cur[1] &= ~bit
             if cur[1]:
@@ -1186,7 +1267,7 @@ class PrefixIndex:
         for wk in [wk for wk in scores if self._workers[wk].bit & hybrid]:
             w = self._workers[wk]
             bs = sizes[wk]
-            align = bs
+            align = math.lcm(bs, w.bs)  # the engine schedules in its largest block, not a partial entry's
             for grp in w.groups.values():
                 if grp.block_size:
                     align = math.lcm(align, grp.block_size)
@@ -1236,6 +1317,25 @@ class PrefixIndex:
             if wk in out:
                 out[wk] = min(out[wk], n)  # a hybrid worker's run is already cut to its groups
         return out
+
+
+def _hit_tail(grp: _Group) -> int:
+    """Blocks a hit of ``grp`` needs just before the hit point (vLLM's SlidingWindowManager
+    ``_contiguous_blocks_for_hit``, a Mamba checkpoint), 0 when its kind has no such rule."""
+    if grp.kind == "state":
+        return 1
+    if grp.kind == "window" and grp.window and grp.window > 1 and grp.block_size:
+        return -(-(grp.window - 1) // grp.block_size)
+    return 0
+
+
+def _drop_copy(copies: dict[BlockHash, int], ehash: BlockHash) -> None:
+    """One of several GPU copies of ``ehash`` left: the block is still held."""
+    n = copies[ehash] - 1
+    if n:
+        copies[ehash] = n
+    else:
+        del copies[ehash]
 
 
 def _remote(locality: object) -> bool:

@@ -103,11 +103,12 @@ def test_groups_of_different_block_sizes() -> None:
     assert idx.find_matches([*TOKS, 0]).tokens(other) == 16
     idx.apply(other, BlockRemoved(block_hashes=[h[2]], group_idx=1))
     assert idx.find_matches([*TOKS, 0]).tokens(other) == 0  # no 2-block run ends on an 8-token boundary
-    # A hash that cannot be placed (two candidate slots) is held, never claimed.
-    third = WorkerKey("ambiguous", 0)
+    # A hash just before a placed one: a gap between them would need a kept run ending on an
+    # 8-token boundary, whose hash (h[1]) the full group holds and would be in the list.
+    third = WorkerKey("before", 0)
     idx.apply(third, _full([h[1], h[3]], TOKS, 8))
     idx.apply(third, _window([h[2], h[3]], TOKS, 4, window=9))
-    assert idx.find_matches([*TOKS, 0]).tokens(third) == 0
+    assert idx.find_matches([*TOKS, 0]).tokens(third) == 16
     assert idx.num_blocks(third) == 4
 
 
@@ -286,3 +287,125 @@ def test_mamba_checkpoints_in_smaller_blocks_than_full_attention() -> None:
     assert idx.find_matches([*TOKS, 0]).tokens(W) == 8
     idx.apply(W, BlockStored(block_hashes=[h[3]], token_ids=[], block_size=4, group_idx=1, kv_cache_spec_kind="mamba"))
     assert idx.find_matches([*TOKS, 0]).tokens(W) == 16
+
+
+def test_a_store_with_a_parent_is_a_real_copy() -> None:
+    """vLLM's reuse reports (BlockPool.emit_cached_block_events) always start at block 0 with no
+    parent; a store that names a parent is a new cache entry, and each entry gets its own
+    BlockRemoved. The shape of vLLM's evicting run (2 requests in chunked prefill on one prefix):
+    the second request's chunk stores block 4 again under block 3, the pool later evicts each copy."""
+    toks = list(range(1, 21))
+    idx = PrefixIndex()
+    idx.apply(W, _full([1, 2], toks[:8], 4))
+    idx.apply(W, _full([3, 4, 5], toks[8:20], 4, parent=2))
+    idx.apply(W, _full([5], toks[16:20], 4, parent=4))  # the concurrent request's copy
+    assert idx.num_blocks(W) == 5 and idx.stats().repeated_stores == 0
+    idx.apply(W, BlockRemoved(block_hashes=[5], group_idx=0))
+    assert idx.find_matches(toks)[W] == 5  # one copy left in the engine
+    idx.apply(W, BlockRemoved(block_hashes=[5], group_idx=0))
+    assert idx.find_matches(toks)[W] == 4
+    # From block 0 (a report or a copy: the wire cannot tell), a repeat counts once.
+    idx.apply(W, _full([1, 2], toks[:8], 4))
+    idx.apply(W, BlockRemoved(block_hashes=[1], group_idx=0))
+    assert W not in idx.find_matches(toks)
+    # The same in a window group: a copy under a parent needs its own removal.
+    hy = WorkerKey("hybrid", 0)
+    idx.apply(hy, _full([1, 2, 3], toks[:12], 4))
+    idx.apply(hy, _window([1, 2, 3], toks[:12], 4, window=5))
+    idx.apply(hy, _window([3], toks[8:12], 4, window=5, parent=2))
+    idx.apply(hy, BlockRemoved(block_hashes=[3], group_idx=1))
+    assert idx.find_matches([*toks[:12], 0]).tokens(hy) == 12
+    idx.apply(hy, BlockRemoved(block_hashes=[3], group_idx=1))
+    assert idx.find_matches([*toks[:12], 0]).tokens(hy) == 8  # a run from block 0
+
+
+# vLLM 0.33 mixed block sizes (full attention 32, window 64 in blocks of 16, hash_block_size 16):
+# the hashes of a prompt at 16 and 32 tokens, as the engine published them.
+_H16, _H32 = 10263331205468525389, 16982933130722732143
+_T32 = list(range(100, 132))
+
+
+def _mixed_first_chunk(idx: PrefixIndex, w: WorkerKey, window_hashes: list[int]) -> None:
+    """One request's first 32 tokens: the full group's block, its partial entry at the prompt's
+    last 16-token boundary (cache_partial_block), the window group's blocks."""
+    idx.apply(w, _full([_H32], _T32, 32))
+    idx.apply(w, _full([_H16], _T32[:16], 16))
+    idx.apply(w, _window(window_hashes, _T32, 16, window=64))
+
+
+def test_a_window_store_over_held_content_keeps_the_blocks_a_hit_uses() -> None:
+    """A window group's dense store from block 0 of content the full group already holds is a reuse
+    report or a real recompute (after a window miss); the wire cannot tell. A report lists the blocks
+    the engine nulled before its hit, but the last cdiv(window - 1, block) blocks of either are held
+    (vLLM run r19: the engine served 32 tokens, kvroute dropped the whole store and claimed 0)."""
+    idx = PrefixIndex()
+    _mixed_first_chunk(idx, W, [])  # sparse retention: no window block was reachable then
+    prompt = [*_T32, *range(500, 542)]  # 74 tokens
+    assert W not in idx.find_matches(prompt)
+    # A later request recomputes the same 32 tokens; its window blocks are now reachable.
+    idx.apply(W, _full([_H32], _T32, 32))
+    idx.apply(W, _window([_H16, _H32], _T32, 16, window=64))
+    assert idx.find_matches(prompt).tokens(W) == 32
+    # A long report still keeps only its tail: the blocks a hit of the window group needs.
+    toks = list(range(1, 21))
+    other = WorkerKey("report", 0)
+    idx.apply(other, _full([1, 2, 3, 4, 5], toks, 4))
+    idx.apply(other, _window([4, 5], toks, 4, window=5, parent=3))
+    idx.apply(other, _full([1, 2, 3, 4, 5], toks, 4))
+    idx.apply(other, _window([1, 2, 3, 4, 5], toks, 4, window=5))  # blocks 0-3 were null
+    assert other not in idx.find_matches([*toks[:8], 0, 0, 0])
+
+
+def test_a_partial_entry_is_not_a_hit_below_the_scheduler_block() -> None:
+    """vLLM hits a hybrid prefix on scheduler-block boundaries (the LCM of the groups' block sizes)
+    unless Mamba "align" mode enables partial hash hits: the full group's partial entry at 16 tokens
+    serves nothing under a 32-token block (vLLM run r44, a 24-token prompt: the engine found 0)."""
+    idx = PrefixIndex()
+    _mixed_first_chunk(idx, W, [_H16, _H32])
+    assert W not in idx.find_matches(_T32[:24])
+    assert idx.find_matches([*_T32, 0]).tokens(W) == 32
+
+
+def test_a_sparse_window_store_proves_the_full_groups_store_real() -> None:
+    """A window group's store from block 0 with fewer blocks than its tokens skipped null or
+    unreachable blocks: only BlockPool.cache_full_blocks does that (a reuse report lists every
+    block), so the full group's store of the same tokens just before it, from the same
+    cache_blocks call, made new copies. vLLM run (mixed sizes, default retention): two requests
+    each computed the first 32 tokens; the pool evicted one copy of the 32-token block."""
+    idx = PrefixIndex()
+    _mixed_first_chunk(idx, W, [])
+    _mixed_first_chunk(idx, W, [])  # the second copy (the partial entry comes in between)
+    idx.apply(W, BlockRemoved(block_hashes=[_H32], group_idx=0))
+    idx.apply(W, _window([_H16, _H32], _T32, 16, window=64))
+    assert idx.find_matches([*_T32, *range(500, 542)]).tokens(W) == 32
+    # A report (dense in every group) stays one copy.
+    rep = WorkerKey("report", 0)
+    _mixed_first_chunk(idx, rep, [_H16, _H32])
+    idx.apply(rep, _full([_H32], _T32, 32))
+    idx.apply(rep, _window([_H16, _H32], _T32, 16, window=64))
+    idx.apply(rep, BlockRemoved(block_hashes=[_H32], group_idx=0))
+    assert rep not in idx.find_matches([*_T32, 0])
+
+
+def test_sparse_window_hashes_before_a_known_boundary_are_placed() -> None:
+    """vLLM run r26 (full attention 32, window 64 in blocks of 16, default retention): the second
+    chunk's window store keeps the 4 blocks before the 192-token replay boundary, [144, 160, 176,
+    192] by end token; 160 and 192 are the full group's hashes too. The unknown hash before 160 is
+    at 144 (a gap would need a run ending on a 32-token boundary the index does not know); the
+    engine served 192 tokens of a 228-token prompt, kvroute had claimed 0."""
+    toks = list(range(1000, 1228))
+    h = {t: 9000 + t for t in range(16, 240, 16)}  # the engine's hash at each 16-token boundary
+    idx = PrefixIndex()
+    for w in (W, WorkerKey("unknown-boundary", 0)):
+        idx.apply(w, _full([h[32], h[64], h[96]], toks[:96], 32))
+        idx.apply(w, _window([], toks[:96], 16, window=64))
+        idx.apply(w, _full([h[128], h[160], h[192]], toks[96:192], 32, parent=h[96]))
+    assert idx.find_matches(toks).tokens(W) == 0  # no window block yet
+    # The other worker's full group lost its 160 block: 144 could then be at 112 or 128.
+    other = WorkerKey("unknown-boundary", 0)
+    idx.apply(other, BlockRemoved(block_hashes=[h[160]], group_idx=0))
+    for w in (W, other):
+        idx.apply(w, _window([h[144], h[160], h[176], h[192]], toks[96:192], 16, window=64, parent=h[96]))
+    scores = idx.find_matches(toks)
+    assert scores.tokens(W) == 192
+    assert idx.num_blocks(other) == 9 and other not in scores
