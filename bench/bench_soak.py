@@ -38,7 +38,7 @@ import msgspec
 import zmq
 
 from kvroute import Cursor, DiscoveryOptions, KvEventClient, PrefixIndex, SubscriberConfig, TotalStats, WorkerKey, _zmq
-from kvroute.sim import DiscoveryServer, FaultDriver, FaultKind, RequestAbortedError, SimConfig, SimEngine
+from kvroute.sim import FAULT_KINDS, DiscoveryServer, FaultDriver, FaultKind, RequestAbortedError, SimConfig, SimEngine
 
 BS = 16
 VOCAB = 2_000
@@ -56,17 +56,7 @@ ENGINES = [
     SimConfig(engine="sglang", name="s1", buffer_steps=200, seed=2, **_COMMON),  # type: ignore[arg-type]
     SimConfig(engine="vllm", name="v2", form="array", reply_layout="old", seed=3, **_COMMON),  # type: ignore[arg-type]
 ]
-FAULTS: list[FaultKind] = [
-    "drop",
-    "restart",
-    "restart-new-ports",
-    "silent-restart",
-    "kill-replay",
-    "mute-replay",
-    "pause",
-    "hide",
-    "down",
-]
+FAULTS: list[FaultKind] = [k for k in FAULT_KINDS if k != "clear"]
 
 
 def prompts(seed: int) -> list[list[int]]:

@@ -44,6 +44,7 @@ import anyio.abc
 import anyio.from_thread
 import anyio.to_thread
 import grpc
+import msgspec
 import tenacity
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 
@@ -54,7 +55,7 @@ from ._models import EventSource, WorkerStatus
 from ._proto import smg_common_pb2 as pb
 from ._snapshot import Cursor
 from ._source import Action, Apply, Emit, RecreateSubscriber, ResetWorker, SourceMachine
-from ._subscriber import EventSink, RateLimitedLog, SourceStats, SubscriberConfig
+from ._subscriber import EventSink, RateLimitedLog, SourceCounters, SourceStats, SubscriberConfig, apply_items
 from ._tls import TlsConfig
 from ._wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EventBatch, Limits
 
@@ -277,7 +278,10 @@ class GatewayRankDriver:
     ) -> None:
         self.source = source
         self.key = source.key
-        self.machine = SourceMachine(has_replay=False)
+        # One set of counters, shared with the machine (as the ZMQ driver does): SourceStats and
+        # the Prometheus families are derived from its fields.
+        self.counters = SourceCounters()
+        self.machine = SourceMachine(has_replay=False, stats=self.counters)
         self._transport = transport
         self._index = index
         self._sink = sink
@@ -287,15 +291,6 @@ class GatewayRankDriver:
         self._stopped = False
         self._stream: GatewayStream | None = None
         self.connected = False
-        self.messages = 0
-        self.heartbeats = 0
-        self.batches = 0
-        self.blocks = 0
-        self.decode_errors = 0
-        self.unknown_events = 0
-        self.unusable_events = 0
-        self.gaps = 0
-        self.resets = 0
 
     # --- the Driver interface
 
@@ -330,15 +325,10 @@ class GatewayRankDriver:
         """This rank's counters, with its newest engine load record."""
         m = self.machine
         stream = self._stream
+        counters = msgspec.structs.asdict(self.counters)
+        counters["skipped_frames"] = stream.malformed if stream is not None else 0
         return SourceStats(
-            messages=self.messages,
-            batches=self.batches,
-            blocks=self.blocks,
-            decode_errors=self.decode_errors,
-            unknown_events=self.unknown_events + self.unusable_events,
-            skipped_frames=stream.malformed if stream is not None else 0,
-            gaps=self.gaps,
-            resets=self.resets,
+            **counters,
             last_seq=m.last_seq,
             connected=self.connected,
             partial=m.partial,
@@ -364,27 +354,26 @@ class GatewayRankDriver:
 
     def on_batch(self, msg: pb.KvEventBatch) -> None:
         """One batch of this rank's stream."""
-        self.messages += 1
+        c = self.counters
+        c.messages += 1
         if msg.HasField("load"):
             self._transport.loads.update(self.key, _load(msg.load, time.monotonic()))
             if msg.load.load_only:
-                self.heartbeats += 1
-                return
+                return  # a heartbeat: its load is kept, nothing is admitted
         seq = msg.sequence_number
         batch, unknown, unusable = convert_batch(msg, self._limits)
-        self.unknown_events += unknown
-        self.unusable_events += unusable
+        c.unknown_events += unknown + unusable
         if unusable:
             self._log.warn("unusable events", f"{unusable} event(s) of seq {seq} skipped")
         if batch is None:
-            self.decode_errors += 1
+            c.decode_errors += 1
             self._log.warn("undecodable batch", f"seq {seq}: non-finite timestamp or too many events")
         snap = msg.snapshot if msg.HasField("snapshot") else None
         if snap is not None and batch is not None and snap.count > 0 and snap.index == 0:
             self.execute(self.machine.on_resync(seq, batch.ts, batch, partial=snap.unknown_before > 0))
             return
         if snap is not None and not snap.index < snap.count:
-            self.decode_errors += 1
+            c.decode_errors += 1
             self._log.warn("malformed snapshot", f"seq {seq}: chunk {snap.index} of {snap.count}")
             batch = None
         self.execute(self.machine.on_live(seq, batch.ts if batch is not None else 0.0, batch))
@@ -402,7 +391,6 @@ class GatewayRankDriver:
                 self._emit(action.event)
                 changed = True
             elif isinstance(action, ResetWorker):
-                self.resets += 1
                 self._index.remove_worker(self.key)
             elif isinstance(action, RecreateSubscriber):
                 # One stream serves every rank, in the servicer's order: nothing a dead engine
@@ -415,23 +403,10 @@ class GatewayRankDriver:
             self.execute(self.machine.on_reconnected())
 
     def _apply(self, items: Sequence[tuple[int, float, EventBatch]]) -> None:
-        apply_batch, key, sink, src = self._index.apply_batch, self.key, self._sink, self.source
-        emit = sink.active
-        blocks = 0
-        for seq, ts, batch in items:
-            apply_batch(key, batch)
-            for ev in batch.events:
-                if type(ev) is BlockStored:
-                    blocks += len(ev.block_hashes)
-                if emit:
-                    sink.publish(Envelope(source=src, seq=seq, ts=ts, event=ev))
-        self.batches += len(items)
-        self.blocks += blocks
+        self.counters.blocks += apply_items(self._index, self.source, self._sink, items)
 
     def _emit(self, event: LifecycleEvent) -> None:
-        if event.kind == "gap":
-            self.gaps += 1
-        elif isinstance(event, Reset):
+        if isinstance(event, Reset):
             self._log.warn("index state reset", f"{event.reason}: {event.detail}")
         elif isinstance(event, Partial):
             self._log.warn("history incomplete", f"{event.reason}: blocks known from seq {event.first_seq} on")

@@ -50,6 +50,7 @@ __all__ = [
     "SourceStats",
     "SubscriberConfig",
     "COUNTER_FIELDS",
+    "apply_items",
     "described_fields",
     "source_problem",
 ]
@@ -425,6 +426,23 @@ class RateLimitedLog:
         more = self._suppressed.pop(kind, 0)
         suffix = f" ({more} more since the last report)" if more else ""
         self._logger.warning("%s: %s: %s%s", self._who, kind, detail, suffix)
+
+
+def apply_items(
+    index: PrefixIndex, source: EventSource, sink: EventSink, items: Sequence[tuple[int, float, EventBatch]]
+) -> int:
+    """Apply a machine's `Apply` run to the index, fan its events out; the blocks stored (any transport)."""
+    apply_batch, key = index.apply_batch, source.key
+    emit = sink.active
+    blocks = 0
+    for seq, ts, batch in items:
+        apply_batch(key, batch)
+        for ev in batch.events:
+            if type(ev) is BlockStored:
+                blocks += len(ev.block_hashes)
+            if emit:
+                sink.publish(Envelope(source=source, seq=seq, ts=ts, event=ev))
+    return blocks
 
 
 class SourceDriver:
@@ -895,19 +913,7 @@ class SourceDriver:
     def _apply(self, items: Sequence[tuple[int, float, EventBatch]]) -> None:
         if self._stopped:
             return
-        apply_batch, key = self._index.apply_batch, self.key
-        sink = self._sink
-        emit = sink.active
-        src = self.source
-        blocks = 0
-        for seq, ts, batch in items:
-            apply_batch(key, batch)
-            for ev in batch.events:
-                if type(ev) is BlockStored:
-                    blocks += len(ev.block_hashes)
-                if emit:
-                    sink.publish(Envelope(source=src, seq=seq, ts=ts, event=ev))
-        self.counters.blocks += blocks
+        self.counters.blocks += apply_items(self._index, self.source, self._sink, items)
 
     def _emit(self, event: LifecycleEvent) -> None:
         if isinstance(event, Reset):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Final, Literal
+from typing import Final, Literal, get_args
 
 import anyio
 
@@ -35,18 +35,7 @@ FaultKind = Literal[
     "down",
     "clear",
 ]
-FAULT_KINDS: Final[tuple[FaultKind, ...]] = (
-    "drop",
-    "restart",
-    "restart-new-ports",
-    "silent-restart",
-    "kill-replay",
-    "mute-replay",
-    "pause",
-    "hide",
-    "down",
-    "clear",
-)
+FAULT_KINDS: Final[tuple[FaultKind, ...]] = get_args(FaultKind)
 
 #: How often (2 ms apart) a "clear" tries for a moment with no request running (the engine refuses otherwise).
 _CLEAR_TRIES: Final = 1000
