@@ -503,8 +503,10 @@ class KvEventClient:
             )
 
     def _on_discovered(self, target: str, sources: Sequence[EventSource]) -> None:
-        if target not in self._targets:
-            return  # removed while the answer was on its way
+        if self._tg is None or target not in self._targets:
+            # Leaving `async with` (cancellation has not reached this task yet), or the target
+            # was removed while the answer was on its way.
+            return
         current = [self._subs[k].driver.source for k in self._keys_of(target)]
         diff = diff_sources(current, list(sources))
         for src in diff.removed:
