@@ -8,7 +8,8 @@ numbers below refer to them.
 Inputs (each returns ``list[Action]``):
 
 - `start()`: cold start (rule 6). With a replay endpoint: replay from seq 0, holding live
-  batches meanwhile. Without: the first live seq starts the history (partial if > 0).
+  batches meanwhile. Without: the first live seq starts the history (partial if > 0), and the
+  source is synced once connected (no history to fetch; an idle engine sends nothing).
 - `resume(seq, ts)`: warm start instead of `start()`, when the index already holds the
   worker's state through ``seq`` (restored from a snapshot). Nothing is trusted until the
   first connect's identity check (rule 7) vouches for the engine; see `resume`.
@@ -265,7 +266,9 @@ class SourceMachine:
     @property
     def state(self) -> SourceState:
         """ "syncing", "synced" or "resyncing", as `kvroute._models.WorkerStatus.state` means them."""
-        if self._history != "known" or self._identity_question or not self._connected:
+        if self._identity_question or not self._connected:
+            return "syncing"
+        if self._history == "cold" or (self._history == "first-live" and self.has_replay):
             return "syncing"
         req = self.replay_in_flight
         if self._held or (req is not None and req.purpose in ("gap", "retry")):

@@ -118,6 +118,18 @@ async def test_auto_discovery_finds_each_servicer(anyio_backend: str, label: str
 # --- the stream through the client -------------------------------------------------------------------
 
 
+async def test_an_idle_engine_is_synced_without_a_batch(anyio_backend: str) -> None:
+    # The relay streams live events only: an engine that publishes nothing has no history to
+    # wait for, so wait_synced returns (its worker holds nothing, and claims nothing).
+    async with gw(ranks=2) as eng, KvEventClient(targets=[eng.grpc_target]) as client:
+        await client.wait_synced(20)
+        stats = client.stats().sources
+        assert len(stats) == 2 and all(st.state == "synced" and st.batches == 0 for st in stats.values())
+        assert client.index.num_blocks() == 0
+        await traffic(eng, PROMPTS[:4])
+        await settled(client, eng)
+
+
 async def test_multi_rank_live_stream_matches_the_caches(anyio_backend: str) -> None:
     async with gw(ranks=2) as eng, KvEventClient(targets=[eng.grpc_target]) as client:
         await until(lambda: len(client.sources()) == 2 and all(s.connected for s in client.stats().sources.values()))
