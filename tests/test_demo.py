@@ -44,6 +44,16 @@ def test_kvroute_beats_round_robin_by_a_wide_margin(capsys: pytest.CaptureFixtur
     assert kv["prefill_tokens"] < 0.7 * rr["prefill_tokens"]
 
 
+def test_the_fleet_over_gateway_streams_is_indexed_exactly(capsys: pytest.CaptureFixture[str]) -> None:
+    # The same fleet serving the gateway servicer's SubscribeKvEvents stream; routers follow it (no ZMQ).
+    result = _json_demo(capsys, "--engines", "3", "--requests", "120", "--gateway-stream", "--policies", "kvroute")
+    kv = result["kvroute"]
+    assert kv["workers"] == 4 and kv["completed"] == 120 and kv["failed"] == 0
+    assert kv["replays"] == 0 and kv["resets"] == 0  # no replay endpoint in use: the relay fills gaps
+    assert kv["index_blocks"] == kv["engine_blocks"] > 0
+    assert kv["hit_rate"] > 0.55
+
+
 def test_faults_are_recovered_and_the_hit_rate_stays_good(capsys: pytest.CaptureFixture[str]) -> None:
     result = _json_demo(capsys, "--engines", "3", "--requests", "150", "--faults", "--policies", "kvroute")
     kv = result["kvroute"]
@@ -121,6 +131,7 @@ def test_table_progress_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["--policies", "kvroute,fastest"], 2, "policies"),
         (["--trace-block-tokens", "100"], 2, "multiple"),
         (["--trace", "/nonexistent/trace.jsonl"], 1, "cannot open"),
+        (["--gateway-stream", "--faults"], 2, "--faults"),
     ],
 )
 def test_bad_arguments(args: list[str], code: int, message: str, capsys: pytest.CaptureFixture[str]) -> None:

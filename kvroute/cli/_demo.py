@@ -31,6 +31,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests (default 600; with --trace: all records)")
     p.add_argument("--seed", type=int, default=0, help="workload and engine seed (default 0)")
     p.add_argument("--faults", action="store_true", help="inject message drops and an engine restart mid-run")
+    p.add_argument(
+        "--gateway-stream",
+        action="store_true",
+        help="engines serve the gateway servicer's SubscribeKvEvents stream; routers follow it instead of ZMQ",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="save hit rate and TTFT over time per policy (matplotlib)")
     p.add_argument("--trace", metavar="FILE.jsonl", help="replay a Mooncake-format trace instead")
     p.add_argument(
@@ -72,6 +77,7 @@ def _main(args: argparse.Namespace) -> int:
             requests=args.requests,
             seed=args.seed,
             faults=args.faults,
+            gateway_stream=args.gateway_stream,
             policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
             trace=args.trace,
             trace_block_tokens=args.trace_block_tokens,

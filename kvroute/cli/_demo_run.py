@@ -92,14 +92,17 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     ``rate``: synthetic arrivals per second. ``max_tokens``: output tokens per synthetic
     request, and the cap on a trace's output lengths. ``capacity_blocks``: KV blocks per rank
     (default 1,024 synthetic; 32,768 for a trace, an 80 GB GPU's worth for an 8B model).
-    ``quiet_interval``: the subscriber's probe interval (docs/recovery.md rules 7-8; short, so a
-    restart is noticed within the run).
+    ``gateway_stream``: the engines serve the gateway servicer's ``SubscribeKvEvents`` stream
+    (`SimConfig.gateway`) and the routers subscribe to it instead of ZMQ (not with ``faults``,
+    whose drops and restarts are ZMQ faults). ``quiet_interval``: the subscriber's probe
+    interval (docs/recovery.md rules 7-8; short, so a restart is noticed within the run).
     """
 
     engines: int = 4
     requests: int | None = None
     seed: int = 0
     faults: bool = False
+    gateway_stream: bool = False
     policies: tuple[str, ...] = POLICIES
     trace: str | None = None
     trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
@@ -114,6 +117,8 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError(f"--engines must be >= 1, not {self.engines}")
+        if self.gateway_stream and self.faults:
+            raise ValueError("--faults injects ZMQ faults (drops, restarts): not with --gateway-stream")
         if self.requests is not None and self.requests < 1:
             raise ValueError(f"--requests must be >= 1, not {self.requests}")
         unknown = [p for p in self.policies if p not in POLICIES]
@@ -238,6 +243,7 @@ def _fleet(options: DemoOptions, capacity: int, speedup: float) -> list[SimConfi
         configs.append(
             SimConfig(
                 engine="vllm" if engine == "vllm" else "sglang",
+                gateway=("vllm" if engine == "vllm" else "sglang") if options.gateway_stream else None,
                 name=f"{engine}-{i}",
                 ranks=ranks,
                 block_size=options.block_size,
