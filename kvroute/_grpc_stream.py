@@ -48,14 +48,22 @@ import msgspec
 import tenacity
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 
-from ._events import Envelope, LifecycleEvent, Partial, Reset
+from ._events import LifecycleEvent
 from ._index import PrefixIndex
 from ._load import EngineLoad, EngineLoads
 from ._models import EventSource, WorkerStatus
 from ._proto import smg_common_pb2 as pb
 from ._snapshot import Cursor
 from ._source import Action, Apply, Emit, RecreateSubscriber, ResetWorker, SourceMachine
-from ._subscriber import EventSink, RateLimitedLog, SourceCounters, SourceStats, SubscriberConfig, apply_items
+from ._subscriber import (
+    EventSink,
+    RateLimitedLog,
+    SourceCounters,
+    SourceStats,
+    SubscriberConfig,
+    apply_items,
+    emit_lifecycle,
+)
 from ._tls import TlsConfig
 from ._wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EventBatch, Limits
 
@@ -406,11 +414,7 @@ class GatewayRankDriver:
         self.counters.blocks += apply_items(self._index, self.source, self._sink, items)
 
     def _emit(self, event: LifecycleEvent) -> None:
-        if isinstance(event, Reset):
-            self._log.warn("index state reset", f"{event.reason}: {event.detail}")
-        elif isinstance(event, Partial):
-            self._log.warn("history incomplete", f"{event.reason}: blocks known from seq {event.first_seq} on")
-        self._sink.publish(Envelope(source=self.source, seq=None, ts=time.time(), event=event))
+        emit_lifecycle(self._log, self._sink, self.source, event)
 
 
 # --- one stream per target ---------------------------------------------------------------------------

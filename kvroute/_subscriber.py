@@ -51,6 +51,7 @@ __all__ = [
     "SubscriberConfig",
     "COUNTER_FIELDS",
     "apply_items",
+    "emit_lifecycle",
     "described_fields",
     "source_problem",
 ]
@@ -443,6 +444,15 @@ def apply_items(
             if emit:
                 sink.publish(Envelope(source=source, seq=seq, ts=ts, event=ev))
     return blocks
+
+
+def emit_lifecycle(log: RateLimitedLog, sink: EventSink, source: EventSource, event: LifecycleEvent) -> None:
+    """Log a reset or a partial history (rate-limited) and fan the lifecycle event out (any transport)."""
+    if isinstance(event, Reset):
+        log.warn("index state reset", f"{event.reason}: {event.detail}")
+    elif isinstance(event, Partial):
+        log.warn("history incomplete", f"{event.reason}: blocks known from seq {event.first_seq} on")
+    sink.publish(Envelope(source=source, seq=None, ts=time.time(), event=event))
 
 
 class SourceDriver:
@@ -916,8 +926,4 @@ class SourceDriver:
         self.counters.blocks += apply_items(self._index, self.source, self._sink, items)
 
     def _emit(self, event: LifecycleEvent) -> None:
-        if isinstance(event, Reset):
-            self._log.warn("index state reset", f"{event.reason}: {event.detail}")
-        elif isinstance(event, Partial):
-            self._log.warn("history incomplete", f"{event.reason}: blocks known from seq {event.first_seq} on")
-        self._sink.publish(Envelope(source=self.source, seq=None, ts=time.time(), event=event))
+        emit_lifecycle(self._log, self._sink, self.source, event)
