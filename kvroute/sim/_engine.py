@@ -58,8 +58,9 @@ log = logging.getLogger("kvroute.sim")
 # vLLM's KVEventsConfig.max_queue_size default (docs/protocol.md §1), advertised as is.
 _MAX_QUEUE_SIZE = 100_000
 # Attempts at finding free consecutive port ranges (SGLang): another process may take a probed
-# port before it is bound; a few retries make that race irrelevant.
-_PORT_ATTEMPTS = 8
+# port before it is bound, and on a busy machine the port after a free one is often an outgoing
+# connection's (8 attempts failed a CI run beside a parallel test run); each attempt costs microseconds.
+_PORT_ATTEMPTS = 64
 
 
 class _Rank:
