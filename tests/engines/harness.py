@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import zmq
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
@@ -160,6 +161,42 @@ def judge(backend: str, endpoint: str, replay: str, *, worker_id: str, block_siz
 
 # Every configuration run in this process, for the summary the suite prints at the end.
 RESULTS: list[Tally] = []
+
+
+class Suite:
+    """One engine's configurations: each run once (on first use) and recorded in `RESULTS`; its known gaps.
+
+    ``run(config, backend)`` drives the engine and returns its `Tally`. ``known`` maps (engine version
+    or "*", configuration, "over" | "under") to the measured counts of a gap: that case becomes a
+    strict xfail, so a fix fails it until the entry is deleted.
+    """
+
+    def __init__(
+        self,
+        configs: dict[str, tuple[Any, str]],
+        run: Callable[[Any, str], Tally],
+        known: dict[tuple[str, str, str], str],
+        version: str,
+    ) -> None:
+        self.configs = configs
+        self._run = run
+        self._known = known
+        self._version = version
+        self._results: dict[str, Tally] = {}
+
+    def tally(self, name: str) -> Tally:
+        """Configuration ``name``'s counts, running it the first time it is asked for."""
+        if name not in self._results:
+            cfg, backend = self.configs[name]
+            self._results[name] = self._run(cfg, backend)
+            RESULTS.append(self._results[name])
+        return self._results[name]
+
+    def case(self, name: str, side: str) -> object:
+        """A pytest parameter for ``name``, a strict xfail where ``known`` names a gap on ``side``."""
+        reason = self._known.get((self._version, name, side)) or self._known.get(("*", name, side))
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        return pytest.param(name, marks=marks, id=name)
 
 
 def report(tallies: Sequence[Tally], emit: Callable[[str], None] = print) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import sglang_driver
-from harness import RESULTS, Tally
+from harness import Suite
 from sglang_driver import VERSION, Config
 from workload import Namespaces
 
@@ -27,43 +27,29 @@ CONFIGS: dict[str, tuple[Config, str]] = {
 # bigrams failed every batch (294/300 under-claimed). "*" = every version.
 KNOWN: dict[tuple[str, str, str], str] = {}
 
-_results: dict[str, Tally] = {}
-
-
-def _tally(name: str) -> Tally:
-    if name not in _results:
-        cfg, backend = CONFIGS[name]
-        _results[name] = sglang_driver.run(cfg, backend)
-        RESULTS.append(_results[name])
-    return _results[name]
-
-
-def _case(name: str, side: str) -> object:
-    reason = KNOWN.get((VERSION, name, side)) or KNOWN.get(("*", name, side))
-    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-    return pytest.param(name, marks=marks, id=name)
+SUITE = Suite(CONFIGS, sglang_driver.run, KNOWN, VERSION)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", [_case(n, "over") for n in CONFIGS])
+@pytest.mark.parametrize("name", [SUITE.case(n, "over") for n in CONFIGS])
 def test_no_over_claims(name: str) -> None:
     """kvroute never claims more of a prompt than SGLang's own match_prefix finds."""
-    t = _tally(name)
+    t = SUITE.tally(name)
     assert t.admissions > 0
     assert t.over == 0, t.line() + "\n" + "\n".join(t.examples)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", [_case(n, "under") for n in CONFIGS])
+@pytest.mark.parametrize("name", [SUITE.case(n, "under") for n in CONFIGS])
 def test_no_under_claims(name: str) -> None:
     """On a lossless run (every batch delivered) kvroute finds everything SGLang would reuse."""
-    t = _tally(name)
+    t = SUITE.tally(name)
     assert t.hits > 0, "the workload never hit the engine's cache: it proves nothing"
     assert t.under == 0, t.line() + "\n" + "\n".join(t.examples)
 
 
 def test_workload_exercises_evictions_and_reset() -> None:
     """The plain run really evicted and really reset (else its zero counts prove less)."""
-    t = _tally("plain")
+    t = SUITE.tally("plain")
     assert t.events.get("BlockRemoved", 0) > 0
     assert t.events.get("AllBlocksCleared", 0) == 2  # the cache's construction, then the mid-run reset

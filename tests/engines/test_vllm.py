@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import vllm_driver
-from harness import RESULTS, Tally
+from harness import Suite
 from vllm_driver import VERSION, Config, Group
 from workload import Namespaces
 
@@ -51,43 +51,29 @@ KNOWN: dict[tuple[str, str, str], str] = {
     ("*", "mixed-block-sizes-dense", "under"): "19/300 admissions under-claimed (3,104 tokens): copies from block 0",
 }
 
-_results: dict[str, Tally] = {}
-
-
-def _tally(name: str) -> Tally:
-    if name not in _results:
-        cfg, backend = CONFIGS[name]
-        _results[name] = vllm_driver.run(cfg, backend)
-        RESULTS.append(_results[name])
-    return _results[name]
-
-
-def _case(name: str, side: str) -> object:
-    reason = KNOWN.get((VERSION, name, side)) or KNOWN.get(("*", name, side))
-    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-    return pytest.param(name, marks=marks, id=name)
+SUITE = Suite(CONFIGS, vllm_driver.run, KNOWN, VERSION)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", [_case(n, "over") for n in CONFIGS])
+@pytest.mark.parametrize("name", [SUITE.case(n, "over") for n in CONFIGS])
 def test_no_over_claims(name: str) -> None:
     """kvroute never claims more of a prompt than vLLM's own lookup finds cached."""
-    t = _tally(name)
+    t = SUITE.tally(name)
     assert t.admissions > 0
     assert t.over == 0, t.line() + "\n" + "\n".join(t.examples)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", [_case(n, "under") for n in CONFIGS])
+@pytest.mark.parametrize("name", [SUITE.case(n, "under") for n in CONFIGS])
 def test_no_under_claims(name: str) -> None:
     """On a lossless run (every batch delivered) kvroute finds everything vLLM would reuse."""
-    t = _tally(name)
+    t = SUITE.tally(name)
     assert t.hits > 0, "the workload never hit the engine's cache: it proves nothing"
     assert t.under == 0, t.line() + "\n" + "\n".join(t.examples)
 
 
 def test_workload_exercises_evictions_and_reset() -> None:
     """The plain run really evicted and really reset (else its zero counts prove less)."""
-    t = _tally("plain")
+    t = SUITE.tally("plain")
     assert t.events.get("BlockRemoved", 0) > 0
     assert t.events.get("AllBlocksCleared", 0) == 1
