@@ -1,0 +1,75 @@
+//! The events the engines publish, as the wire decoder produces them and the index consumes them.
+//! Field for field the Python Structs of `kvroute/_wire.py` (docs/protocol.md §3).
+
+/// A block hash as an engine sends it, normalised: ints in the uint64 space (SGLang's int64 folded
+/// onto it), bytes kept as sent.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum BlockHash {
+    Int(u64),
+    Bytes(Vec<u8>),
+}
+
+/// A decoded msgpack value that the index looks into but does not type (extra keys, locality, ...).
+#[derive(Clone, Debug, PartialEq, Default)]
+pub enum Value {
+    #[default]
+    Nil,
+    Bool(bool),
+    /// Any msgpack integer (uint64 and int64 both fit).
+    Int(i128),
+    Float(f64),
+    Str(String),
+    Bytes(Vec<u8>),
+    Array(Vec<Value>),
+    /// A map, its pairs in wire order.
+    Map(Vec<(Value, Value)>),
+}
+
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct BlockStored {
+    pub block_hashes: Vec<BlockHash>,
+    pub parent_block_hash: Option<BlockHash>,
+    pub token_ids: Vec<i64>,
+    pub block_size: i64,
+    pub lora_id: Option<i64>,
+    pub medium: Option<String>,
+    pub lora_name: Option<String>,
+    pub extra_keys: Option<Vec<Option<Vec<Value>>>>,
+    pub group_idx: Option<i64>,
+    pub kv_cache_spec_kind: Option<String>,
+    pub kv_cache_spec_sliding_window: Option<i64>,
+    pub locality: Value,
+    pub ownership: Value,
+    pub session_id: Value,
+    pub lookahead_token_ids: Option<Vec<Vec<i64>>>,
+    pub cache_salt: Value,
+    pub origin: Value,
+}
+
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct BlockRemoved {
+    pub block_hashes: Vec<BlockHash>,
+    pub medium: Option<String>,
+    pub group_idx: Option<i64>,
+    pub locality: Value,
+    pub ownership: Value,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    // Boxed: a store is large and most events in a batch are stores anyway.
+    Stored(Box<BlockStored>),
+    Removed(BlockRemoved),
+    Cleared,
+}
+
+/// One published message (`EventBatch`): the events that decoded, per-reason skip counts, and
+/// `untrusted` set when a removal or clear could not be read.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Batch {
+    pub ts: f64,
+    pub events: Vec<Event>,
+    pub data_parallel_rank: Option<i64>,
+    pub skipped: Vec<(String, u64)>,
+    pub untrusted: Option<String>,
+}
