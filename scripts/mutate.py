@@ -3,7 +3,8 @@
 Each `Mutation` replaces one exact piece of source text (it must occur exactly once) with a
 deliberately wrong one. The script copies the repository's tracked files to a temporary
 directory, applies one mutation to the copy, runs the mutation's tests against the copy
-(``PYTHONPATH`` points at it, and the script checks that ``kvroute`` imports from there), and
+(``PYTHONPATH`` points at it, and the script checks that ``kvroute`` imports from there; the
+compiled core is built into the copy, and rebuilt for a mutation of the Rust sources), and
 records which tests fail. The working tree is never modified, so an interrupted run (Ctrl-C,
 SIGTERM, a crash) cannot leave it broken; the copy is removed on the way out. The baseline
 (no mutation) runs first: a test that fails there is reported and ignored.
@@ -253,6 +254,20 @@ def _copy_tree(dest: Path) -> None:
         shutil.copy2(src, target)
 
 
+def _build_core(tree: Path) -> None:
+    """Build ``tree``'s compiled core (src/) into ``tree/kvroute/_core.abi3.so``, where the copy imports it from.
+
+    One cargo target directory serves every copy, so a mutation rebuilds only the kvroute crate.
+    """
+    target = Path(tempfile.gettempdir()) / "kvroute-mutate-target"
+    subprocess.run(
+        ["cargo", "build", "-q", "--release", "--lib", "--features", "extension-module", "--target-dir", str(target)],
+        cwd=tree,
+        check=True,
+    )
+    shutil.copy2(target / "release" / "libkvroute_core.so", tree / "kvroute" / "_core.abi3.so")
+
+
 def _env(tree: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(tree) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -262,15 +277,16 @@ def _env(tree: Path) -> dict[str, str]:
 
 def _check_import(tree: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-c", "import kvroute; print(kvroute.__file__)"],
+        [sys.executable, "-c", "import kvroute, kvroute._core; print(kvroute.__file__); print(kvroute._core.__file__)"],
         cwd=tree,
         env=_env(tree),
         check=True,
         capture_output=True,
         text=True,
-    ).stdout.strip()
-    if not Path(out).resolve().is_relative_to(tree.resolve()):
-        raise SystemExit(f"kvroute imports from {out}, not from the mutated copy {tree}")
+    ).stdout.split()
+    for path in out:
+        if not Path(path).resolve().is_relative_to(tree.resolve()):
+            raise SystemExit(f"kvroute imports {path}, not from the mutated copy {tree}")
 
 
 def _run(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[set[str], set[str], float]:
@@ -352,6 +368,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvroute-mutate-") as tmp:
         pristine = Path(tmp) / "pristine"
         _copy_tree(pristine)
+        _build_core(pristine)
         _check_import(pristine)
         all_tests = tuple(sorted({t for m in chosen for t in m.tests}))
         print(f"baseline: {' '.join(all_tests)}", flush=True)
@@ -371,6 +388,8 @@ def main() -> int:
                 rows.append((m, set(), set(), [], ["(not applied)"]))
                 continue
             path.write_text(text.replace(m.old, m.new))
+            if m.file.startswith("src/"):
+                _build_core(tree)
             failed, passed, took = _run(tree, m.tests, args.timeout)
             if m.engines is not None:
                 node = f"tests/engines::{m.engines}"
