@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the engines' venvs for the conformance suite, once: ~/.cache/kvroute-engines/<engine>-<version>/.
-# Idempotent: a venv whose stamp matches this script's content is reused as is; any edit here rebuilds.
+# Idempotent: a venv whose stamp matches what builds it (the build function, the engine, its package list)
+# is reused as is; an edit to one engine's list rebuilds that engine's venv only.
 # Each venv gets torch 2.13.0 from the package index (a CUDA build that runs on the CPU; pip's cache under
 # ~/.cache/pip keeps the 4.7 GB of it and its nvidia-* libraries for the next venv), the engine with --no-deps and only
 # the packages its cache, request and event-publisher modules import, and kvroute itself (editable), so
@@ -8,7 +9,6 @@
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 root="${KVROUTE_ENGINES_CACHE:-$HOME/.cache/kvroute-engines}"
-stamp_of_script="$(sha256sum "$0" | cut -c1-16)"
 mkdir -p "$root"
 
 # Pinned: what the engines' cache-side imports need, resolved once against vLLM 0.33.0 / SGLang 0.5.23.
@@ -19,11 +19,14 @@ VLLM_DEPS=(packaging==26.4 numpy==2.4.6 msgspec==0.23.0 pyzmq==27.3.0 cbor2==6.3
   fastapi==0.165.0 partial-json-parser==0.2.1.1.post7 llguidance==1.9.1)
 SGLANG_DEPS=(packaging==26.4 numpy==2.4.6 msgspec==0.23.0 pyzmq==27.3.0 psutil==7.2.2 orjson==3.13.0
   pybase64==1.5.1 requests==2.34.2 pillow==13.0.0 starlette==1.10.0 pydantic==2.14.4 tqdm==4.70.1
-  ipython==9.18.1 aiohttp==3.14.5 transformers==5.20.2 dill==0.4.1 triton==3.8.0)
+  ipython==9.18.1 aiohttp==3.14.5 transformers==5.20.2 dill==0.4.1 triton==3.8.0
+  ninja==1.13.0)  # RadixCache's HiCache hash is a C++ extension torch compiles on first use, with ninja
 
 build() {  # build <name> <engine requirement> <deps...>
   local name="$1" req="$2"; shift 2
   local venv="$root/$name"
+  local stamp_of_script
+  stamp_of_script="$( (declare -f build; echo "$name $req $*") | sha256sum | cut -c1-16)"
   if [[ -f "$venv/.stamp" && "$(cat "$venv/.stamp")" == "$stamp_of_script" ]]; then
     echo "[setup] $name: up to date"; return
   fi
