@@ -1,17 +1,18 @@
-"""Running ``kvroute demo``: simulated engines, a shared-prefix workload, kvroute against round-robin and random.
+"""Running ``kvroute demo``: simulated engines, a shared-prefix workload, kvroute against an oracle and baselines.
 
-For each policy the demo starts a fresh, identical fleet of `SimEngine`s on loopback (a mix of
-vLLM- and SGLang-style engines, some with 2 data-parallel ranks), finds them only through their
-gRPC discovery servers, subscribes with a `KvEventClient`, waits until every source is synced,
-then sends the workload. Arrivals follow the workload's times (a conversation's next turn also
-waits for the previous one to finish); every request is its own task, so requests overlap and
-load matters. A policy picks the worker (``kvroute``: `Router.select`, with its load tracking;
-``round_robin`` / ``random``: the baselines), the request runs through the engine's real serving
-path (`SimEngine.complete`), and the engine reports what it found cached and how long it took.
-The router learns only from the engines' ZMQ events. A request that dies with a restarting
-engine is routed again (at most `_ATTEMPTS` times). Each policy's hit rate is also given as a
-share of the workload's reachable hit rate: what an infinite cache that sees every request, in
-arrival order, would find (no assignment of requests to workers can do better).
+For each policy the demo starts a fresh, identical fleet of simulated engines on loopback (a mix of
+vLLM- and SGLang-style engines, some with 2 data-parallel ranks), finds them only through their gRPC
+discovery servers, subscribes with a KvEventClient, waits until every source is synced, then sends
+the workload. Arrivals follow the workload's times (a conversation's next turn also waits for the
+previous one to finish); every request is its own task, so requests overlap and load matters. The
+policies: kvroute (the Router, learning only from the engines' KV events, with its load tracking);
+oracle (the same cost model over the engines' true caches: what kvroute could reach on this fleet);
+session_affinity (consistent hashing of the prompt's first 1,024 tokens); least_load (fewest
+requests in flight); round_robin and random. A request that dies with a restarting engine is routed
+again (at most 3 times). Hit rates are given as a share of the oracle's (capacity-aware: this
+fleet's caches, evictions and timing) and of the workload's infinite-cache bound (every earlier
+prompt cached; no router can do better). Requests run concurrently, so two runs with the same
+--seed place some requests differently and their figures differ by a few percent.
 
 ``faults=True`` injects, at the same points of every policy's run, live-message drops on one
 engine (recovered through replay) and a restart of another (its index state is reset and
@@ -24,20 +25,20 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import random
 import sys
 import time
 import types
 from collections import Counter
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol, TextIO
+from typing import NamedTuple, TextIO
 
 import anyio
 import msgspec
 
-from kvroute import Envelope, KvEventClient, Reset, Router, SubscriberConfig, Synced, WorkerKey
+from kvroute import Envelope, KvEventClient, Reset, SubscriberConfig, Synced, WorkerKey
 from kvroute.sim import CapacityError, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
 
+from ._demo_policies import POLICIES, Policy, make_policy
 from ._demo_report import (
     DemoResult,
     FaultNote,
@@ -46,19 +47,21 @@ from ._demo_report import (
     RequestRecord,
     make_reporter,
     percentile,
+    with_oracle_shares,
 )
 from ._workload import (
     MOONCAKE_BLOCK_TOKENS,
+    TRACE_SHAPES,
     WorkloadConfig,
     WorkloadRequest,
+    generate_mooncake_trace,
     generate_workload,
     reachable_hits,
     read_mooncake_trace,
+    trace_requests,
 )
 
 __all__ = ["POLICIES", "DemoOptions", "run_demo"]
-
-POLICIES = ("kvroute", "round_robin", "random")
 
 # The fleet's shape, cycled: (engine style, data-parallel ranks). Both engines, both rank counts.
 _FLEET = (("vllm", 2), ("sglang", 1), ("vllm", 1), ("sglang", 2))
@@ -78,6 +81,8 @@ _TRACE_CAPACITY = 32768
 # A trace replays 10x faster than recorded, engines included (`DemoOptions.speedup`): minutes of
 # trace in a demo's time, at the load the trace put on its fleet.
 _TRACE_SPEEDUP = 10.0
+# Records of a generated trace (--trace-shape): a minute or two of trace, ~15 s of demo per policy.
+_DEFAULT_TRACE_RECORDS = 400
 
 
 class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,7 +91,9 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     ``engines``: engines per fleet (cycling vLLM with 2 ranks, SGLang, vLLM, SGLang with 2 ranks).
     ``requests``: synthetic requests (default 600), or the first N trace records (default all).
     ``trace``: a Mooncake JSON-lines trace to replay instead of the synthetic workload, each
-    hash id expanded to ``trace_block_tokens`` tokens. ``speedup``: a trace runs that many
+    hash id expanded to ``trace_block_tokens`` tokens. ``trace_shape``: replay a generated
+    Mooncake-format trace of that shape instead (`generate_mooncake_trace`; ``requests`` records,
+    default 400). ``speedup``: a trace runs that many
     times faster than recorded (default 10): inter-arrival times and the engines' prefill and
     decode step times are all divided by it, so the fleet carries the trace's own load.
     ``rate``: synthetic arrivals per second. ``max_tokens``: output tokens per synthetic
@@ -105,6 +112,7 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     gateway_stream: bool = False
     policies: tuple[str, ...] = POLICIES
     trace: str | None = None
+    trace_shape: str | None = None
     trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
     speedup: float | None = None
     rate: float = WorkloadConfig().rate
@@ -117,6 +125,10 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError(f"--engines must be >= 1, not {self.engines}")
+        if self.trace is not None and self.trace_shape is not None:
+            raise ValueError("--trace and --trace-shape are alternatives: give one")
+        if self.trace_shape is not None and self.trace_shape not in TRACE_SHAPES:
+            raise ValueError(f"--trace-shape must be one of {', '.join(TRACE_SHAPES)}, not {self.trace_shape!r}")
         if self.gateway_stream and self.faults:
             raise ValueError("--faults injects ZMQ faults (drops, restarts): not with --gateway-stream")
         if self.requests is not None and self.requests < 1:
@@ -134,53 +146,6 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
         speedup = 1.0 if self.speedup is None else self.speedup
         if not (speedup > 0 and self.rate > 0 and self.quiet_interval > 0 and self.sync_timeout > 0):
             raise ValueError("speedup, rate, quiet_interval and sync_timeout must be > 0")
-
-
-# --- policies -------------------------------------------------------------------------------------
-
-
-class _Policy(Protocol):
-    def choose(self, request_id: object, token_ids: Sequence[int]) -> WorkerKey: ...
-
-    def finished(self, request_id: object) -> None: ...
-
-
-class _KvRoutePolicy:
-    def __init__(self, router: Router) -> None:
-        self._router = router
-
-    def choose(self, request_id: object, token_ids: Sequence[int]) -> WorkerKey:
-        return self._router.select(token_ids, request_id=request_id).worker
-
-    def finished(self, request_id: object) -> None:
-        self._router.on_finish(request_id)
-
-
-class _RoundRobinPolicy:
-    def __init__(self, client: KvEventClient) -> None:
-        self._client = client
-        self._next = 0
-
-    def choose(self, request_id: object, token_ids: Sequence[int]) -> WorkerKey:
-        workers = sorted(self._client.live_workers())
-        worker = workers[self._next % len(workers)]
-        self._next += 1
-        return worker
-
-    def finished(self, request_id: object) -> None:
-        return None
-
-
-class _RandomPolicy:
-    def __init__(self, client: KvEventClient, seed: int) -> None:
-        self._client = client
-        self._rng = random.Random(seed)
-
-    def choose(self, request_id: object, token_ids: Sequence[int]) -> WorkerKey:
-        return self._rng.choice(sorted(self._client.live_workers()))
-
-    def finished(self, request_id: object) -> None:
-        return None
 
 
 # --- measuring ------------------------------------------------------------------------------------
@@ -267,7 +232,7 @@ class _PolicyRun:
     def __init__(
         self,
         name: str,
-        policy: _Policy,
+        policy: Policy,
         engines: Sequence[SimEngine],
         client: KvEventClient,
         reporter: Reporter,
@@ -377,14 +342,6 @@ class _PolicyRun:
         self.reporter.update(self.name, len(tally.records), tally.hit_rate, percentile(tally.ttfts, 50))
 
 
-def _policy(name: str, options: DemoOptions, client: KvEventClient) -> _Policy:
-    if name == "kvroute":
-        return _KvRoutePolicy(Router(client.index, states=client, block_size=options.block_size, seed=options.seed))
-    if name == "round_robin":
-        return _RoundRobinPolicy(client)
-    return _RandomPolicy(client, options.seed)
-
-
 async def _run_policy(
     policy_name: str,
     options: DemoOptions,
@@ -402,7 +359,8 @@ async def _run_policy(
         config = SubscriberConfig(quiet_interval=options.quiet_interval, events_buffer=100_000)
         client = await stack.enter_async_context(KvEventClient(targets=targets, config=config))
         await client.wait_synced(options.sync_timeout)
-        run = _PolicyRun(policy_name, _policy(policy_name, options, client), engines, client, reporter)
+        policy = make_policy(policy_name, client, engines, block_size=options.block_size, seed=options.seed)
+        run = _PolicyRun(policy_name, policy, engines, client, reporter)
         await run.run(workload, _fault_plan(engines, len(workload)) if options.faults else {}, options.sync_timeout)
         stats = client.stats()
         index_memory = _deep_size(client.index)
@@ -445,6 +403,7 @@ async def _run_policy(
         workers=workers,
         wall_time=round(time.perf_counter() - started, 2),
         faults=[_recovery(t, fault, lifecycle) for t, fault in faults],
+        transport="gateway" if options.gateway_stream else "zmq",
     )
     return result, tally.records
 
@@ -526,14 +485,22 @@ def _recovery(t: float, fault: _Fault, lifecycle: Sequence[_Lifecycle]) -> Fault
 
 def _workload(options: DemoOptions) -> tuple[list[WorkloadRequest], int, float]:
     """The requests, KV blocks per rank, and how much faster than recorded the run goes."""
+    speedup = options.speedup or _TRACE_SPEEDUP
     if options.trace is not None:
-        speedup = options.speedup or _TRACE_SPEEDUP
         workload = read_mooncake_trace(
             options.trace,
             block_tokens=options.trace_block_tokens,
             limit=options.requests,
             speedup=speedup,
             max_tokens=options.max_tokens,
+        )
+        return workload, options.capacity_blocks or _TRACE_CAPACITY, speedup
+    if options.trace_shape is not None:
+        records = generate_mooncake_trace(
+            options.trace_shape, options.requests or _DEFAULT_TRACE_RECORDS, seed=options.seed
+        )
+        workload = trace_requests(
+            records, block_tokens=options.trace_block_tokens, speedup=speedup, max_tokens=options.max_tokens
         )
         return workload, options.capacity_blocks or _TRACE_CAPACITY, speedup
     config = WorkloadConfig(
@@ -568,6 +535,7 @@ async def run_demo(
             )
     finally:
         display.stop()
+    results = with_oracle_shares(results)
     kinds = Counter(r.kind for r in workload)
     shape = {"requests": len(workload), "prompt_tokens": sum(len(r.token_ids) for r in workload), **kinds}
     return DemoResult(
