@@ -54,7 +54,19 @@ class Policy(Protocol):
 
     def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey: ...
 
+    def prefill_done(self, request_id: Hashable) -> None: ...
+
     def finished(self, request_id: Hashable) -> None: ...
+
+
+class _Baseline:
+    """A policy that tracks nothing past its choice."""
+
+    def prefill_done(self, request_id: Hashable) -> None:
+        return None
+
+    def finished(self, request_id: Hashable) -> None:
+        return None
 
 
 class KvRoutePolicy:
@@ -65,6 +77,9 @@ class KvRoutePolicy:
 
     def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
         return self.router.select(token_ids, request_id=request_id).worker
+
+    def prefill_done(self, request_id: Hashable) -> None:
+        self.router.on_prefill_done(request_id)
 
     def finished(self, request_id: Hashable) -> None:
         self.router.on_finish(request_id)
@@ -82,9 +97,10 @@ class OraclePolicy:
     """kvroute's cost model and load tracking over the engines' true caches (module docstring).
 
     Cost per worker = ``cost.cost(prefill_blocks, load_blocks)`` as `Router` prices it: prefill is the
-    prompt minus the worker's cached leading blocks, load the tokens its in-flight requests did not find
-    cached, both in blocks of ``block_size``. Lowest wins; exact ties at random. ``decisions`` keeps
-    every decision's figures (`OracleDecision`), so a test can check it.
+    prompt minus the worker's cached leading blocks, load the tokens its in-flight requests did not
+    find cached (until their first token, `Router.on_prefill_done`), both in blocks of ``block_size``.
+    Lowest wins; exact ties at random. ``decisions`` keeps every decision's figures
+    (`OracleDecision`), so a test can check it.
     """
 
     def __init__(
@@ -132,20 +148,28 @@ class OraclePolicy:
         self._load[worker] = self._load.get(worker, 0) + tokens
         return worker
 
+    def prefill_done(self, request_id: Hashable) -> None:
+        worker, tokens = self._active[request_id]
+        self._active[request_id] = (worker, 0)
+        self._release(worker, tokens)
+
     def finished(self, request_id: Hashable) -> None:
         worker, tokens = self._active.pop(request_id)
-        left = self._load[worker] - tokens
+        self._release(worker, tokens)
+
+    def _release(self, worker: WorkerKey, tokens: int) -> None:
+        left = self._load.get(worker, 0) - tokens
         if left:
             self._load[worker] = left
         else:
-            del self._load[worker]
+            self._load.pop(worker, None)
 
 
 def _ring_hash(data: bytes) -> int:
     return int(xxhash.xxh64_intdigest(data))
 
 
-class SessionAffinityPolicy:
+class SessionAffinityPolicy(_Baseline):
     """Consistent hashing of the prompt's first ``affinity_tokens`` tokens onto a ring of the live workers.
 
     Each worker owns ``_VNODES`` points of a 64-bit ring; a prompt goes to the owner of the first point at
@@ -174,9 +198,6 @@ class SessionAffinityPolicy:
         i = bisect.bisect_left(self._points, key)
         return self._owners[i % len(self._owners)]
 
-    def finished(self, request_id: Hashable) -> None:
-        return None
-
 
 class LeastLoadPolicy:
     """The live worker with the fewest requests in flight through this policy; ties at random."""
@@ -195,12 +216,15 @@ class LeastLoadPolicy:
         self._active[request_id] = worker
         return worker
 
+    def prefill_done(self, request_id: Hashable) -> None:
+        return None  # least outstanding requests: a request counts until it ends
+
     def finished(self, request_id: Hashable) -> None:
         worker = self._active.pop(request_id)
         self._count[worker] -= 1
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(_Baseline):
     """The live workers in turn."""
 
     def __init__(self, client: KvEventClient) -> None:
@@ -213,11 +237,8 @@ class RoundRobinPolicy:
         self._next += 1
         return worker
 
-    def finished(self, request_id: Hashable) -> None:
-        return None
 
-
-class RandomPolicy:
+class RandomPolicy(_Baseline):
     """A live worker uniformly at random."""
 
     def __init__(self, client: KvEventClient, seed: int | None = None) -> None:
@@ -226,9 +247,6 @@ class RandomPolicy:
 
     def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
         return self._rng.choice(sorted(self._client.live_workers()))
-
-    def finished(self, request_id: Hashable) -> None:
-        return None
 
 
 def make_policy(

@@ -36,7 +36,7 @@ import anyio
 import msgspec
 
 from kvroute import Envelope, KvEventClient, Reset, SubscriberConfig, Synced, WorkerKey
-from kvroute.sim import CapacityError, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
+from kvroute.sim import CapacityError, Completion, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
 
 from ._demo_policies import POLICIES, Policy, make_policy
 from ._demo_report import (
@@ -308,7 +308,7 @@ class _PolicyRun:
             tally.decisions_ns.append(time.perf_counter_ns() - t)
             engine = self.by_target[worker.worker_id]
             try:
-                done = await engine.complete(req.token_ids, req.max_tokens, rank=worker.dp_rank)
+                done = await self._stream(engine, worker, rid, req)
             except RequestAbortedError:
                 tally.retried += 1
                 continue
@@ -336,6 +336,19 @@ class _PolicyRun:
             self._progress()
             return
         tally.failed += 1
+
+    async def _stream(self, engine: SimEngine, worker: WorkerKey, rid: object, req: WorkloadRequest) -> Completion:
+        """Run ``req`` on ``worker``, streamed: the first token tells the policy its prefill is done."""
+        running = engine.submit(req.token_ids, req.max_tokens, rank=worker.dp_rank, stream=True)
+        try:
+            first = True
+            async for _ in running.tokens():
+                if first:
+                    first = False
+                    self.policy.prefill_done(rid)
+            return await running.result()
+        finally:
+            engine.abort(running)
 
     def _progress(self) -> None:
         tally = self.tally

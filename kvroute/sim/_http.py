@@ -14,6 +14,7 @@ will not take (chunked request bodies get 411, as servers that need a length ans
   or the ``data_parallel_rank`` field (SGLang), else the least loaded rank. It answers after
   the simulated time with ``usage.prompt_tokens_details.cached_tokens``, plus a ``sim``
   object (rank, queue time, TTFT, latency in seconds).
+- ``GET /metrics``: Prometheus gauges per rank under the engine's own names (`SimEngine.prometheus_metrics`).
 - ``GET /health``, ``GET /v1/models``, ``GET /kv_event_sources`` (vLLM's HTTP mirror of gRPC
   discovery), ``GET /get_server_info`` (SGLang), ``POST /reset_prefix_cache`` (vLLM) and
   ``POST /flush_cache`` (SGLang): reset every rank's prefix cache (AllBlocksCleared).
@@ -437,6 +438,8 @@ class ServedEngine(Protocol):
 
     def reset_prefix_cache(self) -> bool: ...
 
+    def prometheus_metrics(self) -> str: ...
+
 
 class EngineApp:
     """The HTTP routes of a `SimEngine` (module docstring); pass `handle` to an `HttpServer`."""
@@ -448,6 +451,7 @@ class EngineApp:
             "/v1/completions": {"POST": self._completions},
             "/health": {"GET": self._health},
             "/v1/models": {"GET": self._models},
+            "/metrics": {"GET": self._metrics},
             "/reset_prefix_cache": {"POST": self._reset},
             "/flush_cache": {"POST": self._reset, "GET": self._reset},
         }
@@ -485,6 +489,10 @@ class EngineApp:
             for name in cfg.lora_names
         ]
         await respond.send(200, _json.encode(_ModelList("list", cards)))
+
+    async def _metrics(self, request: HttpRequest, respond: Responder) -> None:
+        body = self.engine.prometheus_metrics().encode()
+        await respond.send(200, body, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _kv_event_sources(self, request: HttpRequest, respond: Responder) -> None:
         await respond.send(200, _json.encode(self.engine.kv_events_configs()))
