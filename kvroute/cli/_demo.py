@@ -72,6 +72,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         " what an 80 GB GPU holds for an 8B model)",
     )
     p.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=1.0,
+        help="CostModel.overlap_weight of kvroute and the oracle: prefill saved against load (default 1.0)",
+    )
+    p.add_argument(
         "--policies",
         default=",".join(POLICIES),
         help=f"comma-separated policies to run, in order (default {','.join(POLICIES)})",
@@ -96,6 +102,7 @@ def _main(args: argparse.Namespace) -> int:
             rate=args.rate,
             max_tokens=args.max_tokens,
             capacity_blocks=args.capacity_blocks,
+            overlap_weight=args.overlap_weight,
         )
     except ValueError as exc:
         return error("demo", exc, EXIT_USAGE)

@@ -256,13 +256,17 @@ def make_policy(
     *,
     block_size: int,
     seed: int | None,
+    cost: CostModel | None = None,
 ) -> Policy:
-    """The policy called ``name`` (one of `POLICIES`) for a fleet of ``engines`` followed by ``client``."""
+    """The policy called ``name`` (one of `POLICIES`) for a fleet of ``engines`` followed by ``client``.
+
+    ``cost``: the cost model of ``kvroute`` and ``oracle`` (default `CostModel()`).
+    """
     if name == "kvroute":
-        return KvRoutePolicy(Router(client.index, states=client, block_size=block_size, seed=seed))
+        return KvRoutePolicy(Router(client.index, states=client, block_size=block_size, seed=seed, cost=cost))
     if name == "oracle":
         by_target = {e.grpc_target: e for e in engines if e.grpc_target is not None}
-        return OraclePolicy(client, by_target, block_size=block_size, seed=seed)
+        return OraclePolicy(client, by_target, block_size=block_size, seed=seed, cost=cost)
     if name == "session_affinity":
         return SessionAffinityPolicy(client)
     if name == "least_load":

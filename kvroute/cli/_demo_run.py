@@ -35,7 +35,7 @@ from typing import NamedTuple, TextIO
 import anyio
 import msgspec
 
-from kvroute import Envelope, KvEventClient, Reset, SubscriberConfig, Synced, WorkerKey
+from kvroute import CostModel, Envelope, KvEventClient, Reset, SubscriberConfig, Synced, WorkerKey
 from kvroute.sim import CapacityError, Completion, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
 
 from ._demo_policies import POLICIES, Policy, make_policy
@@ -99,6 +99,8 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     ``rate``: synthetic arrivals per second. ``max_tokens``: output tokens per synthetic
     request, and the cap on a trace's output lengths. ``capacity_blocks``: KV blocks per rank
     (default 1,024 synthetic; 32,768 for a trace, an 80 GB GPU's worth for an 8B model).
+    ``overlap_weight``: `CostModel.overlap_weight` of the kvroute and oracle policies (prefill
+    saved against load; above 1 keeps a conversation on its cache through more load).
     ``gateway_stream``: the engines serve the gateway servicer's ``SubscribeKvEvents`` stream
     (`SimConfig.gateway`) and the routers subscribe to it instead of ZMQ (not with ``faults``,
     whose drops and restarts are ZMQ faults). ``quiet_interval``: the subscriber's probe
@@ -118,6 +120,7 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     rate: float = WorkloadConfig().rate
     max_tokens: int = 16
     block_size: int = 16
+    overlap_weight: float = 1.0
     capacity_blocks: int | None = None
     quiet_interval: float = 0.5
     sync_timeout: float = 20.0
@@ -141,6 +144,8 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
                 f"the trace block ({self.trace_block_tokens} tokens) must be a multiple of the engines' block size"
                 f" ({self.block_size}), so equal hash ids fill equal engine blocks"
             )
+        if not 0 <= self.overlap_weight < float("inf"):
+            raise ValueError(f"--overlap-weight must be >= 0 and finite, not {self.overlap_weight}")
         if self.max_tokens < 1 or (self.capacity_blocks is not None and self.capacity_blocks < 1):
             raise ValueError("max_tokens and capacity_blocks must be >= 1")
         speedup = 1.0 if self.speedup is None else self.speedup
@@ -372,7 +377,14 @@ async def _run_policy(
         config = SubscriberConfig(quiet_interval=options.quiet_interval, events_buffer=100_000)
         client = await stack.enter_async_context(KvEventClient(targets=targets, config=config))
         await client.wait_synced(options.sync_timeout)
-        policy = make_policy(policy_name, client, engines, block_size=options.block_size, seed=options.seed)
+        policy = make_policy(
+            policy_name,
+            client,
+            engines,
+            block_size=options.block_size,
+            seed=options.seed,
+            cost=CostModel(overlap_weight=options.overlap_weight),
+        )
         run = _PolicyRun(policy_name, policy, engines, client, reporter)
         await run.run(workload, _fault_plan(engines, len(workload)) if options.faults else {}, options.sync_timeout)
         stats = client.stats()
