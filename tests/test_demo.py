@@ -176,3 +176,16 @@ def test_generated_trace_shares_of_the_oracle(capsys: pytest.CaptureFixture[str]
         # No router beats an infinite cache.
         assert r["hit_rate"] <= r["reachable_hit_rate"]
     assert kv["oracle_share"] > 0.85 and kv["oracle_share"] > least["oracle_share"]
+
+
+def test_router_replicas_agree_and_engine_load_spreads(capsys: pytest.CaptureFixture[str]) -> None:
+    # kvroute as 2 router processes, the requests spread over them: router-only load, then engine load.
+    result = _json_demo(capsys, "--engines", "2", "--requests", "60", "--replicas", "2", "--policies", "kvroute")
+    assert list(result) == ["kvroute_x2_router_load", "kvroute_x2_engine_load"]
+    for r in result.values():
+        assert r["replicas"] == 2 and r["transport"] == "gateway"
+        assert r["completed"] == 60 and r["failed"] == 0
+        # Each replica's index and the demo's own client's: three digests, one value, at quiescence.
+        assert len(r["index_digests"]) == 3 and len(set(r["index_digests"])) == 1, r["index_digests"]
+        assert r["index_blocks"] == r["engine_blocks"] > 0
+        assert r["hit_rate"] > 0.4

@@ -72,6 +72,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         " what an 80 GB GPU holds for an 8B model)",
     )
     p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="run kvroute as N router processes, requests spread over them, with router-only and with engine"
+        " load (the fleet then serves gateway streams); default 1",
+    )
+    p.add_argument(
         "--overlap-weight",
         type=float,
         default=1.0,
@@ -103,6 +110,7 @@ def _main(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             capacity_blocks=args.capacity_blocks,
             overlap_weight=args.overlap_weight,
+            replicas=args.replicas,
         )
     except ValueError as exc:
         return error("demo", exc, EXIT_USAGE)

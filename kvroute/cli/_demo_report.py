@@ -100,6 +100,8 @@ class PolicyResult(msgspec.Struct, frozen=True, kw_only=True):
     wall_time: float
     faults: list[FaultNote] = msgspec.field(default_factory=list)
     transport: str = "zmq"
+    replicas: int = 1
+    index_digests: list[str] = msgspec.field(default_factory=list)
     oracle_hit_rate: float | None = None
     oracle_share: float | None = None
     oracle_ttft_ratio: float | None = None
@@ -278,6 +280,13 @@ def _fmt_bytes(n: int) -> str:
     return f"{n:.1f} GiB"
 
 
+def _replicas(r: PolicyResult) -> str:
+    if r.replicas <= 1:
+        return "1"
+    agree = "equal" if len(set(r.index_digests)) == 1 else "differ"
+    return f"{r.replicas} ({agree}: {r.index_digests[0][:8] if r.index_digests else '-'})"
+
+
 _ROWS: tuple[tuple[str, Callable[[PolicyResult], str]], ...] = (
     ("prefix-cache hit rate", lambda r: f"{r.hit_rate:.1%}"),
     ("share of the oracle's hits ¹", lambda r: f"{r.oracle_share:.0%}" if r.oracle_share is not None else "-"),
@@ -293,6 +302,7 @@ _ROWS: tuple[tuple[str, Callable[[PolicyResult], str]], ...] = (
     ("events applied (batches / blocks)", lambda r: f"{r.batches_applied:,} / {r.blocks_stored:,}"),
     ("gaps / replays / resets", lambda r: f"{r.gaps} / {r.replays} / {r.resets}"),
     ("completed / retried / failed", lambda r: f"{r.completed} / {r.retried} / {r.failed + r.rejected}"),
+    ("router replicas (indexes at the end)", _replicas),
     ("wall time", lambda r: f"{r.wall_time:.1f} s"),
 )
 
@@ -361,7 +371,15 @@ def _notes(result: DemoResult) -> list[str]:
         "Requests run concurrently: the same --seed gives figures a few percent apart from run to run.",
     ]
     if first is not None and first.transport == "gateway":
-        notes.append("Events followed over the gateway servicer's SubscribeKvEvents stream (--gateway-stream).")
+        notes.append(
+            "Events and the engines' load followed over the gateway servicer's SubscribeKvEvents stream"
+            " (--gateway-stream, or --replicas)."
+        )
+    if any(p.replicas > 1 for p in result.policies.values()):
+        notes.append(
+            "kvroute_xN_router_load / _engine_load: N router processes, requests spread over them in turn, each"
+            " pricing only its own requests / also the engines' reported queues; indexes compared by digest."
+        )
     return notes
 
 

@@ -29,8 +29,8 @@ import sys
 import time
 import types
 from collections import Counter
-from collections.abc import Sequence
-from typing import NamedTuple, TextIO
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple, Protocol, TextIO
 
 import anyio
 import msgspec
@@ -39,6 +39,7 @@ from kvroute import CostModel, Envelope, KvEventClient, Reset, SubscriberConfig,
 from kvroute.sim import CapacityError, Completion, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
 
 from ._demo_policies import POLICIES, Policy, make_policy
+from ._demo_replica import LOAD_MODES, ReplicaPolicy, index_digest
 from ._demo_report import (
     DemoResult,
     FaultNote,
@@ -83,6 +84,8 @@ _TRACE_CAPACITY = 32768
 _TRACE_SPEEDUP = 10.0
 # Records of a generated trace (--trace-shape): a minute or two of trace, ~15 s of demo per policy.
 _DEFAULT_TRACE_RECORDS = 400
+# Run names of kvroute with --replicas: kvroute_x<N>_<load>_load, one per `LOAD_MODES` entry.
+_REPLICATED = "kvroute_x"
 
 
 class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,6 +102,9 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     ``rate``: synthetic arrivals per second. ``max_tokens``: output tokens per synthetic
     request, and the cap on a trace's output lengths. ``capacity_blocks``: KV blocks per rank
     (default 1,024 synthetic; 32,768 for a trace, an 80 GB GPU's worth for an 8B model).
+    ``replicas``: with more than 1, kvroute runs as that many router processes, the requests spread
+    over them (`ReplicaPolicy`), twice: pricing only their own requests, then the engines' reported
+    load too; the fleet serves gateway streams (the engines' load records) for both.
     ``overlap_weight``: `CostModel.overlap_weight` of the kvroute and oracle policies (prefill
     saved against load; above 1 keeps a conversation on its cache through more load).
     ``gateway_stream``: the engines serve the gateway servicer's ``SubscribeKvEvents`` stream
@@ -113,6 +119,7 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     faults: bool = False
     gateway_stream: bool = False
     policies: tuple[str, ...] = POLICIES
+    replicas: int = 1
     trace: str | None = None
     trace_shape: str | None = None
     trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
@@ -132,6 +139,8 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--trace and --trace-shape are alternatives: give one")
         if self.trace_shape is not None and self.trace_shape not in TRACE_SHAPES:
             raise ValueError(f"--trace-shape must be one of {', '.join(TRACE_SHAPES)}, not {self.trace_shape!r}")
+        if self.replicas < 1 or (self.replicas > 1 and self.faults):
+            raise ValueError(f"--replicas must be >= 1 (and not with --faults), not {self.replicas}")
         if self.gateway_stream and self.faults:
             raise ValueError("--faults injects ZMQ faults (drops, restarts): not with --gateway-stream")
         if self.requests is not None and self.requests < 1:
@@ -213,7 +222,9 @@ def _fleet(options: DemoOptions, capacity: int, speedup: float) -> list[SimConfi
         configs.append(
             SimConfig(
                 engine="vllm" if engine == "vllm" else "sglang",
-                gateway=("vllm" if engine == "vllm" else "sglang") if options.gateway_stream else None,
+                gateway=("vllm" if engine == "vllm" else "sglang")
+                if options.gateway_stream or options.replicas > 1
+                else None,
                 name=f"{engine}-{i}",
                 ranks=ranks,
                 block_size=options.block_size,
@@ -224,6 +235,32 @@ def _fleet(options: DemoOptions, capacity: int, speedup: float) -> list[SimConfi
             )
         )
     return configs
+
+
+class AsyncPolicy(Protocol):
+    """What a run asks of a policy; in-process policies are wrapped (`_InProcess`), replicas answer over pipes."""
+
+    async def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey: ...
+
+    async def prefill_done(self, request_id: Hashable) -> None: ...
+
+    async def finished(self, request_id: Hashable) -> None: ...
+
+
+class _InProcess:
+    """A `Policy` of this process behind the async interface a run uses."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+
+    async def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
+        return self.policy.choose(request_id, token_ids)
+
+    async def prefill_done(self, request_id: Hashable) -> None:
+        self.policy.prefill_done(request_id)
+
+    async def finished(self, request_id: Hashable) -> None:
+        self.policy.finished(request_id)
 
 
 class _PolicyRun:
@@ -237,7 +274,7 @@ class _PolicyRun:
     def __init__(
         self,
         name: str,
-        policy: Policy,
+        policy: AsyncPolicy,
         engines: Sequence[SimEngine],
         client: KvEventClient,
         reporter: Reporter,
@@ -309,7 +346,7 @@ class _PolicyRun:
         for attempt in range(_ATTEMPTS):
             rid = (req.id, attempt)
             t = time.perf_counter_ns()
-            worker = self.policy.choose(rid, req.token_ids)
+            worker = await self.policy.choose(rid, req.token_ids)
             tally.decisions_ns.append(time.perf_counter_ns() - t)
             engine = self.by_target[worker.worker_id]
             try:
@@ -321,7 +358,7 @@ class _PolicyRun:
                 tally.rejected += 1
                 return
             finally:
-                self.policy.finished(rid)
+                await self.policy.finished(rid)
             tally.prompt += done.prompt_tokens
             tally.cached += done.cached_tokens
             tally.ttfts.append(done.ttft)
@@ -350,7 +387,7 @@ class _PolicyRun:
             async for _ in running.tokens():
                 if first:
                     first = False
-                    self.policy.prefill_done(rid)
+                    await self.policy.prefill_done(rid)
             return await running.result()
         finally:
             engine.abort(running)
@@ -377,16 +414,45 @@ async def _run_policy(
         config = SubscriberConfig(quiet_interval=options.quiet_interval, events_buffer=100_000)
         client = await stack.enter_async_context(KvEventClient(targets=targets, config=config))
         await client.wait_synced(options.sync_timeout)
-        policy = make_policy(
-            policy_name,
-            client,
-            engines,
-            block_size=options.block_size,
-            seed=options.seed,
-            cost=CostModel(overlap_weight=options.overlap_weight),
-        )
+        replicas: ReplicaPolicy | None = None
+        policy: AsyncPolicy
+        if policy_name.startswith(_REPLICATED):
+            load = policy_name.rsplit("_", 2)[-2]  # kvroute_xN_<load>_load
+            replicas = await stack.enter_async_context(
+                ReplicaPolicy(
+                    targets,
+                    replicas=options.replicas,
+                    load=load,
+                    block_size=options.block_size,
+                    overlap_weight=options.overlap_weight,
+                    seed=options.seed,
+                )
+            )
+            policy = replicas
+        else:
+            policy = _InProcess(
+                make_policy(
+                    policy_name,
+                    client,
+                    engines,
+                    block_size=options.block_size,
+                    seed=options.seed,
+                    cost=CostModel(overlap_weight=options.overlap_weight),
+                )
+            )
         run = _PolicyRun(policy_name, policy, engines, client, reporter)
         await run.run(workload, _fault_plan(engines, len(workload)) if options.faults else {}, options.sync_timeout)
+        digests: list[str] = []
+        if replicas is not None:
+            # Quiescent: the last batches may still be on their way to some index. Asked again until they
+            # agree, for at most 10 s; digests that still differ then are reported as they are.
+            prompts = [r.token_ids for r in workload]
+            with anyio.move_on_after(10):
+                while len(set(digests)) != 1:
+                    if digests:
+                        await anyio.sleep(0.2)
+                    digests = [d for d, _ in await replicas.digests(prompts)]
+                    digests.append(index_digest(client.index, prompts)[0])
         stats = client.stats()
         index_memory = _deep_size(client.index)
         index_blocks = client.index.num_blocks()
@@ -428,7 +494,9 @@ async def _run_policy(
         workers=workers,
         wall_time=round(time.perf_counter() - started, 2),
         faults=[_recovery(t, fault, lifecycle) for t, fault in faults],
-        transport="gateway" if options.gateway_stream else "zmq",
+        transport="gateway" if options.gateway_stream or options.replicas > 1 else "zmq",
+        replicas=options.replicas if replicas is not None else 1,
+        index_digests=digests,
     )
     return result, tally.records
 
@@ -553,8 +621,17 @@ async def run_demo(
     started = time.perf_counter()
     results: dict[str, PolicyResult] = {}
     records: dict[str, list[RequestRecord]] = {}
+    runs = [
+        r
+        for name in options.policies
+        for r in (
+            [f"{_REPLICATED}{options.replicas}_{load}_load" for load in LOAD_MODES]
+            if name == "kvroute" and options.replicas > 1
+            else [name]
+        )
+    ]
     try:
-        for name in options.policies:
+        for name in runs:
             results[name], records[name] = await _run_policy(
                 name, options, workload, capacity, speedup, reachable, display
             )
