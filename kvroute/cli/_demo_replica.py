@@ -33,6 +33,7 @@ from kvroute import (
     CostModel,
     EngineLoads,
     KvEventClient,
+    KvRouteError,
     LoadPolicy,
     PrefixIndex,
     Router,
@@ -126,16 +127,26 @@ class _Replica:
         self.digest: anyio.Event = anyio.Event()
         self.digest_answer: dict[str, Any] = {}
         self.lock = anyio.Lock()
+        self.gone = False
 
     async def send(self, obj: dict[str, Any]) -> None:
         async with self.lock:  # one line at a time: concurrent requests must not interleave their bytes
-            await self.stdin.send(msgspec.json.encode(obj) + b"\n")
+            try:
+                await self.stdin.send(msgspec.json.encode(obj) + b"\n")
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                raise KvRouteError("a router replica process exited mid-run") from None
 
     async def read_answers(self) -> None:
         while True:
             try:
                 line = await self.reader.receive_until(b"\n", _MAX_LINE)
             except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                # The process is gone: wake everyone waiting on it, empty-handed (they raise).
+                self.gone = True
+                for event, _ in self.waiting.values():
+                    event.set()
+                self.waiting.clear()
+                self.digest.set()
                 return
             answer = msgspec.json.decode(line)
             if "digest" in answer:
@@ -227,6 +238,8 @@ class ReplicaPolicy:
         replica.waiting[rid] = (event, box)
         await replica.send({"op": "route", "id": rid, "tokens": list(token_ids)})
         await event.wait()
+        if not box:
+            raise KvRouteError("a router replica process exited mid-run")
         return WorkerKey(box[0]["worker"], box[0]["rank"])
 
     async def prefill_done(self, request_id: Hashable) -> None:
@@ -244,6 +257,8 @@ class ReplicaPolicy:
             replica.digest = anyio.Event()
             await replica.send({"op": "digest", "prompts": [list(p) for p in prompts]})
             await replica.digest.wait()
+            if replica.gone:
+                raise KvRouteError("a router replica process exited before its digest")
             out.append((str(replica.digest_answer["digest"]), int(replica.digest_answer["blocks"])))
         return out
 
