@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from _publisher_helpers import wait_for
 
-from kvroute import EngineLoad, KvEventClient, Router, SubscriberConfig, WorkerKey
+from kvroute import EngineLoad, KvEventClient, PrefixIndex, Router, SubscriberConfig, WorkerKey
 from kvroute.sim import SimConfig, SimEngine
 
 pytestmark = pytest.mark.anyio
@@ -93,3 +93,18 @@ async def test_a_wedged_worker_is_avoided_though_it_holds_the_prompt() -> None:
             held.silence_ms = None
             await wait_for(lambda: not silent(), "the engine to speak again")
             assert router.select(PROMPT).worker == wedged
+
+
+def test_a_request_leaves_the_load_at_its_first_token_and_the_router_at_its_end() -> None:
+    a, b = WorkerKey("a", 0), WorkerKey("b", 0)
+    router = Router(PrefixIndex(), seed=0)
+    router.add_worker(a)
+    router.add_worker(b)
+    first = router.select(PROMPT, request_id=1)
+    assert router.load_blocks(first.worker) == 300 / 16
+    # Load steers the next request away; once the first is past its prefill, nothing does.
+    assert router.select(PROMPT, request_id=2).worker != first.worker
+    assert router.on_prefill_done(1) and router.load_blocks(first.worker) == 0.0
+    assert router.stats().active_requests == 2  # still active until on_finish
+    assert router.on_finish(1) and router.on_finish(2) and router.stats().active_requests == 0
+    assert not router.on_prefill_done(1) and not router.on_prefill_done(["unhashable"])
