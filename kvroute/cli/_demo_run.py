@@ -69,7 +69,7 @@ _FLEET = (("vllm", 2), ("sglang", 1), ("vllm", 1), ("sglang", 2))
 # A request that died with its engine (restart) is routed again, as an HTTP router retries a 503.
 _ATTEMPTS = 3
 # Synthetic default: enough requests for conversations to come back several times, few enough
-# to finish three policies in ~30 s on two slow cores (the demo's budget is 60 s).
+# to finish the six policies in ~60 s on two idle cores (115 s measured on two shared, loaded ones).
 _DEFAULT_REQUESTS = 600
 # 1,024 blocks of 16 tokens (16k tokens) per rank: about ten conversations' worth, so caches
 # evict and where a prefix went matters.
