@@ -4,7 +4,7 @@ The router (`build_app`) serves ``POST /v1/completions`` and ``POST /v1/chat/com
 
 1. gets the prompt's token ids: a token-id prompt as is, otherwise from an engine's ``POST /tokenize``
    (vLLM's endpoint; chat messages go through the engine's own chat template there). That is one
-   loopback round trip per request, a millisecond or two for a long prompt; the alternative is the
+   HTTP round trip plus the engine's tokenizer per request; the alternative is the
    model's tokenizer in the router process (``transformers``' ``AutoTokenizer``, the same files the
    engine loads), which costs CPU in the router instead, and must apply the same chat template;
 2. asks the `kvroute.Router` for the worker (engine x data-parallel rank) that holds the longest
