@@ -1,143 +1,142 @@
-"""A minimal KV-aware HTTP router on asyncio: pick a backend per request with kvroute, forward it.
+"""A KV-aware, OpenAI-compatible HTTP router: Starlette + httpx + kvroute (``pip install 'kvroute[examples]'``).
 
-It starts three simulated engines (vLLM-style with 2 data-parallel ranks, SGLang-style, vLLM-style)
-with their OpenAI-style HTTP servers, follows them through gRPC discovery, and serves
-``POST /v1/completions`` on a local port. For each request it asks the `Router` for the worker
-whose KV cache holds the longest prefix of the prompt (net of load), forwards the request to that
-engine's real ``/v1/completions`` (the rank in vLLM's ``X-data-parallel-rank`` header), and
-returns the engine's answer with an ``X-Kvroute-Worker`` header.
+The router (`build_app`) serves ``POST /v1/completions`` and ``POST /v1/chat/completions``. Per request it
 
-Then it plays client: conversations from a few users who share a system prompt go through the
-router, and it prints where each went and how much of the prompt the engine found cached.
+1. gets the prompt's token ids: a token-id prompt as is, otherwise from an engine's ``POST /tokenize``
+   (vLLM's endpoint; chat messages go through the engine's own chat template there). That is one
+   HTTP round trip plus the engine's tokenizer per request; the alternative is the
+   model's tokenizer in the router process (``transformers``' ``AutoTokenizer``, the same files the
+   engine loads), which costs CPU in the router instead, and must apply the same chat template;
+2. asks the `kvroute.Router` for the worker (engine x data-parallel rank) that holds the longest
+   prefix, net of load, and records the request there (`Router.on_start`);
+3. forwards the request body unchanged to that engine, the rank in the ``X-data-parallel-rank``
+   header (vLLM 0.34 reads it in ``OpenAIServing._get_data_parallel_rank``; SGLang 0.5.23 reads the
+   same header, and the ``routed_dp_rank`` body field), streaming the answer back as it comes
+   (server-sent events passed through byte for byte);
+4. tells the router when the first bytes came (`Router.on_prefill_done`: the prompt is prefilled)
+   and when the answer ended (`Router.on_finish`), whatever happened.
 
-Only the standard library and kvroute: the HTTP client and server are a few lines on asyncio
-streams (one request per connection, ``Content-Length`` bodies). Run: ``python examples/http_router.py``.
+Where to send it: kvroute names workers by their engine's gRPC target; this router is given a table
+from that target to the engine's HTTP base URL (you configure both for each engine anyway).
+
+`main` starts three simulated engines, runs the router under uvicorn on a free loopback port and plays
+client with the ``openai`` package: six users' chat conversations (three turns each, half of them
+streamed) sharing a system prompt. It prints where each turn went and how much of its prompt the
+engine found cached. Run: ``python examples/http_router.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import random
-from itertools import count
+import itertools
+import socket
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import httpx
+import uvicorn
+from openai import AsyncOpenAI
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from kvroute import KvEventClient, Router, WorkerKey
 from kvroute.sim import SimConfig, SimEngine
 
-# A client or engine that sends a larger head than this is not one we want to talk to.
-MAX_HEAD = 16 * 1024
+# Response headers that describe the upstream connection, not the answer: never copied.
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
 
 
-async def http_request(
-    host: str, port: int, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
-) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP/1.1 exchange on a fresh connection; returns (status, lower-cased headers, body)."""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close"]
-        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-        lines.append(f"Content-Length: {len(body)}")
-        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        await writer.drain()
-        status, response_headers = await read_head(reader)
-        length = response_headers.get("content-length")
-        data = await (reader.readexactly(int(length)) if length is not None else reader.read())
-        return status, response_headers, data
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
+class KvRouter:
+    """The routing step of each request: token ids, the `Router`'s choice, the forwarded call."""
 
-
-async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    """Read a status or request line and its headers; the int is the status (0 for a request)."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    if len(head) > MAX_HEAD:
-        raise ValueError("HTTP head too large")
-    first, *fields = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for field in fields:
-        if ":" in field:
-            name, value = field.split(":", 1)
-            headers[name.strip().lower()] = value.strip()
-    parts = first.split(" ", 2)
-    status = int(parts[1]) if first.startswith("HTTP/") else 0
-    headers[":first-line"] = first
-    return status, headers
-
-
-class KvRouterServer:
-    """``POST /v1/completions`` in, the same request out to the engine the `Router` picks."""
-
-    def __init__(self, router: Router, backends: dict[str, tuple[str, int]]) -> None:
+    def __init__(self, router: Router, backends: Mapping[str, str], http: httpx.AsyncClient) -> None:
         self.router = router
-        self.backends = backends  # worker_id (the engine's gRPC target) -> (host, HTTP port)
-        self.ids = count()
+        self.backends = dict(backends)  # worker_id (the engine's gRPC target) -> HTTP base URL
+        self.http = http
+        self.ids = itertools.count()
         self.routed: dict[str, int] = {}
+        self.recent: list[tuple[list[int], WorkerKey]] = []  # what to wait for in `settled`
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def token_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
+        """The prompt's token ids as the engine will see them (its /tokenize, unless ids were sent)."""
+        prompt = body.get("prompt")
+        if not chat and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        query = {"messages": body["messages"]} if chat else {"prompt": prompt}
+        # Any engine of the fleet: they serve the same model, so the same tokenizer and template.
+        answer = await self.http.post(f"{next(iter(self.backends.values()))}/tokenize", json=query)
+        answer.raise_for_status()
+        tokens: list[int] = answer.json()["tokens"]
+        return tokens
+
+    async def forward(self, request: Request) -> Response:
+        """Route one OpenAI-style request and pass the engine's answer (streamed or not) through."""
+        chat = request.url.path.endswith("/chat/completions")
         try:
-            _, headers = await read_head(reader)
-            method, path, _ = headers[":first-line"].split(" ", 2)
-            body = await reader.readexactly(int(headers.get("content-length", "0")))
-            if (method, path) != ("POST", "/v1/completions"):
-                await self.reply(writer, 404, b'{"error": "POST /v1/completions only"}')
-                return
-            await self.forward(body, writer)
-        except (ValueError, KeyError, asyncio.IncompleteReadError) as exc:
-            await self.reply(writer, 400, json.dumps({"error": f"bad request: {exc}"}).encode())
-        finally:
-            writer.close()
-
-    async def forward(self, body: bytes, writer: asyncio.StreamWriter) -> None:
-        prompt = json.loads(body)["prompt"]
-        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-            raise ValueError("this router routes token-id prompts")
-        request_id = next(self.ids)
-        decision = self.router.select(prompt, request_id=request_id)  # counts the request as load
+            body = await request.json()
+            tokens = await self.token_ids(body, chat)
+        except (ValueError, KeyError, httpx.HTTPError) as exc:
+            return JSONResponse({"error": {"message": f"bad request: {exc}"}}, status_code=400)
+        decision = self.router.select(tokens)
         worker = decision.worker
-        host, port = self.backends[worker.worker_id]
-        try:
-            status, _, answer = await http_request(
-                host,
-                port,
-                "POST",
-                "/v1/completions",
-                body,
-                {"Content-Type": "application/json", "X-data-parallel-rank": str(worker.dp_rank)},
-            )
-        finally:
-            self.router.on_finish(request_id)
+        rid = next(self.ids)
+        self.router.on_start(rid, worker, tokens, cached_tokens=decision.overlap_tokens)
         name = f"{worker.worker_id}/rank{worker.dp_rank}"
         self.routed[name] = self.routed.get(name, 0) + 1
-        await self.reply(writer, status, answer, {"X-Kvroute-Worker": name})
+        self.recent.append((tokens, worker))
+        upstream = self.http.build_request(
+            "POST",
+            f"{self.backends[worker.worker_id]}{request.url.path}",
+            json=body,
+            headers={"X-data-parallel-rank": str(worker.dp_rank)},
+        )
+        try:
+            answer = await self.http.send(upstream, stream=True)
+        except httpx.HTTPError as exc:
+            self.router.on_finish(rid)
+            return JSONResponse({"error": {"message": f"engine unreachable: {exc}"}}, status_code=502)
+        headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers["X-Kvroute-Worker"] = name
+        return StreamingResponse(
+            self._relay(answer, rid), status_code=answer.status_code, headers=headers, media_type=None
+        )
 
-    @staticmethod
-    async def reply(
-        writer: asyncio.StreamWriter, status: int, body: bytes, extra: dict[str, str] | None = None
-    ) -> None:
-        lines = [f"HTTP/1.1 {status} {'OK' if status == 200 else 'Error'}", "Content-Type: application/json"]
-        lines += [f"{k}: {v}" for k, v in (extra or {}).items()]
-        lines += [f"Content-Length: {len(body)}", "Connection: close"]
-        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
+    async def _relay(self, answer: httpx.Response, rid: int) -> AsyncIterator[bytes]:
+        try:
+            first = True
+            async for chunk in answer.aiter_raw():
+                if first and chunk:
+                    first = False
+                    self.router.on_prefill_done(rid)  # the engine is past this prompt's prefill
+                yield chunk
+        finally:
+            await answer.aclose()
+            self.router.on_finish(rid)
+
+    async def settled(self, timeout: float = 10.0) -> None:
+        """Wait until the index holds every routed prompt on its worker (so the next turn can find it)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.recent and asyncio.get_running_loop().time() < deadline:
+            tokens, worker = self.recent[-1]
+            scores = self.router.index.find_matches(tokens)
+            block_size = scores.block_size(worker)
+            if block_size is not None and scores.get(worker, 0) >= len(tokens) // block_size:
+                self.recent.pop()
+            else:
+                await asyncio.sleep(0.01)
 
 
-async def caught_up(client: KvEventClient, engines: list[SimEngine]) -> None:
-    """Wait until the router's index has applied every engine rank's newest KV-event batch."""
-    for _ in range(1000):  # 10 s at most
-        cursors = client.cursors()
-        newest = {
-            WorkerKey(e.grpc_target or "", r): e.publisher(r).next_seq - 1
-            for e in engines
-            for r in range(e.config.ranks)
-        }
-        if all(w in cursors and cursors[w].seq == seq for w, seq in newest.items()):
-            return
-        await asyncio.sleep(0.01)
-    raise SystemExit("the router's index did not catch up with the engines within 10 s")
+def build_app(kv: KvRouter) -> Starlette:
+    """The ASGI app: the two OpenAI routes, both through `KvRouter.forward`."""
+    return Starlette(
+        routes=[
+            Route("/v1/completions", kv.forward, methods=["POST"]),
+            Route("/v1/chat/completions", kv.forward, methods=["POST"]),
+        ]
+    )
 
 
 async def main() -> None:
@@ -148,44 +147,71 @@ async def main() -> None:
     ]
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(SimEngine(cfg)) for cfg in configs]
-        backends = {e.grpc_target: ("127.0.0.1", e.http_port) for e in engines if e.grpc_target and e.http_port}
+        backends = {e.grpc_target: e.http_url for e in engines if e.grpc_target and e.http_url}
         client = await stack.enter_async_context(KvEventClient(targets=list(backends)))
         await client.wait_synced(timeout=15)
-        router = Router(client.index, states=client, block_size=16)
-        app = KvRouterServer(router, backends)
-        server = await asyncio.start_server(app.handle, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
+        http = await stack.enter_async_context(httpx.AsyncClient(timeout=30))
+        kv = KvRouter(Router(client.index, states=client), backends, http)
+
+        sock = socket.create_server(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(build_app(kv), log_level="warning", lifespan="off"))
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:  # noqa: ASYNC110  (uvicorn sets a flag, no event, once it listens)
+            await asyncio.sleep(0.01)
         print(f"router listening on http://127.0.0.1:{port}, {len(client.live_workers())} workers discovered")
 
-        rng = random.Random(1)
-        system = [rng.randrange(32_000) for _ in range(512)]
+        openai = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        system = "You are a terse assistant for the kvroute project. " * 40
+        conversations: list[list[dict[str, str]]] = [[{"role": "system", "content": system}] for _ in range(6)]
+        previous = [0] * 6
         totals = {"cached": 0, "prompt": 0, "history_hits": 0}
 
         async def user_turn(user: int, turn: int) -> str:
-            # User u's conversation: the shared system prompt, then their own turns so far.
-            history = system + [(user * 7919 + i) % 32_000 for i in range(128 * (turn + 1))]
-            payload = json.dumps({"prompt": history, "max_tokens": 8}).encode()
-            status, headers, body = await http_request(
-                "127.0.0.1", port, "POST", "/v1/completions", payload, {"Content-Type": "application/json"}
-            )
-            if status != 200:
-                raise SystemExit(f"router answered {status}: {body[:200]!r}")
-            usage = json.loads(body)["usage"]
-            hit = usage["prompt_tokens_details"]["cached_tokens"]
+            messages = conversations[user]
+            messages.append({"role": "user", "content": f"user {user} asks question {turn}: " + "why " * 60})
+            if user % 2:  # streamed: the router passes the server-sent events through
+                stream = await openai.chat.completions.create(
+                    model="sim-model",
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=8,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                reply, usage = "", None
+                async for chunk in stream:
+                    reply += "".join(c.delta.content or "" for c in chunk.choices)
+                    usage = chunk.usage or usage
+                worker = stream.response.headers["x-kvroute-worker"]
+            else:
+                raw = await openai.chat.completions.with_raw_response.create(
+                    model="sim-model",
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=8,
+                )
+                answer = raw.parse()
+                reply, usage = answer.choices[0].message.content or "", answer.usage
+                worker = raw.headers["x-kvroute-worker"]
+            assert usage is not None and usage.prompt_tokens_details is not None
+            hit = usage.prompt_tokens_details.cached_tokens or 0
+            messages.append({"role": "assistant", "content": reply})
             totals["cached"] += hit
-            totals["prompt"] += usage["prompt_tokens"]
-            # Routed to where the conversation lives: everything but this turn's new 128 tokens is cached.
-            totals["history_hits"] += int(turn > 0 and hit == usage["prompt_tokens"] - 128)
-            return f"user {user}: {usage['prompt_tokens']:4d} tokens, {hit:4d} cached -> {headers['x-kvroute-worker']}"
+            totals["prompt"] += usage.prompt_tokens
+            # Routed to where the conversation lives: its whole earlier prompt (whole blocks) is cached.
+            totals["history_hits"] += int(turn > 0 and hit >= previous[user] // 16 * 16)
+            previous[user] = usage.prompt_tokens
+            kind = "streamed" if user % 2 else "whole   "
+            return f"user {user} ({kind}): {usage.prompt_tokens:4d} tokens, {hit:4d} cached -> {worker}"
 
-        async with server:
-            for turn in range(3):
-                # Six users at once: load matters, so the router spreads them while keeping each
-                # conversation where its history is cached.
-                lines = await asyncio.gather(*(user_turn(user, turn) for user in range(6)))
-                print(f"turn {turn}:\n  " + "\n  ".join(lines))
-                await caught_up(client, engines)  # the next turn is routed on this one's blocks
-        print(f"routed {sum(app.routed.values())} requests: {app.routed}")
+        for turn in range(3):
+            # Six users at once: load matters, so the router spreads them while keeping each
+            # conversation where its history is cached.
+            lines = await asyncio.gather(*(user_turn(user, turn) for user in range(6)))
+            print(f"turn {turn}:\n  " + "\n  ".join(lines))
+            await kv.settled()  # the next turn is routed on this one's blocks
+        server.should_exit = True
+        await serving
+        print(f"routed {sum(kv.routed.values())} requests: {kv.routed}")
         print(f"later turns that found their whole history cached: {totals['history_hits']} of 12")
         print(f"prefix-cache hit rate through the router: {totals['cached'] / totals['prompt']:.1%}")
 

@@ -6,15 +6,19 @@ nursery: one sends requests with a shared prefix to both ranks, the other reads 
 event stream and prints it — connections, cold-start replays, syncs, the blocks each step
 stored. It stops after the requests are done and the stream has gone quiet, then prints totals.
 
-Run: ``python examples/trio_events.py``.
+Run: ``python examples/trio_events.py`` (trio comes with ``pip install 'kvroute[examples]'``).
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
-import trio
-import trio.testing
+try:
+    import trio
+    import trio.testing
+except ImportError:  # kvroute itself runs without trio: say what to install instead of a traceback
+    sys.exit("examples/trio_events.py needs trio: pip install 'kvroute[examples]'")
 
 from kvroute import BlockRemoved, BlockStored, KvEventClient, WorkerKey
 from kvroute.sim import SimConfig, SimEngine

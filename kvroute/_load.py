@@ -12,6 +12,14 @@ what every router replica sent, so replicas that share nothing still see the sam
 router's own figure covers requests the engine has not reported yet. Taking the larger counts
 neither twice. A record older than ``stale_after`` is not used (the router's own count is).
 
+Engines without a gateway servicer (plain vLLM / SGLang, the ZMQ path) report load through their
+Prometheus ``/metrics`` instead: requests running and waiting per data-parallel rank, and KV-cache
+usage (`ENGINE_METRICS` names them as each engine's code does). `parse_engine_metrics` turns a
+scrape into one `EngineLoad` per rank and `follow_engine_metrics` keeps an `EngineLoads` fed. Such
+records carry request counts, not tokens: `blend` prices each request the engine holds at the mean
+uncached tokens of the router's own in-flight requests (``LoadPolicy.request_tokens`` until the
+router has had any), so N replicas each see the engine's whole queue, not 1/N of it.
+
 Veto (a wedged engine): a worker is vetoed when its engine reports silence
 (``engine_silence_ms``) past ``wedge_after`` plus the time its pending prefill may take at
 ``prefill_tokens_per_s``, or when its records stopped for longer than ``stale_after`` while the
@@ -20,15 +28,153 @@ router has requests in flight on it. The Router vetoes only while another candid
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping
 
+import anyio
 import msgspec
 
+from ._errors import KvRouteError
 from ._models import WorkerKey
 
-__all__ = ["EngineLoad", "EngineLoads", "LoadPolicy"]
+__all__ = [
+    "ENGINE_METRICS",
+    "EngineLoad",
+    "EngineLoads",
+    "EngineMetricNames",
+    "LoadPolicy",
+    "MetricsError",
+    "follow_engine_metrics",
+    "parse_engine_metrics",
+]
+
+_log = logging.getLogger("kvroute.load")
+
+
+class MetricsError(KvRouteError):
+    """An engine's ``/metrics`` could not be fetched or is not Prometheus text."""
+
+
+class EngineMetricNames(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one engine's Prometheus metrics hold a rank's load: gauge names and the rank's label."""
+
+    running: str
+    waiting: str
+    kv_usage: str
+    rank_label: str
+
+
+#: The load gauges of each engine, as their code names them. vLLM 0.34.0 (``vllm/v1/metrics/loggers.py``,
+#: ``PrometheusStatLogger``): labels ``model_name`` and ``engine`` (the data-parallel rank's engine index).
+#: SGLang 0.5.23 (``sglang/srt/observability/metrics_collector.py``, ``SchedulerMetricsCollector``): labels
+#: ``model_name``, ``engine_type``, ``tp_rank``, ``pp_rank``, ``moe_ep_rank`` and, with data parallelism,
+#: ``dp_rank``; every tensor-parallel rank reports, rank 0's series is the scheduler's.
+ENGINE_METRICS: dict[str, EngineMetricNames] = {
+    "vllm": EngineMetricNames(
+        running="vllm:num_requests_running",
+        waiting="vllm:num_requests_waiting",
+        kv_usage="vllm:kv_cache_usage_perc",
+        rank_label="engine",
+    ),
+    "sglang": EngineMetricNames(
+        running="sglang:num_running_reqs",
+        waiting="sglang:num_queue_reqs",
+        kv_usage="sglang:token_usage",
+        rank_label="dp_rank",
+    ),
+}
+_GAUGES = {
+    name: (engine, field)
+    for engine, names in ENGINE_METRICS.items()
+    for field, name in (("running", names.running), ("waiting", names.waiting), ("kv_usage", names.kv_usage))
+}
+# Series of other parallel ranks than the scheduler's (SGLang reports per tensor/pipeline rank).
+_SECONDARY = ("tp_rank", "pp_rank", "moe_ep_rank")
+
+
+def parse_engine_metrics(text: str, *, received: float | None = None) -> dict[int, EngineLoad]:
+    """One `EngineLoad` per data-parallel rank from a vLLM or SGLang ``/metrics`` body (`ENGINE_METRICS`).
+
+    Parsed with prometheus_client's text parser (``pip install 'kvroute[prometheus]'``). A series
+    without the rank label is rank 0 (SGLang without data parallelism); series of non-zero
+    tensor / pipeline ranks are skipped. ``received`` stamps the records (default: now, monotonic).
+    Raises `MetricsError` for text that is not Prometheus exposition format, or without prometheus_client.
+    """
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        raise MetricsError("engine metrics need prometheus_client: pip install 'kvroute[prometheus]'") from None
+    stamp = time.monotonic() if received is None else received
+    figures: dict[int, dict[str, float]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                hit = _GAUGES.get(sample.name)
+                if hit is None or any(sample.labels.get(k, "0") != "0" for k in _SECONDARY):
+                    continue
+                engine, field = hit
+                rank_text = sample.labels.get(ENGINE_METRICS[engine].rank_label, "0")
+                if not rank_text.isdecimal() or not math.isfinite(sample.value) or sample.value < 0:
+                    continue
+                per = figures.setdefault(int(rank_text), {})
+                per[field] = per.get(field, 0.0) + sample.value
+    except ValueError as exc:
+        raise MetricsError(f"not Prometheus text: {exc}") from None
+    return {
+        rank: EngineLoad(
+            running_requests=int(f.get("running", 0)),
+            waiting_requests=int(f.get("waiting", 0)),
+            token_usage=f.get("kv_usage", 0.0),
+            received=stamp,
+        )
+        for rank, f in figures.items()
+    }
+
+
+def _get(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        body: bytes = response.read(16 * 1024 * 1024)
+        return body.decode("utf-8", "replace")
+
+
+async def follow_engine_metrics(
+    loads: EngineLoads,
+    urls: Mapping[str, str],
+    *,
+    interval: float = 1.0,
+    scrape_timeout: float = 2.0,
+) -> None:
+    """Scrape each engine's ``/metrics`` every ``interval`` seconds into ``loads``, until cancelled.
+
+    ``urls``: worker id (the `WorkerKey.worker_id` of the engine's sources: its gRPC target when
+    discovered, your ``EventSource.worker_id`` when static) -> the engine's metrics URL, e.g.
+    ``http://engine-a:8000/metrics``; ``scrape_timeout`` bounds each request. Each rank's record
+    goes to ``WorkerKey(worker_id, rank)``. A failed scrape or a body that is not Prometheus text
+    is logged (at most once per engine per minute) and skipped: the records age and turn stale
+    (``LoadPolicy.stale_after``), as a silent gateway's do. Run it in your task group:
+    ``tg.start_soon(follow_engine_metrics, client.engine_loads, urls)``.
+    """
+    if not (0 < interval < math.inf and 0 < scrape_timeout < math.inf):
+        raise ValueError("interval and scrape_timeout must be > 0 and finite")
+    warned: dict[str, float] = {}
+    while True:
+        for worker_id, url in urls.items():
+            try:
+                text = await anyio.to_thread.run_sync(_get, url, scrape_timeout, abandon_on_cancel=True)
+                records = parse_engine_metrics(text, received=loads.clock())
+            except (OSError, urllib.error.URLError, MetricsError, UnicodeError) as exc:
+                now = time.monotonic()
+                if now - warned.get(worker_id, -math.inf) >= 60.0:
+                    warned[worker_id] = now
+                    _log.warning("engine metrics of %s at %s: %s", worker_id, url, exc)
+                continue
+            for rank, record in records.items():
+                loads.update(WorkerKey(worker_id, rank), record)
+        await anyio.sleep(interval)
 
 
 class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,17 +207,20 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
 class LoadPolicy(msgspec.Struct, frozen=True, kw_only=True):
     """How engine load is priced. ``mode``: "blend" (default), "engine" (engine figures only,
     the router's own count where no fresh record exists) or "router" (ignore the engine's).
-    Times in seconds; ``prefill_tokens_per_s`` is the rate the veto allows pending prefill."""
+    Times in seconds; ``prefill_tokens_per_s`` is the rate the veto allows pending prefill.
+    ``request_tokens``: what one request an engine reports by count only (``/metrics``) is priced
+    at until the router has in-flight requests of its own to learn the mean from."""
 
     mode: str = "blend"
     stale_after: float = 15.0
     wedge_after: float = 30.0
     prefill_tokens_per_s: float = 10_000.0
+    request_tokens: float = 1024.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("blend", "engine", "router"):
             raise ValueError(f"mode must be 'blend', 'engine' or 'router', not {self.mode!r}")
-        for name in ("stale_after", "wedge_after", "prefill_tokens_per_s"):
+        for name in ("stale_after", "wedge_after", "prefill_tokens_per_s", "request_tokens"):
             value = getattr(self, name)
             if not (0 < value < math.inf):
                 raise ValueError(f"{name} must be > 0 and finite, not {value!r}")
@@ -87,12 +236,15 @@ class EngineLoads:
         self.policy = policy if policy is not None else LoadPolicy()
         self.clock = clock
         self._records: dict[WorkerKey, EngineLoad] = {}
-        # Per worker, what `blend` reads: (received, queued tokens, silence ms (-1: none), the
-        # silence allowed in ms before a veto).
-        self._figures: dict[WorkerKey, tuple[float, int, float, float]] = {}
+        # Per worker, what `blend` reads: (received, queued tokens, requests held when the record
+        # counts requests only (-1: priced in tokens), silence ms (-1: none), the silence allowed
+        # in ms before a veto).
+        self._figures: dict[WorkerKey, tuple[float, int, int, float, float]] = {}
         self._version = 0
         self._zeros = False
+        self._counts: dict[WorkerKey, int] = {}
         self._cache: tuple[tuple[int, int], float, dict[WorkerKey, float], set[WorkerKey], set[WorkerKey]] | None = None
+        self._per_request = self.policy.request_tokens
         #: Veto decisions taken (a worker vetoed in one `blend` call counts once).
         self.vetoes = 0
 
@@ -110,7 +262,9 @@ class EngineLoads:
         p = self.policy
         allowance = (p.wedge_after + (record.prefill_pending_tokens or 0) / p.prefill_tokens_per_s) * 1000.0
         silence = -1.0 if record.engine_silence_ms is None else float(record.engine_silence_ms)
-        self._figures[worker] = (record.received, record.queued_tokens, silence, allowance)
+        by_count = record.waiting_uncached_tokens is None and record.prefill_pending_tokens is None
+        requests = record.running_requests + record.waiting_requests if by_count else -1
+        self._figures[worker] = (record.received, record.queued_tokens, requests, silence, allowance)
         self._version += 1
 
     def remove(self, worker: WorkerKey) -> None:
@@ -156,36 +310,52 @@ class EngineLoads:
             return cached[2], cached[3], cached[4]
         stale_after = self.policy.stale_after
         engine: dict[WorkerKey, float] = {}
+        counts: dict[WorkerKey, int] = {}
         wedged: set[WorkerKey] = set()
         stale: set[WorkerKey] = set()
         until = math.inf
         zeros = False
-        for w, (received, queued, silence, allowance) in self._figures.items():
+        for w, (received, queued, requests, silence, allowance) in self._figures.items():
             expires = received + stale_after
             if expires < now:
                 stale.add(w)
                 continue
             until = min(until, expires)
-            engine[w] = queued / unit
-            zeros = zeros or not queued
+            if requests > 0:
+                counts[w] = requests  # priced per request in `blend`: the estimate moves with the router's
+            else:
+                engine[w] = queued / unit
+                zeros = zeros or not queued
             if silence > allowance:
                 wedged.add(w)
+        self._counts = counts
         self._cache = ((self._version, unit), until, engine, wedged, stale)
         self._zeros = zeros  # some fresh worker reports an empty queue: blend filters zeros out
         return engine, wedged, stale
 
-    def blend(self, own_tokens: Mapping[WorkerKey, int], unit: int) -> tuple[dict[WorkerKey, float], set[WorkerKey]]:
+    def blend(
+        self, own_tokens: Mapping[WorkerKey, int], unit: int, own_requests: Mapping[WorkerKey, int] | None = None
+    ) -> tuple[dict[WorkerKey, float], set[WorkerKey]]:
         """Load per worker in blocks of ``unit`` tokens, and the workers to veto.
 
-        ``own_tokens``: the router's in-flight tokens per worker. Runs on every `Router.select`:
-        the engine side is cached between record updates, so a call costs a copy of it and a
-        pass over the router's own (few) busy workers.
+        ``own_tokens``: the router's in-flight tokens per worker; ``own_requests``: how many requests
+        those are (the mean prices the requests an engine reports by count only, `parse_engine_metrics`).
+        Runs on every `Router.select`: the engine side is cached between record updates, so a call
+        costs a copy of it and a pass over the router's own (few) busy workers.
         """
         mode = self.policy.mode
         if mode == "router":
             return {w: t / unit for w, t in own_tokens.items() if t}, set()
         engine, wedged, stale = self._engine_part(unit, self.clock())
         loads = {w: v for w, v in engine.items() if v} if self._zeros else dict(engine)
+        if self._counts:
+            held = sum(own_requests.values()) if own_requests else 0
+            if held:
+                self._per_request = sum(own_tokens.values()) / held
+            per = self._per_request / unit
+            engine = dict(engine)
+            for w, n in self._counts.items():
+                engine[w] = loads[w] = n * per
         vetoed = set(wedged)
         for w, t in own_tokens.items():
             if not t:

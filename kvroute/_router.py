@@ -152,9 +152,10 @@ class CandidateScore(msgspec.Struct, frozen=True, kw_only=True):
 
     ``claimed_blocks``: leading blocks the index (or the approximate store) says the worker holds;
     ``overlap_blocks``: those it counted (0 when the worker's state cannot back the claim).
-    Both are in the worker's own blocks of ``block_size`` tokens (None: nothing known of it).
-    ``prefill_blocks``, ``load_blocks`` and ``cost`` are in blocks of the router's ``block_size``.
-    ``source``: "index" or "approximate".
+    Both are in the worker's own blocks of ``block_size`` tokens (None: nothing known of it);
+    ``overlap_tokens`` is the counted overlap in tokens (at most the prompt), comparable across
+    workers of different block sizes. ``prefill_blocks``, ``load_blocks`` and ``cost`` are in
+    blocks of the router's ``block_size``. ``source``: "index" or "approximate".
     """
 
     worker: WorkerKey
@@ -165,6 +166,7 @@ class CandidateScore(msgspec.Struct, frozen=True, kw_only=True):
     prefill_blocks: float
     load_blocks: float
     cost: float
+    overlap_tokens: int = 0
 
 
 class RoutingDecision(msgspec.Struct, frozen=True, kw_only=True):
@@ -172,8 +174,10 @@ class RoutingDecision(msgspec.Struct, frozen=True, kw_only=True):
 
     ``candidates`` lists every candidate that had a claim, an overlap or load, and the chosen
     worker; the ``idle_workers`` other candidates held nothing and had no load, each at
-    ``idle_cost``. ``overlap_blocks``: the chosen worker's counted leading blocks (its own block
-    size); ``query_tokens``: the prompt's length.
+    ``idle_cost``. ``overlap_blocks``: the chosen worker's counted leading blocks, in its own
+    ``block_size`` (None: nothing known of it); ``overlap_tokens``: the same in tokens (a fleet
+    mixing 16-token vLLM and 64-token SGLang workers compares these); ``query_tokens``: the
+    prompt's length.
     """
 
     worker: WorkerKey
@@ -183,6 +187,8 @@ class RoutingDecision(msgspec.Struct, frozen=True, kw_only=True):
     candidates: tuple[CandidateScore, ...]
     idle_workers: int
     idle_cost: float
+    block_size: int | None = None
+    overlap_tokens: int = 0
 
 
 #: Upper bounds (seconds) of the `select` latency histogram in `RouterStats`.
@@ -430,6 +436,26 @@ class Router:
         self._active.setdefault(worker, {})[request_id] = tokens
         self._load[worker] = self._load.get(worker, 0) + tokens
 
+    def on_prefill_done(self, request_id: Hashable) -> bool:
+        """The request's prompt is prefilled (its first token came out): its tokens leave the worker's load.
+
+        A request only delays the requests behind it while its prompt is being prefilled; decoding,
+        it costs a newcomer one token of each step's budget. So a router that sees first tokens (a
+        streamed response's first chunk) prices only prefill still to do, as Dynamo's router does
+        (``mark_prefill_completed``); the request stays active until `on_finish`. Returns False,
+        changing nothing, when the id is not active.
+        """
+        try:
+            worker = self._request_worker.get(request_id)
+        except TypeError:
+            return False
+        if worker is None:
+            return False
+        active = self._active[worker]
+        self._load[worker] -= active[request_id]
+        active[request_id] = 0
+        return True
+
     def on_finish(self, request_id: Hashable) -> bool:
         """Release a request's load; False (counted, logged at debug) when the id is not active."""
         try:
@@ -533,7 +559,8 @@ class Router:
         loads: Mapping[WorkerKey, float]
         if load is None and self.engine_loads is not None and self.engine_loads.reporting:
             # Engines report load: blend it in (a fleet without reports keeps the plain path).
-            loads, vetoed = self.engine_loads.blend(self._load, unit)
+            in_flight = {w: len(active) for w, active in self._active.items()}
+            loads, vetoed = self.engine_loads.blend(self._load, unit, in_flight)
             scale = 1.0
             if vetoed and universe - vetoed:
                 universe = universe - vetoed
@@ -573,6 +600,7 @@ class Router:
                         prefill_blocks=prefill,
                         load_blocks=w_load,
                         cost=cost_of(prefill, w_load),
+                        overlap_tokens=min(ntok, held * bs),
                     )
                 )
 
@@ -629,7 +657,7 @@ class Router:
         if chosen_store is not None and query is not None:
             chosen_store.note(query.keys(chosen_store.block_size), self._clock() + self.approximate_ttl)
         if request_id is not None:
-            self._start(request_id, worker, ntok - chosen.overlap_blocks * (chosen.block_size or 0))
+            self._start(request_id, worker, ntok - chosen.overlap_tokens)
         self._selections += 1
         took = time.perf_counter() - started
         self._select_seconds += took
@@ -642,6 +670,8 @@ class Router:
             candidates=tuple(entries),
             idle_workers=idle_count,
             idle_cost=idle_cost,
+            block_size=chosen.block_size,
+            overlap_tokens=chosen.overlap_tokens,
         )
 
     def _scored(
@@ -709,6 +739,7 @@ class Router:
                     prefill_blocks=prefill,
                     load_blocks=w_load,
                     cost=weight * prefill + w_load if stock else cost_of(prefill, w_load),
+                    overlap_tokens=min(ntok, overlap * bs) if bs is not None else 0,
                 )
             )
 

@@ -141,7 +141,9 @@ def test_bad_arguments(args: list[str], code: int, message: str, capsys: pytest.
 
 def test_default_options_run_every_policy() -> None:
     options = DemoOptions()
-    assert options.policies == POLICIES == ("kvroute", "round_robin", "random")
+    assert (
+        options.policies == POLICIES == ("kvroute", "oracle", "session_affinity", "least_load", "round_robin", "random")
+    )
     assert options.engines == 4 and not options.faults
 
 
@@ -156,3 +158,34 @@ async def test_run_demo_programmatically() -> None:
     for rec in result.records["round_robin"]:
         per_worker[rec.worker] = per_worker.get(rec.worker, 0) + 1
     assert sorted(per_worker.values()) == [8, 8, 8]
+
+
+def test_generated_trace_shares_of_the_oracle(capsys: pytest.CaptureFixture[str]) -> None:
+    # A generated tool-agent trace: every policy's hits as a share of the oracle's, beside the infinite cache's.
+    result = _json_demo(
+        capsys,
+        *("--trace-shape", "toolagent", "--requests", "80", "--engines", "2", "--speedup", "20"),
+        *("--policies", "oracle,kvroute,least_load"),
+    )
+    assert list(result) == ["oracle", "kvroute", "least_load"]
+    oracle, kv, least = result["oracle"], result["kvroute"], result["least_load"]
+    assert oracle["oracle_share"] == 1.0 and oracle["oracle_ttft_ratio"] == 1.0
+    for r in result.values():
+        assert r["completed"] == 80 and r["oracle_hit_rate"] == oracle["hit_rate"] > 0
+        assert r["oracle_share"] == pytest.approx(r["hit_rate"] / oracle["hit_rate"], abs=1e-4)
+        # No router beats an infinite cache.
+        assert r["hit_rate"] <= r["reachable_hit_rate"]
+    assert kv["oracle_share"] > 0.85 and kv["oracle_share"] > least["oracle_share"]
+
+
+def test_router_replicas_agree_and_engine_load_spreads(capsys: pytest.CaptureFixture[str]) -> None:
+    # kvroute as 2 router processes, the requests spread over them: router-only load, then engine load.
+    result = _json_demo(capsys, "--engines", "2", "--requests", "60", "--replicas", "2", "--policies", "kvroute")
+    assert list(result) == ["kvroute_x2_router_load", "kvroute_x2_engine_load"]
+    for r in result.values():
+        assert r["replicas"] == 2 and r["transport"] == "gateway"
+        assert r["completed"] == 60 and r["failed"] == 0
+        # Each replica's index and the demo's own client's: three digests, one value, at quiescence.
+        assert len(r["index_digests"]) == 3 and len(set(r["index_digests"])) == 1, r["index_digests"]
+        assert r["index_blocks"] == r["engine_blocks"] > 0
+        assert r["hit_rate"] > 0.4

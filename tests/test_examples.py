@@ -17,7 +17,12 @@ def _http_router(out: str) -> None:
     # Every later turn went where its conversation's earlier turns are cached: a routed hit.
     assert re.search(r"later turns that found their whole history cached: 12 of 12", out)
     rate = float(re.findall(r"prefix-cache hit rate through the router: ([\d.]+)%", out)[-1])
-    assert rate > 60  # 68.5 % when every turn after the first hits (the first turn shares the system prompt)
+    assert rate > 60  # 69 % when every turn after the first hits (the first turn shares the system prompt)
+    # Through the ASGI router with the openai client: streamed (SSE passed through) and whole answers both
+    # report the engine's usage, and later turns found their history whatever the mode.
+    turns = re.findall(r"user \d \((streamed|whole) *\): +(\d+) tokens, +(\d+) cached", out)
+    assert len(turns) == 18 and {mode for mode, _, _ in turns} == {"streamed", "whole"}
+    assert all(int(cached) > 0 for mode, _, cached in turns[6:])
 
 
 def _trio_events(out: str) -> None:

@@ -271,3 +271,34 @@ def test_reachable_hits_of_a_trace_follow_its_hash_ids(tmp_path: Path) -> None:
     trace.write_text("\n".join(lines) + "\n")
     got = reachable_hits(read_mooncake_trace(trace, block_tokens=64), block_size=16)
     assert got == Reachable(prompt_tokens=6 * 320, cached_tokens=4 * 256)
+
+
+@pytest.mark.parametrize("shape", ["conversation", "toolagent", "synthetic"])
+def test_generated_mooncake_traces_round_trip_and_have_their_shape(shape: str, tmp_path: Path) -> None:
+    from kvroute.cli._workload import generate_mooncake_trace, trace_requests, write_mooncake_trace
+
+    records = generate_mooncake_trace(shape, 300, seed=1)
+    assert records == generate_mooncake_trace(shape, 300, seed=1) != generate_mooncake_trace(shape, 300, seed=2)
+    assert len(records) == 300
+    assert [r.timestamp for r in records] == sorted(r.timestamp for r in records)
+    for r in records:
+        assert r.hash_ids[0] == 0  # the shared system prompt, as in Mooncake's published traces
+        assert (len(r.hash_ids) - 1) * 512 < r.input_length <= len(r.hash_ids) * 512
+    path = tmp_path / f"{shape}.jsonl"
+    write_mooncake_trace(path, records)
+    assert read_mooncake_trace(path) == trace_requests(records)
+    reach = reachable_hits(trace_requests(records), 16).hit_rate
+    # Each shape's reuse: conversations reuse their history; agents and documents reuse more, sooner.
+    low, high = {"conversation": (0.4, 0.8), "toolagent": (0.75, 0.97), "synthetic": (0.75, 0.97)}[shape]
+    assert low < reach < high, reach
+    if shape != "synthetic":
+        # A later turn extends an earlier prompt: its hash ids start with another record's whole list.
+        prefixes = {tuple(r.hash_ids) for r in records}
+        assert sum(any(tuple(r.hash_ids[:k]) in prefixes for k in range(2, len(r.hash_ids))) for r in records) > 100
+
+
+def test_generated_trace_rejects_an_unknown_shape() -> None:
+    from kvroute.cli._workload import generate_mooncake_trace
+
+    with pytest.raises(ValueError, match="shape"):
+        generate_mooncake_trace("bursty")

@@ -15,7 +15,7 @@ from ._demo_plot import plot
 from ._demo_report import render
 from ._demo_run import POLICIES, DemoOptions, run_demo
 from ._display import EXIT_FAILED, EXIT_OK, EXIT_USAGE, error
-from ._workload import MOONCAKE_BLOCK_TOKENS, TraceError, WorkloadConfig
+from ._workload import MOONCAKE_BLOCK_TOKENS, TRACE_SHAPES, TraceError, WorkloadConfig
 
 __all__ = ["register"]
 
@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``demo`` subcommand to the ``kvroute`` parser."""
     p = sub.add_parser(
         "demo",
-        help="route a shared-prefix workload over simulated engines: kvroute vs round-robin vs random",
+        help="route a shared-prefix workload over simulated engines: kvroute vs an oracle and the usual baselines",
         description=_demo_run.__doc__.split("\n\n")[1] if _demo_run.__doc__ else None,
     )
     p.add_argument("--engines", type=int, default=4, help="simulated engines per policy (default 4: 6 workers)")
@@ -39,6 +39,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="save hit rate and TTFT over time per policy (matplotlib)")
     p.add_argument("--trace", metavar="FILE.jsonl", help="replay a Mooncake-format trace instead")
     p.add_argument(
+        "--trace-shape",
+        choices=TRACE_SHAPES,
+        help="replay a generated Mooncake-format trace of this shape instead (--requests records, default 400)",
+    )
+    p.add_argument(
         "--trace-block-tokens",
         type=int,
         default=MOONCAKE_BLOCK_TOKENS,
@@ -52,14 +57,32 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         " decode times are divided by it, so the fleet carries the trace's own load; reported times are the"
         " run's, 1/SPEEDUP of the trace's (default 10)",
     )
-    p.add_argument("--rate", type=float, default=WorkloadConfig().rate, help="synthetic arrivals per second")
-    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (trace: the cap)")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=WorkloadConfig().rate,
+        help=f"synthetic arrivals per second (default {WorkloadConfig().rate:g})",
+    )
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (trace: the cap; default 16)")
     p.add_argument(
         "--capacity-blocks",
         type=int,
         default=None,
         help="KV blocks per rank (default 1024: ten conversations, so caches evict; with --trace 32768 of 16 tokens,"
         " what an 80 GB GPU holds for an 8B model)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="run kvroute as N router processes, requests spread over them, with router-only and with engine"
+        " load (the fleet then serves gateway streams); default 1",
+    )
+    p.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=1.0,
+        help="CostModel.overlap_weight of kvroute and the oracle: prefill saved against load (default 1.0)",
     )
     p.add_argument(
         "--policies",
@@ -80,11 +103,14 @@ def _main(args: argparse.Namespace) -> int:
             gateway_stream=args.gateway_stream,
             policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
             trace=args.trace,
+            trace_shape=args.trace_shape,
             trace_block_tokens=args.trace_block_tokens,
             speedup=args.speedup,
             rate=args.rate,
             max_tokens=args.max_tokens,
             capacity_blocks=args.capacity_blocks,
+            overlap_weight=args.overlap_weight,
+            replicas=args.replicas,
         )
     except ValueError as exc:
         return error("demo", exc, EXIT_USAGE)

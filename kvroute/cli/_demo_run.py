@@ -1,17 +1,18 @@
-"""Running ``kvroute demo``: simulated engines, a shared-prefix workload, kvroute against round-robin and random.
+"""Running ``kvroute demo``: simulated engines, a shared-prefix workload, kvroute against an oracle and baselines.
 
-For each policy the demo starts a fresh, identical fleet of `SimEngine`s on loopback (a mix of
-vLLM- and SGLang-style engines, some with 2 data-parallel ranks), finds them only through their
-gRPC discovery servers, subscribes with a `KvEventClient`, waits until every source is synced,
-then sends the workload. Arrivals follow the workload's times (a conversation's next turn also
-waits for the previous one to finish); every request is its own task, so requests overlap and
-load matters. A policy picks the worker (``kvroute``: `Router.select`, with its load tracking;
-``round_robin`` / ``random``: the baselines), the request runs through the engine's real serving
-path (`SimEngine.complete`), and the engine reports what it found cached and how long it took.
-The router learns only from the engines' ZMQ events. A request that dies with a restarting
-engine is routed again (at most `_ATTEMPTS` times). Each policy's hit rate is also given as a
-share of the workload's reachable hit rate: what an infinite cache that sees every request, in
-arrival order, would find (no assignment of requests to workers can do better).
+For each policy the demo starts a fresh, identical fleet of simulated engines on loopback (a mix of
+vLLM- and SGLang-style engines, some with 2 data-parallel ranks), finds them only through their gRPC
+discovery servers, subscribes with a KvEventClient, waits until every source is synced, then sends
+the workload. Arrivals follow the workload's times (a conversation's next turn also waits for the
+previous one to finish); every request is its own task, so requests overlap and load matters. The
+policies: kvroute (the Router, learning only from the engines' KV events, with its load tracking);
+oracle (the same cost model over the engines' true caches: what kvroute could reach on this fleet);
+session_affinity (consistent hashing of the prompt's first 1,024 tokens); least_load (fewest
+requests in flight); round_robin and random. A request that dies with a restarting engine is routed
+again (at most 3 times). Hit rates are given as a share of the oracle's (capacity-aware: this
+fleet's caches, evictions and timing) and of the workload's infinite-cache bound (every earlier
+prompt cached; no router can do better). Requests run concurrently, so two runs with the same
+--seed place some requests differently and their figures differ by a few percent.
 
 ``faults=True`` injects, at the same points of every policy's run, live-message drops on one
 engine (recovered through replay) and a restart of another (its index state is reset and
@@ -24,20 +25,21 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import random
 import sys
 import time
 import types
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple, Protocol, TextIO
 
 import anyio
 import msgspec
 
-from kvroute import Envelope, KvEventClient, Reset, Router, SubscriberConfig, Synced, WorkerKey
-from kvroute.sim import CapacityError, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
+from kvroute import CostModel, Envelope, KvEventClient, Reset, SubscriberConfig, Synced, WorkerKey
+from kvroute.sim import CapacityError, Completion, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
 
+from ._demo_policies import POLICIES, Policy, make_policy
+from ._demo_replica import LOAD_MODES, ReplicaPolicy, index_digest
 from ._demo_report import (
     DemoResult,
     FaultNote,
@@ -46,26 +48,28 @@ from ._demo_report import (
     RequestRecord,
     make_reporter,
     percentile,
+    with_oracle_shares,
 )
 from ._workload import (
     MOONCAKE_BLOCK_TOKENS,
+    TRACE_SHAPES,
     WorkloadConfig,
     WorkloadRequest,
+    generate_mooncake_trace,
     generate_workload,
     reachable_hits,
     read_mooncake_trace,
+    trace_requests,
 )
 
 __all__ = ["POLICIES", "DemoOptions", "run_demo"]
-
-POLICIES = ("kvroute", "round_robin", "random")
 
 # The fleet's shape, cycled: (engine style, data-parallel ranks). Both engines, both rank counts.
 _FLEET = (("vllm", 2), ("sglang", 1), ("vllm", 1), ("sglang", 2))
 # A request that died with its engine (restart) is routed again, as an HTTP router retries a 503.
 _ATTEMPTS = 3
 # Synthetic default: enough requests for conversations to come back several times, few enough
-# to finish three policies in ~30 s on two slow cores (the demo's budget is 60 s).
+# to finish the six policies in ~60 s on two idle cores (115 s measured on two shared, loaded ones).
 _DEFAULT_REQUESTS = 600
 # 1,024 blocks of 16 tokens (16k tokens) per rank: about ten conversations' worth, so caches
 # evict and where a prefix went matters.
@@ -78,6 +82,10 @@ _TRACE_CAPACITY = 32768
 # A trace replays 10x faster than recorded, engines included (`DemoOptions.speedup`): minutes of
 # trace in a demo's time, at the load the trace put on its fleet.
 _TRACE_SPEEDUP = 10.0
+# Records of a generated trace (--trace-shape): a minute or two of trace, ~15 s of demo per policy.
+_DEFAULT_TRACE_RECORDS = 400
+# Run names of kvroute with --replicas: kvroute_x<N>_<load>_load, one per `LOAD_MODES` entry.
+_REPLICATED = "kvroute_x"
 
 
 class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,12 +94,19 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     ``engines``: engines per fleet (cycling vLLM with 2 ranks, SGLang, vLLM, SGLang with 2 ranks).
     ``requests``: synthetic requests (default 600), or the first N trace records (default all).
     ``trace``: a Mooncake JSON-lines trace to replay instead of the synthetic workload, each
-    hash id expanded to ``trace_block_tokens`` tokens. ``speedup``: a trace runs that many
+    hash id expanded to ``trace_block_tokens`` tokens. ``trace_shape``: replay a generated
+    Mooncake-format trace of that shape instead (`generate_mooncake_trace`; ``requests`` records,
+    default 400). ``speedup``: a trace runs that many
     times faster than recorded (default 10): inter-arrival times and the engines' prefill and
     decode step times are all divided by it, so the fleet carries the trace's own load.
     ``rate``: synthetic arrivals per second. ``max_tokens``: output tokens per synthetic
     request, and the cap on a trace's output lengths. ``capacity_blocks``: KV blocks per rank
     (default 1,024 synthetic; 32,768 for a trace, an 80 GB GPU's worth for an 8B model).
+    ``replicas``: with more than 1, kvroute runs as that many router processes, the requests spread
+    over them (`ReplicaPolicy`), twice: pricing only their own requests, then the engines' reported
+    load too; the fleet serves gateway streams (the engines' load records) for both.
+    ``overlap_weight``: `CostModel.overlap_weight` of the kvroute and oracle policies (prefill
+    saved against load; above 1 keeps a conversation on its cache through more load).
     ``gateway_stream``: the engines serve the gateway servicer's ``SubscribeKvEvents`` stream
     (`SimConfig.gateway`) and the routers subscribe to it instead of ZMQ (not with ``faults``,
     whose drops and restarts are ZMQ faults). ``quiet_interval``: the subscriber's probe
@@ -104,12 +119,15 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     faults: bool = False
     gateway_stream: bool = False
     policies: tuple[str, ...] = POLICIES
+    replicas: int = 1
     trace: str | None = None
+    trace_shape: str | None = None
     trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
     speedup: float | None = None
     rate: float = WorkloadConfig().rate
     max_tokens: int = 16
     block_size: int = 16
+    overlap_weight: float = 1.0
     capacity_blocks: int | None = None
     quiet_interval: float = 0.5
     sync_timeout: float = 20.0
@@ -117,6 +135,12 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError(f"--engines must be >= 1, not {self.engines}")
+        if self.trace is not None and self.trace_shape is not None:
+            raise ValueError("--trace and --trace-shape are alternatives: give one")
+        if self.trace_shape is not None and self.trace_shape not in TRACE_SHAPES:
+            raise ValueError(f"--trace-shape must be one of {', '.join(TRACE_SHAPES)}, not {self.trace_shape!r}")
+        if self.replicas < 1 or (self.replicas > 1 and self.faults):
+            raise ValueError(f"--replicas must be >= 1 (and not with --faults), not {self.replicas}")
         if self.gateway_stream and self.faults:
             raise ValueError("--faults injects ZMQ faults (drops, restarts): not with --gateway-stream")
         if self.requests is not None and self.requests < 1:
@@ -129,58 +153,13 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
                 f"the trace block ({self.trace_block_tokens} tokens) must be a multiple of the engines' block size"
                 f" ({self.block_size}), so equal hash ids fill equal engine blocks"
             )
+        if not 0 <= self.overlap_weight < float("inf"):
+            raise ValueError(f"--overlap-weight must be >= 0 and finite, not {self.overlap_weight}")
         if self.max_tokens < 1 or (self.capacity_blocks is not None and self.capacity_blocks < 1):
             raise ValueError("max_tokens and capacity_blocks must be >= 1")
         speedup = 1.0 if self.speedup is None else self.speedup
         if not (speedup > 0 and self.rate > 0 and self.quiet_interval > 0 and self.sync_timeout > 0):
             raise ValueError("speedup, rate, quiet_interval and sync_timeout must be > 0")
-
-
-# --- policies -------------------------------------------------------------------------------------
-
-
-class _Policy(Protocol):
-    def choose(self, request_id: object, token_ids: Sequence[int]) -> WorkerKey: ...
-
-    def finished(self, request_id: object) -> None: ...
-
-
-class _KvRoutePolicy:
-    def __init__(self, router: Router) -> None:
-        self._router = router
-
-    def choose(self, request_id: object, token_ids: Sequence[int]) -> WorkerKey:
-        return self._router.select(token_ids, request_id=request_id).worker
-
-    def finished(self, request_id: object) -> None:
-        self._router.on_finish(request_id)
-
-
-class _RoundRobinPolicy:
-    def __init__(self, client: KvEventClient) -> None:
-        self._client = client
-        self._next = 0
-
-    def choose(self, request_id: object, token_ids: Sequence[int]) -> WorkerKey:
-        workers = sorted(self._client.live_workers())
-        worker = workers[self._next % len(workers)]
-        self._next += 1
-        return worker
-
-    def finished(self, request_id: object) -> None:
-        return None
-
-
-class _RandomPolicy:
-    def __init__(self, client: KvEventClient, seed: int) -> None:
-        self._client = client
-        self._rng = random.Random(seed)
-
-    def choose(self, request_id: object, token_ids: Sequence[int]) -> WorkerKey:
-        return self._rng.choice(sorted(self._client.live_workers()))
-
-    def finished(self, request_id: object) -> None:
-        return None
 
 
 # --- measuring ------------------------------------------------------------------------------------
@@ -243,7 +222,9 @@ def _fleet(options: DemoOptions, capacity: int, speedup: float) -> list[SimConfi
         configs.append(
             SimConfig(
                 engine="vllm" if engine == "vllm" else "sglang",
-                gateway=("vllm" if engine == "vllm" else "sglang") if options.gateway_stream else None,
+                gateway=("vllm" if engine == "vllm" else "sglang")
+                if options.gateway_stream or options.replicas > 1
+                else None,
                 name=f"{engine}-{i}",
                 ranks=ranks,
                 block_size=options.block_size,
@@ -254,6 +235,32 @@ def _fleet(options: DemoOptions, capacity: int, speedup: float) -> list[SimConfi
             )
         )
     return configs
+
+
+class AsyncPolicy(Protocol):
+    """What a run asks of a policy; in-process policies are wrapped (`_InProcess`), replicas answer over pipes."""
+
+    async def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey: ...
+
+    async def prefill_done(self, request_id: Hashable) -> None: ...
+
+    async def finished(self, request_id: Hashable) -> None: ...
+
+
+class _InProcess:
+    """A `Policy` of this process behind the async interface a run uses."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+
+    async def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
+        return self.policy.choose(request_id, token_ids)
+
+    async def prefill_done(self, request_id: Hashable) -> None:
+        self.policy.prefill_done(request_id)
+
+    async def finished(self, request_id: Hashable) -> None:
+        self.policy.finished(request_id)
 
 
 class _PolicyRun:
@@ -267,7 +274,7 @@ class _PolicyRun:
     def __init__(
         self,
         name: str,
-        policy: _Policy,
+        policy: AsyncPolicy,
         engines: Sequence[SimEngine],
         client: KvEventClient,
         reporter: Reporter,
@@ -339,11 +346,11 @@ class _PolicyRun:
         for attempt in range(_ATTEMPTS):
             rid = (req.id, attempt)
             t = time.perf_counter_ns()
-            worker = self.policy.choose(rid, req.token_ids)
+            worker = await self.policy.choose(rid, req.token_ids)
             tally.decisions_ns.append(time.perf_counter_ns() - t)
             engine = self.by_target[worker.worker_id]
             try:
-                done = await engine.complete(req.token_ids, req.max_tokens, rank=worker.dp_rank)
+                done = await self._stream(engine, worker, rid, req)
             except RequestAbortedError:
                 tally.retried += 1
                 continue
@@ -351,7 +358,7 @@ class _PolicyRun:
                 tally.rejected += 1
                 return
             finally:
-                self.policy.finished(rid)
+                await self.policy.finished(rid)
             tally.prompt += done.prompt_tokens
             tally.cached += done.cached_tokens
             tally.ttfts.append(done.ttft)
@@ -372,17 +379,22 @@ class _PolicyRun:
             return
         tally.failed += 1
 
+    async def _stream(self, engine: SimEngine, worker: WorkerKey, rid: object, req: WorkloadRequest) -> Completion:
+        """Run ``req`` on ``worker``, streamed: the first token tells the policy its prefill is done."""
+        running = engine.submit(req.token_ids, req.max_tokens, rank=worker.dp_rank, stream=True)
+        try:
+            first = True
+            async for _ in running.tokens():
+                if first:
+                    first = False
+                    await self.policy.prefill_done(rid)
+            return await running.result()
+        finally:
+            engine.abort(running)
+
     def _progress(self) -> None:
         tally = self.tally
         self.reporter.update(self.name, len(tally.records), tally.hit_rate, percentile(tally.ttfts, 50))
-
-
-def _policy(name: str, options: DemoOptions, client: KvEventClient) -> _Policy:
-    if name == "kvroute":
-        return _KvRoutePolicy(Router(client.index, states=client, block_size=options.block_size, seed=options.seed))
-    if name == "round_robin":
-        return _RoundRobinPolicy(client)
-    return _RandomPolicy(client, options.seed)
 
 
 async def _run_policy(
@@ -402,8 +414,45 @@ async def _run_policy(
         config = SubscriberConfig(quiet_interval=options.quiet_interval, events_buffer=100_000)
         client = await stack.enter_async_context(KvEventClient(targets=targets, config=config))
         await client.wait_synced(options.sync_timeout)
-        run = _PolicyRun(policy_name, _policy(policy_name, options, client), engines, client, reporter)
+        replicas: ReplicaPolicy | None = None
+        policy: AsyncPolicy
+        if policy_name.startswith(_REPLICATED):
+            load = policy_name.rsplit("_", 2)[-2]  # kvroute_xN_<load>_load
+            replicas = await stack.enter_async_context(
+                ReplicaPolicy(
+                    targets,
+                    replicas=options.replicas,
+                    load=load,
+                    block_size=options.block_size,
+                    overlap_weight=options.overlap_weight,
+                    seed=options.seed,
+                )
+            )
+            policy = replicas
+        else:
+            policy = _InProcess(
+                make_policy(
+                    policy_name,
+                    client,
+                    engines,
+                    block_size=options.block_size,
+                    seed=options.seed,
+                    cost=CostModel(overlap_weight=options.overlap_weight),
+                )
+            )
+        run = _PolicyRun(policy_name, policy, engines, client, reporter)
         await run.run(workload, _fault_plan(engines, len(workload)) if options.faults else {}, options.sync_timeout)
+        digests: list[str] = []
+        if replicas is not None:
+            # Quiescent: the last batches may still be on their way to some index. Asked again until they
+            # agree, for at most 10 s; digests that still differ then are reported as they are.
+            prompts = [r.token_ids for r in workload]
+            with anyio.move_on_after(10):
+                while len(set(digests)) != 1:
+                    if digests:
+                        await anyio.sleep(0.2)
+                    digests = [d for d, _ in await replicas.digests(prompts)]
+                    digests.append(index_digest(client.index, prompts)[0])
         stats = client.stats()
         index_memory = _deep_size(client.index)
         index_blocks = client.index.num_blocks()
@@ -445,6 +494,9 @@ async def _run_policy(
         workers=workers,
         wall_time=round(time.perf_counter() - started, 2),
         faults=[_recovery(t, fault, lifecycle) for t, fault in faults],
+        transport="gateway" if options.gateway_stream or options.replicas > 1 else "zmq",
+        replicas=options.replicas if replicas is not None else 1,
+        index_digests=digests,
     )
     return result, tally.records
 
@@ -526,14 +578,22 @@ def _recovery(t: float, fault: _Fault, lifecycle: Sequence[_Lifecycle]) -> Fault
 
 def _workload(options: DemoOptions) -> tuple[list[WorkloadRequest], int, float]:
     """The requests, KV blocks per rank, and how much faster than recorded the run goes."""
+    speedup = options.speedup or _TRACE_SPEEDUP
     if options.trace is not None:
-        speedup = options.speedup or _TRACE_SPEEDUP
         workload = read_mooncake_trace(
             options.trace,
             block_tokens=options.trace_block_tokens,
             limit=options.requests,
             speedup=speedup,
             max_tokens=options.max_tokens,
+        )
+        return workload, options.capacity_blocks or _TRACE_CAPACITY, speedup
+    if options.trace_shape is not None:
+        records = generate_mooncake_trace(
+            options.trace_shape, options.requests or _DEFAULT_TRACE_RECORDS, seed=options.seed
+        )
+        workload = trace_requests(
+            records, block_tokens=options.trace_block_tokens, speedup=speedup, max_tokens=options.max_tokens
         )
         return workload, options.capacity_blocks or _TRACE_CAPACITY, speedup
     config = WorkloadConfig(
@@ -561,13 +621,23 @@ async def run_demo(
     started = time.perf_counter()
     results: dict[str, PolicyResult] = {}
     records: dict[str, list[RequestRecord]] = {}
+    runs = [
+        r
+        for name in options.policies
+        for r in (
+            [f"{_REPLICATED}{options.replicas}_{load}_load" for load in LOAD_MODES]
+            if name == "kvroute" and options.replicas > 1
+            else [name]
+        )
+    ]
     try:
-        for name in options.policies:
+        for name in runs:
             results[name], records[name] = await _run_policy(
                 name, options, workload, capacity, speedup, reachable, display
             )
     finally:
         display.stop()
+    results = with_oracle_shares(results)
     kinds = Counter(r.kind for r in workload)
     shape = {"requests": len(workload), "prompt_tokens": sum(len(r.token_ids) for r in workload), **kinds}
     return DemoResult(

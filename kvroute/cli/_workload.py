@@ -34,7 +34,7 @@ import os
 import random
 import sys
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import msgspec
 import xxhash
@@ -43,15 +43,19 @@ from kvroute import KvRouteError
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
+    "TRACE_SHAPES",
     "Reachable",
     "TraceError",
     "TraceRecord",
     "WorkloadConfig",
     "WorkloadRequest",
+    "generate_mooncake_trace",
     "generate_workload",
     "iter_mooncake_records",
     "reachable_hits",
     "read_mooncake_trace",
+    "trace_requests",
+    "write_mooncake_trace",
 ]
 
 #: Tokens one hash id stands for in Mooncake's published traces.
@@ -281,22 +285,41 @@ def read_mooncake_trace(
     max_tokens: int | None = None,
     vocab_size: int = 32_000,
 ) -> list[WorkloadRequest]:
-    """Turn a Mooncake trace into requests, in timestamp order (ties keep file order).
+    """Turn a Mooncake trace file into requests (`trace_requests`); ``limit``: the first ``limit`` records only.
 
-    Hash id ``h`` becomes ``block_tokens`` tokens that depend only on ``h``; a prompt is its
-    blocks' tokens cut to ``input_length``. Tokens past the last hash id (a trace whose
-    ``input_length`` exceeds its blocks) are unique to the request. ``limit``: the first
-    ``limit`` records only. ``speedup``: divide inter-arrival times (timestamps are in ms).
-    ``max_tokens``: cap on ``output_length`` (at least 1 token is generated). Raises `TraceError`.
+    Raises `TraceError` for an unreadable file or record.
     """
     if block_tokens < 1 or not (math.isfinite(speedup) and speedup > 0):
         raise ValueError("block_tokens must be >= 1 and speedup > 0")
-    blocks: dict[int, list[int]] = {}
     records: list[TraceRecord] = []
     for rec in iter_mooncake_records(path):
         if limit is not None and len(records) >= limit:
             break
         records.append(rec)
+    return trace_requests(
+        records, block_tokens=block_tokens, speedup=speedup, max_tokens=max_tokens, vocab_size=vocab_size
+    )
+
+
+def trace_requests(
+    records: Sequence[TraceRecord],
+    *,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    speedup: float = 1.0,
+    max_tokens: int | None = None,
+    vocab_size: int = 32_000,
+) -> list[WorkloadRequest]:
+    """Turn Mooncake trace records into requests, in timestamp order (ties keep the records' order).
+
+    Hash id ``h`` becomes ``block_tokens`` tokens that depend only on ``h``; a prompt is its
+    blocks' tokens cut to ``input_length``. Tokens past the last hash id (a trace whose
+    ``input_length`` exceeds its blocks) are unique to the request. ``speedup``: divide
+    inter-arrival times (timestamps are in ms). ``max_tokens``: cap on ``output_length`` (at
+    least 1 token is generated).
+    """
+    if block_tokens < 1 or not (math.isfinite(speedup) and speedup > 0):
+        raise ValueError("block_tokens must be >= 1 and speedup > 0")
+    blocks: dict[int, list[int]] = {}
     order = sorted(range(len(records)), key=lambda i: records[i].timestamp)
     start = records[order[0]].timestamp if records else 0.0
     out: list[WorkloadRequest] = []
@@ -327,6 +350,100 @@ def read_mooncake_trace(
             )
         )
     return out
+
+
+# --- generated Mooncake-format traces -------------------------------------------------------------
+
+#: The trace shapes `generate_mooncake_trace` makes, after the three traces Mooncake published.
+TRACE_SHAPES = ("conversation", "toolagent", "synthetic")
+
+
+class _Ids:
+    """Fresh hash ids, counting up from 1 (0 is the system prompt every request of a shape shares)."""
+
+    def __init__(self) -> None:
+        self.next = 1
+
+    def take(self, n: int) -> list[int]:
+        ids = list(range(self.next, self.next + n))
+        self.next += n
+        return ids
+
+
+def _record(t_ms: float, hash_ids: list[int], rng: random.Random, output: tuple[int, int]) -> TraceRecord:
+    # The last block is partial, as a real prompt's usually is.
+    length = (len(hash_ids) - 1) * MOONCAKE_BLOCK_TOKENS + rng.randint(1, MOONCAKE_BLOCK_TOKENS)
+    return TraceRecord(
+        timestamp=float(round(t_ms)), input_length=length, output_length=_draw(rng, output), hash_ids=hash_ids
+    )
+
+
+def generate_mooncake_trace(shape: str, records: int = 400, seed: int = 0) -> list[TraceRecord]:
+    """A Mooncake-format trace of ``records`` records shaped like one of Mooncake's published traces.
+
+    Hash ids stand for 512-token blocks; timestamps are in ms; every shape's prompts start with block
+    0 (a system prompt all share), as the published traces' do. Deterministic for a seed.
+
+    - ``conversation``: chat sessions (~3.5 requests/s in all). Each turn's prompt is the previous
+      turn's blocks plus the reply and a new message (1-4 new blocks); turns of a session come 10-60 s
+      apart, so sessions interleave and their reuse is far apart in time.
+    - ``toolagent``: agent loops over 4 tool sets (8-16 shared blocks each, popularity 1/k). A step's
+      prompt is the previous step's plus a tool result (1-3 blocks); steps come 1-8 s apart; short
+      outputs. Prefix reuse is high and close in time.
+    - ``synthetic``: questions about 24 long documents (6-40 blocks each, popularity 1/k), each prompt
+      a document plus a question block of its own, arriving as a Poisson stream (~5/s).
+    """
+    if shape not in TRACE_SHAPES:
+        raise ValueError(f"trace shape must be one of {', '.join(TRACE_SHAPES)}, not {shape!r}")
+    if records < 0:
+        raise ValueError(f"records must be >= 0, not {records}")
+    rng = random.Random(f"kvroute-mooncake:{shape}:{seed}")
+    ids = _Ids()
+    out: list[TraceRecord] = []
+    if shape == "synthetic":
+        docs = [[0, *ids.take(rng.randint(6, 40))] for _ in range(24)]
+        weights = [1.0 / (k + 1) for k in range(len(docs))]
+        t = 0.0
+        for _ in range(records):
+            t += rng.expovariate(5.0) * 1000.0
+            doc = rng.choices(docs, weights)[0]
+            out.append(_record(t, [*doc, *ids.take(1)], rng, (8, 300)))
+        return out
+    if shape == "conversation":
+        start_rate, gap, grow, first, output = 1.0, (10_000.0, 60_000.0), (1, 4), (1, 24), (20, 700)
+        turns: tuple[int, int] = (2, 8)
+        prefixes = [[0]]
+    else:
+        start_rate, gap, grow, first, output = 0.6, (1_000.0, 8_000.0), (1, 3), (1, 4), (5, 300)
+        turns = (3, 12)
+        prefixes = [[0, *ids.take(rng.randint(8, 16))] for _ in range(4)]
+    weights = [1.0 / (k + 1) for k in range(len(prefixes))]
+    due: list[tuple[float, int, list[int], int]] = []  # (time, tie-break, hash ids so far, turns left): a heap
+    t_start = 0.0
+    n = 0
+    while len(out) < records:
+        # The next event is a new session's start or a session's next turn, whichever comes first.
+        if due and due[0][0] <= t_start:
+            t, _, history, left = heapq.heappop(due)
+            history = [*history, *ids.take(_draw(rng, grow))]
+        else:
+            t = t_start
+            t_start += rng.expovariate(start_rate) * 1000.0
+            history = [*rng.choices(prefixes, weights)[0], *ids.take(_draw(rng, first))]
+            left = _draw(rng, turns)
+        out.append(_record(t, history, rng, output))
+        if left > 1:
+            n += 1
+            heapq.heappush(due, (t + rng.uniform(*gap), n, history, left - 1))
+    return out
+
+
+def write_mooncake_trace(path: str | os.PathLike[str], records: Sequence[TraceRecord]) -> None:
+    """Write ``records`` as a Mooncake JSON-lines trace (`iter_mooncake_records` reads it back)."""
+    encoder = msgspec.json.Encoder()
+    with open(path, "wb") as f:
+        for rec in records:
+            f.write(encoder.encode(rec) + b"\n")
 
 
 # --- what any router could reach ------------------------------------------------------------------

@@ -3,7 +3,8 @@
 ``async with SimEngine(SimConfig(engine="vllm", ranks=2)) as engine:`` runs a stand-in engine in
 the current process: a paged prefix cache per data-parallel rank (`PrefixCache`) that publishes
 exactly what the real engine would (`EventPublisher`), its gRPC discovery service, and an
-OpenAI-style ``POST /v1/completions``. ``kvroute sim`` runs one from the command line.
+OpenAI-style HTTP server (``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
+``/metrics``). ``kvroute sim`` runs one from the command line.
 The discovery servers also stand alone (`serve_grpc` / `start_grpc_server` with a
 `VllmControlService` or `SglangService`), for a fleet whose discovery must fail or vanish.
 """
@@ -23,7 +24,7 @@ from ._grpc import (
     sglang_server_info,
     start_grpc_server,
 )
-from ._http import detokenize, tokenize
+from ._http import detokenize, render_chat, tokenize
 from ._publisher import EventPublisher
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "SimRequest",
     "VllmControlService",
     "detokenize",
+    "render_chat",
     "serve_grpc",
     "sglang_server_info",
     "start_grpc_server",

@@ -438,6 +438,42 @@ class SimEngine(AsyncService):
         r = self._ranks[rank]
         return len(r.running), len(r.waiting)
 
+    def prometheus_metrics(self) -> str:
+        """``GET /metrics``: each rank's running / waiting requests and KV usage under the engine's own names.
+
+        vLLM 0.34.0: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+        ``vllm:kv_cache_usage_perc``, labelled ``model_name`` and ``engine`` (the rank). SGLang
+        0.5.23: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
+        labelled ``model_name``, ``engine_type``, ``tp_rank``, ``pp_rank``, ``moe_ep_rank`` and, with
+        more than one rank, ``dp_rank`` (`kvroute.ENGINE_METRICS` reads them back).
+        """
+        cfg = self.config
+        if cfg.engine == "vllm":
+            names = (
+                ("vllm:num_requests_running", "Number of requests in model execution batches."),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            )
+        else:
+            names = (
+                ("sglang:num_running_reqs", "The number of running requests."),
+                ("sglang:num_queue_reqs", "The number of requests in the waiting queue."),
+                ("sglang:token_usage", "The token usage."),
+            )
+        lines = []
+        for i, (name, doc) in enumerate(names):
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge"]
+            for r in self._ranks:
+                if cfg.engine == "vllm":
+                    labels = f'engine="{r.index}",model_name="{cfg.model}"'
+                else:
+                    labels = f'engine_type="unified",model_name="{cfg.model}",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+                    if cfg.ranks > 1:
+                        labels = f'dp_rank="{r.index}",' + labels
+                value = (len(r.running), len(r.waiting), r.cache.usage)[i]
+                lines.append(f"{name}{{{labels}}} {float(value)}")
+        return "\n".join(lines) + "\n"
+
     @property
     def restarts(self) -> int:
         """How many times the engine restarted."""

@@ -14,6 +14,14 @@ will not take (chunked request bodies get 411, as servers that need a length ans
   or the ``data_parallel_rank`` field (SGLang), else the least loaded rank. It answers after
   the simulated time with ``usage.prompt_tokens_details.cached_tokens``, plus a ``sim``
   object (rank, queue time, TTFT, latency in seconds).
+- ``POST /v1/chat/completions`` — ``messages`` rendered by the trivial chat template
+  (`render_chat`: ``<|role|>`` then the content, per message, then ``<|assistant|>``) and
+  tokenized by `tokenize`; the rest as for completions (``max_completion_tokens`` too), answers
+  ``chat.completion`` objects or, streamed, ``chat.completion.chunk`` deltas.
+- ``POST /tokenize`` — vLLM's: ``{"prompt": text}`` or ``{"messages": [...]}`` (the chat template
+  applied) -> ``{"count", "max_model_len", "tokens"}``: how a router gets the token ids the engine
+  will see (one round trip; the engine's own tokenizer and template, so the ids match its cache).
+- ``GET /metrics``: Prometheus gauges per rank under the engine's own names (`SimEngine.prometheus_metrics`).
 - ``GET /health``, ``GET /v1/models``, ``GET /kv_event_sources`` (vLLM's HTTP mirror of gRPC
   discovery), ``GET /get_server_info`` (SGLang), ``POST /reset_prefix_cache`` (vLLM) and
   ``POST /flush_cache`` (SGLang): reset every rank's prefix cache (AllBlocksCleared).
@@ -38,7 +46,7 @@ from .._errors import KvRouteError
 from ._cache import CapacityError, InvalidRequestError
 from ._request import SimConfig, SimRequest
 
-__all__ = ["EngineApp", "HttpRequest", "HttpServer", "Responder", "detokenize", "tokenize"]
+__all__ = ["EngineApp", "HttpRequest", "HttpServer", "Responder", "detokenize", "render_chat", "tokenize"]
 
 log = logging.getLogger("kvroute.sim.http")
 
@@ -317,6 +325,15 @@ def tokenize(text: str, vocab_size: int) -> list[int]:
     return out
 
 
+def render_chat(messages: Sequence[tuple[str, str]]) -> str:
+    """The trivial chat template: ``<|role|> content`` per (role, content) message, then ``<|assistant|>``.
+
+    A conversation's next request repeats the earlier messages, so its rendering (and token ids)
+    extends the previous one's, as a real chat template's does.
+    """
+    return " ".join(f"<|{role}|> {content}" for role, content in messages) + " <|assistant|>"
+
+
 def detokenize(token_ids: Sequence[int]) -> str:
     """The text of generated tokens: `` tokN`` per token (leading space, as completion text continues a prompt)."""
     return "".join(f" tok{t}" for t in token_ids)
@@ -337,6 +354,56 @@ class _CompletionBody(msgspec.Struct, kw_only=True):
     stream_options: _StreamOptions | None = None
     return_token_ids: bool = False
     data_parallel_rank: int | None = None
+
+
+class _Message(msgspec.Struct, kw_only=True):
+    role: str
+    content: Any = None
+
+
+class _ChatBody(msgspec.Struct, kw_only=True):
+    messages: list[_Message]
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    data_parallel_rank: int | None = None
+
+
+class _TokenizeBody(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[_Message] | None = None
+
+
+class _TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class _ChatMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class _ChatChoice(msgspec.Struct):
+    index: int
+    message: _ChatMessage | None = None
+    delta: _ChatMessage | None = None
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class _ChatResponse(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[_ChatChoice]
+    usage: _Usage | None = None
+    sim: _SimInfo | None = None
 
 
 class _PromptDetails(msgspec.Struct):
@@ -405,6 +472,8 @@ class _ErrorBody(msgspec.Struct):
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
 _json = msgspec.json.Encoder()
 _body_decoder = msgspec.json.Decoder(_CompletionBody)
+_chat_decoder = msgspec.json.Decoder(_ChatBody)
+_tokenize_decoder = msgspec.json.Decoder(_TokenizeBody)
 # OpenAI's default for /v1/completions when max_tokens is omitted.
 _DEFAULT_MAX_TOKENS = 16
 
@@ -437,6 +506,8 @@ class ServedEngine(Protocol):
 
     def reset_prefix_cache(self) -> bool: ...
 
+    def prometheus_metrics(self) -> str: ...
+
 
 class EngineApp:
     """The HTTP routes of a `SimEngine` (module docstring); pass `handle` to an `HttpServer`."""
@@ -446,8 +517,11 @@ class EngineApp:
         self._created = int(time.time())
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/completions": {"POST": self._completions},
+            "/v1/chat/completions": {"POST": self._chat},
+            "/tokenize": {"POST": self._tokenize},
             "/health": {"GET": self._health},
             "/v1/models": {"GET": self._models},
+            "/metrics": {"GET": self._metrics},
             "/reset_prefix_cache": {"POST": self._reset},
             "/flush_cache": {"POST": self._reset, "GET": self._reset},
         }
@@ -486,6 +560,10 @@ class EngineApp:
         ]
         await respond.send(200, _json.encode(_ModelList("list", cards)))
 
+    async def _metrics(self, request: HttpRequest, respond: Responder) -> None:
+        body = self.engine.prometheus_metrics().encode()
+        await respond.send(200, body, content_type="text/plain; version=0.0.4; charset=utf-8")
+
     async def _kv_event_sources(self, request: HttpRequest, respond: Responder) -> None:
         await respond.send(200, _json.encode(self.engine.kv_events_configs()))
 
@@ -495,6 +573,51 @@ class EngineApp:
     async def _reset(self, request: HttpRequest, respond: Responder) -> None:
         done = self.engine.reset_prefix_cache()
         await respond.send(200 if done else 400, _json.encode({"success": done}))
+
+    def _chat_prompt(self, messages: Sequence[_Message]) -> list[int]:
+        rendered = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):  # OpenAI content parts: the text ones, in order
+                content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+            if not isinstance(content, str):
+                raise HttpError(400, "message content must be a string or a list of text parts")
+            rendered.append((m.role, content))
+        if not rendered:
+            raise HttpError(400, "messages must not be empty")
+        return tokenize(render_chat(rendered), self.engine.config.vocab_size)
+
+    async def _tokenize(self, request: HttpRequest, respond: Responder) -> None:
+        try:
+            body = _tokenize_decoder.decode(request.body)
+        except msgspec.DecodeError as exc:
+            raise HttpError(400, f"invalid JSON body: {exc}") from None
+        if (body.prompt is None) == (body.messages is None):
+            raise HttpError(400, "give either prompt or messages")
+        cfg = self.engine.config
+        if body.messages is not None:
+            tokens = self._chat_prompt(body.messages)
+        else:
+            tokens = tokenize(body.prompt or "", cfg.vocab_size)
+        answer = _TokenizeResponse(len(tokens), cfg.capacity_blocks * cfg.block_size, tokens)
+        await respond.send(200, _json.encode(answer))
+
+    async def _chat(self, request: HttpRequest, respond: Responder) -> None:
+        try:
+            body = _chat_decoder.decode(request.body)
+        except msgspec.DecodeError as exc:
+            raise HttpError(400, f"invalid JSON body: {exc}") from None
+        tokens = self._chat_prompt(body.messages)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        as_completion = _CompletionBody(
+            prompt=tokens,
+            model=body.model,
+            max_tokens=max_tokens,
+            stream=body.stream,
+            stream_options=body.stream_options,
+            data_parallel_rank=body.data_parallel_rank,
+        )
+        await self._serve(request, respond, as_completion, chat=True)
 
     def _prompt(self, body: _CompletionBody) -> list[int]:
         prompt = body.prompt
@@ -529,6 +652,9 @@ class EngineApp:
             body = _body_decoder.decode(request.body)
         except msgspec.DecodeError as exc:
             raise HttpError(400, f"invalid JSON body: {exc}") from None
+        await self._serve(request, respond, body, chat=False)
+
+    async def _serve(self, request: HttpRequest, respond: Responder, body: _CompletionBody, *, chat: bool) -> None:
         cfg = self.engine.config
         tokens = self._prompt(body)
         model = body.model or cfg.model
@@ -545,8 +671,28 @@ class EngineApp:
         except (CapacityError, InvalidRequestError) as exc:
             raise HttpError(400, str(exc)) from None
         try:
-            if body.stream:
+            if body.stream and chat:
+                await self._chat_stream(req, model, body, respond)
+            elif body.stream:
                 await self._stream(req, model, body, respond)
+            elif chat:
+                result = await req.result()
+                chat_response = _ChatResponse(
+                    id=f"chatcmpl-{req.request_id}",
+                    object="chat.completion",
+                    created=int(time.time()),
+                    model=model,
+                    choices=[
+                        _ChatChoice(
+                            0,
+                            message=_ChatMessage("assistant", detokenize(result.output_token_ids)),
+                            finish_reason=result.finish_reason,
+                        )
+                    ],
+                    usage=_usage(result.prompt_tokens, result.cached_tokens, len(result.output_token_ids)),
+                    sim=_SimInfo(result.rank, result.queue_time, result.ttft, result.latency),
+                )
+                await respond.send(200, _json.encode(chat_response))
             else:
                 result = await req.result()
                 response = _CompletionResponse(
@@ -603,6 +749,39 @@ class EngineApp:
                 created=created,
                 model=model,
                 choices=[],
+                usage=_usage(result.prompt_tokens, result.cached_tokens, len(result.output_token_ids)),
+                sim=_SimInfo(result.rank, result.queue_time, result.ttft, result.latency),
+            )
+            await respond.write(b"data: " + _json.encode(usage) + b"\n\n")
+        await respond.write(b"data: [DONE]\n\n")
+        await respond.end()
+
+    async def _chat_stream(self, req: SimRequest, model: str, body: _CompletionBody, respond: Responder) -> None:
+        created = int(time.time())
+        rid = f"chatcmpl-{req.request_id}"
+
+        def chunk(delta: _ChatMessage | None, finish: str | None = None) -> bytes:
+            choices = [] if delta is None else [_ChatChoice(0, delta=delta, finish_reason=finish)]
+            return (
+                b"data: " + _json.encode(_ChatResponse(rid, "chat.completion.chunk", created, model, choices)) + b"\n\n"
+            )
+
+        await respond.start_stream()
+        first = True
+        async for token in req.tokens():
+            if first:  # vLLM sends the role with the first output, after the prefill
+                first = False
+                await respond.write(chunk(_ChatMessage(role="assistant", content="")))
+            await respond.write(chunk(_ChatMessage(content=detokenize([token]))))
+        result = await req.result()
+        await respond.write(chunk(_ChatMessage(), result.finish_reason))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            usage = _ChatResponse(
+                rid,
+                "chat.completion.chunk",
+                created,
+                model,
+                [],
                 usage=_usage(result.prompt_tokens, result.cached_tokens, len(result.output_token_ids)),
                 sim=_SimInfo(result.rank, result.queue_time, result.ttft, result.latency),
             )

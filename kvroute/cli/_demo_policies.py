@@ -1,0 +1,278 @@
+"""The routing policies ``kvroute demo`` compares: kvroute, an oracle, and the baselines deployments use.
+
+- ``kvroute``: `kvroute.Router` over the client's index (learned from the engines' KV events only).
+- ``oracle``: the same cost model and load tracking as the Router, but each worker's overlap is read
+  from the simulated engine's own cache (`PrefixCache.match_blocks`) at the moment of the decision:
+  no event lag, no loss, nothing the index could get wrong. Its hit rate is what kvroute's policy
+  could reach on this fleet, with its capacity, eviction and timing: the *capacity-aware* reachable.
+- ``session_affinity``: consistent hashing on the prompt's leading tokens (a ring of virtual nodes, as
+  Envoy's ring hash or a session-sticky gateway does): a conversation's turns, which share their
+  leading blocks, land on one worker whatever its load.
+- ``least_load``: the worker with the fewest requests in flight (ties at random).
+- ``round_robin`` / ``random``: the naive baselines.
+
+Each policy sees only what a router would (the live workers, its own in-flight requests), except the
+oracle, which is allowed the engines' caches on purpose.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from array import array
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Protocol
+
+import msgspec
+import xxhash
+
+from kvroute import CostModel, KvEventClient, Router, WorkerKey
+from kvroute.sim import SimEngine
+
+__all__ = [
+    "AFFINITY_TOKENS",
+    "POLICIES",
+    "LeastLoadPolicy",
+    "OracleDecision",
+    "OraclePolicy",
+    "Policy",
+    "SessionAffinityPolicy",
+    "make_policy",
+]
+
+POLICIES = ("kvroute", "oracle", "session_affinity", "least_load", "round_robin", "random")
+
+#: Leading tokens session affinity hashes: two 512-token blocks of a Mooncake trace, the first of which
+#: is often a system prompt every request shares; the second is the conversation's own.
+AFFINITY_TOKENS = 1024
+# Virtual nodes per worker on the hash ring: enough for an even split of keys over a few workers.
+_VNODES = 160
+
+
+class Policy(Protocol):
+    """What the demo asks of a policy: a worker for a prompt, and word when that request ended."""
+
+    def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey: ...
+
+    def prefill_done(self, request_id: Hashable) -> None: ...
+
+    def finished(self, request_id: Hashable) -> None: ...
+
+
+class _Baseline:
+    """A policy that tracks nothing past its choice."""
+
+    def prefill_done(self, request_id: Hashable) -> None:
+        return None
+
+    def finished(self, request_id: Hashable) -> None:
+        return None
+
+
+class KvRoutePolicy:
+    """`Router.select` with the router's own load tracking (`on_finish` when the request ends)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
+        return self.router.select(token_ids, request_id=request_id).worker
+
+    def prefill_done(self, request_id: Hashable) -> None:
+        self.router.on_prefill_done(request_id)
+
+    def finished(self, request_id: Hashable) -> None:
+        self.router.on_finish(request_id)
+
+
+class OracleDecision(msgspec.Struct, frozen=True):
+    """One oracle decision: every candidate's true cached blocks and tracked load (tokens), and the pick."""
+
+    blocks: dict[WorkerKey, int]
+    load: dict[WorkerKey, int]
+    chosen: WorkerKey
+
+
+class OraclePolicy:
+    """kvroute's cost model and load tracking over the engines' true caches (module docstring).
+
+    Cost per worker = ``cost.cost(prefill_blocks, load_blocks)`` as `Router` prices it: prefill is the
+    prompt minus the worker's cached leading blocks, load the tokens its in-flight requests did not
+    find cached (until their first token, `Router.on_prefill_done`), both in blocks of ``block_size``.
+    Lowest wins; exact ties at random. ``decisions`` keeps every decision's figures
+    (`OracleDecision`), so a test can check it.
+    """
+
+    def __init__(
+        self,
+        client: KvEventClient,
+        engines: Mapping[str, SimEngine],
+        *,
+        block_size: int,
+        cost: CostModel | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self._client = client
+        self._engines = engines
+        self._unit = block_size
+        self._cost = cost if cost is not None else CostModel()
+        self._rng = random.Random(seed)
+        self._load: dict[WorkerKey, int] = {}
+        self._active: dict[Hashable, tuple[WorkerKey, int]] = {}
+        self.decisions: list[OracleDecision] = []
+
+    def cached_blocks(self, worker: WorkerKey, token_ids: Sequence[int]) -> tuple[int, int]:
+        """(leading blocks ``worker``'s engine holds for the prompt now, that engine's block size)."""
+        engine = self._engines[worker.worker_id]
+        return engine.cache(worker.dp_rank).match_blocks(token_ids), engine.config.block_size
+
+    def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
+        ntok = len(token_ids)
+        unit = self._unit
+        best: list[tuple[WorkerKey, int]] = []
+        best_cost = 0.0
+        blocks: dict[WorkerKey, int] = {}
+        for w in sorted(self._client.live_workers()):
+            held, bs = self.cached_blocks(w, token_ids)
+            blocks[w] = held
+            cached = min(ntok, held * bs)
+            cost = self._cost.cost((ntok - cached) / unit, self._load.get(w, 0) / unit)
+            if not best or cost < best_cost:
+                best, best_cost = [(w, cached)], cost
+            elif cost == best_cost:
+                best.append((w, cached))
+        worker, cached = best[self._rng.randrange(len(best))]
+        self.decisions.append(OracleDecision(blocks, dict(self._load), worker))
+        tokens = ntok - cached
+        self._active[request_id] = (worker, tokens)
+        self._load[worker] = self._load.get(worker, 0) + tokens
+        return worker
+
+    def prefill_done(self, request_id: Hashable) -> None:
+        worker, tokens = self._active[request_id]
+        self._active[request_id] = (worker, 0)
+        self._release(worker, tokens)
+
+    def finished(self, request_id: Hashable) -> None:
+        worker, tokens = self._active.pop(request_id)
+        self._release(worker, tokens)
+
+    def _release(self, worker: WorkerKey, tokens: int) -> None:
+        left = self._load.get(worker, 0) - tokens
+        if left:
+            self._load[worker] = left
+        else:
+            self._load.pop(worker, None)
+
+
+def _ring_hash(data: bytes) -> int:
+    return int(xxhash.xxh64_intdigest(data))
+
+
+class SessionAffinityPolicy(_Baseline):
+    """Consistent hashing of the prompt's first ``affinity_tokens`` tokens onto a ring of the live workers.
+
+    Each worker owns ``_VNODES`` points of a 64-bit ring; a prompt goes to the owner of the first point at
+    or after its key's hash. A worker leaving moves only its own keys. Load plays no part.
+    """
+
+    def __init__(self, client: KvEventClient, *, affinity_tokens: int = AFFINITY_TOKENS) -> None:
+        self._client = client
+        self._tokens = affinity_tokens
+        self._members: frozenset[WorkerKey] = frozenset()
+        self._points: list[int] = []
+        self._owners: list[WorkerKey] = []
+
+    def _ring(self) -> None:
+        live = frozenset(self._client.live_workers())
+        if live == self._members:
+            return
+        ring = sorted((_ring_hash(f"{w.worker_id}#{w.dp_rank}#{v}".encode()), w) for w in live for v in range(_VNODES))
+        self._members = live
+        self._points = [p for p, _ in ring]
+        self._owners = [w for _, w in ring]
+
+    def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
+        self._ring()
+        key = _ring_hash(array("I", token_ids[: self._tokens]).tobytes())
+        i = bisect.bisect_left(self._points, key)
+        return self._owners[i % len(self._owners)]
+
+
+class LeastLoadPolicy:
+    """The live worker with the fewest requests in flight through this policy; ties at random."""
+
+    def __init__(self, client: KvEventClient, seed: int | None = None) -> None:
+        self._client = client
+        self._rng = random.Random(seed)
+        self._count: dict[WorkerKey, int] = {}
+        self._active: dict[Hashable, WorkerKey] = {}
+
+    def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
+        workers = sorted(self._client.live_workers())
+        least = min(self._count.get(w, 0) for w in workers)
+        worker = self._rng.choice([w for w in workers if self._count.get(w, 0) == least])
+        self._count[worker] = self._count.get(worker, 0) + 1
+        self._active[request_id] = worker
+        return worker
+
+    def prefill_done(self, request_id: Hashable) -> None:
+        return None  # least outstanding requests: a request counts until it ends
+
+    def finished(self, request_id: Hashable) -> None:
+        worker = self._active.pop(request_id)
+        self._count[worker] -= 1
+
+
+class RoundRobinPolicy(_Baseline):
+    """The live workers in turn."""
+
+    def __init__(self, client: KvEventClient) -> None:
+        self._client = client
+        self._next = 0
+
+    def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
+        workers = sorted(self._client.live_workers())
+        worker = workers[self._next % len(workers)]
+        self._next += 1
+        return worker
+
+
+class RandomPolicy(_Baseline):
+    """A live worker uniformly at random."""
+
+    def __init__(self, client: KvEventClient, seed: int | None = None) -> None:
+        self._client = client
+        self._rng = random.Random(seed)
+
+    def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
+        return self._rng.choice(sorted(self._client.live_workers()))
+
+
+def make_policy(
+    name: str,
+    client: KvEventClient,
+    engines: Sequence[SimEngine],
+    *,
+    block_size: int,
+    seed: int | None,
+    cost: CostModel | None = None,
+) -> Policy:
+    """The policy called ``name`` (one of `POLICIES`) for a fleet of ``engines`` followed by ``client``.
+
+    ``cost``: the cost model of ``kvroute`` and ``oracle`` (default `CostModel()`).
+    """
+    if name == "kvroute":
+        return KvRoutePolicy(Router(client.index, states=client, block_size=block_size, seed=seed, cost=cost))
+    if name == "oracle":
+        by_target = {e.grpc_target: e for e in engines if e.grpc_target is not None}
+        return OraclePolicy(client, by_target, block_size=block_size, seed=seed, cost=cost)
+    if name == "session_affinity":
+        return SessionAffinityPolicy(client)
+    if name == "least_load":
+        return LeastLoadPolicy(client, seed)
+    if name == "round_robin":
+        return RoundRobinPolicy(client)
+    if name == "random":
+        return RandomPolicy(client, seed)
+    raise ValueError(f"unknown policy {name!r}; choose among {', '.join(POLICIES)}")
