@@ -12,34 +12,32 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Protocol, get_args
 
 import anyio
 import anyio.lowlevel
 import msgspec
 import zmq
-from msgspec import Meta
 
 from . import _zmq
 from ._errors import ConfigError, DecodeError
-from ._events import Envelope, LifecycleEvent, Partial, Reset
 from ._index import PrefixIndex
-from ._load import EngineLoad
-from ._models import EventSource, SourceState, WorkerStatus
+from ._models import EventSource
 from ._snapshot import Cursor
-from ._source import (
-    Action,
-    Apply,
-    Emit,
-    RecoveryStats,
-    RecreateSubscriber,
-    RequestReplay,
-    ResetWorker,
-    SourceMachine,
+from ._source import Action, Apply, RecreateSubscriber, RequestReplay
+from ._transports._base import (
+    COUNTER_FIELDS,
+    DriverBase,
+    EventSink,
+    RateLimitedLog,
+    SourceCounters,
+    SourceStats,
+    apply_items,
+    described_fields,
+    emit_lifecycle,
 )
-from ._wire import BatchDecoder, BlockStored, EventBatch, Limits
+from ._wire import BatchDecoder, EventBatch, Limits
 
 __all__ = [
     "EventSink",
@@ -80,11 +78,6 @@ _RETRY_GRACE = 1.0
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
-
-# One warning per kind of trouble per source per 10 s: a publisher spewing garbage at line
-# rate must not turn the router's log into the bottleneck (the counts are in the stats).
-_LOG_EVERY = 10.0
-
 
 # What one replay reply was (`SourceDriver._on_reply`).
 _END, _BATCH, _JUNK = object(), object(), object()
@@ -300,82 +293,6 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
         return cap if wanted < 1 else min(wanted, cap)
 
 
-class SourceCounters(RecoveryStats, kw_only=True):
-    """Every counter of one source: the machine's recovery counters plus the driver's I/O counters.
-
-    The one definition of the I/O counters (the recovery ones are `RecoveryStats`'s): the
-    driver counts into one instance of this, which its machine shares; `SourceStats` and
-    `kvroute.TotalStats` extend it and the Prometheus per-source families are derived from
-    its fields, each field's description being the metric's help. Adding a counter is adding
-    a field here (or to `RecoveryStats`) and counting it.
-    """
-
-    messages: Annotated[int, Meta(description="Live messages received, of any shape.")] = 0
-    blocks: Annotated[int, Meta(description="Blocks stored by the applied batches.")] = 0
-    decode_errors: Annotated[
-        int, Meta(description="Payloads that did not decode (malformed, non-finite ts, or past a Limits cap).")
-    ] = 0
-    unknown_events: Annotated[int, Meta(description="Events of an unknown type, skipped.")] = 0
-    skipped_frames: Annotated[
-        int, Meta(description="Messages or replay replies of the wrong frame shape, skipped.")
-    ] = 0
-    replayed_batches: Annotated[int, Meta(description="Batches received in replay replies.")] = 0
-    replay_yields: Annotated[
-        int, Meta(description="Replay turns that gave their slot up to a waiting source before any reply.")
-    ] = 0
-    replay_cutoffs: Annotated[
-        int, Meta(description="Replays ended by the replay deadline or reply budget, end marker unseen.")
-    ] = 0
-    wakeups_cut: Annotated[
-        int, Meta(description="Pump wakeups that stopped at the wakeup byte budget with messages still queued.")
-    ] = 0
-
-
-# msgspec lets a frozen Struct extend a mutable one; mypy applies dataclass rules, which do not.
-class SourceStats(SourceCounters, frozen=True, kw_only=True):  # type: ignore[misc]
-    """A snapshot of one source: its counters since it was added (`SourceCounters`) and its condition.
-
-    The counter fields are described in `SourceCounters` and `kvroute._source.RecoveryStats`
-    (e.g. ``messages``, ``batches``, ``gaps``, ``replays``, ``resets``, ``duplicates``,
-    ``stale``, ``restarts``, ``uncovered``, ``overflows``).
-    """
-
-    last_seq: Annotated[int, Meta(description="The last applied seq (-1 before any).")] = -1
-    connected: Annotated[bool, Meta(description="1 while the SUB socket has a publisher.")] = False
-    partial: Annotated[bool, Meta(description="1 when the worker's history before its replay buffer is unknown.")] = (
-        False
-    )
-    state: SourceState = "syncing"
-    #: The engine's newest load record (gateway streams only).
-    load: EngineLoad | None = None
-
-
-def described_fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, str], ...]:
-    """(name, description) of every field of ``cls``, in definition order ("" when undescribed)."""
-    out = []
-    for f in msgspec.structs.fields(cls):
-        meta = [m for m in get_args(f.type)[1:] if isinstance(m, Meta)]
-        out.append((f.name, (meta[0].description or "") if meta else ""))
-    return tuple(out)
-
-
-#: (name, description) of every per-source counter, in definition order (`SourceCounters`).
-COUNTER_FIELDS = described_fields(SourceCounters)
-
-
-class EventSink(Protocol):
-    """Where a driver sends envelopes (the client's fan-out to `events()` iterators)."""
-
-    @property
-    def active(self) -> bool:
-        """True when someone listens; engine-event envelopes are built only then."""
-        ...
-
-    def publish(self, envelope: Envelope) -> None:
-        """Deliver one envelope without blocking."""
-        ...
-
-
 def source_problem(
     source: EventSource, context: zmq.Context[zmq.Socket[bytes]], config: SubscriberConfig
 ) -> str | None:
@@ -406,56 +323,7 @@ def _curve_keys(source: EventSource, config: SubscriberConfig) -> _zmq.CurveKeys
     return _zmq.CurveKeys(config.curve_public_key, config.curve_secret_key)
 
 
-class RateLimitedLog:
-    """Warnings about one thing (a source, the client), at most one per kind per 10 s, with a count of the rest."""
-
-    __slots__ = ("_logger", "_next", "_suppressed", "_who")
-
-    def __init__(self, who: str, logger: logging.Logger = log) -> None:
-        self._who = who
-        self._logger = logger
-        self._next: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warn(self, kind: str, detail: str) -> None:
-        """Log ``detail`` under ``kind`` unless that kind was logged in the last 10 s (then count it)."""
-        now = time.monotonic()
-        if now < self._next.get(kind, 0.0):
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        self._next[kind] = now + _LOG_EVERY
-        more = self._suppressed.pop(kind, 0)
-        suffix = f" ({more} more since the last report)" if more else ""
-        self._logger.warning("%s: %s: %s%s", self._who, kind, detail, suffix)
-
-
-def apply_items(
-    index: PrefixIndex, source: EventSource, sink: EventSink, items: Sequence[tuple[int, float, EventBatch]]
-) -> int:
-    """Apply a machine's `Apply` run to the index, fan its events out; the blocks stored (any transport)."""
-    apply_batch, key = index.apply_batch, source.key
-    emit = sink.active
-    blocks = 0
-    for seq, ts, batch in items:
-        apply_batch(key, batch)
-        for ev in batch.events:
-            if type(ev) is BlockStored:
-                blocks += len(ev.block_hashes)
-            if emit:
-                sink.publish(Envelope(source=source, seq=seq, ts=ts, event=ev))
-    return blocks
-
-
-def emit_lifecycle(log: RateLimitedLog, sink: EventSink, source: EventSource, event: LifecycleEvent) -> None:
-    """Log a reset or a partial history (rate-limited) and fan the lifecycle event out (any transport)."""
-    if isinstance(event, Reset):
-        log.warn("index state reset", f"{event.reason}: {event.detail}")
-    elif isinstance(event, Partial):
-        log.warn("history incomplete", f"{event.reason}: blocks known from seq {event.first_seq} on")
-    sink.publish(Envelope(source=source, seq=None, ts=time.time(), event=event))
-
-
-class SourceDriver:
+class SourceDriver(DriverBase):
     """Subscribes to one `EventSource` and keeps its worker's index state per the recovery rules.
 
     `run` owns every socket and task of the source and closes them all when cancelled.
@@ -477,24 +345,19 @@ class SourceDriver:
         on_change: Callable[[], None],
         resume: Cursor | None = None,
     ) -> None:
-        self.source = source
-        self.key = source.key
-        #: Every counter of this source; the machine counts its recovery ones into it too.
-        self.counters = SourceCounters()
-        self.machine = SourceMachine(
-            has_replay=source.replay_endpoint is not None, max_held_bytes=config.held_bytes, stats=self.counters
+        super().__init__(
+            source,
+            index=index,
+            sink=sink,
+            on_change=on_change,
+            has_replay=source.replay_endpoint is not None,
+            max_held_bytes=config.held_bytes,
+            resume=resume,
         )
-        # Resumed now, not in run(): the restored state is the machine's from the start, so
-        # `cursor` reports it even before the task runs. Its actions are carried out in run().
-        self._first_actions = self.machine.resume(resume.seq, resume.ts) if resume is not None else None
         self._ctx = context
         self._cfg = config
-        self._index = index
-        self._sink = sink
         self._limiter = limiter
-        self._on_change = on_change
         self._decoder = BatchDecoder(config.limits)
-        self._log = RateLimitedLog(f"{source.worker_id}[{source.dp_rank}] {source.endpoint}")
         self._curve = _curve_keys(source, config)
         self._dealer: zmq.Socket[bytes] | None = None
         self._replay_request: RequestReplay | None = None
@@ -505,39 +368,11 @@ class SourceDriver:
         self._monitor: zmq.Socket[bytes] | None = None
         self._replay_scope: anyio.CancelScope | None = None
         self._recreate = False
-        # Set by stop(): the index and the listeners are no longer this driver's to touch.
-        self._stopped = False
         self._last_activity = 0.0
-        self.connected = False
 
-    # --- views ----------------------------------------------------------------------------------
-
-    def status(self) -> WorkerStatus:
-        """The worker's sync state as the router reads it."""
-        return WorkerStatus(state=self.machine.state, partial=self.machine.partial)
-
-    def stop(self) -> None:
-        """Stop touching the index and the listeners at once; cancel `run` to close the sockets.
-
-        Cancellation reaches a task only at its next checkpoint: a task already woken with
-        messages would otherwise apply them after its worker was removed (or replaced by a
-        new engine's source), leaving blocks no source will ever remove.
-        """
-        self._stopped = True
-
-    def cursor(self) -> Cursor | None:
-        """The newest applied seq and its ts while the index holds this source's run (`SourceMachine.applied`)."""
-        applied = self.machine.applied
-        return Cursor(*applied) if applied is not None else None
-
-    def stats(self) -> SourceStats:
-        """A snapshot of this source's counters and condition."""
-        c = self.counters
-        c.unknown_events = self._decoder.unknown_events
-        m = self.machine
-        return SourceStats(
-            **msgspec.structs.asdict(c), last_seq=m.last_seq, connected=self.connected, partial=m.partial, state=m.state
-        )
+    def refresh_counters(self) -> None:
+        """The decoder counts unknown event types itself."""
+        self.counters.unknown_events = self._decoder.unknown_events
 
     # --- running ------------------------------------------------------------------------------
 
@@ -551,8 +386,7 @@ class SourceDriver:
                     # Quiet ticks only ever lead to a replay probe: no endpoint, no ticks.
                     tg.start_soon(self._replay_loop)
                     tg.start_soon(self._quiet_loop)
-                first, self._first_actions = self._first_actions, None
-                self._execute(first if first is not None else self.machine.start())
+                self.execute(self.first_actions())
                 while True:
                     await self._run_session()
         finally:
@@ -613,7 +447,7 @@ class SourceDriver:
         batch_cap, byte_cap = self._cfg.recv_batch, self._cfg.wakeup_bytes
         decode = self._decode
         on_live = self.machine.on_live
-        apply, execute = self._apply, self._execute
+        apply, execute = self.apply, self.execute
         nan = math.nan
         poll_monitor = self._poll_monitor
         counters = self.counters
@@ -700,7 +534,7 @@ class SourceDriver:
                 self._session_tg.start_soon(self._expect_retry)
             if self.connected:
                 self.connected = False
-                self._execute(self.machine.on_disconnected())
+                self.execute(self.machine.on_disconnected())
                 self._on_change()
         elif ev.event == zmq.EVENT_CONNECT_RETRIED:
             self._awaiting_retry = False
@@ -719,7 +553,7 @@ class SourceDriver:
     def _set_connected(self) -> None:
         self._awaiting_retry = False
         self.connected = True
-        self._execute(self.machine.on_reconnected())
+        self.execute(self.machine.on_reconnected())
         self._on_change()
 
     async def _quiet_loop(self) -> None:
@@ -734,7 +568,7 @@ class SourceDriver:
             # A disconnected source has nothing new to tell, and a probe to a dead engine
             # would hold a replay slot for the whole timeout; reconnecting checks it anyway.
             if self.connected:
-                self._execute(self.machine.on_quiet())
+                self.execute(self.machine.on_quiet())
 
     # --- replay -------------------------------------------------------------------------------
 
@@ -757,9 +591,9 @@ class SourceDriver:
                 items, complete, failure = [], False, "abandoned"
             self._poll_monitor()  # a disconnect first, as for live messages
             if failure is not None:
-                self._execute(self.machine.on_replay_failed(failure))
+                self.execute(self.machine.on_replay_failed(failure))
             else:
-                self._execute(self.machine.on_replay(items, complete=complete))
+                self.execute(self.machine.on_replay(items, complete=complete))
 
     async def _replay(self, start: int) -> tuple[list[tuple[int, float, EventBatch | None]], bool, str | None]:
         """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).
@@ -895,35 +729,18 @@ class SourceDriver:
 
     # --- actions --------------------------------------------------------------------------------
 
-    def _execute(self, actions: Sequence[Action]) -> None:
-        if self._stopped:
-            return
-        changed = False
-        for action in actions:
-            if isinstance(action, Apply):
-                self._apply(action.items)
-            elif isinstance(action, Emit):
-                self._emit(action.event)
-                changed = True  # every state change comes with a lifecycle event
-            elif isinstance(action, RequestReplay):
-                self._replay_request = action
-                if self._replay_wakeup is not None:
-                    self._replay_wakeup.set()
-            elif isinstance(action, ResetWorker):
-                self._index.remove_worker(self.key)
-            elif isinstance(action, RecreateSubscriber):
-                self._recreate = True
-                if self._session is not None:
-                    self._session.cancel()
+    def on_action(self, action: Action) -> None:
+        """Ask a replay (the replay task carries it out) or recreate the SUB socket."""
+        if isinstance(action, RequestReplay):
+            self._replay_request = action
+            if self._replay_wakeup is not None:
+                self._replay_wakeup.set()
+        elif isinstance(action, RecreateSubscriber):
+            self._recreate = True
+            if self._session is not None:
+                self._session.cancel()
+
+    def after_actions(self) -> None:
+        """Stop waiting for a replay the machine abandoned (restart, disconnect)."""
         if self._replay_scope is not None and self.machine.replay_abandoned:
             self._replay_scope.cancel()
-        if changed:
-            self._on_change()
-
-    def _apply(self, items: Sequence[tuple[int, float, EventBatch]]) -> None:
-        if self._stopped:
-            return
-        self.counters.blocks += apply_items(self._index, self.source, self._sink, items)
-
-    def _emit(self, event: LifecycleEvent) -> None:
-        emit_lifecycle(self._log, self._sink, self.source, event)
