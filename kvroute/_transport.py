@@ -16,7 +16,7 @@ import zmq
 from ._index import PrefixIndex
 from ._models import EventSource
 from ._snapshot import Cursor
-from ._subscriber import ReplaySlots, SourceDriver, SubscriberConfig, source_problem
+from ._subscriber import Receiver, ReplaySlots, SourceDriver, SubscriberConfig, source_problem
 from ._transports._base import Driver, EventSink, Transport
 
 __all__ = ["Driver", "Transport", "ZmqTransport"]
@@ -25,12 +25,12 @@ __all__ = ["Driver", "Transport", "ZmqTransport"]
 class ZmqTransport:
     """ZMQ SUB + replay DEALER per source (`SourceDriver`): every source not claimed by another transport."""
 
-    def __init__(
-        self, context: zmq.Context[zmq.Socket[bytes]], config: SubscriberConfig, limiter: ReplaySlots
-    ) -> None:
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], config: SubscriberConfig, limiter: ReplaySlots) -> None:
         self._ctx = context
         self._config = config
         self._limiter = limiter
+        # One receive loop reads every source's SUB (`kvroute._subscriber.Receiver`).
+        self._receiver = Receiver(config)
 
     def handles(self, source: EventSource) -> bool:
         """Every source: ZMQ is the default transport."""
@@ -59,4 +59,5 @@ class ZmqTransport:
             limiter=self._limiter,
             on_change=on_change,
             resume=resume,
+            receiver=self._receiver,
         )

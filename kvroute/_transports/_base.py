@@ -92,6 +92,10 @@ class SourceStats(SourceCounters, frozen=True, kw_only=True):  # type: ignore[mi
         False
     )
     state: SourceState = "syncing"
+    apply_lag: Annotated[
+        float,
+        Meta(description="Seconds from the newest applied live batch's ts (the engine's clock) to its apply."),
+    ] = 0.0
     #: The engine's newest load record (gateway streams only).
     load: EngineLoad | None = None
 
