@@ -913,18 +913,25 @@ class SourceDriver(DriverBase):
         assert endpoint is not None  # the replay task runs only for sources with one
         cfg = self._cfg
         if self._dealer is None:
-            self._dealer = _zmq.connect(
-                self._ctx,
-                zmq.DEALER,
-                endpoint,
-                rcvhwm=cfg.sub_rcvhwm(None),
-                max_message_size=cfg.max_message_size,
-                reconnect_ivl=cfg.reconnect_ivl,
-                reconnect_ivl_max=cfg.reconnect_ivl_max,
-                tcp_keepalive=cfg.tcp_keepalive,
-                curve=self._curve,
-                curve_server_key=self.source.curve_server_key if self._curve is not None else None,
-            )
+            try:
+                self._dealer = _zmq.connect(
+                    self._ctx,
+                    zmq.DEALER,
+                    endpoint,
+                    rcvhwm=cfg.sub_rcvhwm(None),
+                    max_message_size=cfg.max_message_size,
+                    reconnect_ivl=cfg.reconnect_ivl,
+                    reconnect_ivl_max=cfg.reconnect_ivl_max,
+                    tcp_keepalive=cfg.tcp_keepalive,
+                    curve=self._curve,
+                    curve_server_key=self.source.curve_server_key if self._curve is not None else None,
+                )
+            except zmq.ZMQError as exc:
+                # Out of sockets or descriptors for a moment (libzmq reaps closed sockets in
+                # its own thread, late on a starved machine): a failed replay, asked again
+                # by the machine's rules, not a failed source.
+                run.cut = f"cannot open the replay socket: {exc}"
+                return False
         dealer = self._dealer
         if not _zmq.send_nowait(dealer, [b"", start.to_bytes(8, "big")]):
             self._close_dealer()

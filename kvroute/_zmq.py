@@ -275,6 +275,8 @@ DEFAULT_MAX_SOURCES = 4096
 # yet to reap. Replay slots past _SPARE_REPLAYS are budgeted on top.
 _SPARE = 64
 _SPARE_REPLAYS = 16
+# Socket slots an own context gets beyond the budget (see fit_sources).
+_REAP_ROOM = 1024
 
 
 def fit_sources(ctx: zmq.Context[zmq.Socket[bytes]], wanted: int | None, *, own_context: bool, replays: int = 8) -> int:
@@ -294,9 +296,11 @@ def fit_sources(ctx: zmq.Context[zmq.Socket[bytes]], wanted: int | None, *, own_
     fixed_fds = _SPARE + extra * FDS_PER_REPLAY
     sockets_needed = target * SOCKETS_PER_SOURCE + fixed_sockets
     limit = ctx.get(zmq.MAX_SOCKETS)
-    if own_context and limit < sockets_needed:
-        ctx.set(zmq.MAX_SOCKETS, min(sockets_needed, ctx.get(zmq.SOCKET_LIMIT)))
-        limit = ctx.get(zmq.MAX_SOCKETS)
+    if own_context and limit < sockets_needed + _REAP_ROOM:
+        # Room above the budget for closed replay DEALERs libzmq has not reaped yet (a socket
+        # slot costs libzmq a pointer; the budget below still counts only the live ones).
+        ctx.set(zmq.MAX_SOCKETS, min(sockets_needed + _REAP_ROOM, ctx.get(zmq.SOCKET_LIMIT)))
+        limit = ctx.get(zmq.MAX_SOCKETS) - _REAP_ROOM
     fds = _fd_room(target * FDS_PER_SOURCE + fixed_fds)
     fit = max(0, min((limit - fixed_sockets) // SOCKETS_PER_SOURCE, (fds - fixed_fds) // FDS_PER_SOURCE))
     if wanted is None:

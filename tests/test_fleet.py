@@ -196,3 +196,15 @@ async def test_apply_lag_is_in_the_stats_and_the_metrics() -> None:
             top = registry.get_sample_value("kvroute_client_apply_lag_max_seconds")
             per = registry.get_sample_value("kvroute_source_apply_lag", {"worker_id": "w", "dp_rank": "0"})
             assert top is not None and per is not None and top >= per >= 1.5
+
+
+async def test_wait_synced_names_the_refused_sources() -> None:
+    async with EventPublisher() as a:
+        ghost = EventSource(worker_id="ghost", endpoint="tcp://127.0.0.1:1")
+        never = EventSource(worker_id="never", endpoint="not-an-endpoint")
+        config = msgspec.structs.replace(FAST, max_sources=2)
+        async with KvEventClient([a.source("a"), ghost, never], config=config) as client:
+            assert client.stats().refused_sources == 1
+            with pytest.raises(TimeoutError, match="1 sources refused") as err:
+                await client.wait_synced(0.5)  # the ghost never connects
+            assert "never" in str(err.value) and "max_sources (2) reached" in str(err.value)
