@@ -269,7 +269,8 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             offered_real = pub / wall
             # The client is behind when it applied < 95 % of what was sent; then its core is the
             # bound (its share of it, when other processes on the machine take the rest).
-            behind = applied_in_window < 0.95 * pub
+            lags = index.lags
+            behind = applied_in_window < 0.95 * pub or _pct(lags, 0.5) > 1.0  # or working off a backlog
             bound = (
                 "publishers"
                 if offered_real < 0.95 * offered
@@ -277,7 +278,6 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                 if behind
                 else "nothing (kept up)"
             )
-            lags = index.lags
             print(
                 f"| {len(sources):,} ({subscribed:,}) | {offered / 1000:,.0f}k (sent {offered_real / 1000:,.0f}k) "
                 f"| {applied_in_window / wall / 1000:,.0f}k, ÷ sent {applied_in_window / max(1, pub):.2f} "
