@@ -208,3 +208,24 @@ async def test_wait_synced_names_the_refused_sources() -> None:
             with pytest.raises(TimeoutError, match="1 sources refused") as err:
                 await client.wait_synced(0.5)  # the ghost never connects
             assert "never" in str(err.value) and "max_sources (2) reached" in str(err.value)
+
+
+async def test_the_receive_loop_outlives_the_source_that_ran_it() -> None:
+    # The loop runs in the first source's session; removing that source (and recreating
+    # another's SUB) hands it over: the others keep applying.
+    async with EventPublisher() as a, EventPublisher() as b, EventPublisher() as c:
+        for i, pub in enumerate((a, b, c)):
+            pub.publish([_event(i)])
+        async with KvEventClient([a.source("a"), b.source("b"), c.source("c")], config=FAST) as client:
+            await client.wait_synced(20)
+            receiver = client._subs[a.source("a").key].driver._receiver  # type: ignore[attr-defined]
+            assert receiver._leading
+            assert client.remove_source(a.source("a"))
+            b.restart()  # a new engine process behind b: its SUB is recreated
+            b.publish([_event(10)])
+            c.publish([_event(11)])
+            await until(lambda: client.index.num_blocks(c.source("c").key) == 2)
+            await until(lambda: client.index.num_blocks(b.source("b").key) == 1)
+            await client.wait_synced(20)
+            assert receiver._leading and len(receiver._entries) == 2
+        assert receiver._selector is None  # every source left: the selector is closed
