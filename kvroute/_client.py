@@ -277,6 +277,8 @@ class KvEventClient:
         self._max_sources = self._config.max_sources or DEFAULT_MAX_SOURCES
         self._changed: anyio.Event | None = None
         self._refused = 0
+        # (issue 19) Sources refused and not subscribed since, with why: wait_synced names them.
+        self._refused_keys: dict[WorkerKey, str] = {}
         self._removed = 0
         self._failed = 0
         self._log = RateLimitedLog("KvEventClient", log)
@@ -395,6 +397,7 @@ class KvEventClient:
         if problem is not None:
             return self._refuse(source, problem)
         self._unclaimed.discard(source.key)
+        self._refused_keys.pop(source.key, None)
         cursor = self._resume.pop(source.key, None)
         if cursor is not None and source.replay_endpoint is None:
             log.info("%s: restored state dropped: no replay endpoint to check it against", source.key)
@@ -411,6 +414,7 @@ class KvEventClient:
 
     def _refuse(self, source: EventSource, why: str) -> bool:
         self._refused += 1
+        self._refused_keys[source.key] = why  # (issue 19) named in wait_synced's error
         # Rate-limited: discovery offers the same refused source again every interval.
         self._log.warn("refused source", f"{source.key} ({source.endpoint}): {why}")
         return False
@@ -583,15 +587,25 @@ class KvEventClient:
         """Return once every current source is caught up (cold-start replay done, no gap pending).
 
         Targets count too: each must have answered discovery once (or been given up on).
-        Raises TimeoutError after ``timeout`` seconds.
+        Raises TimeoutError after ``timeout`` seconds, naming the sources refused meanwhile.
         """
-        with anyio.fail_after(timeout):
-            while not self._all_synced():
-                if self._tg is None:
-                    raise ClientStateError("KvEventClient is not running (use `async with`)")
-                if self._changed is None:
-                    self._changed = anyio.Event()
-                await self._changed.wait()
+        try:
+            with anyio.fail_after(timeout):
+                while not self._all_synced():
+                    if self._tg is None:
+                        raise ClientStateError("KvEventClient is not running (use `async with`)")
+                    if self._changed is None:
+                        self._changed = anyio.Event()
+                    await self._changed.wait()
+        except TimeoutError:
+            # (issue 19) A refused source is never synced and never waited for: say so here too.
+            refused = self._refused_keys
+            if not refused:
+                raise
+            named = "; ".join(f"{key}: {why}" for key, why in list(refused.items())[:10])
+            more = f" (and {len(refused) - 10} more)" if len(refused) > 10 else ""
+            detail = f"{len(refused)} sources refused: {named}{more}"
+            raise TimeoutError(f"not synced after {timeout:g} s; {detail}") from None
 
     def worker_status(self, worker: WorkerKey) -> WorkerStatus | None:
         """The worker's sync state, or None when no current source feeds it."""

@@ -191,6 +191,22 @@ def _per_source(stats: ClientStats | None) -> Iterator[Metric]:
     yield from loads
 
 
+#: The client's worst apply lag: the largest `SourceStats.apply_lag` of its current sources.
+APPLY_LAG_MAX: _Field = (
+    "kvroute_client_apply_lag_max_seconds",
+    "apply_lag",
+    "gauge",
+    "Largest apply lag over the sources: seconds from a batch's ts (engine clock) to its apply, newest batch each.",
+)
+
+
+def _apply_lag_max(stats: ClientStats | None) -> Metric:
+    fam = _family(APPLY_LAG_MAX)
+    if stats is not None:
+        fam.add_metric([], max((st.apply_lag for st in stats.sources.values()), default=0.0))
+    return fam
+
+
 #: The `select` latency histogram, from RouterStats' ``select_seconds_*`` fields.
 SELECT_HISTOGRAM = "kvroute_router_select_seconds"
 
@@ -259,6 +275,7 @@ class KvRouteCollector:
             yield from _per_source(client)
             yield from _flat(CLIENT_FIELDS, client)
             yield from _flat(TOTAL_FIELDS, client.totals if client is not None else None)
+            yield _apply_lag_max(client)
         if self.index is not None:
             yield from _flat(INDEX_FIELDS, index)
         if self.router is not None:

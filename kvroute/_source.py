@@ -345,25 +345,38 @@ class SourceMachine:
         self._down = True  # until the first connect: hold live batches, ask nothing
         return self._done(before, out)
 
-    def on_live(self, seq: int, ts: float, batch: EventBatch | None, size: int = 0) -> list[Action]:
-        """One live message; ``batch`` None = its payload failed to decode; ``size``: its bytes (``max_held_bytes``)."""
-        if (
+    def in_order(self, seq: int) -> bool:
+        """Rule 1's condition: a decodable batch with this live seq would just be applied, nothing else.
+
+        The driver's fast path asks this before decoding: when True it may decode and apply
+        the payload itself and report it with `on_applied` (an undecodable one still goes to
+        `on_live`); when False the batch goes to `on_live`.
+        """
+        return (
             seq == self.last_seq + 1
-            and batch is not None
             and seq != _SEQ_END
             and self.replay_in_flight is None
             and not self._held
             and self._history == "known"
             and not self._identity_question
             and not self._down
-        ):
-            # Rule 1, the hot path: in order, nothing pending (`_record` inlined).
-            i = seq % self.ts_ring
-            self._ring_seq[i] = seq
-            self._ring_ts[i] = ts
-            self._newest = self.last_seq = seq
-            self._dirty = True
-            self.stats.batches += 1
+        )
+
+    def on_applied(self, seq: int, ts: float) -> None:
+        """The driver applied the live batch ``seq`` (``ts`` finite) itself, after `in_order` said so."""
+        # Rule 1 as in `on_live` (`_record` inlined): the ring, the run, the count.
+        i = seq % self.ts_ring
+        self._ring_seq[i] = seq
+        self._ring_ts[i] = ts
+        self._newest = self.last_seq = seq
+        self._dirty = True
+        self.stats.batches += 1
+
+    def on_live(self, seq: int, ts: float, batch: EventBatch | None, size: int = 0) -> list[Action]:
+        """One live message; ``batch`` None = its payload failed to decode; ``size``: its bytes (``max_held_bytes``)."""
+        if batch is not None and self.in_order(seq):
+            # Rule 1, the hot path: in order, nothing pending.
+            self.on_applied(seq, ts)
             return [Apply([(seq, ts, batch)])]
         before = self.state
         out: list[Action] = []

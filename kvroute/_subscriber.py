@@ -11,39 +11,41 @@ from __future__ import annotations
 
 import logging
 import math
+import selectors
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Protocol, get_args
+from typing import NamedTuple
 
 import anyio
 import anyio.lowlevel
 import msgspec
 import zmq
-from msgspec import Meta
 
 from . import _zmq
 from ._errors import ConfigError, DecodeError
-from ._events import Envelope, LifecycleEvent, Partial, Reset
 from ._index import PrefixIndex
-from ._load import EngineLoad
-from ._models import EventSource, SourceState, WorkerStatus
+from ._models import EventSource, WorkerKey
 from ._snapshot import Cursor
-from ._source import (
-    Action,
-    Apply,
-    Emit,
-    RecoveryStats,
-    RecreateSubscriber,
-    RequestReplay,
-    ResetWorker,
-    SourceMachine,
+from ._source import Action, Apply, RecreateSubscriber, RequestReplay
+from ._transports._base import (
+    COUNTER_FIELDS,
+    DriverBase,
+    EventSink,
+    RateLimitedLog,
+    SourceCounters,
+    SourceStats,
+    apply_items,
+    described_fields,
+    emit_lifecycle,
 )
 from ._wire import BatchDecoder, BlockStored, EventBatch, Limits
 
 __all__ = [
     "EventSink",
     "RateLimitedLog",
+    "PayloadReport",
+    "Receiver",
     "ReplaySlots",
     "SourceCounters",
     "SourceDriver",
@@ -80,11 +82,6 @@ _RETRY_GRACE = 1.0
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
-
-# One warning per kind of trouble per source per 10 s: a publisher spewing garbage at line
-# rate must not turn the router's log into the bottleneck (the counts are in the stats).
-_LOG_EVERY = 10.0
-
 
 # What one replay reply was (`SourceDriver._on_reply`).
 _END, _BATCH, _JUNK = object(), object(), object()
@@ -159,10 +156,6 @@ class ReplaySlots:
                 return
 
 
-# The longest the pump works between two yields to the event loop (one batch may overrun it).
-_SLICE = 0.01
-
-
 class _ReplayRun:
     """One replay request across its turns: what came back and what it may still spend."""
 
@@ -184,6 +177,27 @@ class _ReplayRun:
 
 _MiB = 1 << 20
 
+# What a SubscriberConfig field that is not a plain int must be, for the type error message.
+_KIND = {
+    "limits": "a kvroute.Limits",
+    "tcp_keepalive": "a bool",
+    "curve_public_key": "a z85 str or None",
+    "curve_secret_key": "a z85 str or None",
+    "rcvhwm": "an int or None",
+    "max_sources": "an int or None",
+    **{
+        name: "a number"
+        for name in (
+            "reconnect_ivl",
+            "reconnect_ivl_max",
+            "replay_timeout",
+            "replay_deadline",
+            "replay_slice",
+            "quiet_interval",
+        )
+    },
+}
+
 
 class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How `KvEventClient` subscribes: socket options, replay bounds, memory budgets, fan-out and decode limits.
@@ -198,8 +212,9 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     - ``rcvhwm`` None: use the source's advertised ``hwm``, else libzmq's 1,000; either way
       clamped to [1, ``queue_bytes // max_message_size``] (an advertised 0, libzmq's
       "unlimited", never is).
-    - ``wakeup_bytes`` 4 MiB: payload bytes the pump decodes per wakeup before it yields to
-      the event loop (at least one message): a flood never blocks the loop for long.
+    - ``wakeup_bytes`` 4 MiB: payload bytes the receiver takes from one socket per visit
+      (at least one message) before it turns to the next; it yields to the event loop every
+      5 ms of work, so a flood never blocks the loop for long.
     - ``held_bytes`` 8 MiB: payload bytes of the live batches held while a replay is
       outstanding (decoded, an engine's batch takes ~7x its payload); past it the newest
       held batch is dropped (a replay fetches it again; counted in ``overflows``), as past
@@ -221,8 +236,10 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     - ``max_concurrent_replays`` 8: replay slots shared by all sources; each engine serves
       one at a time, and a reconnect storm must not stall every pump at once.
     - ``quiet_interval`` 2.0: a source silent this long gets a replay probe (docs/recovery.md rules
-      7-8: lost tail, silent restart); one small request per source per interval.
-    - ``recv_batch`` 1024: messages drained per wakeup before yielding to other sources.
+      7-8: lost tail, silent restart); one small request per source per interval. Silent means
+      its SUB had nothing to read: a client that is slow itself probes nobody for it.
+    - ``recv_batch`` 1024: messages taken from one socket per visit, at most 64 (then the
+      other ready sockets get their turn).
     - ``events_buffer`` 10,000: envelopes buffered per `events()` iterator before the
       oldest are dropped.
     - ``max_sources`` None: sources subscribed at once, more are refused (logged, counted).
@@ -233,7 +250,15 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
       for every source that names a ``curve_server_key``. Never shown by ``repr``.
     - ``limits``: decode caps per batch (`Limits`).
 
-    Invalid values raise `ConfigError` (a `KvRouteError` and a `ValueError`).
+    Memory, per source, at most: ``queue_bytes`` queued in libzmq (SUB), ``held_bytes`` of
+    payload held behind an outstanding replay (about 7x that decoded), and its index state;
+    and per replay slot one answer of up to ``held_bytes`` (x7 decoded). Held batches exist
+    only for a source with a gap or an identity check pending, never because the client
+    is slow: a client past its ceiling leaves the backlog in the engines' PUB queues (which
+    drop past their high-water mark: gaps, fetched again by replay within these bounds).
+
+    Invalid values, wrong types included, raise `ConfigError` (a `KvRouteError` and a
+    `ValueError`).
     """
 
     max_message_size: int = 4 * _MiB
@@ -258,6 +283,24 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     limits: Limits = msgspec.field(default_factory=Limits)
 
     def __post_init__(self) -> None:
+        # msgspec checks types when decoding, not when a Struct is built by hand: check here,
+        # so a wrong type is a ConfigError now rather than a TypeError inside a running driver.
+        for f in msgspec.structs.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "limits":
+                ok = isinstance(value, Limits)
+            elif f.name == "tcp_keepalive":
+                ok = isinstance(value, bool)
+            elif f.name.startswith("curve_"):
+                ok = value is None or isinstance(value, str)
+            elif value is None and f.name in ("rcvhwm", "max_sources"):
+                ok = True
+            elif isinstance(f.default, float):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            if not ok:
+                raise ConfigError(f"{f.name} must be {_KIND.get(f.name, 'an int')}, not {value!r}")
         if (self.curve_public_key is None) != (self.curve_secret_key is None):
             raise ConfigError("curve_public_key and curve_secret_key go together")
         for name in ("replay_timeout", "quiet_interval", "reconnect_ivl", "replay_deadline", "replay_slice"):
@@ -300,82 +343,6 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
         return cap if wanted < 1 else min(wanted, cap)
 
 
-class SourceCounters(RecoveryStats, kw_only=True):
-    """Every counter of one source: the machine's recovery counters plus the driver's I/O counters.
-
-    The one definition of the I/O counters (the recovery ones are `RecoveryStats`'s): the
-    driver counts into one instance of this, which its machine shares; `SourceStats` and
-    `kvroute.TotalStats` extend it and the Prometheus per-source families are derived from
-    its fields, each field's description being the metric's help. Adding a counter is adding
-    a field here (or to `RecoveryStats`) and counting it.
-    """
-
-    messages: Annotated[int, Meta(description="Live messages received, of any shape.")] = 0
-    blocks: Annotated[int, Meta(description="Blocks stored by the applied batches.")] = 0
-    decode_errors: Annotated[
-        int, Meta(description="Payloads that did not decode (malformed, non-finite ts, or past a Limits cap).")
-    ] = 0
-    unknown_events: Annotated[int, Meta(description="Events of an unknown type, skipped.")] = 0
-    skipped_frames: Annotated[
-        int, Meta(description="Messages or replay replies of the wrong frame shape, skipped.")
-    ] = 0
-    replayed_batches: Annotated[int, Meta(description="Batches received in replay replies.")] = 0
-    replay_yields: Annotated[
-        int, Meta(description="Replay turns that gave their slot up to a waiting source before any reply.")
-    ] = 0
-    replay_cutoffs: Annotated[
-        int, Meta(description="Replays ended by the replay deadline or reply budget, end marker unseen.")
-    ] = 0
-    wakeups_cut: Annotated[
-        int, Meta(description="Pump wakeups that stopped at the wakeup byte budget with messages still queued.")
-    ] = 0
-
-
-# msgspec lets a frozen Struct extend a mutable one; mypy applies dataclass rules, which do not.
-class SourceStats(SourceCounters, frozen=True, kw_only=True):  # type: ignore[misc]
-    """A snapshot of one source: its counters since it was added (`SourceCounters`) and its condition.
-
-    The counter fields are described in `SourceCounters` and `kvroute._source.RecoveryStats`
-    (e.g. ``messages``, ``batches``, ``gaps``, ``replays``, ``resets``, ``duplicates``,
-    ``stale``, ``restarts``, ``uncovered``, ``overflows``).
-    """
-
-    last_seq: Annotated[int, Meta(description="The last applied seq (-1 before any).")] = -1
-    connected: Annotated[bool, Meta(description="1 while the SUB socket has a publisher.")] = False
-    partial: Annotated[bool, Meta(description="1 when the worker's history before its replay buffer is unknown.")] = (
-        False
-    )
-    state: SourceState = "syncing"
-    #: The engine's newest load record (gateway streams only).
-    load: EngineLoad | None = None
-
-
-def described_fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, str], ...]:
-    """(name, description) of every field of ``cls``, in definition order ("" when undescribed)."""
-    out = []
-    for f in msgspec.structs.fields(cls):
-        meta = [m for m in get_args(f.type)[1:] if isinstance(m, Meta)]
-        out.append((f.name, (meta[0].description or "") if meta else ""))
-    return tuple(out)
-
-
-#: (name, description) of every per-source counter, in definition order (`SourceCounters`).
-COUNTER_FIELDS = described_fields(SourceCounters)
-
-
-class EventSink(Protocol):
-    """Where a driver sends envelopes (the client's fan-out to `events()` iterators)."""
-
-    @property
-    def active(self) -> bool:
-        """True when someone listens; engine-event envelopes are built only then."""
-        ...
-
-    def publish(self, envelope: Envelope) -> None:
-        """Deliver one envelope without blocking."""
-        ...
-
-
 def source_problem(
     source: EventSource, context: zmq.Context[zmq.Socket[bytes]], config: SubscriberConfig
 ) -> str | None:
@@ -406,56 +373,240 @@ def _curve_keys(source: EventSource, config: SubscriberConfig) -> _zmq.CurveKeys
     return _zmq.CurveKeys(config.curve_public_key, config.curve_secret_key)
 
 
-class RateLimitedLog:
-    """Warnings about one thing (a source, the client), at most one per kind per 10 s, with a count of the rest."""
+class PayloadReport(NamedTuple):
+    """What applying one live payload did (the shape `PrefixIndex.apply_payload` of the compiled core returns).
 
-    __slots__ = ("_logger", "_next", "_suppressed", "_who")
+    ``ok``: decoded, finite ts, trusted, applied. Otherwise nothing was applied and
+    ``error_kind`` / ``error`` say why (the log line's kind and detail).
+    """
 
-    def __init__(self, who: str, logger: logging.Logger = log) -> None:
-        self._who = who
-        self._logger = logger
-        self._next: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warn(self, kind: str, detail: str) -> None:
-        """Log ``detail`` under ``kind`` unless that kind was logged in the last 10 s (then count it)."""
-        now = time.monotonic()
-        if now < self._next.get(kind, 0.0):
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        self._next[kind] = now + _LOG_EVERY
-        more = self._suppressed.pop(kind, 0)
-        suffix = f" ({more} more since the last report)" if more else ""
-        self._logger.warning("%s: %s: %s%s", self._who, kind, detail, suffix)
+    ts: float
+    ok: bool
+    error_kind: str
+    error: str
+    stored_blocks: int
 
 
-def apply_items(
-    index: PrefixIndex, source: EventSource, sink: EventSink, items: Sequence[tuple[int, float, EventBatch]]
-) -> int:
-    """Apply a machine's `Apply` run to the index, fan its events out; the blocks stored (any transport)."""
-    apply_batch, key = index.apply_batch, source.key
-    emit = sink.active
+def _decode_checked(decoder: BatchDecoder, payload: bytes) -> tuple[EventBatch | None, str, str]:
+    """A batch the machine may take as decodable, or None with the (kind, detail) of why not."""
+    try:
+        batch = decoder.decode(payload)
+    except DecodeError as exc:
+        return None, "undecodable payload", str(exc)
+    if not math.isfinite(batch.ts):
+        # A NaN or infinite ts cannot tell a duplicate from a restart, nor be saved as a
+        # position: the batch is a hole, like any undecodable one.
+        return None, "undecodable payload", f"ts {batch.ts!r} is not finite"
+    if batch.untrusted is not None:
+        # A removal or clear that could not be read: applying the rest could leave blocks
+        # the engine dropped. As an undecodable batch the machine asks for a replay and,
+        # when that cannot fix it, resets the worker ("undecodable").
+        return None, "untrusted batch", batch.untrusted
+    return batch, "", ""
+
+
+def _fast_apply(index: PrefixIndex, key: WorkerKey, decoder: BatchDecoder, payload: bytes) -> PayloadReport:
+    """Decode one in-order live payload and apply it to ``key``'s state: the per-message fast path.
+
+    The one seam the compiled core's raw-bytes ingest replaces (``index.apply_payload(key,
+    payload)``, decoding and applying in one call off the GIL): everything around it, the
+    seq check before and the machine's bookkeeping after, stays as it is.
+    """
+    batch, kind, detail = _decode_checked(decoder, payload)
+    if batch is None:
+        return PayloadReport(math.nan, False, kind, detail, 0)
+    index.apply_batch(key, batch)
     blocks = 0
-    for seq, ts, batch in items:
-        apply_batch(key, batch)
-        for ev in batch.events:
-            if type(ev) is BlockStored:
-                blocks += len(ev.block_hashes)
-            if emit:
-                sink.publish(Envelope(source=source, seq=seq, ts=ts, event=ev))
-    return blocks
+    for ev in batch.events:
+        if type(ev) is BlockStored:
+            blocks += len(ev.block_hashes)
+    return PayloadReport(batch.ts, True, "", "", blocks)
 
 
-def emit_lifecycle(log: RateLimitedLog, sink: EventSink, source: EventSource, event: LifecycleEvent) -> None:
-    """Log a reset or a partial history (rate-limited) and fan the lifecycle event out (any transport)."""
-    if isinstance(event, Reset):
-        log.warn("index state reset", f"{event.reason}: {event.detail}")
-    elif isinstance(event, Partial):
-        log.warn("history incomplete", f"{event.reason}: blocks known from seq {event.first_seq} on")
-    sink.publish(Envelope(source=source, seq=None, ts=time.time(), event=event))
+# The receiver: how long one round may work before it yields to the event loop (a visit to
+# one socket may overrun it), how many messages one visit takes from a socket, and how often
+# it looks for quiet sources (and wakes when nothing arrives).
+_SLICE = 0.005
+_VISIT = 64
+_QUIET_SCAN = 0.25
 
 
-class SourceDriver:
+class _Entry:
+    """One source's SUB socket and its monitor, as the receiver watches them."""
+
+    __slots__ = ("driver", "last_read", "mon", "mon_fd", "sub", "sub_fd")
+
+    def __init__(self, driver: SourceDriver, sub: zmq.Socket[bytes], mon: zmq.Socket[bytes], now: float) -> None:
+        self.driver = driver
+        self.sub = sub
+        self.mon = mon
+        self.sub_fd: int = sub.FD
+        self.mon_fd: int = mon.FD
+        #: When the receiver last read a message from the SUB (or the entry was added).
+        self.last_read = now
+
+
+class Receiver:
+    """One receive loop over every source's SUB and monitor socket (instead of a task per socket).
+
+    Each socket's descriptor is registered in one OS selector (epoll, kqueue) whose own
+    descriptor the loop waits on: one wakeup of the event loop serves every socket that has
+    something, however many. A round takes at most 64 messages from each ready socket in turn
+    (`SourceDriver._on_messages` applies them), and yields to the event loop every 5 ms of
+    work; a socket left with messages queued is visited again next round without waiting.
+
+    Quiet (docs/recovery.md rules 7-8) is decided on the socket, not on the clock: a source is
+    quiet when the selector, as of its last look, has not reported its SUB for the quiet
+    interval. A loop that is slow (overload) still visits every socket with messages each
+    round, so it never probes a source for kvroute's own slowness.
+
+    The loop runs inside one of the drivers' session tasks (`serve`): the first to arrive
+    leads, the others wait and one takes over when the leader's session ends, so the loop
+    lives exactly as long as some source does and needs no task of its own. Where the OS
+    selector has no descriptor to wait on, the loop looks every 2 ms instead.
+    """
+
+    def __init__(self, config: SubscriberConfig) -> None:
+        self._visit = max(1, min(config.recv_batch, _VISIT))
+        self._wakeup_bytes = config.wakeup_bytes
+        self._quiet = config.quiet_interval
+        self._selector: selectors.BaseSelector | None = None
+        self._entries: dict[_Entry, None] = {}
+        # Entries whose SUB has (or may have) messages queued, oldest first.
+        self._backlog: dict[_Entry, None] = {}
+        self._leading = False
+        self._vacant = anyio.Event()
+        self._next_scan = 0.0
+
+    def add(self, driver: SourceDriver, sub: zmq.Socket[bytes], mon: zmq.Socket[bytes]) -> _Entry:
+        """Watch ``sub`` and its monitor ``mon`` for ``driver`` (until `remove`)."""
+        if self._selector is None:
+            self._selector = selectors.DefaultSelector()
+        entry = _Entry(driver, sub, mon, anyio.current_time())
+        self._selector.register(entry.sub_fd, selectors.EVENT_READ, entry)
+        try:
+            self._selector.register(entry.mon_fd, selectors.EVENT_READ, entry)
+        except BaseException:
+            self._selector.unregister(entry.sub_fd)
+            raise
+        self._entries[entry] = None
+        # Messages may already be queued: a socket's descriptor signals only after a read
+        # found it empty. The SUB is read in the next round; the monitor now.
+        self._backlog[entry] = None
+        driver._poll_monitor()
+        return entry
+
+    def remove(self, entry: _Entry) -> None:
+        """Stop watching ``entry``'s sockets (before they are closed: descriptor numbers are reused)."""
+        if entry not in self._entries or self._selector is None:
+            return
+        del self._entries[entry]
+        self._backlog.pop(entry, None)
+        self._selector.unregister(entry.sub_fd)
+        self._selector.unregister(entry.mon_fd)
+        if not self._entries:
+            # The client may be leaving: hold no descriptor while no source runs.
+            fd = _waitable(self._selector)
+            if fd is not None:
+                anyio.notify_closing(fd)
+            self._selector.close()
+            self._selector = None
+
+    async def serve(self) -> None:
+        """Run the receive loop, or wait while another session runs it and take over when it ends; never returns."""
+        while True:
+            if self._leading:
+                await self._vacant.wait()
+                continue
+            self._leading = True
+            try:
+                await self._loop()
+            finally:
+                self._leading = False
+                vacant, self._vacant = self._vacant, anyio.Event()
+                vacant.set()
+
+    async def _loop(self) -> None:
+        clock = time.perf_counter
+        backlog = self._backlog
+        while True:
+            selector = self._selector
+            if selector is None:
+                return  # every source left (the leader is leaving too)
+            if backlog:
+                await anyio.lowlevel.checkpoint()
+            else:
+                fd = _waitable(selector)
+                if fd is None:
+                    await anyio.sleep(0.002)
+                else:
+                    with anyio.move_on_after(_QUIET_SCAN):
+                        await anyio.wait_readable(fd)
+            selector = self._selector
+            if selector is None:
+                return
+            now = anyio.current_time()
+            for key, _ in selector.select(0):
+                entry: _Entry = key.data
+                if key.fd == entry.sub_fd:
+                    backlog[entry] = None
+                else:
+                    entry.driver._poll_monitor()
+            # Every SUB not reported now (and not in the backlog) had nothing to read as of
+            # `now`: the quiet scan compares with this look, not with the time of the round.
+            looked = now
+            yield_at = clock() + _SLICE
+            wall = time.time()
+            for entry in list(backlog):
+                if entry not in backlog:
+                    continue  # removed meanwhile
+                del backlog[entry]
+                if self._read(entry, now, wall):
+                    backlog[entry] = None  # more queued: next round, after the others
+                if clock() > yield_at:
+                    await anyio.lowlevel.checkpoint()
+                    yield_at = clock() + _SLICE
+                    wall = time.time()
+                    now = anyio.current_time()
+            if looked >= self._next_scan:
+                self._next_scan = looked + _QUIET_SCAN
+                self._scan(looked)
+
+    def _read(self, entry: _Entry, now: float, wall: float) -> bool:
+        """Hand one visit's worth of ``entry``'s messages to its driver; True when more may be queued."""
+        driver = entry.driver
+        if driver._recreate or entry not in self._entries:
+            return False
+        try:
+            msgs, more = _zmq.drain_nowait(entry.sub, self._visit, self._wakeup_bytes)
+        except zmq.ZMQError:
+            return False  # closed under us: its session is ending
+        if msgs:
+            entry.last_read = now
+            driver.counters.wakeups_cut += more
+            driver._on_messages(msgs, wall)
+        return more and not driver._recreate
+
+    def _scan(self, looked: float) -> None:
+        quiet = self._quiet
+        backlog = self._backlog
+        for entry in list(self._entries):
+            if entry in backlog or looked - entry.last_read < quiet or entry not in self._entries:
+                continue
+            entry.last_read = looked
+            entry.driver._on_quiet()
+
+
+def _waitable(selector: selectors.BaseSelector) -> int | None:
+    """The selector's own descriptor, when the event loop can wait on it (epoll, kqueue, /dev/poll)."""
+    fileno = getattr(selector, "fileno", None)
+    if fileno is None or isinstance(selector, (selectors.SelectSelector, selectors.PollSelector)):
+        return None
+    fd: int = fileno()
+    return fd
+
+
+class SourceDriver(DriverBase):
     """Subscribes to one `EventSource` and keeps its worker's index state per the recovery rules.
 
     `run` owns every socket and task of the source and closes them all when cancelled.
@@ -476,25 +627,21 @@ class SourceDriver:
         limiter: ReplaySlots,
         on_change: Callable[[], None],
         resume: Cursor | None = None,
+        receiver: Receiver | None = None,
     ) -> None:
-        self.source = source
-        self.key = source.key
-        #: Every counter of this source; the machine counts its recovery ones into it too.
-        self.counters = SourceCounters()
-        self.machine = SourceMachine(
-            has_replay=source.replay_endpoint is not None, max_held_bytes=config.held_bytes, stats=self.counters
+        super().__init__(
+            source,
+            index=index,
+            sink=sink,
+            on_change=on_change,
+            has_replay=source.replay_endpoint is not None,
+            max_held_bytes=config.held_bytes,
+            resume=resume,
         )
-        # Resumed now, not in run(): the restored state is the machine's from the start, so
-        # `cursor` reports it even before the task runs. Its actions are carried out in run().
-        self._first_actions = self.machine.resume(resume.seq, resume.ts) if resume is not None else None
         self._ctx = context
         self._cfg = config
-        self._index = index
-        self._sink = sink
         self._limiter = limiter
-        self._on_change = on_change
         self._decoder = BatchDecoder(config.limits)
-        self._log = RateLimitedLog(f"{source.worker_id}[{source.dp_rank}] {source.endpoint}")
         self._curve = _curve_keys(source, config)
         self._dealer: zmq.Socket[bytes] | None = None
         self._replay_request: RequestReplay | None = None
@@ -505,54 +652,29 @@ class SourceDriver:
         self._monitor: zmq.Socket[bytes] | None = None
         self._replay_scope: anyio.CancelScope | None = None
         self._recreate = False
-        # Set by stop(): the index and the listeners are no longer this driver's to touch.
-        self._stopped = False
-        self._last_activity = 0.0
-        self.connected = False
+        # The client's transport shares one receiver among its drivers; a lone driver has its own.
+        self._receiver = receiver if receiver is not None else Receiver(config)
+        #: Seconds from the newest applied live batch's ts (the engine's clock) to its apply.
+        self.apply_lag = 0.0
 
-    # --- views ----------------------------------------------------------------------------------
-
-    def status(self) -> WorkerStatus:
-        """The worker's sync state as the router reads it."""
-        return WorkerStatus(state=self.machine.state, partial=self.machine.partial)
-
-    def stop(self) -> None:
-        """Stop touching the index and the listeners at once; cancel `run` to close the sockets.
-
-        Cancellation reaches a task only at its next checkpoint: a task already woken with
-        messages would otherwise apply them after its worker was removed (or replaced by a
-        new engine's source), leaving blocks no source will ever remove.
-        """
-        self._stopped = True
-
-    def cursor(self) -> Cursor | None:
-        """The newest applied seq and its ts while the index holds this source's run (`SourceMachine.applied`)."""
-        applied = self.machine.applied
-        return Cursor(*applied) if applied is not None else None
+    def refresh_counters(self) -> None:
+        """The decoder counts unknown event types itself."""
+        self.counters.unknown_events = self._decoder.unknown_events
 
     def stats(self) -> SourceStats:
-        """A snapshot of this source's counters and condition."""
-        c = self.counters
-        c.unknown_events = self._decoder.unknown_events
-        m = self.machine
-        return SourceStats(
-            **msgspec.structs.asdict(c), last_seq=m.last_seq, connected=self.connected, partial=m.partial, state=m.state
-        )
+        """A snapshot of this source's counters and condition, with its apply lag."""
+        return msgspec.structs.replace(super().stats(), apply_lag=self.apply_lag)
 
     # --- running ------------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Subscribe and follow the source until cancelled; every socket is closed on the way out."""
         self._replay_wakeup = anyio.Event()
-        self._last_activity = anyio.current_time()
         try:
             async with anyio.create_task_group() as tg:
                 if self.source.replay_endpoint is not None:
-                    # Quiet ticks only ever lead to a replay probe: no endpoint, no ticks.
                     tg.start_soon(self._replay_loop)
-                    tg.start_soon(self._quiet_loop)
-                first, self._first_actions = self._first_actions, None
-                self._execute(first if first is not None else self.machine.start())
+                self.execute(self.first_actions())
                 while True:
                     await self._run_session()
         finally:
@@ -561,7 +683,8 @@ class SourceDriver:
 
     async def _run_session(self) -> None:
         # One SUB socket's life: recreated on the machine's request (a restarted engine's
-        # dead messages are still queued in the old one, docs/recovery.md rule 2).
+        # dead messages are still queued in the old one, docs/recovery.md rule 2). The
+        # client's `Receiver` reads it (and its monitor) with every other source's.
         src, cfg = self.source, self._cfg
         sub = _zmq.socket(
             self._ctx,
@@ -581,112 +704,117 @@ class SourceDriver:
             _zmq.close(sub)
             raise
         self._recreate = False
+        entry: _Entry | None = None
         try:
             sub.connect(src.endpoint)
             async with anyio.create_task_group() as tg:
                 self._session = tg.cancel_scope
                 self._session_tg = tg
                 self._monitor = mon
-                tg.start_soon(self._watch, mon)
+                entry = self._receiver.add(self, sub, mon)
                 if src.endpoint.startswith("inproc://"):
                     # inproc has no connection handshake, so its monitor never reports one:
                     # the pipe exists as soon as connect returns.
                     self._set_connected()
-                await self._pump(sub)
+                if not self._recreate:
+                    # Returns never: cancelled when the source leaves or its SUB is recreated.
+                    await self._receiver.serve()
                 tg.cancel_scope.cancel()
         finally:
             self._session = None
             self._session_tg = None
             self._awaiting_retry = False
             self._monitor = None
+            if entry is not None:
+                self._receiver.remove(entry)
             _zmq.close(sub, monitor=mon)
             if self.connected:
                 self.connected = False
                 self._on_change()
 
-    async def _pump(self, sub: zmq.Socket[bytes]) -> None:
-        # The hot loop: locals instead of attribute lookups, and the common outcome (one Apply
-        # of an in-order batch, docs/recovery.md rule 1) applied without the general dispatch.
-        # Each wakeup takes at most recv_batch messages and wakeup_bytes of payload, and the
-        # loop yields to the event loop every _SLICE seconds of work: a flood of large
-        # batches never stalls the other sources, the router, or leaving `async with`.
-        batch_cap, byte_cap = self._cfg.recv_batch, self._cfg.wakeup_bytes
-        decode = self._decode
-        on_live = self.machine.on_live
-        apply, execute = self._apply, self._execute
-        nan = math.nan
-        poll_monitor = self._poll_monitor
+    def _on_messages(self, msgs: list[list[bytes]], wall: float) -> None:
+        """Live messages the receiver read from the SUB, in order; ``wall``: time.time() when read.
+
+        The hot path (docs/recovery.md rule 1): a message the machine says is in order is
+        decoded and applied here, through `_fast_apply`, and reported with `on_applied`;
+        everything else (gaps, restarts, holes, held batches, events() listeners) goes
+        through `SourceMachine.on_live` and `execute`.
+        """
         counters = self.counters
-        clock = time.perf_counter
-        while not self._recreate:
-            msgs, more = await _zmq.recv_budget(sub, batch_cap, byte_cap)
-            self._last_activity = anyio.current_time()
-            counters.messages += len(msgs)
-            counters.wakeups_cut += more
-            # A disconnect must reach the machine before any message that came after it (a
-            # restarted engine's first seqs would pass for the old one's). libzmq emits the
-            # event before it reconnects, so whatever is queued in the monitor now is older
-            # than the newest message just read: report it first. Early is safe: the machine
-            # then holds the batch until the identity check answers.
-            poll_monitor()
-            if self._recreate:
-                return
-            yield_at = clock() + _SLICE
-            for frames in msgs:
-                if clock() > yield_at:
-                    await anyio.lowlevel.checkpoint()
-                    yield_at = clock() + _SLICE
-                    if self._recreate:
-                        return
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    counters.skipped_frames += 1
-                    self._log.warn("skipped message", f"{len(frames)} frames, expected [topic, seq8, payload]")
+        counters.messages += len(msgs)
+        # A disconnect must reach the machine before any message that came after it (a
+        # restarted engine's first seqs would pass for the old one's). libzmq emits the
+        # event before it reconnects, so whatever is queued in the monitor now is older
+        # than the newest message just read: report it first. Early is safe: the machine
+        # then holds the batch until the identity check answers.
+        self._poll_monitor()
+        if self._recreate:
+            return
+        machine = self.machine
+        in_order, on_applied, on_live = machine.in_order, machine.on_applied, machine.on_live
+        # The fast path builds no EventBatch for listeners: with an events() iterator (or
+        # once stopped) every message takes the general path.
+        fast = not self._sink.active and not self._stopped
+        index, key, decoder = self._index, self.key, self._decoder
+        nan = math.nan
+        newest_ts = nan
+        for frames in msgs:
+            if len(frames) != 3 or len(frames[1]) != 8:
+                counters.skipped_frames += 1
+                self._log.warn("skipped message", f"{len(frames)} frames, expected [topic, seq8, payload]")
+                continue
+            payload = frames[2]
+            seq = int.from_bytes(frames[1], "big")
+            if fast and in_order(seq):
+                report = _fast_apply(index, key, decoder, payload)
+                if report.ok:
+                    on_applied(seq, report.ts)
+                    counters.blocks += report.stored_blocks
+                    newest_ts = report.ts
                     continue
-                payload = frames[2]
-                batch = decode(payload)
-                seq = int.from_bytes(frames[1], "big")
+                self._bad_payload(report.error_kind, report.error)
+                actions = on_live(seq, nan, None, len(payload))
+            else:
+                batch = self._decode(payload)
                 actions = on_live(seq, batch.ts if batch is not None else nan, batch, len(payload))
-                if len(actions) == 1 and type(actions[0]) is Apply:
-                    apply(actions[0].items)
-                else:
-                    execute(actions)
-                    if self._recreate:
-                        return  # the rest came from the engine process that just died
+                if batch is not None:
+                    newest_ts = batch.ts
+            if len(actions) == 1 and type(actions[0]) is Apply:
+                self.apply(actions[0].items)
+            else:
+                self.execute(actions)
+                if self._recreate:
+                    break  # the rest came from the engine process that just died
+        if newest_ts == newest_ts:  # not NaN: something was read with a ts
+            self.apply_lag = max(0.0, wall - newest_ts)
+
+    def _bad_payload(self, kind: str, detail: str) -> None:
+        self.counters.decode_errors += 1
+        self._log.warn(kind, detail)
+
+    def _on_quiet(self) -> None:
+        """The receiver saw nothing on the SUB for the quiet interval (docs/recovery.md rules 7-8)."""
+        # A disconnected source has nothing new to tell, and a probe to a dead engine would
+        # hold a replay slot for the whole timeout; reconnecting checks it anyway. Quiet
+        # ticks only ever lead to a replay probe: no endpoint, no ticks.
+        if self.connected and self.source.replay_endpoint is not None:
+            self.execute(self.machine.on_quiet())
 
     def _decode(self, payload: bytes) -> EventBatch | None:
-        try:
-            batch = self._decoder.decode(payload)
-        except DecodeError as exc:
-            self.counters.decode_errors += 1
-            self._log.warn("undecodable payload", str(exc))
-            return None
-        if not math.isfinite(batch.ts):
-            # A NaN or infinite ts cannot tell a duplicate from a restart, nor be saved as a
-            # position: the batch is a hole, like any undecodable one.
-            self.counters.decode_errors += 1
-            self._log.warn("undecodable payload", f"ts {batch.ts!r} is not finite")
-            return None
-        if batch.untrusted is not None:
-            # A removal or clear that could not be read: applying the rest could leave blocks
-            # the engine dropped. As an undecodable batch the machine asks for a replay and,
-            # when that cannot fix it, resets the worker ("undecodable").
-            self.counters.decode_errors += 1
-            self._log.warn("untrusted batch", batch.untrusted)
-            return None
+        batch, kind, detail = _decode_checked(self._decoder, payload)
+        if batch is None:
+            self._bad_payload(kind, detail)
         return batch
 
-    async def _watch(self, mon: zmq.Socket[bytes]) -> None:
-        # Connection changes while no message flows; the pump and the replay task also read
-        # this socket (without waiting) to keep events in order with what they feed.
-        while True:
-            for frames in await _zmq.recv_many(mon, 64):
-                self._on_monitor(frames)
-
     def _poll_monitor(self) -> None:
-        mon = self._monitor
-        if mon is not None:
-            for frames in _zmq.recv_nowait(mon, 64):
+        # Drained to EAGAIN: only then does the monitor's descriptor signal the next event
+        # (the receiver waits on it).
+        while (mon := self._monitor) is not None:
+            events = _zmq.recv_nowait(mon, 64)
+            for frames in events:
                 self._on_monitor(frames)
+            if len(events) < 64:
+                return
 
     def _on_monitor(self, frames: list[bytes]) -> None:
         ev = _zmq.read_monitor(frames)
@@ -700,7 +828,7 @@ class SourceDriver:
                 self._session_tg.start_soon(self._expect_retry)
             if self.connected:
                 self.connected = False
-                self._execute(self.machine.on_disconnected())
+                self.execute(self.machine.on_disconnected())
                 self._on_change()
         elif ev.event == zmq.EVENT_CONNECT_RETRIED:
             self._awaiting_retry = False
@@ -719,22 +847,8 @@ class SourceDriver:
     def _set_connected(self) -> None:
         self._awaiting_retry = False
         self.connected = True
-        self._execute(self.machine.on_reconnected())
+        self.execute(self.machine.on_reconnected())
         self._on_change()
-
-    async def _quiet_loop(self) -> None:
-        interval = self._cfg.quiet_interval
-        while True:
-            due = self._last_activity + interval
-            now = anyio.current_time()
-            if now < due:
-                await anyio.sleep(due - now)
-                continue
-            self._last_activity = now
-            # A disconnected source has nothing new to tell, and a probe to a dead engine
-            # would hold a replay slot for the whole timeout; reconnecting checks it anyway.
-            if self.connected:
-                self._execute(self.machine.on_quiet())
 
     # --- replay -------------------------------------------------------------------------------
 
@@ -757,9 +871,9 @@ class SourceDriver:
                 items, complete, failure = [], False, "abandoned"
             self._poll_monitor()  # a disconnect first, as for live messages
             if failure is not None:
-                self._execute(self.machine.on_replay_failed(failure))
+                self.execute(self.machine.on_replay_failed(failure))
             else:
-                self._execute(self.machine.on_replay(items, complete=complete))
+                self.execute(self.machine.on_replay(items, complete=complete))
 
     async def _replay(self, start: int) -> tuple[list[tuple[int, float, EventBatch | None]], bool, str | None]:
         """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).
@@ -781,10 +895,11 @@ class SourceDriver:
                 break
             # Gave the slot up with nothing to show: re-queue behind whoever waited (FIFO).
             self.counters.replay_yields += 1
+        # The DEALER lives only while its request runs: 4,096 idle sources hold no replay
+        # socket (descriptors, `kvroute._zmq.FDS_PER_SOURCE`), and late replies to this request
+        # cannot pass for answers to the next one (the engine answers each connection apart).
+        self._close_dealer()
         if not run.complete:
-            # Late replies to this request would pass for answers to the next one: start over
-            # with a fresh DEALER (the engine answers each connection separately).
-            self._close_dealer()
             if run.cut is not None:
                 self.counters.replay_cutoffs += 1
                 self._log.warn("replay cut short", run.cut)
@@ -798,18 +913,25 @@ class SourceDriver:
         assert endpoint is not None  # the replay task runs only for sources with one
         cfg = self._cfg
         if self._dealer is None:
-            self._dealer = _zmq.connect(
-                self._ctx,
-                zmq.DEALER,
-                endpoint,
-                rcvhwm=cfg.sub_rcvhwm(None),
-                max_message_size=cfg.max_message_size,
-                reconnect_ivl=cfg.reconnect_ivl,
-                reconnect_ivl_max=cfg.reconnect_ivl_max,
-                tcp_keepalive=cfg.tcp_keepalive,
-                curve=self._curve,
-                curve_server_key=self.source.curve_server_key if self._curve is not None else None,
-            )
+            try:
+                self._dealer = _zmq.connect(
+                    self._ctx,
+                    zmq.DEALER,
+                    endpoint,
+                    rcvhwm=cfg.sub_rcvhwm(None),
+                    max_message_size=cfg.max_message_size,
+                    reconnect_ivl=cfg.reconnect_ivl,
+                    reconnect_ivl_max=cfg.reconnect_ivl_max,
+                    tcp_keepalive=cfg.tcp_keepalive,
+                    curve=self._curve,
+                    curve_server_key=self.source.curve_server_key if self._curve is not None else None,
+                )
+            except zmq.ZMQError as exc:
+                # Out of sockets or descriptors for a moment (libzmq reaps closed sockets in
+                # its own thread, late on a starved machine): a failed replay, asked again
+                # by the machine's rules, not a failed source.
+                run.cut = f"cannot open the replay socket: {exc}"
+                return False
         dealer = self._dealer
         if not _zmq.send_nowait(dealer, [b"", start.to_bytes(8, "big")]):
             self._close_dealer()
@@ -895,35 +1017,18 @@ class SourceDriver:
 
     # --- actions --------------------------------------------------------------------------------
 
-    def _execute(self, actions: Sequence[Action]) -> None:
-        if self._stopped:
-            return
-        changed = False
-        for action in actions:
-            if isinstance(action, Apply):
-                self._apply(action.items)
-            elif isinstance(action, Emit):
-                self._emit(action.event)
-                changed = True  # every state change comes with a lifecycle event
-            elif isinstance(action, RequestReplay):
-                self._replay_request = action
-                if self._replay_wakeup is not None:
-                    self._replay_wakeup.set()
-            elif isinstance(action, ResetWorker):
-                self._index.remove_worker(self.key)
-            elif isinstance(action, RecreateSubscriber):
-                self._recreate = True
-                if self._session is not None:
-                    self._session.cancel()
+    def on_action(self, action: Action) -> None:
+        """Ask a replay (the replay task carries it out) or recreate the SUB socket."""
+        if isinstance(action, RequestReplay):
+            self._replay_request = action
+            if self._replay_wakeup is not None:
+                self._replay_wakeup.set()
+        elif isinstance(action, RecreateSubscriber):
+            self._recreate = True
+            if self._session is not None:
+                self._session.cancel()
+
+    def after_actions(self) -> None:
+        """Stop waiting for a replay the machine abandoned (restart, disconnect)."""
         if self._replay_scope is not None and self.machine.replay_abandoned:
             self._replay_scope.cancel()
-        if changed:
-            self._on_change()
-
-    def _apply(self, items: Sequence[tuple[int, float, EventBatch]]) -> None:
-        if self._stopped:
-            return
-        self.counters.blocks += apply_items(self._index, self.source, self._sink, items)
-
-    def _emit(self, event: LifecycleEvent) -> None:
-        emit_lifecycle(self._log, self._sink, self.source, event)

@@ -29,12 +29,15 @@ from ._errors import ConfigError
 __all__ = [
     "DEFAULT_MAX_SOURCES",
     "FDS_PER_SOURCE",
+    "FDS_PER_REPLAY",
+    "SOCKETS_PER_REPLAY",
     "SOCKETS_PER_SOURCE",
     "CurveKeys",
     "MonitorEvent",
     "close",
     "connect",
     "curve_keypair",
+    "drain_nowait",
     "fit_sources",
     "open_monitor",
     "read_monitor",
@@ -100,6 +103,19 @@ def _drain(sock: zmq.Socket[bytes], max_messages: int, out: list[list[bytes]], m
     except zmq.Again:
         return False
     return True
+
+
+def drain_nowait(
+    sock: zmq.Socket[bytes], max_messages: int, max_bytes: int | None = None
+) -> tuple[list[list[bytes]], bool]:
+    """The messages queued on ``sock`` now (up to the caps), and whether it stopped at a cap, without waiting.
+
+    Draining to EAGAIN re-arms the socket's descriptor: a later arrival signals it again.
+    After a capped drain more may be queued with no new signal: read again without waiting.
+    """
+    out: list[list[bytes]] = []
+    capped = _drain(sock, max_messages, out, max_bytes)
+    return out, capped
 
 
 def recv_nowait(sock: zmq.Socket[bytes], max_messages: int) -> list[list[bytes]]:
@@ -244,43 +260,66 @@ def close(sock: zmq.Socket[bytes], *, monitor: zmq.Socket[bytes] | None = None) 
         sock.close(linger=0)
 
 
-#: Sockets one source holds at most: its SUB, the SUB monitor's two PAIR ends, the replay
-#: DEALER, and the throwaway socket `source_problem` tries endpoints on.
-SOCKETS_PER_SOURCE = 5
-#: File descriptors one source holds at most: one mailbox per socket, plus the SUB's and the
-#: DEALER's TCP connections.
-FDS_PER_SOURCE = SOCKETS_PER_SOURCE + 2
+#: Sockets one source holds for its whole life: its SUB and the SUB monitor's two PAIR ends.
+#: Its replay DEALER exists only while one of the client's replay slots is carrying out its
+#: request (``max_concurrent_replays`` at once), so it is budgeted per slot, not per source.
+SOCKETS_PER_SOURCE = 3
+#: File descriptors one source holds: one mailbox per socket, plus the SUB's TCP connection.
+FDS_PER_SOURCE = SOCKETS_PER_SOURCE + 1
+#: Sockets and descriptors of one replay slot: a DEALER (mailbox, TCP connection).
+SOCKETS_PER_REPLAY, FDS_PER_REPLAY = 1, 2
 #: ``max_sources`` when the process has room for them.
 DEFAULT_MAX_SOURCES = 4096
-# Left for everything else: the client's own sockets, discovery's gRPC channels, logging.
+# Left for everything else: up to _SPARE_REPLAYS replay slots' DEALERs, the throwaway socket
+# `source_problem` tries endpoints on, discovery's gRPC channels, logging, sockets libzmq has
+# yet to reap. Replay slots past _SPARE_REPLAYS are budgeted on top.
 _SPARE = 64
+_SPARE_REPLAYS = 16
+# Socket slots an own context gets beyond the budget (see fit_sources).
+_REAP_ROOM = 1024
 
 
-def fit_sources(ctx: zmq.Context[zmq.Socket[bytes]], wanted: int | None, *, own_context: bool) -> int:
+def fit_sources(ctx: zmq.Context[zmq.Socket[bytes]], wanted: int | None, *, own_context: bool, replays: int = 8) -> int:
     """How many sources this context and process can hold: ``wanted``, or what fits when it is None.
 
-    A context the caller did not give (``own_context``) gets a socket limit sized for the
-    sources (libzmq's default, 1,023, holds ~200); the soft file-descriptor limit is raised
-    towards the hard one when it is too low. An explicit ``wanted`` that still does not fit
-    raises `ConfigError` naming the limit, instead of "Too many open files" later.
+    ``replays``: the client's replay slots (``max_concurrent_replays``), each holding a DEALER
+    while it runs. A context the caller did not give (``own_context``) gets a socket limit
+    sized for the sources (libzmq's default, 1,023, holds ~300); the soft file-descriptor
+    limit is raised towards the hard one when it is too low (4,096 sources take ~16,500
+    descriptors). An explicit ``wanted`` that still does not fit raises `ConfigError` naming
+    the limit, instead of "Too many open files" later; with ``wanted`` None, fewer than 4,096
+    is logged at WARNING (sources past it are refused, each with a warning).
     """
     target = wanted if wanted is not None else DEFAULT_MAX_SOURCES
-    sockets_needed = target * SOCKETS_PER_SOURCE + _SPARE
+    extra = max(0, replays - _SPARE_REPLAYS)
+    fixed_sockets = _SPARE + extra * SOCKETS_PER_REPLAY
+    fixed_fds = _SPARE + extra * FDS_PER_REPLAY
+    sockets_needed = target * SOCKETS_PER_SOURCE + fixed_sockets
     limit = ctx.get(zmq.MAX_SOCKETS)
-    if own_context and limit < sockets_needed:
-        ctx.set(zmq.MAX_SOCKETS, min(sockets_needed, ctx.get(zmq.SOCKET_LIMIT)))
-        limit = ctx.get(zmq.MAX_SOCKETS)
-    fds = _fd_room(target * FDS_PER_SOURCE + _SPARE)
-    fit = max(0, min((limit - _SPARE) // SOCKETS_PER_SOURCE, (fds - _SPARE) // FDS_PER_SOURCE))
+    if own_context and limit < sockets_needed + _REAP_ROOM:
+        # Room above the budget for closed replay DEALERs libzmq has not reaped yet (a socket
+        # slot costs libzmq a pointer; the budget below still counts only the live ones).
+        ctx.set(zmq.MAX_SOCKETS, min(sockets_needed + _REAP_ROOM, ctx.get(zmq.SOCKET_LIMIT)))
+        limit = ctx.get(zmq.MAX_SOCKETS) - _REAP_ROOM
+    fds = _fd_room(target * FDS_PER_SOURCE + fixed_fds)
+    fit = max(0, min((limit - fixed_sockets) // SOCKETS_PER_SOURCE, (fds - fixed_fds) // FDS_PER_SOURCE))
     if wanted is None:
         if fit < DEFAULT_MAX_SOURCES:
-            log.info("max_sources %d: what the zmq socket limit (%d) and file descriptors (%d) allow", fit, limit, fds)
+            log.warning(
+                "max_sources %d: what the zmq socket limit (%d) and file descriptors (%d) allow; more sources are "
+                "refused (raise ulimit -n to follow up to %d)",
+                fit,
+                limit,
+                fds,
+                DEFAULT_MAX_SOURCES,
+            )
         return max(1, min(DEFAULT_MAX_SOURCES, fit))
     if wanted > fit:
         raise ConfigError(
             f"max_sources={wanted} does not fit: the zmq context allows {limit} sockets and the process "
             f"{fds} more file descriptors ({SOCKETS_PER_SOURCE} sockets and {FDS_PER_SOURCE} descriptors a "
-            f"source); raise the limits (ulimit -n, zmq.MAX_SOCKETS) or lower max_sources"
+            f"source, {FDS_PER_REPLAY} a replay slot); raise the limits (ulimit -n, zmq.MAX_SOCKETS) or lower "
+            "max_sources"
         )
     return wanted
 

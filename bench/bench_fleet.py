@@ -1,0 +1,360 @@
+"""Fleet scale: one `KvEventClient` on one core following N publisher ranks on the other (issue 19).
+
+Run: python bench/bench_fleet.py [--ranks 256] [--rate 100000] [--duration 10] [--then RATE:SECONDS ...]
+
+Setup (exactly the issue's, scaled by the options): ``--procs`` publisher processes
+(multiprocessing, pinned to the other core) hold the ranks between them; each rank has a real
+ZMQ PUB socket sending ``[topic, seq8, payload]`` with its own seq from 0 and a ROUTER replay
+buffer (the newest ``--buffer`` batches) answering docs/protocol.md §4 requests. Payloads are
+vLLM map-form batches of one 16-block ``BlockStored`` event, precomputed per rank (a cycle of
+``--distinct`` of them, so the index stays bounded); only the ts (the send time, 8 bytes) is
+written into each copy at send time. The publishers offer ``--rate`` blocks/s between them.
+
+One `KvEventClient` (static sources, the default config) runs in this process, pinned to one
+core. After every source is synced from cold (its time is reported; the publishers offer
+``--sync-rate`` meanwhile, by default ``--rate``), ``--duration`` seconds are measured:
+subscribed ranks, applied ÷ published, apply lag p50/p99 (the batch's ts, its send time,
+against the time the index applied it), event-loop lag p99 (a task sleeping 5 ms and measuring
+how late it wakes), client CPU (this process, libzmq's I/O thread included) and peak RSS, the
+client CPU time per applied batch (the per-message cost, whatever share of its core the
+machine left the client), the quiet probes sent to sources (all healthy here: every probe is
+kvroute's own slowness) and what bounded the run: the publishers (they sent < 95 % of the
+rate), the client (it applied < 95 % of what was sent: its CPU, or its share of the core when
+the machine is loaded), or nothing (it kept up). ``--then 50000:20`` adds a phase at another
+rate (each measured the same way, with the apply lag p99 per second), e.g. 4x the ceiling for
+20 s then 0.5x to see the client recover.
+
+Each line is one row of the README's fleet table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import resource
+import struct
+import sys
+import time
+from array import array
+from collections import deque
+from typing import Any
+
+import anyio
+import zmq
+
+from kvroute import (
+    BlockStored,
+    EventBatch,
+    EventSource,
+    KvEventClient,
+    PrefixIndex,
+    SubscriberConfig,
+    WorkerKey,
+    encode_batch,
+)
+
+BLOCKS = 16
+_END = b"\xff" * 8
+_TS_MARK = 1234567.890625  # a ts whose float64 bytes are found in the encoded payload and patched
+
+
+def _payloads(rank: int, distinct: int) -> list[tuple[bytes, bytes]]:
+    """``distinct`` vLLM map-form payloads of rank ``rank``, each split around its 8 ts bytes."""
+    out = []
+    mark = b"\xcb" + struct.pack(">d", _TS_MARK)
+    for k in range(distinct):
+        base = (rank * distinct + k) * BLOCKS
+        ev = BlockStored(
+            block_hashes=[(base + i) * 2654435761 % (1 << 63) + 1 for i in range(BLOCKS)],
+            parent_block_hash=None,
+            token_ids=[(base + i) % 150_000 for i in range(BLOCKS * 16)],
+            block_size=16,
+        )
+        payload = encode_batch(EventBatch(_TS_MARK, [ev], rank % 8), form="map")
+        at = payload.index(mark) + 1
+        out.append((payload[:at], payload[at + 8 :]))
+    return out
+
+
+def _publisher(
+    ranks: list[int],
+    distinct: int,
+    buffer: int,
+    rate: Any,
+    stop: Any,
+    published: Any,
+    slot: int,
+    endpoints: Any,
+    core: int | None,
+) -> None:
+    """One publisher process: PUB + ROUTER per rank, sending at its share of ``rate`` until ``stop``."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 4 * len(ranks) + 64)
+    pubs, routers, bufs, seqs, templates = [], [], [], [], []
+    eps = []
+    for r in ranks:
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 100_000)
+        pub.setsockopt(zmq.LINGER, 0)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        rport = router.bind_to_random_port("tcp://127.0.0.1")
+        pubs.append(pub)
+        routers.append(router)
+        bufs.append(deque(maxlen=buffer))
+        seqs.append(0)
+        templates.append(_payloads(r, distinct))
+        eps.append((r, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
+    endpoints.put(eps)
+    poller = zmq.Poller()
+    for router in routers:
+        poller.register(router, zmq.POLLIN)
+    owner = {router: i for i, router in enumerate(routers)}
+    n = len(ranks)
+    nprocs = len(published)
+    credit = 0.0
+    last = time.time()
+    nxt = 0
+    sent = 0
+    next_poll = 0.0
+    while not stop.is_set():
+        now = time.time()
+        share = rate.value / BLOCKS / nprocs
+        credit = min(credit + (now - last) * share, max(1.0, share * 0.05))  # at most 50 ms of backlog
+        last = now
+        burst = int(credit)
+        if burst:
+            credit -= burst
+            tsb = struct.pack(">d", now)
+            for _ in range(burst):
+                i = nxt
+                nxt = nxt + 1 if nxt + 1 < n else 0
+                seq = seqs[i]
+                seqs[i] = seq + 1
+                head, tail = templates[i][seq % distinct]
+                payload = b"".join((head, tsb, tail))
+                seq8 = seq.to_bytes(8, "big")
+                bufs[i].append((seq8, payload))
+                pubs[i].send_multipart((b"", seq8, payload), zmq.NOBLOCK)
+            sent += burst
+            published[slot] = sent * BLOCKS
+        if now >= next_poll:
+            next_poll = now + 0.005
+            for sock, _ in poller.poll(0):
+                i = owner[sock]
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                        continue
+                    start = int.from_bytes(frames[2], "big")
+                    ident = frames[0]
+                    for seq8, payload in list(bufs[i]):
+                        if int.from_bytes(seq8, "big") >= start:
+                            sock.send_multipart((ident, b"", b"", seq8, payload), zmq.NOBLOCK)
+                    sock.send_multipart((ident, b"", b"", _END, b""), zmq.NOBLOCK)
+        if not burst:
+            time.sleep(0.0005)
+    for s in pubs + routers:
+        s.close(0)
+    ctx.term()
+
+
+class _LagIndex(PrefixIndex):
+    """The index, timing each applied batch against its ts (the send time) while ``recording``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recording = False
+        self.lags = array("d")
+        self.applied_blocks = 0
+
+    def apply_batch(self, worker: WorkerKey, batch: EventBatch) -> None:
+        """Apply, and count the blocks and the lag."""
+        super().apply_batch(worker, batch)
+        self.applied_blocks += BLOCKS
+        if self.recording:
+            self.lags.append(time.time() - batch.ts)
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _pct(values: list[float] | array[float], q: float) -> float:
+    if not len(values):
+        return math.nan
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _ms(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.1f} s"
+
+
+async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, published: Any) -> None:
+    index = _LagIndex()
+    loop_lags: list[float] = []
+    ticking = [False]
+    peak_rss = [0]
+
+    async def ticker() -> None:
+        while True:
+            t = time.perf_counter()
+            await anyio.sleep(0.005)
+            if ticking[0]:
+                loop_lags.append(time.perf_counter() - t - 0.005)
+
+    async def rss_sampler() -> None:
+        while True:
+            peak_rss[0] = max(peak_rss[0], _rss())
+            await anyio.sleep(0.25)
+
+    config = SubscriberConfig()
+    async with KvEventClient(sources, index=index, config=config) as client, anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        tg.start_soon(rss_sampler)
+        t_start = time.perf_counter()
+        try:
+            await client.wait_synced(args.sync_timeout)
+            sync = f"{time.perf_counter() - t_start:.1f} s"
+        except Exception as exc:
+            sync = f"not synced after {args.sync_timeout:g} s ({type(exc).__name__})"
+        st = client.stats()
+        print(
+            f"# sync from cold: {sync}; subscribed {st.totals.sources}/{len(sources)}, synced {st.totals.synced}, "
+            f"refused {st.refused_sources}; fds {len(os.listdir('/proc/self/fd'))}",
+            flush=True,
+        )
+        phases = [(args.rate, args.duration)] + [(float(r), float(d)) for r, d in (p.split(":") for p in args.then)]
+        for phase, (offered, seconds) in enumerate(phases):
+            rate.value = offered
+            peak_rss[0] = _rss()
+            st0 = client.stats().totals
+            pub0 = sum(published)
+            app0 = index.applied_blocks
+            cpu0 = time.process_time()
+            index.lags = array("d")
+            loop_lags.clear()
+            index.recording = ticking[0] = True
+            t0 = time.perf_counter()
+            per_second: list[str] = []
+            mark = 0
+            while (elapsed := time.perf_counter() - t0) < seconds:
+                await anyio.sleep(min(1.0, seconds - elapsed))
+                lags = index.lags[mark:]
+                mark = len(index.lags)
+                per_second.append(_ms(_pct(lags, 0.99)))
+            wall = time.perf_counter() - t0
+            cpu = (time.process_time() - cpu0) / wall
+            index.recording = ticking[0] = False
+            pub = sum(published) - pub0
+            applied_in_window = index.applied_blocks - app0
+            st1 = client.stats()
+            probes = st1.totals.probes - st0.probes
+            subscribed = st1.totals.sources
+            offered_real = pub / wall
+            # The client is behind when it applied < 95 % of what was sent; then its core is the
+            # bound (its share of it, when other processes on the machine take the rest).
+            lags = index.lags
+            behind = applied_in_window < 0.95 * pub or _pct(lags, 0.5) > 1.0  # or working off a backlog
+            bound = (
+                "publishers"
+                if offered_real < 0.95 * offered
+                else f"client CPU ({cpu * 100:.0f} % of its core)"
+                if behind
+                else "nothing (kept up)"
+            )
+            print(
+                f"| {len(sources):,} ({subscribed:,}) | {offered / 1000:,.0f}k (sent {offered_real / 1000:,.0f}k) "
+                f"| {applied_in_window / wall / 1000:,.0f}k, ÷ sent {applied_in_window / max(1, pub):.2f} "
+                f"| {_ms(_pct(lags, 0.5))} / {_ms(_pct(lags, 0.99))} | {_ms(_pct(loop_lags, 0.99))} "
+                f"| {cpu * 100:.0f} % / {peak_rss[0] / 1e9:.2f} GB "
+                f"| {cpu * wall / max(1, applied_in_window // BLOCKS) * 1e6:.0f} µs | {probes} | {bound} |",
+                flush=True,
+            )
+            if len(phases) > 1:
+                print(f"#   phase {phase}: apply lag p99 per second: {', '.join(per_second)}", flush=True)
+        held = sum(s.overflows for s in st1.sources.values())
+        print(f"# overflows {held}, replays {st1.totals.replays}, gaps {st1.totals.gaps}", flush=True)
+        tg.cancel_scope.cancel()
+
+
+def main() -> None:
+    """Parse the options, start the publishers, run the client, print the table rows."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=256)
+    ap.add_argument("--rate", type=float, default=100_000, help="offered blocks/s (all ranks together)")
+    ap.add_argument("--duration", type=float, default=10.0, help="measured seconds after sync")
+    ap.add_argument("--then", nargs="*", default=[], metavar="RATE:SECONDS", help="further phases")
+    ap.add_argument("--procs", type=int, default=8, help="publisher processes")
+    ap.add_argument("--distinct", type=int, default=8, help="distinct payloads per rank (cycled)")
+    ap.add_argument("--buffer", type=int, default=256, help="replay buffer per rank (batches)")
+    ap.add_argument("--sync-rate", type=float, default=None, help="offered blocks/s until synced (default --rate)")
+    ap.add_argument("--sync-timeout", type=float, default=60.0)
+    ap.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    ap.add_argument("--header", action="store_true", help="print the table header first")
+    args = ap.parse_args()
+
+    cores = sorted(os.sched_getaffinity(0))
+    client_core, pub_core = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
+    if args.header:
+        print(
+            "| ranks (subscribed) | offered blocks/s | applied blocks/s | apply lag p50 / p99 | event-loop lag p99 "
+            "| client CPU / RSS | client CPU per batch | quiet probes | bound |\n|---|---|---|---|---|---|---|---|---|"
+        )
+    mpctx = mp.get_context("fork")
+    rate = mpctx.Value("d", args.rate if args.sync_rate is None else args.sync_rate, lock=False)
+    stop = mpctx.Event()
+    published = mpctx.Array("q", args.procs, lock=False)
+    endpoints = mpctx.Queue()
+    procs = []
+    for p in range(args.procs):
+        mine = list(range(p, args.ranks, args.procs))
+        proc = mpctx.Process(
+            target=_publisher,
+            args=(mine, args.distinct, args.buffer, rate, stop, published, p, endpoints, pub_core),
+            daemon=True,
+        )
+        proc.start()
+        procs.append(proc)
+    eps: list[tuple[int, str, str]] = []
+    for _ in procs:
+        eps.extend(endpoints.get(timeout=120))
+    eps.sort()
+    sources = [
+        EventSource(worker_id=f"engine-{r // 8}", dp_rank=r % 8, endpoint=ep, replay_endpoint=rep, hwm=100_000)
+        for r, ep, rep in eps
+    ]
+    if client_core is not None:
+        os.sched_setaffinity(0, {client_core})
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    print(
+        f"# {args.ranks} ranks, {args.procs} publisher processes, fd limit {soft}/{hard}, "
+        f"load average {os.getloadavg()[0]:.1f}, Python {sys.version.split()[0]}"
+    )
+    try:
+        anyio.run(_run, args, sources, rate, published, backend=args.backend)
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()

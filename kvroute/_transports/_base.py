@@ -1,0 +1,344 @@
+"""What every transport shares: the driver interface and base, counters, stats, logging, applying.
+
+A transport moves bytes and time; the recovery rules live in one place, the sans-I/O
+`kvroute._source.SourceMachine`. Each driver feeds its source's machine and carries out what it
+returns through `DriverBase.execute`: apply batches to the index (and fan their events out),
+reset the worker, emit lifecycle events; the transport-specific actions (ask a replay, recreate
+the subscriber) go to the driver's `DriverBase.on_action`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Annotated, Protocol, get_args
+
+import msgspec
+from msgspec import Meta
+
+from .._events import Envelope, LifecycleEvent, Partial, Reset
+from .._index import PrefixIndex
+from .._load import EngineLoad
+from .._models import EventSource, SourceState, WorkerKey, WorkerStatus
+from .._snapshot import Cursor
+from .._source import Action, Apply, Emit, RecoveryStats, ResetWorker, SourceMachine
+from .._wire import BlockStored, EventBatch
+
+__all__ = [
+    "COUNTER_FIELDS",
+    "Driver",
+    "DriverBase",
+    "EventSink",
+    "RateLimitedLog",
+    "SourceCounters",
+    "SourceStats",
+    "Transport",
+    "apply_items",
+    "described_fields",
+    "emit_lifecycle",
+]
+
+log = logging.getLogger("kvroute.subscriber")
+
+# One warning per kind of trouble per source per 10 s: a publisher spewing garbage at line
+# rate must not turn the router's log into the bottleneck (the counts are in the stats).
+_LOG_EVERY = 10.0
+
+
+class SourceCounters(RecoveryStats, kw_only=True):
+    """Every counter of one source: the machine's recovery counters plus the driver's I/O counters.
+
+    The one definition of the I/O counters (the recovery ones are `RecoveryStats`'s): the
+    driver counts into one instance of this, which its machine shares; `SourceStats` and
+    `kvroute.TotalStats` extend it and the Prometheus per-source families are derived from
+    its fields, each field's description being the metric's help. Adding a counter is adding
+    a field here (or to `RecoveryStats`) and counting it.
+    """
+
+    messages: Annotated[int, Meta(description="Live messages received, of any shape.")] = 0
+    blocks: Annotated[int, Meta(description="Blocks stored by the applied batches.")] = 0
+    decode_errors: Annotated[
+        int, Meta(description="Payloads that did not decode (malformed, non-finite ts, or past a Limits cap).")
+    ] = 0
+    unknown_events: Annotated[int, Meta(description="Events of an unknown type, skipped.")] = 0
+    skipped_frames: Annotated[
+        int, Meta(description="Messages or replay replies of the wrong frame shape, skipped.")
+    ] = 0
+    replayed_batches: Annotated[int, Meta(description="Batches received in replay replies.")] = 0
+    replay_yields: Annotated[
+        int, Meta(description="Replay turns that gave their slot up to a waiting source before any reply.")
+    ] = 0
+    replay_cutoffs: Annotated[
+        int, Meta(description="Replays ended by the replay deadline or reply budget, end marker unseen.")
+    ] = 0
+    wakeups_cut: Annotated[
+        int, Meta(description="Pump wakeups that stopped at the wakeup byte budget with messages still queued.")
+    ] = 0
+
+
+# msgspec lets a frozen Struct extend a mutable one; mypy applies dataclass rules, which do not.
+class SourceStats(SourceCounters, frozen=True, kw_only=True):  # type: ignore[misc]
+    """A snapshot of one source: its counters since it was added (`SourceCounters`) and its condition.
+
+    The counter fields are described in `SourceCounters` and `kvroute._source.RecoveryStats`
+    (e.g. ``messages``, ``batches``, ``gaps``, ``replays``, ``resets``, ``duplicates``,
+    ``stale``, ``restarts``, ``uncovered``, ``overflows``).
+    """
+
+    last_seq: Annotated[int, Meta(description="The last applied seq (-1 before any).")] = -1
+    connected: Annotated[bool, Meta(description="1 while the SUB socket has a publisher.")] = False
+    partial: Annotated[bool, Meta(description="1 when the worker's history before its replay buffer is unknown.")] = (
+        False
+    )
+    state: SourceState = "syncing"
+    apply_lag: Annotated[
+        float,
+        Meta(description="Seconds from the newest applied live batch's ts (the engine's clock) to its apply."),
+    ] = 0.0
+    #: The engine's newest load record (gateway streams only).
+    load: EngineLoad | None = None
+
+
+def described_fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, str], ...]:
+    """(name, description) of every field of ``cls``, in definition order ("" when undescribed)."""
+    out = []
+    for f in msgspec.structs.fields(cls):
+        meta = [m for m in get_args(f.type)[1:] if isinstance(m, Meta)]
+        out.append((f.name, (meta[0].description or "") if meta else ""))
+    return tuple(out)
+
+
+#: (name, description) of every per-source counter, in definition order (`SourceCounters`).
+COUNTER_FIELDS = described_fields(SourceCounters)
+
+
+class EventSink(Protocol):
+    """Where a driver sends envelopes (the client's fan-out to `events()` iterators)."""
+
+    @property
+    def active(self) -> bool:
+        """True when someone listens; engine-event envelopes are built only then."""
+        ...
+
+    def publish(self, envelope: Envelope) -> None:
+        """Deliver one envelope without blocking."""
+        ...
+
+
+class RateLimitedLog:
+    """Warnings about one thing (a source, the client), at most one per kind per 10 s, with a count of the rest."""
+
+    __slots__ = ("_logger", "_next", "_suppressed", "_who")
+
+    def __init__(self, who: str, logger: logging.Logger = log) -> None:
+        self._who = who
+        self._logger = logger
+        self._next: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warn(self, kind: str, detail: str) -> None:
+        """Log ``detail`` under ``kind`` unless that kind was logged in the last 10 s (then count it)."""
+        now = time.monotonic()
+        if now < self._next.get(kind, 0.0):
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        self._next[kind] = now + _LOG_EVERY
+        more = self._suppressed.pop(kind, 0)
+        suffix = f" ({more} more since the last report)" if more else ""
+        self._logger.warning("%s: %s: %s%s", self._who, kind, detail, suffix)
+
+
+def apply_items(
+    index: PrefixIndex, source: EventSource, sink: EventSink, items: Sequence[tuple[int, float, EventBatch]]
+) -> int:
+    """Apply a machine's `Apply` run to the index, fan its events out; the blocks stored (any transport)."""
+    apply_batch, key = index.apply_batch, source.key
+    emit = sink.active
+    blocks = 0
+    for seq, ts, batch in items:
+        apply_batch(key, batch)
+        for ev in batch.events:
+            if type(ev) is BlockStored:
+                blocks += len(ev.block_hashes)
+            if emit:
+                sink.publish(Envelope(source=source, seq=seq, ts=ts, event=ev))
+    return blocks
+
+
+def emit_lifecycle(log: RateLimitedLog, sink: EventSink, source: EventSource, event: LifecycleEvent) -> None:
+    """Log a reset or a partial history (rate-limited) and fan the lifecycle event out (any transport)."""
+    if isinstance(event, Reset):
+        log.warn("index state reset", f"{event.reason}: {event.detail}")
+    elif isinstance(event, Partial):
+        log.warn("history incomplete", f"{event.reason}: blocks known from seq {event.first_seq} on")
+    sink.publish(Envelope(source=source, seq=None, ts=time.time(), event=event))
+
+
+class Driver(Protocol):
+    """Follows one source for the client (every transport's driver is a `DriverBase`)."""
+
+    source: EventSource
+    key: WorkerKey
+    machine: SourceMachine
+
+    async def run(self) -> None:
+        """Follow the source until cancelled; release everything on the way out."""
+        ...
+
+    def stop(self) -> None:
+        """Stop touching the index and the listeners at once (cancellation follows)."""
+        ...
+
+    def status(self) -> WorkerStatus:
+        """The worker's sync state."""
+        ...
+
+    def cursor(self) -> Cursor | None:
+        """The newest applied position while the index holds this source's run."""
+        ...
+
+    def stats(self) -> SourceStats:
+        """The source's counters."""
+        ...
+
+
+class Transport(Protocol):
+    """Builds drivers for the sources it carries."""
+
+    def handles(self, source: EventSource) -> bool:
+        """Whether this transport carries ``source``."""
+        ...
+
+    def problem(self, source: EventSource) -> str | None:
+        """Why ``source`` cannot be subscribed, or None."""
+        ...
+
+    def driver(
+        self,
+        source: EventSource,
+        *,
+        index: PrefixIndex,
+        sink: EventSink,
+        on_change: Callable[[], None],
+        resume: Cursor | None,
+    ) -> Driver:
+        """A driver for ``source`` (not yet running)."""
+        ...
+
+
+class DriverBase:
+    """The part of a driver every transport shares: its machine, counters, views and action loop.
+
+    A transport's driver subclasses this, implements ``run`` (feeding ``machine`` and passing
+    what it returns to `execute`), and handles its own actions in `on_action`. ``resume``: the
+    index already holds this worker's state through that position (a restored snapshot); the
+    machine resumes from it (`SourceMachine.resume`) instead of starting cold, and `first_actions`
+    hands the driver what resuming asked for.
+    """
+
+    def __init__(
+        self,
+        source: EventSource,
+        *,
+        index: PrefixIndex,
+        sink: EventSink,
+        on_change: Callable[[], None],
+        has_replay: bool,
+        max_held_bytes: int | None = None,
+        resume: Cursor | None = None,
+    ) -> None:
+        self.source = source
+        self.key = source.key
+        #: Every counter of this source; the machine counts its recovery ones into it too.
+        self.counters = SourceCounters()
+        self.machine = SourceMachine(has_replay=has_replay, max_held_bytes=max_held_bytes, stats=self.counters)
+        # Resumed now, not in run(): the restored state is the machine's from the start, so
+        # `cursor` reports it even before the task runs. Its actions are carried out in run().
+        self._first_actions = self.machine.resume(resume.seq, resume.ts) if resume is not None else None
+        self._index = index
+        self._sink = sink
+        self._on_change = on_change
+        self._log = RateLimitedLog(f"{source.worker_id}[{source.dp_rank}] {source.endpoint}")
+        # Set by stop(): the index and the listeners are no longer this driver's to touch.
+        self._stopped = False
+        self.connected = False
+
+    # --- views ----------------------------------------------------------------------------------
+
+    def status(self) -> WorkerStatus:
+        """The worker's sync state as the router reads it."""
+        return WorkerStatus(state=self.machine.state, partial=self.machine.partial)
+
+    def stop(self) -> None:
+        """Stop touching the index and the listeners at once; cancel `run` to close the sockets.
+
+        Cancellation reaches a task only at its next checkpoint: a task already woken with
+        messages would otherwise apply them after its worker was removed (or replaced by a
+        new engine's source), leaving blocks no source will ever remove.
+        """
+        self._stopped = True
+
+    def cursor(self) -> Cursor | None:
+        """The newest applied seq and its ts while the index holds this source's run (`SourceMachine.applied`)."""
+        applied = self.machine.applied
+        return Cursor(*applied) if applied is not None else None
+
+    def stats(self) -> SourceStats:
+        """A snapshot of this source's counters and condition."""
+        self.refresh_counters()
+        m = self.machine
+        return SourceStats(
+            **msgspec.structs.asdict(self.counters),
+            last_seq=m.last_seq,
+            connected=self.connected,
+            partial=m.partial,
+            state=m.state,
+            load=self.load(),
+        )
+
+    def refresh_counters(self) -> None:
+        """Bring counters kept elsewhere (a decoder's, a shared stream's) into ``counters``; none by default."""
+
+    def load(self) -> EngineLoad | None:
+        """The engine's newest load record, for transports that carry one (None by default)."""
+        return None
+
+    # --- actions --------------------------------------------------------------------------------
+
+    def first_actions(self) -> list[Action]:
+        """What the machine asks for first: resuming a restored position, else starting (once)."""
+        first, self._first_actions = self._first_actions, None
+        return first if first is not None else self.machine.start()
+
+    def execute(self, actions: Sequence[Action]) -> None:
+        """Carry out the machine's actions, in order; the transport's own go to `on_action`."""
+        if self._stopped:
+            return
+        changed = False
+        for action in actions:
+            if type(action) is Apply:
+                self.apply(action.items)
+            elif type(action) is Emit:
+                emit_lifecycle(self._log, self._sink, self.source, action.event)
+                changed = True  # every state change comes with a lifecycle event
+            elif type(action) is ResetWorker:
+                self._index.remove_worker(self.key)
+            else:
+                self.on_action(action)
+        self.after_actions()
+        if changed:
+            self._on_change()
+
+    def on_action(self, action: Action) -> None:
+        """A transport-specific action (`RequestReplay`, `RecreateSubscriber`); the subclass says what it means."""
+        raise NotImplementedError(f"{type(self).__name__} cannot carry out {type(action).__name__}")
+
+    def after_actions(self) -> None:
+        """Called after each `execute` run of actions, before ``on_change``; nothing by default."""
+
+    def apply(self, items: Sequence[tuple[int, float, EventBatch]]) -> None:
+        """Apply an `Apply` run to the index and fan its events out (nothing once stopped)."""
+        if self._stopped:
+            return
+        self.counters.blocks += apply_items(self._index, self.source, self._sink, items)

@@ -1,0 +1,231 @@
+"""Fleet scale (issue 19): descriptors per source, one receive loop, quiet decided on the socket, apply lag.
+
+Every test runs real ZMQ sockets over loopback, is bounded in time, and stops by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+import msgspec
+import pytest
+import zmq
+from _publisher_helpers import FAST
+
+from kvroute import BlockStored, EventBatch, EventSource, KvEventClient, encode_batch
+from kvroute._errors import ConfigError
+from kvroute._subscriber import SubscriberConfig
+from kvroute._zmq import FDS_PER_SOURCE
+from kvroute.sim._publisher import EventPublisher
+
+pytestmark = pytest.mark.anyio
+
+
+async def until(cond: Callable[[], bool], seconds: float = 20.0) -> None:
+    """Poll ``cond`` every 20 ms; fail the test after ``seconds``."""
+    with anyio.fail_after(seconds):
+        while not cond():  # noqa: ASYNC110 (stats change without an event to wait on)
+            await anyio.sleep(0.02)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _event(i: int) -> BlockStored:
+    return BlockStored(block_hashes=[i * 2 + 1], token_ids=list(range(16)), block_size=16)
+
+
+async def test_an_idle_source_holds_four_descriptors_and_no_replay_socket() -> None:
+    n = 12
+    async with contextlib.AsyncExitStack() as stack:
+        pubs = [await stack.enter_async_context(EventPublisher()) for _ in range(n)]
+        for i, pub in enumerate(pubs):
+            pub.publish([_event(i)])
+        ctx: zmq.Context[zmq.Socket[bytes]] = stack.enter_context(zmq.Context())
+        ctx.socket(zmq.PAIR).close()  # the context's I/O thread and reaper start with its first socket
+        before = _fds()
+        sources = [pub.source(f"w{i}") for i, pub in enumerate(pubs)]
+        async with KvEventClient(sources, config=FAST, context=ctx) as client:
+            await client.wait_synced(20)
+            for i, pub in enumerate(pubs):
+                pub.publish([_event(100 + i)])
+            await until(lambda: client.stats().totals.batches >= 2 * n)
+            # The cold replays are over: their DEALERs are closed (libzmq reaps them in its
+            # own thread, so allow it a moment). What is left per source: SUB, its TCP
+            # connection, the monitor's two PAIR ends, and (the publishers run in this process)
+            # the PUB's end of the connection; and the client's one selector.
+            await until(lambda: _fds() - before <= n * (FDS_PER_SOURCE + 1) + 1, seconds=10)
+            assert FDS_PER_SOURCE == 4
+            assert all(s.driver._dealer is None for s in client._subs.values())  # type: ignore[attr-defined]
+
+
+async def test_a_refused_source_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    async with EventPublisher() as a, EventPublisher() as b:
+        config = msgspec.structs.replace(FAST, max_sources=1)
+        with caplog.at_level(logging.WARNING, logger="kvroute.client"):
+            async with KvEventClient([a.source("a"), b.source("b")], config=config) as client:
+                assert client.stats().refused_sources == 1
+        assert any("refused source" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+class _ThreadPublisher:
+    """One rank published from a thread (PUB + ROUTER replay buffer): it keeps sending while the event loop is stuck."""
+
+    def __init__(self, period: float) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        port = self._pub.bind_to_random_port("tcp://127.0.0.1")
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        rport = self._router.bind_to_random_port("tcp://127.0.0.1")
+        self.source = EventSource(
+            worker_id="thread", endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}"
+        )
+        self._period = period
+        self._stop = threading.Event()
+        self._buffer: deque[tuple[bytes, bytes]] = deque(maxlen=1000)
+        self.sent = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        next_send = time.monotonic()
+        while not self._stop.is_set():
+            if dict(poller.poll(5)):
+                frames = self._router.recv_multipart()
+                if len(frames) == 3 and len(frames[2]) == 8:
+                    start = int.from_bytes(frames[2], "big")
+                    for seq8, payload in list(self._buffer):
+                        if int.from_bytes(seq8, "big") >= start:
+                            self._router.send_multipart([frames[0], b"", b"", seq8, payload])
+                    self._router.send_multipart([frames[0], b"", b"", b"\xff" * 8, b""])
+            if time.monotonic() >= next_send:
+                next_send += self._period
+                seq8 = self.sent.to_bytes(8, "big")
+                payload = encode_batch(EventBatch(time.time(), [_event(self.sent)], 0))
+                self._buffer.append((seq8, payload))
+                self._pub.send_multipart([b"", seq8, payload])
+                self.sent += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._pub.close(0)
+        self._router.close(0)
+        self._ctx.term()
+
+
+async def test_a_slow_event_loop_never_probes_a_source_that_kept_sending() -> None:
+    # The source sends every 20 ms; the client's event loop is then stuck for 3 quiet
+    # intervals at a time (kvroute, or the router sharing its loop, being slow). The socket
+    # had messages all along: no quiet probe, and everything is applied in order.
+    pub = _ThreadPublisher(0.02)
+    try:
+        config = msgspec.structs.replace(FAST, quiet_interval=0.3)
+        async with KvEventClient([pub.source], config=config) as client:
+            await client.wait_synced(20)
+            await until(lambda: client.stats().totals.batches >= 5)
+            probes = client.stats().totals.probes
+            for _ in range(3):
+                time.sleep(0.9)  # noqa: ASYNC251 (the point: the loop is stuck; the publisher thread keeps sending)
+                await anyio.sleep(0.05)
+            sent = pub.sent
+            await until(lambda: client.stats().totals.batches >= sent)
+            st = client.stats().totals
+            assert st.probes == probes, "a source that kept sending was probed as quiet"
+            assert st.gaps == 0 and st.resets == 0
+            (source_stats,) = client.stats().sources.values()
+            assert 0.0 <= source_stats.apply_lag < 5.0
+    finally:
+        pub.close()
+
+
+async def test_a_quiet_source_is_still_probed() -> None:
+    # The other half of the rule: a socket with nothing to read for the interval is probed.
+    async with EventPublisher() as pub:
+        pub.publish([_event(1)])
+        config = msgspec.structs.replace(FAST, quiet_interval=0.2)
+        async with KvEventClient([pub.source("w")], config=config) as client:
+            await client.wait_synced(20)
+            probes = client.stats().totals.probes
+            await until(lambda: client.stats().totals.probes >= probes + 2, seconds=10)
+
+
+def test_subscriber_config_rejects_wrong_types() -> None:
+    with pytest.raises(ConfigError):
+        SubscriberConfig(recv_batch="8")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        SubscriberConfig(quiet_interval="2")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        SubscriberConfig(tcp_keepalive=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        SubscriberConfig(max_sources=True)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        SubscriberConfig(limits={})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        SubscriberConfig(reconnect_ivl_max=float("nan"))
+
+
+async def test_apply_lag_is_in_the_stats_and_the_metrics() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvroute import KvRouteCollector
+
+    async with EventPublisher() as pub:
+        config = msgspec.structs.replace(FAST, quiet_interval=5.0)
+        async with KvEventClient([pub.source("w")], config=config) as client:
+            await client.wait_synced(20)
+            # A batch stamped 2 s in the past is applied about 2 s "late" by the engine's clock.
+            pub.publish([_event(1)], ts=time.time() - 2.0)
+            await until(lambda: client.stats().totals.batches >= 1)
+            lag = client.stats().sources[pub.source("w").key].apply_lag
+            assert 1.5 < lag < 10.0
+            registry = CollectorRegistry()
+            KvRouteCollector(client).register(registry)
+            top = registry.get_sample_value("kvroute_client_apply_lag_max_seconds")
+            per = registry.get_sample_value("kvroute_source_apply_lag", {"worker_id": "w", "dp_rank": "0"})
+            assert top is not None and per is not None and top >= per >= 1.5
+
+
+async def test_wait_synced_names_the_refused_sources() -> None:
+    async with EventPublisher() as a:
+        ghost = EventSource(worker_id="ghost", endpoint="tcp://127.0.0.1:1")
+        never = EventSource(worker_id="never", endpoint="not-an-endpoint")
+        config = msgspec.structs.replace(FAST, max_sources=2)
+        async with KvEventClient([a.source("a"), ghost, never], config=config) as client:
+            assert client.stats().refused_sources == 1
+            with pytest.raises(TimeoutError, match="1 sources refused") as err:
+                await client.wait_synced(0.5)  # the ghost never connects
+            assert "never" in str(err.value) and "max_sources (2) reached" in str(err.value)
+
+
+async def test_the_receive_loop_outlives_the_source_that_ran_it() -> None:
+    # The loop runs in the first source's session; removing that source (and recreating
+    # another's SUB) hands it over: the others keep applying.
+    async with EventPublisher() as a, EventPublisher() as b, EventPublisher() as c:
+        for i, pub in enumerate((a, b, c)):
+            pub.publish([_event(i)])
+        async with KvEventClient([a.source("a"), b.source("b"), c.source("c")], config=FAST) as client:
+            await client.wait_synced(20)
+            receiver = client._subs[a.source("a").key].driver._receiver  # type: ignore[attr-defined]
+            assert receiver._leading
+            assert client.remove_source(a.source("a"))
+            b.restart()  # a new engine process behind b: its SUB is recreated
+            b.publish([_event(10)])
+            c.publish([_event(11)])
+            await until(lambda: client.index.num_blocks(c.source("c").key) == 2)
+            await until(lambda: client.index.num_blocks(b.source("b").key) == 1)
+            await client.wait_synced(20)
+            assert receiver._leading and len(receiver._entries) == 2
+        assert receiver._selector is None  # every source left: the selector is closed
