@@ -32,6 +32,7 @@ from ._errors import (
     DiscoveryError,
     EventsDisabledError,
     KvRouteError,
+    NotSyncedError,
     NoWorkersError,
     SnapshotError,
     UnusableSourceError,
@@ -52,7 +53,6 @@ from ._events import (
     ResetReason,
     Synced,
 )
-from ._grpc_stream import GATEWAY_SERVICES, gateway_endpoint
 from ._hashing import HASH_VERSION, MultimodalItem, chain_keys
 from ._index import IndexLimits, IndexLimitsError, IndexStats, OverlapScores, PrefixIndex
 from ._load import EngineLoad, EngineLoads, LoadPolicy
@@ -61,6 +61,7 @@ from ._models import (
     CPU,
     DISK,
     EXTERNAL,
+    GATEWAY_SERVICES,
     GPU,
     TIERS,
     EventSource,
@@ -68,6 +69,7 @@ from ._models import (
     WorkerKey,
     WorkerStates,
     WorkerStatus,
+    gateway_endpoint,
     normalize_medium,
 )
 from ._router import CandidateScore, CostModel, Router, RouterError, RouterStats, RoutingDecision
@@ -136,6 +138,7 @@ __all__ = [
     "LoadPolicy",
     "MalformedAnswerError",
     "NoWorkersError",
+    "NotSyncedError",
     "MultimodalItem",
     "OverlapScores",
     "Overflow",

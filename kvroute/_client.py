@@ -30,28 +30,30 @@ import anyio
 import msgspec
 import zmq
 
-from ._discovery import DiscoveryOptions, diff_sources, follow_target
-from ._errors import ClientStateError, ConfigError
+from ._discovery import DiscoveryOptions, diff_sources, follow_target, parse_target
+from ._errors import ClientStateError, ConfigError, DiscoveryError, KvRouteError, NotSyncedError
 from ._events import Envelope, Overflow, Removed
-from ._grpc_stream import GatewayStream, GatewayTransport
 from ._index import PrefixIndex
 from ._load import EngineLoads
 from ._models import EventSource, WorkerKey, WorkerStatus
 from ._snapshot import Cursor
-from ._subscriber import (
-    COUNTER_FIELDS,
-    RateLimitedLog,
-    ReplaySlots,
-    SourceCounters,
-    SourceStats,
-    SubscriberConfig,
-)
-from ._transport import Driver, Transport, ZmqTransport
+from ._subscriber import ReplaySlots, SubscriberConfig
+from ._transports._base import COUNTER_FIELDS, Driver, RateLimitedLog, SourceCounters, SourceStats, Transport
+from ._transports._registry import client_transports
+from ._transports.gateway import GatewayStream
 from ._zmq import DEFAULT_MAX_SOURCES, fit_sources
 
 __all__ = ["ClientStats", "EventStream", "KvEventClient", "SourceStats", "SubscriberConfig", "TotalStats"]
 
 log = logging.getLogger("kvroute.client")
+
+
+def _check_target(target: str) -> None:
+    """Refuse a target discovery could never ask (no port, a scheme, not a host name) up front."""
+    try:
+        parse_target(target)
+    except DiscoveryError as exc:
+        raise ConfigError(f"target {target!r}: {exc.cause}") from None
 
 
 def _first_leaf(exc: BaseException) -> BaseException:
@@ -77,7 +79,9 @@ class ClientStats(msgspec.Struct, frozen=True, kw_only=True):
 
     ``sources``: per current source; ``totals``: their sum; ``refused_sources``: times a
     source was refused (see `KvEventClient.add_source`; discovery offers one again each round); ``removed_sources``:
-    sources removed so far; ``events_dropped``: envelopes dropped by full `events()` buffers.
+    sources removed so far; ``failed_sources``: sources removed because their driver failed;
+    ``adopted_sources``: ranks a gateway stream carried that discovery had not announced, followed
+    from their first batch on; ``events_dropped``: envelopes dropped by full `events()` buffers.
     """
 
     sources: dict[WorkerKey, SourceStats]
@@ -85,6 +89,7 @@ class ClientStats(msgspec.Struct, frozen=True, kw_only=True):
     refused_sources: int = 0
     removed_sources: int = 0
     failed_sources: int = 0
+    adopted_sources: int = 0
     events_dropped: int = 0
 
 
@@ -250,6 +255,8 @@ class KvEventClient:
         self._index = index if index is not None else PrefixIndex()
         self._initial_sources = list(sources)
         self._initial_targets = list(targets)
+        for target in self._initial_targets:
+            _check_target(target)
         self._ctx = context
         self._own_ctx = context is None
         self._discovery_interval = discovery_interval
@@ -271,6 +278,8 @@ class KvEventClient:
         self._targets: dict[str, anyio.CancelScope] = {}
         # Targets whose first discovery has not answered yet: not synced (see wait_synced).
         self._targets_pending: set[str] = set()
+        # The last discovery error of each target whose latest round failed.
+        self._discovery_errors: dict[str, str] = {}
         self._hub = _Hub()
         self._tg: anyio.abc.TaskGroup | None = None
         self._limiter: ReplaySlots | None = None
@@ -279,6 +288,7 @@ class KvEventClient:
         self._refused = 0
         self._removed = 0
         self._failed = 0
+        self._adopted = 0
         self._log = RateLimitedLog("KvEventClient", log)
         #: Engine load reported by gateway-stream sources; a `Router` given this client prices it.
         self.engine_loads = EngineLoads()
@@ -311,10 +321,15 @@ class KvEventClient:
         def spawn(stream: GatewayStream) -> None:
             tg.start_soon(stream.run)
 
-        self._transports = [
-            GatewayTransport(self._config, self._discovery_options, self.engine_loads, spawn),
-            ZmqTransport(self._ctx, self._config, self._limiter),
-        ]
+        self._transports = client_transports(
+            context=self._ctx,
+            config=self._config,
+            replay_slots=self._limiter,
+            channel_options=self._discovery_options,
+            loads=self.engine_loads,
+            spawn=spawn,
+            adopt=self._adopt,
+        )
         try:
             for src in self._initial_sources:
                 self.add_source(src)
@@ -342,6 +357,7 @@ class KvEventClient:
             self._subs.clear()
             self._targets.clear()
             self._targets_pending.clear()
+            self._discovery_errors.clear()
             self._hub.close()
             self._wake()
             if self._own_ctx and self._ctx is not None:
@@ -409,6 +425,15 @@ class KvEventClient:
         self._wake()
         return True
 
+    def _adopt(self, source: EventSource, like: EventSource) -> bool:
+        """Follow ``source``, a rank a gateway stream carries unannounced, as ``like`` is followed (same origin)."""
+        sub = self._subs.get(like.key)
+        if self._tg is None or sub is None or sub.driver.source != like or source.key in self._subs:
+            return False
+        adopted = self._add(source, sub.origin)
+        self._adopted += adopted
+        return adopted
+
     def _refuse(self, source: EventSource, why: str) -> bool:
         self._refused += 1
         # Rate-limited: discovery offers the same refused source again every interval.
@@ -455,7 +480,11 @@ class KvEventClient:
         return list(self._targets)
 
     def add_target(self, target: str) -> None:
-        """Follow one more engine (``host:port`` of its gRPC server); no-op if already followed."""
+        """Follow one more engine (``host:port`` of its gRPC server); no-op if already followed.
+
+        A malformed target (no port, a scheme) raises `ConfigError`.
+        """
+        _check_target(target)
         tg = self._task_group()
         if target in self._targets:
             return
@@ -471,6 +500,7 @@ class KvEventClient:
             return False
         scope.cancel()
         self._targets_pending.discard(target)
+        self._discovery_errors.pop(target, None)
         for key in self._keys_of(target):
             self._remove(key, reason)
         self._drop_unclaimed()
@@ -482,7 +512,12 @@ class KvEventClient:
 
     async def _follow(self, target: str, scope: anyio.CancelScope) -> None:
         async def on_sources(sources: list[EventSource]) -> None:
+            self._discovery_errors.pop(target, None)
             self._on_discovered(target, sources)
+
+        def on_failure(exc: KvRouteError) -> None:
+            if target in self._targets:
+                self._discovery_errors[target] = str(exc)
 
         async def on_unreachable(err: BaseException) -> None:
             log.warning("target %s unreachable, removing its workers: %s", target, err)
@@ -500,7 +535,17 @@ class KvEventClient:
                 on_unreachable,
                 interval=self._discovery_interval,
                 grace=self._discovery_grace,
+                streaming=lambda: self._streaming(target),
+                on_failure=on_failure,
             )
+
+    def _streaming(self, target: str) -> str | None:
+        """The gateway service whose stream from ``target`` is live, if any: discovery then opens none."""
+        for key in self._keys_of(target):
+            service = self._subs[key].driver.streaming()
+            if service is not None:
+                return service
+        return None
 
     def _on_discovered(self, target: str, sources: Sequence[EventSource]) -> None:
         if self._tg is None or target not in self._targets:
@@ -510,7 +555,9 @@ class KvEventClient:
         current = [self._subs[k].driver.source for k in self._keys_of(target)]
         diff = diff_sources(current, list(sources))
         for src in diff.removed:
-            self._remove(src.key, "gone from discovery")
+            # A rank a live stream carries exists, whatever the engine's rank count says.
+            if not self._subs[src.key].driver.vouched():
+                self._remove(src.key, "gone from discovery")
         for new in diff.replaced:
             # A changed source is a new engine behind the same worker key: its state is gone.
             self._remove(new.key, "replaced")
@@ -583,15 +630,44 @@ class KvEventClient:
         """Return once every current source is caught up (cold-start replay done, no gap pending).
 
         Targets count too: each must have answered discovery once (or been given up on).
-        Raises TimeoutError after ``timeout`` seconds.
+        Raises `NotSyncedError` (a `TimeoutError`) after ``timeout`` seconds, naming the targets
+        and sources still pending and why (`pending_targets`, `pending_sources`).
         """
-        with anyio.fail_after(timeout):
+        with anyio.move_on_after(timeout):
             while not self._all_synced():
                 if self._tg is None:
                     raise ClientStateError("KvEventClient is not running (use `async with`)")
                 if self._changed is None:
                     self._changed = anyio.Event()
                 await self._changed.wait()
+            return
+        raise NotSyncedError(timeout, self.pending_targets(), self.pending_sources())
+
+    def discovery_errors(self) -> dict[str, str]:
+        """The last discovery error of each followed target whose most recent discovery round failed."""
+        return dict(self._discovery_errors)
+
+    def pending_targets(self) -> dict[str, str]:
+        """Each target that has not answered discovery yet, with its last discovery error (or that none came back)."""
+        return {t: self._discovery_errors.get(t, "no discovery answer yet") for t in sorted(self._targets_pending)}
+
+    def pending_sources(self) -> dict[WorkerKey, str]:
+        """Each source that is not synced, with its state and what it waits for."""
+        out: dict[WorkerKey, str] = {}
+        for key, sub in self._subs.copy().items():
+            machine = sub.driver.machine
+            if machine.state == "synced":
+                continue
+            why: list[str] = [machine.state]
+            if not sub.driver.connected:
+                why.append(f"not connected to {sub.driver.source.endpoint}")
+            request = machine.replay_in_flight
+            if request is not None:
+                why.append(f"{request.purpose} replay from seq {request.from_seq} in flight")
+            if machine.held:
+                why.append(f"{machine.held} batches held")
+            out[key] = ", ".join(why)
+        return out
 
     def worker_status(self, worker: WorkerKey) -> WorkerStatus | None:
         """The worker's sync state, or None when no current source feeds it."""
@@ -633,5 +709,6 @@ class KvEventClient:
             refused_sources=self._refused,
             removed_sources=self._removed,
             failed_sources=self._failed,
+            adopted_sources=self._adopted,
             events_dropped=self._hub.dropped,
         )

@@ -49,9 +49,19 @@ import grpc
 import msgspec
 import tenacity
 
-from ._errors import DiscoveryError, EventsDisabledError, InvalidOptionsError, KvRouteError, UnusableSourceError
-from ._grpc_stream import GATEWAY_SERVICES, gateway_sources, probe_stream
-from ._models import EventSource, WorkerKey
+from ._errors import (
+    DiscoveryError,
+    EventsDisabledError,
+    InvalidOptionsError,
+    KvRouteError,
+    MalformedAnswerError,
+    RpcRejectedError,
+    TargetUnreachableError,
+    TooManySourcesError,
+    UnusableSourceError,
+)
+from ._grpc import answer_ended, serialize
+from ._models import GATEWAY_SERVICES, RANK_COUNTING_SERVICES, EventSource, WorkerKey, gateway_sources
 from ._proto import sglang_service_pb2 as sglang_pb
 from ._proto import smg_common_pb2 as smg_pb
 from ._proto import vllm_control_pb2 as vllm_pb
@@ -74,6 +84,7 @@ __all__ = [
     "discover",
     "discover_with",
     "follow_target",
+    "parse_target",
 ]
 
 log = logging.getLogger("kvroute.discovery")
@@ -87,6 +98,10 @@ KNOWN_SCHEMA_VERSIONS: Final = frozenset({1})
 _WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::"})
 # The statuses retried as transient: the server is not there yet, or did not answer in time.
 _TRANSIENT: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# What grpc's UNAVAILABLE details say when the port answers HTTP/1 (a web server, an engine's
+# OpenAI port), and when nothing listens.
+_HTTP1: Final = "Failed parsing HTTP/2"
+_REFUSED: Final = "Connection refused"
 # Backoff between attempts: start small so a server coming up is found quickly; cap at 1 s so a
 # late server is still picked up within about a second of listening (tenacity's jittered backoff).
 _BACKOFF_INITIAL: Final = 0.05
@@ -114,26 +129,6 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.\-]*[A-Za-z0-9_])?")
 _Z85 = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]+")
 
 
-class TargetUnreachableError(DiscoveryError):
-    """The target gave no answer within the timeout (every attempt ended UNAVAILABLE or DEADLINE_EXCEEDED)."""
-
-
-class RpcRejectedError(DiscoveryError):
-    """The server answered the call with a permanent error status (not retried); ``code`` is its name."""
-
-    def __init__(self, target: str, code: str, cause: str) -> None:
-        super().__init__(target, cause)
-        self.code = code
-
-
-class MalformedAnswerError(DiscoveryError):
-    """The engine answered something that breaks the discovery contract (bad JSON, missing key, duplicate rank)."""
-
-
-class TooManySourcesError(DiscoveryError):
-    """The answer lists more sources than ``max_sources_per_target`` allows."""
-
-
 # Call metadata keys that carry credentials: refused over plaintext to a remote target unless
 # allowed, and never shown by repr.
 _CREDENTIAL_KEY = re.compile(r".*(auth|token|secret|password|passwd|cookie|api-?key|credential|session).*")
@@ -157,7 +152,9 @@ class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
     this machine; refused by default (`InvalidOptionsError` when discovering). ``curve_server_keys``:
     the CURVE server public key (z85) of each target's publishers, by target string as given
     to the client (engines do not advertise keys); every source discovered from that target
-    carries it. ``repr`` shows neither credential values nor a private key.
+    carries it. ``retry_refused``: retry a refused connection within ``timeout`` (an engine
+    still starting); False answers `TargetUnreachableError` at once (``kvroute discover``).
+    ``repr`` shows neither credential values nor a private key.
     """
 
     engine: str = "auto"
@@ -170,6 +167,7 @@ class DiscoveryOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_sources_per_target: int = DEFAULT_MAX_SOURCES
     allow_plaintext_credentials: bool = False
     curve_server_keys: Mapping[str, str] | Sequence[tuple[str, str]] = ()
+    retry_refused: bool = True
 
     def __repr__(self) -> str:
         shown = []
@@ -308,8 +306,8 @@ def _fmt_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _split_target(target: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` → (host without brackets, port)."""
+def parse_target(target: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` → (host without brackets, port); a `DiscoveryError` when malformed."""
     if target.startswith("["):
         host, sep, port = target[1:].partition("]:")
         address = _ip(host)
@@ -318,7 +316,9 @@ def _split_target(target: str) -> tuple[str, int]:
         host, sep, port = target.rpartition(":")
         ok = bool(sep) and ":" not in host and _HOST_NAME.fullmatch(host) is not None
     if not ok or not port.isdigit() or not 0 < int(port) < 65536:
-        raise DiscoveryError(target, "target must be host:port with port 1-65535 (IPv6 in brackets: [::1]:50051)")
+        raise DiscoveryError(
+            target, "target must be host:port with port 1-65535, no scheme (IPv6 in brackets: [::1]:50051)"
+        )
     return host, int(port)
 
 
@@ -546,11 +546,6 @@ def _sglang_sources(target: str, resolver: _Resolver, options: DiscoveryOptions,
     return sources
 
 
-def _serialize(message: Any) -> bytes:
-    data: bytes = message.SerializeToString()
-    return data
-
-
 class _Caller:
     """Unary calls to one target, retried within one deadline, failures mapped to typed errors."""
 
@@ -579,7 +574,7 @@ class _Caller:
     async def _once(self, method: str, request: Any, parse: Callable[[bytes], Any], seconds: float) -> Any:
         channel = self._channel()
         try:
-            call = channel.unary_unary(method, request_serializer=_serialize, response_deserializer=parse)
+            call = channel.unary_unary(method, request_serializer=serialize, response_deserializer=parse)
             future = call.future(request, timeout=seconds, metadata=self.metadata)
             try:
                 return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True, limiter=self.limiter)
@@ -599,8 +594,16 @@ class _Caller:
             # Never sleep past the point where a last attempt still fits in the caller's timeout.
             return max(0.0, min(backoff(state), self.deadline - time.monotonic() - _MIN_ATTEMPT))
 
+        def transient(exc: BaseException) -> bool:
+            if not isinstance(exc, grpc.RpcError) or exc.code() not in _TRANSIENT:
+                return False
+            details = exc.details() or ""
+            # An HTTP/1 server answers every attempt the same; a refused port may be an engine
+            # still starting, retried unless the caller wants the answer now.
+            return _HTTP1 not in details and (self.options.retry_refused or _REFUSED not in details)
+
         retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception(lambda e: isinstance(e, grpc.RpcError) and e.code() in _TRANSIENT),
+            retry=tenacity.retry_if_exception(transient),
             wait=wait,
             stop=lambda state: self.deadline - time.monotonic() < _MIN_ATTEMPT,
             sleep=anyio.sleep,
@@ -618,6 +621,14 @@ class _Caller:
     def _error(self, method: str, exc: grpc.RpcError, attempts: int) -> DiscoveryError:
         code = exc.code()
         details = exc.details() or ""
+        if code == grpc.StatusCode.UNAVAILABLE and _HTTP1 in details:
+            return RpcRejectedError(
+                self.target,
+                code.name,
+                f"{self.address} is an HTTP/1 server, not gRPC: pass the engine's gRPC port (vllm --grpc-port)",
+            )
+        if code == grpc.StatusCode.UNAVAILABLE and _REFUSED in details and not self.options.retry_refused:
+            return TargetUnreachableError(self.target, f"connection refused: nothing listens on {self.address}")
         if code in _TRANSIENT:
             tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
             return TargetUnreachableError(
@@ -729,21 +740,31 @@ def _with_curve(target: str, sources: list[EventSource], options: DiscoveryOptio
     return [msgspec.structs.replace(src, curve_server_key=key) for src in sources]
 
 
-async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSource]:
+async def discover_with(
+    target: str, options: DiscoveryOptions, *, streaming: str | None = None
+) -> list[EventSource]:
     """`discover` with its options in one `DiscoveryOptions` value (what `follow_target` uses).
 
     Its worker threads (the gRPC wait, name resolution) come from a limiter of its own, one
     thread per discovery: targets that never answer cannot hold up another target's discovery
-    by exhausting anyio's shared thread pool.
+    by exhausting anyio's shared thread pool. ``streaming``: the gateway service whose stream
+    from ``target`` is live in this process; that stream is the target's proof of life, so
+    only its rank count is asked (``GetLoads``, where the servicer has it), no stream opened.
     """
-    host, port = _split_target(target)
+    host, port = parse_target(target)
     options.check_channel(target, host)
     limiter = anyio.CapacityLimiter(1)
     caller = _Caller(target, host, port, options, limiter)
     dialled: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
     if _address(host) is None and host.lower() not in _LOCAL_NAMES:
-        dialled = await _resolve(target, host, caller.deadline, limiter)
+        try:
+            dialled = await _resolve(target, host, caller.deadline, limiter)
+        except UnusableSourceError as exc:
+            # The target itself cannot be found: nothing was asked, nothing advertised.
+            raise TargetUnreachableError(target, exc.cause) from None
     resolver = _Resolver(host, options, dialled)
+    if streaming is not None and streaming in GATEWAY_SERVICES:
+        return await _gateway_ranks(target, caller, options, streaming)
     if options.engine == "gateway":
         return await _gateway(target, caller, options)
     if options.engine in ("auto", "vllm"):
@@ -752,6 +773,8 @@ async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSou
                 VLLM_METHOD, vllm_pb.GetKvEventSourcesRequest(), vllm_pb.GetKvEventSourcesResponse.FromString
             )
         except RpcRejectedError as exc:
+            if options.engine == "vllm" and exc.code == "UNIMPLEMENTED":
+                raise RpcRejectedError(target, exc.code, f"{exc.cause} (not vLLM? try engine auto)") from None
             if options.engine == "vllm" or exc.code != "UNIMPLEMENTED":
                 raise
             log.debug("%s: no vLLM Control service, trying SGLang", target)
@@ -765,39 +788,67 @@ async def discover_with(target: str, options: DiscoveryOptions) -> list[EventSou
     except RpcRejectedError as exc:
         if options.engine == "auto" and exc.code == "UNIMPLEMENTED":
             return await _gateway(target, caller, options)
+        if exc.code == "UNIMPLEMENTED":
+            raise RpcRejectedError(target, exc.code, f"{exc.cause} (not SGLang? try engine auto)") from None
         raise
     sources = _sglang_sources(target, resolver, options, info.json_info)
     return _with_curve(target, await _pin_names(target, sources, resolver, caller.deadline, limiter), options)
 
 
+async def _probe_stream(caller: _Caller, service: str) -> grpc.RpcError | None:
+    """Open ``service``'s ``SubscribeKvEvents``: None when it streams, else the ended call.
+
+    A servicer with no publisher answers UNIMPLEMENTED, as does a server without the service.
+    The stream is cancelled as soon as its headers arrive.
+    """
+    channel = caller._channel()
+    try:
+        stub = channel.unary_stream(
+            f"/{service}/SubscribeKvEvents", request_serializer=serialize, response_deserializer=None
+        )
+        deadline = max(0.1, caller.deadline - time.monotonic())
+        call: Any = stub(smg_pb.SubscribeKvEventsRequest(), timeout=deadline, metadata=caller.metadata)
+        try:
+            await anyio.to_thread.run_sync(call.initial_metadata, abandon_on_cancel=True, limiter=caller.limiter)
+            if await answer_ended(call) and call.code() != grpc.StatusCode.OK:
+                err: grpc.RpcError = call  # the ended call is the RpcError grpc would raise
+                return err
+            return None
+        finally:
+            call.cancel()
+    finally:
+        channel.close()
+
+
 async def _gateway(target: str, caller: _Caller, options: DiscoveryOptions) -> list[EventSource]:
     """A gateway servicer's stream (the first of `GATEWAY_SERVICES` that streams): one source per rank."""
-    for service, engine in GATEWAY_SERVICES.items():
-        channel = caller._channel()
-        try:
-            ended = await probe_stream(channel, service, caller.metadata, max(0.1, caller.deadline - time.monotonic()))
-        finally:
-            channel.close()
+    for service in GATEWAY_SERVICES:
+        ended = await _probe_stream(caller, service)
         if ended is not None and ended.code() == grpc.StatusCode.UNIMPLEMENTED:
             continue
         if ended is not None:
             raise caller._error(f"/{service}/SubscribeKvEvents", ended, 1)
-        ranks = 1
-        if engine in ("vllm", "sglang", "tokenspeed"):  # their servicers answer GetLoads with the rank count
-            try:
-                answer = await caller.call(
-                    f"/{service}/GetLoads", smg_pb.RankCountRequest(), smg_pb.RankCountResponse.FromString
-                )
-                ranks = max(1, answer.dp_rank_count)
-            except RpcRejectedError as exc:
-                if exc.code != "UNIMPLEMENTED":
-                    raise
-        _check_count(target, ranks, options)
-        return gateway_sources(target, caller.address, service, ranks, options.worker_id or target)
+        return await _gateway_ranks(target, caller, options, service)
     methods = ", ".join([VLLM_METHOD, SGLANG_METHOD, *(f"/{s}/SubscribeKvEvents" for s in GATEWAY_SERVICES)])
     raise RpcRejectedError(
         target, "UNIMPLEMENTED", f"serves none of {methods} (is it the engine's gRPC port, with KV events on?)"
     )
+
+
+async def _gateway_ranks(target: str, caller: _Caller, options: DiscoveryOptions, service: str) -> list[EventSource]:
+    """One source per rank ``GetLoads`` reports (a hint: the stream starts any rank it leaves out)."""
+    ranks = 1
+    if service in RANK_COUNTING_SERVICES:
+        try:
+            answer = await caller.call(
+                f"/{service}/GetLoads", smg_pb.RankCountRequest(), smg_pb.RankCountResponse.FromString
+            )
+            ranks = max(1, answer.dp_rank_count)
+        except RpcRejectedError as exc:
+            if exc.code != "UNIMPLEMENTED":
+                raise
+    _check_count(target, ranks, options)
+    return gateway_sources(target, caller.address, service, ranks, options.worker_id or target)
 
 
 class SourceDiff(msgspec.Struct, frozen=True, kw_only=True):
@@ -849,6 +900,8 @@ async def follow_target(
     *,
     interval: float,
     grace: float,
+    streaming: Callable[[], str | None] = lambda: None,
+    on_failure: Callable[[KvRouteError], None] = lambda exc: None,
 ) -> None:
     """Rediscover ``target`` every ``interval`` seconds, forever; cancel the task to stop it.
 
@@ -856,7 +909,9 @@ async def follow_target(
     longer than ``grace`` seconds in a row (from the start of the first failing attempt), awaits
     ``on_unreachable(last_error)`` once; it is called again only after a success in between.
     Discovery failures are logged (a persisting one once a minute) and never raised; what the
-    callbacks raise propagates.
+    callbacks raise propagates. ``streaming()``: the gateway service whose stream from the
+    target is live now, if any (`discover_with`'s ``streaming``), asked before each round.
+    ``on_failure(error)`` is called after every failing round.
     """
     if not interval > 0 or not grace >= 0:
         raise InvalidOptionsError(f"follow_target needs interval > 0 and grace >= 0, not {interval!r}, {grace!r}")
@@ -866,8 +921,9 @@ async def follow_target(
     while True:
         started = time.monotonic()
         try:
-            sources = await discover_with(target, options)
+            sources = await discover_with(target, options, streaming=streaming())
         except KvRouteError as exc:
+            on_failure(exc)
             now = time.monotonic()
             if failing_since is None:
                 failing_since = started

@@ -464,8 +464,9 @@ class SourceMachine:
         out: list[Action] = []
         self._reset("snapshot", f"state snapshot from seq {seq}", out)
         self._forget()
-        self._cold = False
-        self._await_first = False
+        # The snapshot is the history from here: the next live batch continues it (an
+        # exact worker unless ``partial``), it does not start one of unknown past.
+        self._history = "known"
         self.last_seq = seq - 1
         if partial:
             self._mark_partial("snapshot", seq, out)

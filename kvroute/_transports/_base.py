@@ -177,6 +177,8 @@ class Driver(Protocol):
     source: EventSource
     key: WorkerKey
     machine: SourceMachine
+    #: While the transport has a live connection to the publisher (or stream).
+    connected: bool
 
     async def run(self) -> None:
         """Follow the source until cancelled; release everything on the way out."""
@@ -196,6 +198,14 @@ class Driver(Protocol):
 
     def stats(self) -> SourceStats:
         """The source's counters."""
+        ...
+
+    def vouched(self) -> bool:
+        """The transport itself shows the source exists now (discovery keeps it whatever it hears)."""
+        ...
+
+    def streaming(self) -> str | None:
+        """The gateway service whose stream carries this source live now, else None."""
         ...
 
 
@@ -298,6 +308,17 @@ class DriverBase:
 
     def load(self) -> EngineLoad | None:
         """The engine's newest load record, for transports that carry one (None by default)."""
+        return None
+
+    def vouched(self) -> bool:
+        """The transport itself shows the source exists now: discovery keeps it whatever it hears (default False)."""
+        return False
+
+    def streaming(self) -> str | None:
+        """The gateway service whose stream carries this source live now (None by default).
+
+        Such a stream is its target's proof of life: discovery then asks the rank count only.
+        """
         return None
 
     # --- actions --------------------------------------------------------------------------------
