@@ -221,7 +221,7 @@ class KvEventClient:
     `PrefixIndex.restore` carries the saved positions in ``restored_cursors``; the client
     takes them over (and empties that attribute, so a later ``index.snapshot(path)`` cannot
     pair stale positions with a changed index). Each source whose worker has one resumes
-    from it (`SourceMachine.resume`: identity check on first connect, then replay of what
+    from it (`RecoveryMachine.resume`: identity check on first connect, then replay of what
     the engine published since; a restarted engine, or a buffer that no longer reaches
     back to the position, resets the worker first). A restored worker whose source starts
     without a usable position (none saved, or no replay endpoint to check it with) is reset
@@ -416,7 +416,7 @@ class KvEventClient:
             log.info("%s: restored state dropped: no replay endpoint to check it against", source.key)
             cursor = None
         if cursor is None and self._index.num_blocks(source.key):
-            # Restored without a position: SourceMachine.start() assumes an empty slate.
+            # Restored without a position: RecoveryMachine.start() assumes an empty slate.
             self._index.remove_worker(source.key)
         driver = transport.driver(source, index=self._index, sink=self._hub, on_change=self._wake, resume=cursor)
         scope = anyio.CancelScope()

@@ -69,8 +69,16 @@ class UnusableSourceError(DiscoveryError):
     """The engine advertised a source kvroute cannot subscribe to (transport, encoding, schema, policy)."""
 
 
-class InvalidOptionsError(KvRouteError, ValueError):
+class InvalidOptionsError(ConfigError):
     """Discovery options that cannot work (engine name, timeout, metadata, TLS, allow-list, cap)."""
+
+
+class IndexLimitsError(ConfigError):
+    """An `IndexLimits` setting is not usable."""
+
+
+class RouterError(ConfigError):
+    """A `Router` or `CostModel` was given a setting or an input it cannot use."""
 
 
 class NoWorkersError(KvRouteError):

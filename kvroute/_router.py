@@ -41,7 +41,7 @@ from typing import Any
 
 import msgspec
 
-from ._errors import KvRouteError, NoWorkersError
+from ._errors import NoWorkersError, RouterError
 from ._hashing import MultimodalItem, chain_keys
 from ._index import OverlapScores, PrefixIndex
 from ._load import EngineLoads
@@ -54,10 +54,6 @@ _log = logging.getLogger("kvroute.router")
 # Costs computed by different paths (index overlap, approximate store, idle) can differ in the
 # last bits for equal inputs; closer than this relative margin they are a tie.
 _TIE_EPS = 1e-9
-
-
-class RouterError(KvRouteError, ValueError):
-    """A `Router` or `CostModel` was given a setting or an input it cannot use."""
 
 
 def _key(worker: WorkerKey) -> WorkerKey:

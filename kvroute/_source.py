@@ -69,7 +69,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Sequence
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, NamedTuple
 
 import msgspec
 from msgspec import Meta
@@ -93,7 +93,14 @@ __all__ = [
     "Action",
     "Apply",
     "Emit",
+    "History",
+    "Holding",
+    "Identity",
+    "Link",
+    "RecoveryMachine",
+    "RecoveryPhase",
     "RecreateSubscriber",
+    "Reply",
     "ReplayRequest",
     "RequestReplay",
     "ResetWorker",
@@ -185,13 +192,87 @@ class RecoveryStats(msgspec.Struct, kw_only=True):
 # A batch waiting to be applied: (ts, batch or None when undecodable, came from a replay).
 _Held = tuple[float, EventBatch | None, bool]
 
+# --- the machine's state: five components, each moved only by the events its table names -------------
+#
+# As h11's _state.py: a component has named values and a transition table, (value, event) -> value;
+# `RecoveryMachine._move` is the only writer and refuses a pair the table does not list (a bug, not
+# bad input). `RecoveryMachine.state` (what the router reads) is derived from them.
+
 #: Where the source's history starts: "cold" (a cold replay from seq 0 will say), "first-live"
 #: (no replay, or the cold one failed: the first live seq starts it) or "known".
-_History = Literal["cold", "first-live", "known"]
+History = Literal["cold", "first-live", "known"]
+#: The publisher connection: "idle" (not begun), "unconnected" (begun, not connected yet: live
+#: batches are taken), "held" (not connected yet, live batches held: resumed, or a disconnect came
+#: first), "up", "down" (was up: hold everything, ask nothing, until the reconnect).
+Link = Literal["idle", "unconnected", "held", "up", "down"]
+#: Whether the engine is the one whose state the index holds: "unknown" (nothing asked), "asking"
+#: (an identity check is due or in flight: nothing is trusted), "vouched" (an anchored replay
+#: answered since the last (re)connect).
+Identity = Literal["unknown", "asking", "vouched"]
+#: The reply to the replay request in flight: "none" (no request), "awaited", or "moot" (a restart
+#: or outage made it meaningless: it is dropped when it comes, `replay_abandoned`).
+Reply = Literal["none", "awaited", "moot"]
+#: What the index may hold of this worker: "nothing" (reset, or never applied) or "run" (applied
+#: or restored batches since the last reset).
+Holding = Literal["nothing", "run"]
+
+_LINKS: Final[tuple[Link, ...]] = ("idle", "unconnected", "held", "up", "down")
+_IDENTITIES: Final[tuple[Identity, ...]] = ("unknown", "asking", "vouched")
+
+_TRANSITIONS: Final[dict[str, dict[tuple[str, str], str]]] = {
+    "history": {
+        **{(h, "fresh-start-with-replay"): "cold" for h in ("cold", "first-live", "known")},
+        **{(h, "fresh-start-without-replay"): "first-live" for h in ("cold", "first-live", "known")},
+        **{(h, "known"): "known" for h in ("cold", "first-live", "known")},  # an answer, a first seq, a snapshot
+        ("cold", "cold-replay-failed"): "first-live",
+        ("known", "cold-replay-failed"): "first-live",
+    },
+    "link": {
+        ("idle", "start"): "unconnected",
+        ("idle", "resume"): "held",
+        **{(link, "connect"): "up" for link in _LINKS},
+        **{(link, "disconnect"): "held" for link in ("idle", "unconnected", "held")},
+        ("up", "disconnect"): "down",
+        ("down", "disconnect"): "down",
+        **{(link, "fresh-start"): "unconnected" for link in _LINKS},
+    },
+    "identity": {
+        **{(i, "ask"): "asking" for i in _IDENTITIES},
+        **{(i, "forget"): "unknown" for i in _IDENTITIES},
+        **{(i, "vouch"): "vouched" for i in _IDENTITIES},
+        # A (re)connect or a disconnect: what vouched before vouches no more; a question stays.
+        ("unknown", "doubt"): "unknown",
+        ("asking", "doubt"): "asking",
+        ("vouched", "doubt"): "unknown",
+    },
+    "reply": {
+        ("none", "request"): "awaited",
+        ("awaited", "abandon"): "moot",
+        ("moot", "abandon"): "moot",
+        ("awaited", "settle"): "none",
+        ("moot", "settle"): "none",
+    },
+    "holding": {
+        ("nothing", "apply"): "run",
+        ("run", "apply"): "run",
+        ("nothing", "reset"): "nothing",
+        ("run", "reset"): "nothing",
+    },
+}
 
 
-class SourceMachine:
-    """Sequence, gap, restart and replay logic of one source, as a pure state machine.
+class RecoveryPhase(NamedTuple):
+    """The machine's state at one instant, one value per component (see the vocabulary above)."""
+
+    history: History
+    link: Link
+    identity: Identity
+    reply: Reply
+    holding: Holding
+
+
+class RecoveryMachine:
+    """Sequence, gap, restart and replay logic of one source, as a pure state machine (formerly `SourceMachine`).
 
     ``has_replay``: the source has a replay endpoint. ``ts_ring``: how many applied seqs
     keep their ts, to tell a duplicate from a restart (rule 2); the default 4,096 (64 KB a
@@ -240,33 +321,45 @@ class SourceMachine:
         # Sizes of the held live batches given one (`on_live`'s ``size``), and their sum.
         self._held_size: dict[int, int] = {}
         self._held_bytes = 0
-        # Initial history not known yet: with replay, a cold replay is needed; without,
-        # the first live message starts the history (and ``_first_reason`` says why).
-        self._history: _History = "cold" if has_replay else "first-live"
+        # The state (`RecoveryPhase`), one field per component, written only by `_move`.
+        # Initial history not known yet: with replay, a cold replay is needed; without, the
+        # first live message starts the history (and ``_first_reason`` says why).
+        self._history: History = "cold" if has_replay else "first-live"
+        self._link: Link = "idle"
+        self._identity: Identity = "unknown"
+        self._reply: Reply = "none"
+        self._holding: Holding = "nothing"
         self._first_reason: ResetReason = "no-replay"
-        # The request in flight answers a question that no longer matters (restart, outage).
-        self._abandoned = False
         # ts of the seq an identity check / probe asked from; None for other requests.
         self._anchor_ts: float | None = None
-        self._identity_question = False
-        self._identity_ok = False
+        # Identity checks that got no answer in a row (_IDENTITY_ATTEMPTS of them: a restart).
         self._identity_failures = 0
-        self._connected = False
-        self._connected_once = False
-        # The SUB was connected and lost it: hold (or, without replay, drop) live batches and
-        # ask no replay until it is back (on_disconnected).
-        self._down = False
-        # The index may hold blocks of this worker (something applied since the last reset).
-        self._dirty = False
-        # start() or resume() was called.
-        self._begun = False
 
     # --- read-only state ------------------------------------------------------------
 
     @property
+    def phase(self) -> RecoveryPhase:
+        """The machine's state, one value per component (`History`, `Link`, `Identity`, `Reply`, `Holding`)."""
+        return RecoveryPhase(self._history, self._link, self._identity, self._reply, self._holding)
+
+    def _move(self, component: str, event: str) -> None:
+        """Move ``component`` by ``event`` as its transition table says; a pair it does not list is a bug."""
+        attr = "_" + component
+        before = getattr(self, attr)
+        after = _TRANSITIONS[component].get((before, event))
+        if after is None:
+            raise RuntimeError(f"recovery machine: {component} {before!r} has no transition on {event!r}")
+        setattr(self, attr, after)
+
+    @property
+    def _down(self) -> bool:
+        """Live batches are held (or, without replay, dropped) and no replay is asked: not connected, holding."""
+        return self._link == "held" or self._link == "down"
+
+    @property
     def state(self) -> SourceState:
         """ "syncing", "synced" or "resyncing", as `kvroute._models.WorkerStatus.state` means them."""
-        if self._identity_question or not self._connected:
+        if self._identity == "asking" or self._link != "up":
             return "syncing"
         if self._history == "cold" or (self._history == "first-live" and self.has_replay):
             return "syncing"
@@ -282,7 +375,7 @@ class SourceMachine:
         The driver may stop waiting for it and call `on_replay_failed` at once; the
         machine asks again, if it still needs to, once that request is settled.
         """
-        return self._abandoned
+        return self._reply == "moot"
 
     @property
     def applied(self) -> tuple[int, float] | None:
@@ -292,7 +385,7 @@ class SourceMachine:
         the position a snapshot saves (`resume` takes it back): the index's state for the
         worker is exactly the run that ends here.
         """
-        if not self._dirty or self._newest < 0:
+        if self._holding == "nothing" or self._newest < 0:
             return None
         return self._newest, self._ring_ts[self._newest % self.ts_ring]
 
@@ -305,7 +398,8 @@ class SourceMachine:
 
     def start(self) -> list[Action]:
         """Begin following the source: the cold start of rule 6 (a no-op when already begun)."""
-        self._begun = True
+        if self._link == "idle":
+            self._move("link", "start")
         before = self.state
         out: list[Action] = []
         self._advance(out)
@@ -327,22 +421,22 @@ class SourceMachine:
         starts as after `start`. Raises ValueError for a seq out of range or a ts that is not
         finite, RuntimeError once the machine has begun.
         """
-        if self._begun:
+        if self._link != "idle":
             raise RuntimeError("resume() must come first, instead of start()")
         if not 0 <= seq < _SEQ_END or not math.isfinite(ts):
             raise ValueError(f"cannot resume from seq {seq!r} with ts {ts!r}")
-        self._begun = True
         before = self.state
         out: list[Action] = []
-        self._dirty = True  # the restored state
+        self._move("holding", "apply")  # the restored state
         if not self.has_replay:
+            self._move("link", "start")
             self._reset("no-replay", f"restored state through seq {seq} cannot be checked without replay", out)
             return self._done(before, out)
-        self._history = "known"
+        self._move("link", "resume")  # until the first connect: hold live batches, ask nothing
+        self._move("history", "known")
         self.last_seq = seq
         self._record(seq, ts)
-        self._identity_question = True
-        self._down = True  # until the first connect: hold live batches, ask nothing
+        self._move("identity", "ask")
         return self._done(before, out)
 
     def on_live(self, seq: int, ts: float, batch: EventBatch | None, size: int = 0) -> list[Action]:
@@ -354,15 +448,17 @@ class SourceMachine:
             and self.replay_in_flight is None
             and not self._held
             and self._history == "known"
-            and not self._identity_question
-            and not self._down
+            and self._identity != "asking"
+            and self._link != "held"
+            and self._link != "down"
         ):
-            # Rule 1, the hot path: in order, nothing pending (`_record` inlined).
+            # Rule 1, the hot path: in order, nothing pending (`_record` inlined, and the
+            # holding table's "apply", which leads to "run" from either value, written direct).
             i = seq % self.ts_ring
             self._ring_seq[i] = seq
             self._ring_ts[i] = ts
             self._newest = self.last_seq = seq
-            self._dirty = True
+            self._holding = "run"
             self.stats.batches += 1
             return [Apply([(seq, ts, batch)])]
         before = self.state
@@ -382,8 +478,10 @@ class SourceMachine:
         out: list[Action] = []
         self.replay_in_flight = None
         anchor_ts, self._anchor_ts = self._anchor_ts, None
-        if self._abandoned:
-            self._abandoned = False
+        moot = self._reply == "moot"
+        self._move("reply", "settle")
+        if moot:
+            pass  # asked before a restart or an outage: nothing it says applies now
         elif anchor_ts is not None:
             self._answer_anchored(req, anchor_ts, items, complete, out)
         else:
@@ -402,9 +500,9 @@ class SourceMachine:
         self.replay_in_flight = None
         anchored = self._anchor_ts is not None
         self._anchor_ts = None
-        if self._abandoned:
-            self._abandoned = False
-        else:
+        moot = self._reply == "moot"
+        self._move("reply", "settle")
+        if not moot:
             self.stats.replay_failures += 1
             self._failed(req, anchored, reason, out)
         self._advance(out)
@@ -428,11 +526,9 @@ class SourceMachine:
         """
         before = self.state
         out: list[Action] = [Emit(Connected())]
-        first = not self._connected_once
-        self._connected_once = True
-        self._connected = True
-        self._down = False
-        self._identity_ok = False
+        first = self._link != "up" and self._link != "down"
+        self._move("link", "connect")
+        self._move("identity", "doubt")
         if first or continued:
             # What the SUB missed before it joined (slow joiner) shows as a gap at the next
             # live seq, or to the quiet probe (rules 3 and 8). A resumed source asks its
@@ -466,7 +562,7 @@ class SourceMachine:
         self._forget()
         # The snapshot is the history from here: the next live batch continues it (an
         # exact worker unless ``partial``), it does not start one of unknown past.
-        self._history = "known"
+        self._move("history", "known")
         self.last_seq = seq - 1
         if partial:
             self._mark_partial("snapshot", seq, out)
@@ -486,16 +582,15 @@ class SourceMachine:
     def on_disconnected(self) -> list[Action]:
         """The SUB socket lost its connection; the source is "syncing" until it is back."""
         before = self.state
-        self._connected = False
-        self._identity_ok = False
-        self._down = True
+        self._move("link", "disconnect")
+        self._move("identity", "doubt")
         if self.has_replay:
             # The engine may be gone, and whatever comes next (live or replayed) may be its
             # successor's: hold everything and ask nothing until the reconnect's identity
             # check vouches for the newest batch applied, which is then still the one
             # applied before the disconnect (rule 7).
             if self._newest >= 0:
-                self._identity_question = True
+                self._move("identity", "ask")
             if self._anchor_ts is None:
                 self._abandon()
         return self._done(before, [Emit(Disconnected())])
@@ -527,8 +622,7 @@ class SourceMachine:
         self._held.clear()
         self._held_size.clear()
         self._held_bytes = 0
-        self._identity_question = False
-        self._identity_ok = False
+        self._move("identity", "forget")
         self._identity_failures = 0
 
     def _live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action], size: int = 0) -> None:
@@ -542,7 +636,7 @@ class SourceMachine:
         if batch is None:
             self.stats.undecodable += 1
         if self._history == "first-live":
-            self._history = "known"
+            self._move("history", "known")
             if seq > 0:
                 self.last_seq = seq - 1
                 self._mark_partial(self._first_reason, seq, out)
@@ -571,7 +665,7 @@ class SourceMachine:
                 if len(self._held) > self.max_held
                 else f"more than {self.max_held_bytes} bytes of batches"
             )
-            if self._identity_question or self._down:
+            if self._identity == "asking" or self._down:
                 # Applying them would trust an engine that has not been checked: start over.
                 self._restart(f"{what} held while the engine's identity is unchecked", out, reason="overflow")
                 return
@@ -601,7 +695,7 @@ class SourceMachine:
             # Without replay nothing but a restart moves the stream behind `last`.
             self._restart(f"seq {seq} arrived after seq {self.last_seq}, and no replay endpoint can check", out)
             return
-        if self._identity_ok or self._identity_question or self._newest < 0:
+        if self._identity != "unknown" or self._newest < 0:
             # One identity check answers for every such message (rule 2); with nothing
             # recorded since the last restart, the index holds nothing to protect.
             return
@@ -613,7 +707,7 @@ class SourceMachine:
         A replay in flight that does not vouch for the engine is dropped: its answer may
         come from a successor and would extend the old run with the new engine's batches.
         """
-        self._identity_question = True
+        self._move("identity", "ask")
         self._identity_failures = 0
         if self._anchor_ts is None:
             self._abandon()
@@ -621,7 +715,7 @@ class SourceMachine:
 
     def _abandon(self) -> None:
         if self.replay_in_flight is not None:
-            self._abandoned = True
+            self._move("reply", "abandon")
 
     def _hold(self, seq: int, ts: float, batch: EventBatch | None, replayed: bool, out: list[Action]) -> bool:
         """Keep a batch until it can be applied; False when it proved a restart (already handled)."""
@@ -658,12 +752,12 @@ class SourceMachine:
         if self._history == "cold":
             self._request(0, "cold", None, out)
             return
-        if self._identity_question:
+        if self._identity == "asking":
             if self._newest >= 0:
                 self._request_probe("identity", out)
                 return
             # Nothing applied since the last restart: the index holds nothing to vouch for.
-            self._identity_question = False
+            self._move("identity", "forget")
         self._drain(out)
         if self._held:
             self._request(self.last_seq + 1, "gap", None, out)
@@ -671,6 +765,7 @@ class SourceMachine:
     def _request(self, from_seq: int, purpose: ReplayPurpose, anchor_ts: float | None, out: list[Action]) -> None:
         req = RequestReplay(from_seq, purpose)
         self.replay_in_flight = req
+        self._move("reply", "request")
         self._anchor_ts = anchor_ts
         stats = self.stats
         stats.replays += 1
@@ -706,8 +801,7 @@ class SourceMachine:
                 f"replay from seq {req.from_seq} (applied with ts {anchor_ts!r}) began with seq {seq}, {got}", out
             )
             return
-        self._identity_question = False
-        self._identity_ok = True
+        self._move("identity", "vouch")
         self._identity_failures = 0
         self._answer(req, req.from_seq + 1, items[1:], complete, False, out)
 
@@ -722,7 +816,7 @@ class SourceMachine:
     ) -> None:
         """Rules 3-6: merge replayed batches with the held ones and apply the contiguous run."""
         # An answer establishes where the history starts (from_seq, or the floor below).
-        self._history = "known"
+        self._move("history", "known")
         last_before = self.last_seq
         taken = 0
         first: int | None = None
@@ -776,18 +870,18 @@ class SourceMachine:
 
     def _failed(self, req: RequestReplay, anchored: bool, reason: str, out: list[Action]) -> None:
         if anchored:
-            if self._identity_question:
+            if self._identity == "asking":
                 self._identity_failures += 1
                 if self._identity_failures >= _IDENTITY_ATTEMPTS:
                     self._restart(f"identity check failed {self._identity_failures} times: {reason}", out)
             return
         if req.purpose == "cold":
-            self._history = "known"
             if not self._held and self.last_seq < 0:
                 # Nothing known at all: like a source without replay, the next live seq starts it.
-                self._history = "first-live"
+                self._move("history", "cold-replay-failed")
                 self._first_reason = "replay-failed"
                 return
+            self._move("history", "known")
         if self._held:
             self._uncover(None, "replay-failed", f"replay from seq {req.from_seq} failed: {reason}", out)
             self._drain(out)
@@ -799,19 +893,17 @@ class SourceMachine:
         self.stats.resets += 1
         out.append(ResetWorker(reason))
         out.append(Emit(Reset(reason, detail)))
-        self._dirty = False
+        self._move("holding", "reset")
         self._fresh_start("no-replay", out)
 
     def _fresh_start(self, first_reason: ResetReason, out: list[Action]) -> None:
         """Follow the source from scratch on a new SUB, as after `start()`."""
         out.append(RecreateSubscriber())
         self._forget()
-        self._connected = False
-        self._connected_once = False
-        self._down = False
+        self._move("link", "fresh-start")
         self._anchor_ts = None
         self._abandon()
-        self._history = "cold" if self.has_replay else "first-live"
+        self._move("history", "fresh-start-with-replay" if self.has_replay else "fresh-start-without-replay")
         self._first_reason = first_reason
         self._advance(out)
 
@@ -851,11 +943,11 @@ class SourceMachine:
         self._mark_partial(reason, h + 1, out)
 
     def _reset(self, reason: ResetReason, detail: str, out: list[Action]) -> None:
-        if self._dirty:
+        if self._holding == "run":
             self.stats.resets += 1
             out.append(ResetWorker(reason))
             out.append(Emit(Reset(reason, detail)))
-            self._dirty = False
+            self._move("holding", "reset")
 
     def _mark_partial(self, reason: ResetReason, first_seq: int, out: list[Action]) -> None:
         self.partial = True
@@ -880,6 +972,10 @@ class SourceMachine:
             nxt += 1
         if items:
             self.last_seq = nxt - 1
-            self._dirty = True
+            self._move("holding", "apply")
             self.stats.batches += len(items)
             out.append(Apply(items))
+
+
+#: The machine's name before it was named for what it does; kept for code written against it.
+SourceMachine = RecoveryMachine

@@ -2,7 +2,7 @@
 
 One stream per target (``host:port`` + service) carries every data-parallel rank; each rank is
 one `EventSource` (endpoint ``grpc://host:port/<service>``) followed by a `GatewayRankDriver`
-with its own `SourceMachine` (no replay endpoint: the servicer's relay fills gaps itself). The
+with its own `RecoveryMachine` (no replay endpoint: the servicer's relay fills gaps itself). The
 drivers of one target share a `GatewayStream`, which reads the stream and hands each batch to
 its rank. Stream semantics, and what this module does about them:
 
@@ -16,10 +16,10 @@ its rank. Stream semantics, and what this module does about them:
 - A batch's ``sequence_number`` is its rank's own publisher seq: fed to that rank's machine,
   which detects gaps and restarts exactly as on ZMQ (a stream joined mid-life starts partial).
 - ``load_only`` batches (heartbeats) repeat the last seq: their load is kept, nothing admitted.
-- ``snapshot`` chunks: chunk 0 is `SourceMachine.on_resync` (the worker's state is replaced,
+- ``snapshot`` chunks: chunk 0 is `RecoveryMachine.on_resync` (the worker's state is replaced,
   exact when ``unknown_before`` is 0, partial otherwise), later chunks are ordinary batches
   (consecutive seqs).
-- ``DATA_LOSS`` / ``OUT_OF_RANGE``: every rank's state is gone (`SourceMachine.on_data_loss`)
+- ``DATA_LOSS`` / ``OUT_OF_RANGE``: every rank's state is gone (`RecoveryMachine.on_data_loss`)
   and the stream is resubscribed from 0. Any other end is a disconnect; the next stream resumes
   with ``start_sequence_number`` when the target streams a single rank (a servicer that keeps
   history continues it; one that does not answers OUT_OF_RANGE, and resuming is not tried on

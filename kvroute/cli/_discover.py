@@ -25,23 +25,19 @@ from typing import TextIO
 import anyio
 import msgspec
 
-from kvroute import (
-    DEFAULT_MAX_SOURCES,
-    ENGINES,
+from kvroute._discovery import DEFAULT_MAX_SOURCES, ENGINES, DiscoveryOptions, discover_with, parse_target
+from kvroute._errors import (
     DiscoveryError,
-    DiscoveryOptions,
     EventsDisabledError,
-    EventSource,
     InvalidOptionsError,
     MalformedAnswerError,
     RpcRejectedError,
     TargetUnreachableError,
-    TlsConfig,
     TooManySourcesError,
     UnusableSourceError,
-    discover_with,
 )
-from kvroute._discovery import parse_target
+from kvroute._models import EventSource
+from kvroute._tls import TlsConfig
 
 from ._display import (
     EXIT_EVENTS_DISABLED,

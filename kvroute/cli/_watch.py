@@ -29,14 +29,10 @@ import anyio
 import msgspec
 
 from kvroute import (
-    ENGINES,
-    TIERS,
     AllBlocksCleared,
-    BlockHash,
     BlockRemoved,
     BlockStored,
     DiscoveryOptions,
-    EngineLoad,
     Envelope,
     KvEventClient,
     KvRouteError,
@@ -45,9 +41,11 @@ from kvroute import (
     Reset,
     SubscriberConfig,
     WorkerKey,
-    discover_with,
-    normalize_medium,
 )
+from kvroute._discovery import ENGINES, discover_with
+from kvroute._load import EngineLoad
+from kvroute._models import TIERS, normalize_medium
+from kvroute._wire import BlockHash
 
 from . import _display
 from ._display import EXIT_FAILED, EXIT_OK, EXIT_USAGE, error
