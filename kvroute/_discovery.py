@@ -22,10 +22,8 @@ with jittered exponential backoff inside the caller's one overall timeout), `Rpc
 `MalformedAnswerError`, `TooManySourcesError`. Options that cannot work raise
 `InvalidOptionsError` (also a ValueError) before anything is sent.
 
-Hosts are judged as addresses, not spellings: every IPv4 shorthand libzmq would accept
-("127.1", "2130706433", "0x7f000001"), IPv4-mapped IPv6, and host names (resolved here, in
-the discovery's thread, then connected to by the address judged) count as loopback or
-unspecified when they are; an unspecified address is a wildcard (the dialled host).
+Hosts are judged as addresses, not spellings (`kvroute._endpoints`: IPv4 shorthands, IPv4-mapped
+IPv6 and host names resolved here count as loopback or unspecified when they are).
 
 Threads: grpc's asyncio API runs only on asyncio and kvroute supports trio as well, so each call
 uses grpc's threaded client; the wait for its answer runs in a worker thread from the
@@ -38,10 +36,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
-import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Annotated, Any, Final
+from typing import Any, Final
 
 import anyio
 import anyio.to_thread
@@ -49,9 +46,21 @@ import grpc
 import msgspec
 import tenacity
 
+from ._answers import KNOWN_SCHEMA_VERSIONS, _check_count, _sglang_sources, _vllm_sources
+from ._endpoints import (
+    _LOCAL_NAMES,
+    _address,
+    _fmt_host,
+    _HostAllowList,
+    _is_local,
+    _pin_names,
+    _resolve,
+    _Resolver,
+    _Unusable,
+    parse_target,
+)
 from ._errors import (
     DiscoveryError,
-    EventsDisabledError,
     InvalidOptionsError,
     KvRouteError,
     MalformedAnswerError,
@@ -85,6 +94,10 @@ __all__ = [
     "discover_with",
     "follow_target",
     "parse_target",
+    # The endpoint policy's helpers (kvroute._endpoints), importable from here as before.
+    "_Resolver",
+    "_Unusable",
+    "_pin_names",
 ]
 
 log = logging.getLogger("kvroute.discovery")
@@ -92,10 +105,6 @@ log = logging.getLogger("kvroute.discovery")
 VLLM_METHOD: Final = "/vllm.Control/GetKvEventSources"
 SGLANG_METHOD: Final = "/sglang.runtime.v1.SglangService/GetServerInfo"
 ENGINES: Final = ("auto", "vllm", "sglang", "gateway")
-#: Event schema versions this kvroute decodes (docs/protocol.md §1: vLLM sends 1).
-KNOWN_SCHEMA_VERSIONS: Final = frozenset({1})
-# Bind-all hosts an engine may advertise (docs/protocol.md §1), compared without brackets.
-_WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::"})
 # The statuses retried as transient: the server is not there yet, or did not answer in time.
 _TRANSIENT: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # What grpc's UNAVAILABLE details say when the port answers HTTP/1 (a web server, an engine's
@@ -114,8 +123,6 @@ _CHANNEL_OPTIONS: Final = (("grpc.use_local_subchannel_pool", 1),)
 # Default cap on sources per answer: real deployments run at most a few hundred DP ranks per
 # engine; the cap bounds how many sockets one (possibly hostile) answer can make the router open.
 DEFAULT_MAX_SOURCES: Final = 1024
-# How much of a long list of per-rank problems goes into one error message.
-_MAX_REPORTED_PROBLEMS: Final = 3
 # follow_target logs a persisting failure once a minute: a dead target polled every second must
 # stay visible in the logs without flooding them.
 _REPEAT_LOG_INTERVAL: Final = 60.0
@@ -123,8 +130,6 @@ _REPEAT_LOG_INTERVAL: Final = 60.0
 # "-bin" keys carry bytes, the others printable ASCII.
 _METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
 _METADATA_VALUE = re.compile(r"[\x20-\x7e]*")
-# Host names a discovery answer may use: DNS-ish labels (underscores appear in container names).
-_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.\-]*[A-Za-z0-9_])?")
 # ZeroMQ's z85 alphabet (a CURVE key is 40 of these characters).
 _Z85 = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]+")
 
@@ -228,322 +233,6 @@ def _check_metadata(key: str, value: str | bytes) -> None:
             raise InvalidOptionsError(f"metadata key {key!r} ends in -bin: its value must be bytes")
     elif not isinstance(value, str) or not _METADATA_VALUE.fullmatch(value):
         raise InvalidOptionsError(f"metadata value of {key!r} must be printable ASCII text")
-
-
-class _HostAllowList:
-    """``allowed_hosts`` parsed: IP networks (single addresses are /32 or /128) and host names."""
-
-    def __init__(self, entries: Sequence[str]) -> None:
-        self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
-        self.names: set[str] = set()
-        for entry in entries:
-            text = entry.strip().strip("[]") if isinstance(entry, str) else ""
-            if not text:
-                raise InvalidOptionsError(f"allowed_hosts entry {entry!r} is empty or not a string")
-            try:
-                self.networks.append(ipaddress.ip_network(text, strict=False))
-                continue
-            except ValueError:
-                pass
-            if "/" in text or not _HOST_NAME.fullmatch(text):
-                raise InvalidOptionsError(
-                    f"allowed_hosts entry {entry!r} is neither an IP, a CIDR network nor a host name"
-                )
-            self.names.add(text.lower())
-
-    def allows(self, host: str) -> bool:
-        address = _ip(host)
-        if address is None:
-            return host.lower() in self.names
-        return any(address.version == net.version and address in net for net in self.networks)
-
-
-def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
-
-
-# The IPv4 spellings inet_aton (and so getaddrinfo, and so libzmq) also accepts: 1 to 4 parts,
-# each decimal, octal or hex ("127.1", "2130706433", "0x7f000001", "0177.0.0.1", "0").
-_INET_ATON = re.compile(r"(?:0[xX][0-9a-fA-F]*|[0-9]+)(?:\.(?:0[xX][0-9a-fA-F]*|[0-9]+)){0,3}")
-_LOCAL_NAMES: Final = frozenset({"localhost", "localhost.", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
-
-
-def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The address ``host`` spells, however it spells it; None for a host name.
-
-    Judged as an address, not a spelling: shorthand IPv4 is expanded, an IPv4-mapped or
-    IPv4-compatible IPv6 address is its IPv4 address.
-    """
-    address = _ip(host)
-    if address is None and _INET_ATON.fullmatch(host):
-        try:
-            address = ipaddress.IPv4Address(socket.inet_aton(host))
-        except OSError:
-            return None
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return address.ipv4_mapped
-        packed = address.packed
-        if packed[:12] == bytes(12) and packed[12:] != bytes(4) and address != ipaddress.IPv6Address("::1"):
-            return ipaddress.IPv4Address(packed[12:])  # ::a.b.c.d, the deprecated compatible form
-    return address
-
-
-def _this_host(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Connecting to ``address`` reaches this machine: loopback, or unspecified (0.0.0.0, ::)."""
-    return address.is_loopback or address.is_unspecified
-
-
-def _is_local(host: str) -> bool:
-    address = _address(host)
-    return _this_host(address) if address is not None else host.lower() in _LOCAL_NAMES
-
-
-def _fmt_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def parse_target(target: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` → (host without brackets, port); a `DiscoveryError` when malformed."""
-    if target.startswith("["):
-        host, sep, port = target[1:].partition("]:")
-        address = _ip(host)
-        ok = bool(sep) and address is not None and address.version == 6
-    else:
-        host, sep, port = target.rpartition(":")
-        ok = bool(sep) and ":" not in host and _HOST_NAME.fullmatch(host) is not None
-    if not ok or not port.isdigit() or not 0 < int(port) < 65536:
-        raise DiscoveryError(
-            target, "target must be host:port with port 1-65535, no scheme (IPv6 in brackets: [::1]:50051)"
-        )
-    return host, int(port)
-
-
-class _Unusable(Exception):
-    """One endpoint failed the policy; the message is the reason."""
-
-
-class _Resolver:
-    """Turns advertised endpoints into connectable, policy-checked ones for one dialled host."""
-
-    def __init__(
-        self,
-        dialled: str,
-        options: DiscoveryOptions,
-        dialled_addresses: Sequence[ipaddress.IPv4Address | ipaddress.IPv6Address] = (),
-    ) -> None:
-        self.dialled = dialled
-        self.dialled_addresses = list(dialled_addresses)
-        # A dialled name is judged by what it resolved to (discover_with resolves it first).
-        self.dialled_is_local = _is_local(dialled) or any(_this_host(a) for a in dialled_addresses)
-        self.allow_ipc = options.allow_ipc
-        self.allow_list = None if options.allowed_hosts is None else _HostAllowList(options.allowed_hosts)
-
-    def endpoint(self, endpoint: str) -> str:
-        scheme, sep, rest = endpoint.partition("://")
-        scheme = scheme.lower()
-        if not sep:
-            raise _Unusable(f"{endpoint!r} is not a ZMQ endpoint (transport://address)")
-        if scheme == "tcp":
-            return self._tcp(endpoint, rest)
-        if scheme == "ipc":
-            if not self.allow_ipc:
-                raise _Unusable(f"{endpoint}: ipc:// endpoints are refused unless allow_ipc is set")
-            if not self.dialled_is_local:
-                raise _Unusable(f"{endpoint}: ipc:// is a path on the engine's host, and {self.dialled} is remote")
-            if not rest:
-                raise _Unusable(f"{endpoint}: empty ipc path")
-            return endpoint
-        allowed = "tcp://, ipc://" if self.allow_ipc else "tcp://"
-        raise _Unusable(f"{endpoint}: transport {scheme}:// is not supported (accepted: {allowed})")
-
-    def _tcp(self, endpoint: str, rest: str) -> str:
-        if rest.startswith("["):
-            host, sep, port = rest[1:].partition("]:")
-        else:
-            host, sep, port = rest.rpartition(":")
-        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-            raise _Unusable(f"{endpoint}: needs host:port with a port in 1-65535")
-        address = _address(host)
-        if host in _WILDCARD_HOSTS or (address is not None and address.is_unspecified):
-            host, address = self.dialled, _address(self.dialled)
-        elif address is None and not _HOST_NAME.fullmatch(host):
-            raise _Unusable(f"{endpoint}: {host!r} is not an IP address or host name")
-        elif _is_local(host) and not self.dialled_is_local:
-            raise _Unusable(f"{endpoint}: bound to loopback on {self.dialled}, unreachable from here")
-        if self.allow_list is not None and not self.allow_list.allows(host if address is None else str(address)):
-            raise _Unusable(f"{endpoint}: host {host} is not in allowed_hosts")
-        # Connect to the address judged, in its canonical form: libzmq must not read another
-        # meaning into a spelling. A host name is resolved and judged later (`_pin_names`).
-        return f"tcp://{_fmt_host(host if address is None else str(address))}:{int(port)}"
-
-
-def _raise_unusable(target: str, problems: list[str]) -> None:
-    if problems:
-        shown = problems[:_MAX_REPORTED_PROBLEMS]
-        more = len(problems) - len(shown)
-        cause = "unusable KV-event source: " + " | ".join(shown) + (f" | ... and {more} more" if more else "")
-        raise UnusableSourceError(target, cause)
-
-
-def _check_count(target: str, count: int, options: DiscoveryOptions) -> None:
-    if count > options.max_sources_per_target:
-        # Raised, not logged here: the caller reports it (follow_target once a minute), so a
-        # followed target over the cap does not log an error every round.
-        cause = f"answer lists {count} sources, more than max_sources_per_target={options.max_sources_per_target}"
-        raise TooManySourcesError(target, cause)
-
-
-def _vllm_sources(
-    target: str, resolver: _Resolver, options: DiscoveryOptions, answer: vllm_pb.GetKvEventSourcesResponse
-) -> list[EventSource]:
-    if not answer.sources:
-        raise EventsDisabledError(target, "vLLM lists no KV-event sources (started without --kv-events-config?)")
-    _check_count(target, len(answer.sources), options)
-    # data_parallel_rank is always set by vLLM; a list without it is read in order.
-    ranks = [s.data_parallel_rank if s.HasField("data_parallel_rank") else i for i, s in enumerate(answer.sources)]
-    if len(set(ranks)) != len(ranks):
-        raise MalformedAnswerError(target, f"vLLM lists a data_parallel_rank twice: {sorted(ranks)}")
-    worker_id = options.worker_id or target
-    sources: list[EventSource] = []
-    problems: list[str] = []
-    for rank, src in zip(ranks, answer.sources):
-        reasons = []
-        if src.transport != "zmq":
-            reasons.append(f"transport {src.transport!r} is not 'zmq'")
-        if src.encoding != "msgpack":
-            reasons.append(f"encoding {src.encoding!r} is not 'msgpack'")
-        if src.schema_version not in KNOWN_SCHEMA_VERSIONS:
-            known = ", ".join(map(str, sorted(KNOWN_SCHEMA_VERSIONS)))
-            reasons.append(f"schema_version {src.schema_version} is unknown (kvroute reads {known})")
-        endpoint = replay = None
-        try:
-            endpoint = resolver.endpoint(src.endpoint)
-            replay = resolver.endpoint(src.replay_endpoint) if src.replay_endpoint else None
-        except _Unusable as exc:
-            reasons.append(str(exc))
-        if reasons or endpoint is None:
-            problems.append(f"rank {rank}: " + "; ".join(reasons))
-            continue
-        sources.append(
-            EventSource(
-                worker_id=worker_id,
-                dp_rank=rank,
-                endpoint=endpoint,
-                topic=src.topic,
-                replay_endpoint=replay,
-                hwm=src.hwm,
-                buffer_steps=src.buffer_steps,
-                engine="vllm",
-                target=target,
-            )
-        )
-    _raise_unusable(target, problems)
-    return sorted(sources, key=lambda s: s.dp_rank)
-
-
-_Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
-_Positive = Annotated[int, msgspec.Meta(ge=1)]
-_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class _SglangKvEvents(msgspec.Struct):
-    """SGLang's ``kv_events`` descriptor (docs/protocol.md §1); unknown keys are ignored."""
-
-    publisher: str
-    endpoint_host: str
-    endpoint_port_base: _Port
-    topic: str
-    block_size: _Positive
-    dp_size: _Positive
-    replay_endpoint_port_base: _Port | None = None
-
-
-class _SglangInfo(msgspec.Struct):
-    kv_events: _SglangKvEvents | None
-    # A JSON string or object when present; decoded leniently (see _sglang_tuning).
-    kv_events_config: msgspec.Raw = msgspec.Raw()
-
-
-class _SglangTuning(msgspec.Struct):
-    hwm: _NonNegative | None = None
-    buffer_steps: _NonNegative | None = None
-
-
-def _sglang_tuning(target: str, raw: msgspec.Raw) -> _SglangTuning:
-    """hwm / buffer_steps from the top-level ``kv_events_config``; a bad one is logged and ignored.
-
-    They only tune the subscriber; the descriptor itself is valid, so its sources stay usable.
-    """
-    if not raw:
-        return _SglangTuning()
-    try:
-        value = msgspec.json.decode(raw, type=str | _SglangTuning | None)
-        if isinstance(value, str):
-            value = msgspec.json.decode(value, type=_SglangTuning)
-    except msgspec.MsgspecError as exc:
-        log.warning("%s: ignoring SGLang kv_events_config: %s", target, exc)
-        return _SglangTuning()
-    return value or _SglangTuning()
-
-
-def _sglang_sources(target: str, resolver: _Resolver, options: DiscoveryOptions, json_info: str) -> list[EventSource]:
-    try:
-        info = msgspec.json.decode(json_info, type=_SglangInfo)
-    except msgspec.MsgspecError as exc:
-        raise MalformedAnswerError(target, f"SGLang GetServerInfo json_info: {exc}") from None
-    kv = info.kv_events
-    if kv is None:
-        raise EventsDisabledError(target, "SGLang reports kv_events null (started without --kv-events-config)")
-    _check_count(target, kv.dp_size, options)
-    for name, base in (
-        ("endpoint_port_base", kv.endpoint_port_base),
-        ("replay_endpoint_port_base", kv.replay_endpoint_port_base),
-    ):
-        if base is not None and base + kv.dp_size - 1 > 65535:
-            raise MalformedAnswerError(target, f"SGLang {name} {base} + dp_size {kv.dp_size} runs past port 65535")
-    if kv.publisher != "zmq":
-        raise UnusableSourceError(target, f"unusable KV-event source: SGLang publisher {kv.publisher!r} is not 'zmq'")
-    kv_ports = range(kv.endpoint_port_base, kv.endpoint_port_base + kv.dp_size)
-    replay_base = kv.replay_endpoint_port_base
-    if replay_base is not None and replay_base < kv_ports.stop and kv.endpoint_port_base < replay_base + kv.dp_size:
-        # docs/protocol.md §1: SGLang then fails to bind some publisher; the answer is still reported.
-        log.warning(
-            "%s: SGLang replay ports %d-%d overlap event ports %d-%d (dp_size %d): the engine cannot bind them all",
-            target, replay_base, replay_base + kv.dp_size - 1, kv_ports.start, kv_ports.stop - 1, kv.dp_size,
-        )  # fmt: skip
-    tuning = _sglang_tuning(target, info.kv_events_config)
-    host = _fmt_host(kv.endpoint_host.strip("[]"))
-    worker_id = options.worker_id or target
-    sources: list[EventSource] = []
-    problems: list[str] = []
-    for rank in range(kv.dp_size):
-        # docs/protocol.md §1/§5: rank r publishes (and replays) on base + r.
-        try:
-            endpoint = resolver.endpoint(f"tcp://{host}:{kv.endpoint_port_base + rank}")
-            replay = None if replay_base is None else resolver.endpoint(f"tcp://{host}:{replay_base + rank}")
-        except _Unusable as exc:
-            problems.append(f"rank {rank}: {exc}")
-            continue
-        sources.append(
-            EventSource(
-                worker_id=worker_id,
-                dp_rank=rank,
-                endpoint=endpoint,
-                topic=kv.topic,
-                replay_endpoint=replay,
-                hwm=tuning.hwm,
-                buffer_steps=tuning.buffer_steps,
-                block_size=kv.block_size,
-                engine="sglang",
-                target=target,
-            )
-        )
-    _raise_unusable(target, problems)
-    return sources
 
 
 class _Caller:
@@ -667,69 +356,6 @@ async def discover(
         max_sources_per_target=max_sources_per_target,
     )
     return await discover_with(target, options)
-
-
-async def _resolve(
-    target: str, host: str, deadline: float, limiter: anyio.CapacityLimiter
-) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """Every address ``host`` resolves to (in this discovery's own worker thread, within its deadline)."""
-    try:
-        with anyio.fail_after(max(0.0, deadline - time.monotonic())):
-            infos = await anyio.to_thread.run_sync(
-                socket.getaddrinfo, host, None, 0, socket.SOCK_STREAM, abandon_on_cancel=True, limiter=limiter
-            )
-    except (OSError, TimeoutError) as exc:
-        raise UnusableSourceError(target, f"cannot resolve {host!r}: {exc or 'timed out'}") from None
-    out: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
-    for info in infos:
-        address = _address(str(info[4][0]).partition("%")[0])
-        if address is not None and address not in out:
-            out.append(address)
-    if not out:
-        raise UnusableSourceError(target, f"{host!r} resolves to no address")
-    return out
-
-
-async def _pin_names(
-    target: str, sources: list[EventSource], resolver: _Resolver, deadline: float, limiter: anyio.CapacityLimiter
-) -> list[EventSource]:
-    """Resolve every host name the answer uses, judge the addresses, and connect to those instead.
-
-    A name resolving to this machine (loopback or unspecified) from a remote target is refused
-    like the address itself; resolving here and connecting to the result means a later DNS
-    answer cannot send the router somewhere the policy never saw.
-    """
-    if resolver.dialled_is_local:
-        return sources  # a target on this machine may point anywhere: nothing to judge
-    # The dialled name (a wildcard's substitute) is pinned to what it was judged by.
-    pinned: dict[str, str] = {}
-    if resolver.dialled_addresses:
-        pinned[resolver.dialled] = _fmt_host(str(resolver.dialled_addresses[0]))
-
-    async def pin(endpoint: str | None) -> str | None:
-        if endpoint is None or not endpoint.startswith("tcp://"):
-            return endpoint
-        rest = endpoint[len("tcp://") :]
-        host, _, port = rest.rpartition(":")
-        if host.startswith("[") or _address(host) is not None:
-            return endpoint
-        if host not in pinned:
-            addresses = await _resolve(target, host, deadline, limiter)
-            if not resolver.dialled_is_local and any(_this_host(a) for a in addresses):
-                raise UnusableSourceError(
-                    target,
-                    f"unusable KV-event source: {endpoint}: {host} resolves to this machine "
-                    f"({', '.join(map(str, addresses))}), and {resolver.dialled} is remote",
-                )
-            pinned[host] = _fmt_host(str(addresses[0]))
-        return f"tcp://{pinned[host]}:{port}"
-
-    out = []
-    for src in sources:
-        endpoint = await pin(src.endpoint)
-        assert endpoint is not None
-        out.append(msgspec.structs.replace(src, endpoint=endpoint, replay_endpoint=await pin(src.replay_endpoint)))
-    return out
 
 
 def _with_curve(target: str, sources: list[EventSource], options: DiscoveryOptions) -> list[EventSource]:

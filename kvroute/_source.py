@@ -69,16 +69,12 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Sequence
-from typing import Annotated, Final, Literal, NamedTuple
-
-import msgspec
-from msgspec import Meta
+from typing import Final, Literal
 
 from ._events import (
     Connected,
     Disconnected,
     Gap,
-    LifecycleEvent,
     Partial,
     Replayed,
     ReplayPurpose,
@@ -87,6 +83,24 @@ from ._events import (
     Synced,
 )
 from ._models import SourceState
+from ._recovery import (
+    REPLAY_END_SEQ,
+    TRANSITIONS,
+    Action,
+    Apply,
+    Emit,
+    History,
+    Holding,
+    Identity,
+    Link,
+    RecoveryPhase,
+    RecoveryStats,
+    RecreateSubscriber,
+    ReplayRequest,
+    Reply,
+    RequestReplay,
+    ResetWorker,
+)
 from ._wire import EventBatch
 
 __all__ = [
@@ -108,168 +122,14 @@ __all__ = [
     "SourceMachine",
 ]
 
-#: The replay end marker's seq (0xFF x 8, docs/protocol.md §4); real seqs are below it.
-_SEQ_END: Final = (1 << 64) - 1
-
 #: An identity check that fails this many times in a row (no answer) is taken as a restart:
 #: one failure may be a dropped reply under load (docs/protocol.md §4), a second means the
 #: old state cannot be vouched for (rule 2: "a failed identity check means the engine restarted").
 _IDENTITY_ATTEMPTS: Final = 2
 
 
-class Apply(msgspec.Struct, frozen=True):
-    """Apply these ``(seq, ts, batch)`` items to the index, in this order."""
-
-    items: list[tuple[int, float, EventBatch]]
-
-
-class RequestReplay(msgspec.Struct, frozen=True):
-    """Ask the source's replay endpoint for every buffered batch from ``from_seq`` on.
-
-    ``purpose``: "cold" (start, rule 6), "gap" (rule 3), "retry" (the previous answer left
-    seqs missing or lost its end marker, rule 4), "probe" (quiet tick or first connect:
-    lost tail, rule 8) or "identity" (reconnect, or old seqs no longer in the ts ring:
-    rules 2 and 7). Probes and identity checks ask from the newest applied seq, so the
-    first reply can be compared with what was applied.
-    """
-
-    from_seq: int
-    purpose: ReplayPurpose
-
-
-#: The request `SourceMachine.replay_in_flight` holds: the same struct the action carries.
-ReplayRequest = RequestReplay
-
-
-class ResetWorker(msgspec.Struct, frozen=True):
-    """Drop every block of this worker from the index (``PrefixIndex.remove_worker``).
-
-    ``reason`` is one of the reason tokens of `kvroute._events`.
-    """
-
-    reason: ResetReason
-
-
-class RecreateSubscriber(msgspec.Struct, frozen=True):
-    """Close the SUB socket and open a new one, discarding every message read from the old one."""
-
-
-class Emit(msgspec.Struct, frozen=True):
-    """Deliver this lifecycle event to the source's listeners."""
-
-    event: LifecycleEvent
-
-
-Action = Apply | RequestReplay | ResetWorker | RecreateSubscriber | Emit
-
-
-class RecoveryStats(msgspec.Struct, kw_only=True):
-    """Counters of one source's machine, monotonic over its lifetime.
-
-    The one definition of the recovery counters: `kvroute.SourceStats`, `kvroute.TotalStats`
-    and the Prometheus per-source families are derived from these fields (each field's
-    description is its metric's help text), so adding a counter here is the whole change.
-    """
-
-    batches: Annotated[int, Meta(description="Batches applied to the index, live or replayed.")] = 0
-    duplicates: Annotated[int, Meta(description="Copies of a batch already applied or held, dropped.")] = 0
-    stale: Annotated[
-        int, Meta(description="Old seqs no longer in the ts ring, unreadable, or sent while down, dropped.")
-    ] = 0
-    undecodable: Annotated[int, Meta(description="Undecodable batches that fell in the sequence (holes).")] = 0
-    invalid: Annotated[int, Meta(description="Seqs out of range and replies with no request, dropped.")] = 0
-    gaps: Annotated[int, Meta(description="Live seq gaps seen (an undecodable in-order batch is one too).")] = 0
-    replays: Annotated[int, Meta(description="Replay requests issued.")] = 0
-    replay_failures: Annotated[int, Meta(description="Replay requests that got no usable answer.")] = 0
-    identity_checks: Annotated[int, Meta(description="Replay requests that checked the engine's identity.")] = 0
-    probes: Annotated[int, Meta(description="Replay probes for a lost tail (quiet source, first connect).")] = 0
-    restarts: Annotated[int, Meta(description="Engine restarts seen.")] = 0
-    resets: Annotated[int, Meta(description="Times the worker's index state was dropped.")] = 0
-    uncovered: Annotated[int, Meta(description="Losses no replay could fill (gaps skipped for good).")] = 0
-    overflows: Annotated[int, Meta(description="Batches that found the hold (waiting for a replay) full.")] = 0
-
-
 # A batch waiting to be applied: (ts, batch or None when undecodable, came from a replay).
 _Held = tuple[float, EventBatch | None, bool]
-
-# --- the machine's state: five components, each moved only by the events its table names -------------
-#
-# As h11's _state.py: a component has named values and a transition table, (value, event) -> value;
-# `RecoveryMachine._move` is the only writer and refuses a pair the table does not list (a bug, not
-# bad input). `RecoveryMachine.state` (what the router reads) is derived from them.
-
-#: Where the source's history starts: "cold" (a cold replay from seq 0 will say), "first-live"
-#: (no replay, or the cold one failed: the first live seq starts it) or "known".
-History = Literal["cold", "first-live", "known"]
-#: The publisher connection: "idle" (not begun), "unconnected" (begun, not connected yet: live
-#: batches are taken), "held" (not connected yet, live batches held: resumed, or a disconnect came
-#: first), "up", "down" (was up: hold everything, ask nothing, until the reconnect).
-Link = Literal["idle", "unconnected", "held", "up", "down"]
-#: Whether the engine is the one whose state the index holds: "unknown" (nothing asked), "asking"
-#: (an identity check is due or in flight: nothing is trusted), "vouched" (an anchored replay
-#: answered since the last (re)connect).
-Identity = Literal["unknown", "asking", "vouched"]
-#: The reply to the replay request in flight: "none" (no request), "awaited", or "moot" (a restart
-#: or outage made it meaningless: it is dropped when it comes, `replay_abandoned`).
-Reply = Literal["none", "awaited", "moot"]
-#: What the index may hold of this worker: "nothing" (reset, or never applied) or "run" (applied
-#: or restored batches since the last reset).
-Holding = Literal["nothing", "run"]
-
-_LINKS: Final[tuple[Link, ...]] = ("idle", "unconnected", "held", "up", "down")
-_IDENTITIES: Final[tuple[Identity, ...]] = ("unknown", "asking", "vouched")
-
-_TRANSITIONS: Final[dict[str, dict[tuple[str, str], str]]] = {
-    "history": {
-        **{(h, "fresh-start-with-replay"): "cold" for h in ("cold", "first-live", "known")},
-        **{(h, "fresh-start-without-replay"): "first-live" for h in ("cold", "first-live", "known")},
-        **{(h, "known"): "known" for h in ("cold", "first-live", "known")},  # an answer, a first seq, a snapshot
-        ("cold", "cold-replay-failed"): "first-live",
-        ("known", "cold-replay-failed"): "first-live",
-    },
-    "link": {
-        ("idle", "start"): "unconnected",
-        ("idle", "resume"): "held",
-        **{(link, "connect"): "up" for link in _LINKS},
-        **{(link, "disconnect"): "held" for link in ("idle", "unconnected", "held")},
-        ("up", "disconnect"): "down",
-        ("down", "disconnect"): "down",
-        **{(link, "fresh-start"): "unconnected" for link in _LINKS},
-    },
-    "identity": {
-        **{(i, "ask"): "asking" for i in _IDENTITIES},
-        **{(i, "forget"): "unknown" for i in _IDENTITIES},
-        **{(i, "vouch"): "vouched" for i in _IDENTITIES},
-        # A (re)connect or a disconnect: what vouched before vouches no more; a question stays.
-        ("unknown", "doubt"): "unknown",
-        ("asking", "doubt"): "asking",
-        ("vouched", "doubt"): "unknown",
-    },
-    "reply": {
-        ("none", "request"): "awaited",
-        ("awaited", "abandon"): "moot",
-        ("moot", "abandon"): "moot",
-        ("awaited", "settle"): "none",
-        ("moot", "settle"): "none",
-    },
-    "holding": {
-        ("nothing", "apply"): "run",
-        ("run", "apply"): "run",
-        ("nothing", "reset"): "nothing",
-        ("run", "reset"): "nothing",
-    },
-}
-
-
-class RecoveryPhase(NamedTuple):
-    """The machine's state at one instant, one value per component (see the vocabulary above)."""
-
-    history: History
-    link: Link
-    identity: Identity
-    reply: Reply
-    holding: Holding
-
 
 class RecoveryMachine:
     """Sequence, gap, restart and replay logic of one source, as a pure state machine (formerly `SourceMachine`).
@@ -312,8 +172,8 @@ class RecoveryMachine:
         #: Counted into ``stats`` when given (the driver's per-source counters extend it).
         self.stats = stats if stats is not None else RecoveryStats()
         # The ts ring: slot seq % ts_ring holds the newest applied seq of that residue and its
-        # ts (_SEQ_END: empty). Two flat arrays, 16 bytes a slot, one store each per batch.
-        self._ring_seq = array("Q", [_SEQ_END]) * ts_ring
+        # ts (REPLAY_END_SEQ: empty). Two flat arrays, 16 bytes a slot, one store each per batch.
+        self._ring_seq = array("Q", [REPLAY_END_SEQ]) * ts_ring
         self._ring_ts = array("d", [0.0]) * ts_ring
         #: Newest seq recorded in the ring (-1: none since the last restart).
         self._newest = -1
@@ -346,7 +206,7 @@ class RecoveryMachine:
         """Move ``component`` by ``event`` as its transition table says; a pair it does not list is a bug."""
         attr = "_" + component
         before = getattr(self, attr)
-        after = _TRANSITIONS[component].get((before, event))
+        after = TRANSITIONS[component].get((before, event))
         if after is None:
             raise RuntimeError(f"recovery machine: {component} {before!r} has no transition on {event!r}")
         setattr(self, attr, after)
@@ -423,7 +283,7 @@ class RecoveryMachine:
         """
         if self._link != "idle":
             raise RuntimeError("resume() must come first, instead of start()")
-        if not 0 <= seq < _SEQ_END or not math.isfinite(ts):
+        if not 0 <= seq < REPLAY_END_SEQ or not math.isfinite(ts):
             raise ValueError(f"cannot resume from seq {seq!r} with ts {ts!r}")
         before = self.state
         out: list[Action] = []
@@ -444,7 +304,7 @@ class RecoveryMachine:
         if (
             seq == self.last_seq + 1
             and batch is not None
-            and seq != _SEQ_END
+            and seq != REPLAY_END_SEQ
             and self.replay_in_flight is None
             and not self._held
             and self._history == "known"
@@ -553,7 +413,7 @@ class RecoveryMachine:
         the live stream), and the chunk is applied; the following chunks arrive as live
         batches. ``partial``: the snapshot does not cover the engine's whole history.
         """
-        if not 0 <= seq < _SEQ_END or not math.isfinite(ts):
+        if not 0 <= seq < REPLAY_END_SEQ or not math.isfinite(ts):
             self.stats.invalid += 1
             return []
         before = self.state
@@ -617,7 +477,7 @@ class RecoveryMachine:
         """Drop all sequence state, as for a new engine process."""
         self.last_seq = -1
         self.partial = False
-        self._ring_seq = array("Q", [_SEQ_END]) * self.ts_ring
+        self._ring_seq = array("Q", [REPLAY_END_SEQ]) * self.ts_ring
         self._newest = -1
         self._held.clear()
         self._held_size.clear()
@@ -626,7 +486,7 @@ class RecoveryMachine:
         self._identity_failures = 0
 
     def _live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action], size: int = 0) -> None:
-        if not 0 <= seq < _SEQ_END:
+        if not 0 <= seq < REPLAY_END_SEQ:
             self.stats.invalid += 1
             return
         if self._down and not self.has_replay:
@@ -822,7 +682,7 @@ class RecoveryMachine:
         first: int | None = None
         stats = self.stats
         for seq, ts, batch in items:
-            if not from_seq <= seq < _SEQ_END:
+            if not from_seq <= seq < REPLAY_END_SEQ:
                 stats.invalid += 1
                 continue
             if first is None:

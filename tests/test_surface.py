@@ -44,3 +44,18 @@ def test_the_public_names_import_without_warnings() -> None:
         exec("from kvroute import *", {})
     with pytest.raises(AttributeError):
         kvroute.no_such_name  # noqa: B018
+
+
+def test_the_module_maps_show_every_module() -> None:
+    # docs/architecture.md's pipeline and the README's diagram name every private module of the SDK core.
+    package = ROOT / "kvroute"
+    modules = sorted(
+        p.relative_to(package).with_suffix("").as_posix()
+        for p in [*package.glob("_*.py"), *package.glob("_transports/*.py")]
+        if p.name != "__init__.py"
+    )
+    assert "_transports/gateway" in modules and "_client" in modules
+    for doc in ("docs/architecture.md", "README.md"):
+        text = (ROOT / doc).read_text()
+        missing = [m for m in modules if m not in text]
+        assert not missing, (doc, missing)
