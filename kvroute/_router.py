@@ -37,7 +37,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from itertools import accumulate, islice
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -54,6 +54,19 @@ _log = logging.getLogger("kvroute.router")
 # Costs computed by different paths (index overlap, approximate store, idle) can differ in the
 # last bits for equal inputs; closer than this relative margin they are a tie.
 _TIE_EPS = 1e-9
+
+
+@runtime_checkable
+class ReportsLoads(WorkerStates, Protocol):
+    """`WorkerStates` that also carry the engines' reported load, as `KvEventClient` does.
+
+    A `Router` given them as ``states`` prices that load unless it is given ``engine_loads``.
+    """
+
+    @property
+    def engine_loads(self) -> EngineLoads:
+        """The engines' newest load records."""
+        ...
 
 
 def _key(worker: WorkerKey) -> WorkerKey:
@@ -323,10 +336,8 @@ class Router:
         self.approximate_ttl = float(approximate_ttl)
         self._rng = random.Random(seed)
         self._clock = clock
-        found = getattr(states, "engine_loads", None)
-        self.engine_loads = (
-            engine_loads if engine_loads is not None else found if isinstance(found, EngineLoads) else None
-        )
+        found = states.engine_loads if isinstance(states, ReportsLoads) else None
+        self.engine_loads = engine_loads if engine_loads is not None else found
         self._registered: set[WorkerKey] = set()
         self._approx: dict[WorkerKey, _Approx] = {}
         self._load: dict[WorkerKey, int] = {}  # tokens the active requests added per worker

