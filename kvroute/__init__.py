@@ -1,82 +1,61 @@
 """kvroute: send each prompt to the worker whose KV cache already holds the longest prefix of it.
 
-Discovery (gRPC) → subscriber (ZMQ, one SUB per rank, with replay recovery) → wire codec (msgpack)
-→ prefix index → router. Everything public is re-exported here; every other module is private.
-Simulated engines for tests and demos live in `kvroute.sim`; the ``kvroute`` command line in
-`kvroute.cli`, built on these public names only.
+Discovery (gRPC) → transports (a ZMQ SUB per rank with replay recovery, or a gateway's gRPC stream)
+→ wire codec → prefix index → router. The public names are the 45 below, each one a router author
+touches; every module is private. Simulated engines for tests and demos live in `kvroute.sim`; the
+``kvroute`` command line in `kvroute.cli`.
+
+The client and its settings:
+
+- `KvEventClient`: follows engines (static `EventSource`s or discovered targets), keeps a `PrefixIndex`
+  current, streams `Envelope`s (`EventStream`); `ClientStats`, `SourceStats`, `TotalStats` are its counters.
+- `SubscriberConfig` (sockets, replay, memory), `Limits` (decode caps), `DiscoveryOptions` and `TlsConfig`
+  (how targets are asked), `discover` (ask one target), `IndexLimits` (the index's bounds).
+- `EventSource` (one publisher), `WorkerKey` (an engine rank), `WorkerStatus` / `WorkerStates` (what the
+  router trusts), `Cursor` (a source's position, for warm restarts).
+
+Routing: `Router` (`RoutingDecision`), `CostModel`, `LoadPolicy`, `MultimodalItem`, `chain_keys`.
+
+Events: `EventBatch` of `EngineEvent`s (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), `decode_batch` /
+`encode_batch`; lifecycle events a router reacts to: `Synced`, `Partial`, `Reset`, `Removed`,
+`Disconnected`, `Overflow`. Metrics: `KvRouteCollector`.
+
+Errors (all `KvRouteError`): `ConfigError`, `DecodeError`, `DiscoveryError`, `NoWorkersError`,
+`NotSyncedError`, `SnapshotError`.
+
+Names public before 0.2 and no longer (plumbing, type aliases, the finer error classes) still import from
+here for one release, with a `DeprecationWarning` naming where they live now.
 """
 
 from __future__ import annotations
 
+import importlib
+import warnings
+from typing import Any
+
 from ._client import ClientStats, EventStream, KvEventClient, TotalStats
-from ._discovery import (
-    DEFAULT_MAX_SOURCES,
-    ENGINES,
-    DiscoveryOptions,
-    InvalidOptionsError,
-    MalformedAnswerError,
-    RpcRejectedError,
-    SourceDiff,
-    TargetUnreachableError,
-    TlsConfig,
-    TooManySourcesError,
-    diff_sources,
-    discover,
-    discover_with,
-    follow_target,
-)
+from ._discovery import DiscoveryOptions, TlsConfig, discover
 from ._errors import (
-    ClientStateError,
     ConfigError,
     DecodeError,
     DiscoveryError,
-    EventsDisabledError,
     KvRouteError,
+    NotSyncedError,
     NoWorkersError,
     SnapshotError,
-    UnusableSourceError,
 )
-from ._events import (
-    Connected,
-    Disconnected,
-    Envelope,
-    Gap,
-    GapReason,
-    LifecycleEvent,
-    Overflow,
-    Partial,
-    Removed,
-    Replayed,
-    ReplayPurpose,
-    Reset,
-    ResetReason,
-    Synced,
-)
-from ._grpc_stream import GATEWAY_SERVICES, gateway_endpoint
-from ._hashing import HASH_VERSION, MultimodalItem, chain_keys
-from ._index import IndexLimits, IndexLimitsError, IndexStats, OverlapScores, PrefixIndex
-from ._load import EngineLoad, EngineLoads, LoadPolicy
+from ._events import Disconnected, Envelope, Overflow, Partial, Removed, Reset, Synced
+from ._hashing import MultimodalItem, chain_keys
+from ._index import IndexLimits, PrefixIndex
+from ._load import LoadPolicy
 from ._metrics import KvRouteCollector
-from ._models import (
-    CPU,
-    DISK,
-    EXTERNAL,
-    GPU,
-    TIERS,
-    EventSource,
-    SourceState,
-    WorkerKey,
-    WorkerStates,
-    WorkerStatus,
-    normalize_medium,
-)
-from ._router import CandidateScore, CostModel, Router, RouterError, RouterStats, RoutingDecision
+from ._models import EventSource, WorkerKey, WorkerStates, WorkerStatus
+from ._router import CostModel, Router, RoutingDecision
 from ._snapshot import Cursor
-from ._subscriber import SourceCounters, SourceStats, SubscriberConfig
+from ._subscriber import SubscriberConfig
+from ._transports._base import SourceStats
 from ._wire import (
     AllBlocksCleared,
-    BatchDecoder,
-    BlockHash,
     BlockRemoved,
     BlockStored,
     EngineEvent,
@@ -89,91 +68,115 @@ from ._wire import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPU",
-    "DEFAULT_MAX_SOURCES",
-    "DISK",
-    "ENGINES",
-    "EXTERNAL",
-    "GATEWAY_SERVICES",
-    "GPU",
-    "TIERS",
     "AllBlocksCleared",
-    "BatchDecoder",
-    "BlockHash",
     "BlockRemoved",
     "BlockStored",
-    "CandidateScore",
     "ClientStats",
-    "Connected",
+    "ConfigError",
     "CostModel",
     "Cursor",
-    "ClientStateError",
-    "ConfigError",
     "DecodeError",
     "Disconnected",
     "DiscoveryError",
     "DiscoveryOptions",
     "EngineEvent",
-    "EngineLoad",
-    "EngineLoads",
     "Envelope",
     "EventBatch",
     "EventSource",
     "EventStream",
-    "EventsDisabledError",
-    "Gap",
-    "HASH_VERSION",
     "IndexLimits",
-    "IndexLimitsError",
-    "GapReason",
-    "IndexStats",
-    "InvalidOptionsError",
     "KvEventClient",
     "KvRouteCollector",
     "KvRouteError",
-    "LifecycleEvent",
     "Limits",
     "LoadPolicy",
-    "MalformedAnswerError",
-    "NoWorkersError",
     "MultimodalItem",
-    "OverlapScores",
+    "NoWorkersError",
+    "NotSyncedError",
     "Overflow",
     "Partial",
     "PrefixIndex",
     "Removed",
-    "Replayed",
-    "ReplayPurpose",
     "Reset",
-    "ResetReason",
     "Router",
-    "RouterError",
-    "RouterStats",
     "RoutingDecision",
-    "RpcRejectedError",
     "SnapshotError",
-    "SourceState",
-    "SourceDiff",
-    "SourceCounters",
     "SourceStats",
     "SubscriberConfig",
     "Synced",
-    "TargetUnreachableError",
     "TlsConfig",
-    "TooManySourcesError",
     "TotalStats",
-    "UnusableSourceError",
     "WorkerKey",
     "WorkerStates",
     "WorkerStatus",
-    "__version__",
     "chain_keys",
     "decode_batch",
-    "diff_sources",
     "discover",
-    "discover_with",
-    "follow_target",
     "encode_batch",
-    "normalize_medium",
-    "gateway_endpoint",
 ]
+
+# Public until 0.1, deprecated now: name -> the private module that holds it. Each still imports
+# from `kvroute` for one release, with a DeprecationWarning (module __getattr__, PEP 562).
+_DEPRECATED: dict[str, str] = {
+    "BatchDecoder": "kvroute._wire",
+    "BlockHash": "kvroute._wire",
+    "CPU": "kvroute._models",
+    "CandidateScore": "kvroute._router",
+    "ClientStateError": "kvroute._errors",
+    "Connected": "kvroute._events",
+    "DEFAULT_MAX_SOURCES": "kvroute._discovery",
+    "DISK": "kvroute._models",
+    "ENGINES": "kvroute._discovery",
+    "EXTERNAL": "kvroute._models",
+    "EngineLoad": "kvroute._load",
+    "EngineLoads": "kvroute._load",
+    "EventsDisabledError": "kvroute._errors",
+    "GATEWAY_SERVICES": "kvroute._models",
+    "GPU": "kvroute._models",
+    "Gap": "kvroute._events",
+    "GapReason": "kvroute._events",
+    "HASH_VERSION": "kvroute._hashing",
+    "IndexLimitsError": "kvroute._index",
+    "IndexStats": "kvroute._index",
+    "InvalidOptionsError": "kvroute._errors",
+    "LifecycleEvent": "kvroute._events",
+    "MalformedAnswerError": "kvroute._errors",
+    "OverlapScores": "kvroute._index",
+    "ReplayPurpose": "kvroute._events",
+    "Replayed": "kvroute._events",
+    "ResetReason": "kvroute._events",
+    "RouterError": "kvroute._router",
+    "RouterStats": "kvroute._router",
+    "RpcRejectedError": "kvroute._errors",
+    "SourceCounters": "kvroute._transports._base",
+    "SourceDiff": "kvroute._discovery",
+    "SourceState": "kvroute._models",
+    "TIERS": "kvroute._models",
+    "TargetUnreachableError": "kvroute._errors",
+    "TooManySourcesError": "kvroute._errors",
+    "UnusableSourceError": "kvroute._errors",
+    "diff_sources": "kvroute._discovery",
+    "discover_with": "kvroute._discovery",
+    "follow_target": "kvroute._discovery",
+    "gateway_endpoint": "kvroute._models",
+    "normalize_medium": "kvroute._models",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A name public until 0.1: returned with a `DeprecationWarning` (it leaves the package in the next release)."""
+    module = _DEPRECATED.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvroute' has no attribute {name!r}")
+    warnings.warn(
+        f"kvroute.{name} is no longer public and will be removed in the next release "
+        f"(it lives in the private {module}; see the CHANGELOG for what to use instead)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    """The public names (and the deprecated ones, still importable for one release)."""
+    return sorted({*__all__, *_DEPRECATED, "__version__"})

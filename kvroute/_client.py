@@ -5,10 +5,9 @@ own cancel scope, so a source can leave at runtime) and a discovery follower per
 Leaving ``async with`` cancels them all; each closes its own sockets on the way out, and the
 zmq Context is terminated if the client created it.
 
-The index is fed by the drivers whether or not anyone iterates `events()`. Each iterator has
-its own bounded buffer; when it is full the oldest envelope is dropped and counted, and the
-iterator yields an `Overflow` lifecycle event in its place, so a slow consumer loses events
-but never slows indexing down.
+The index is fed by the drivers whether or not anyone iterates `events()`; each iterator has
+its own bounded buffer (`kvroute._fanout`: a slow consumer loses events, counted, but never
+slows indexing down).
 
 Warm restart: `KvEventClient.snapshot` writes the index with each source's position; a client
 given ``index=PrefixIndex.restore(path)`` resumes every source whose worker has a saved
@@ -21,8 +20,6 @@ import logging
 import math
 import os
 import time
-import weakref
-from collections import deque
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 
@@ -30,28 +27,31 @@ import anyio
 import msgspec
 import zmq
 
-from ._discovery import DiscoveryOptions, diff_sources, follow_target
-from ._errors import ClientStateError, ConfigError
-from ._events import Envelope, Overflow, Removed
-from ._grpc_stream import GatewayStream, GatewayTransport
+from ._discovery import DiscoveryOptions, diff_sources, follow_target, parse_target
+from ._errors import ClientStateError, ConfigError, DiscoveryError, KvRouteError, NotSyncedError
+from ._events import Envelope, Removed
+from ._fanout import EventStream, Hub
 from ._index import PrefixIndex
 from ._load import EngineLoads
 from ._models import EventSource, WorkerKey, WorkerStatus
 from ._snapshot import Cursor
-from ._subscriber import (
-    COUNTER_FIELDS,
-    RateLimitedLog,
-    ReplaySlots,
-    SourceCounters,
-    SourceStats,
-    SubscriberConfig,
-)
-from ._transport import Driver, Transport, ZmqTransport
+from ._subscriber import ReplaySlots, SubscriberConfig
+from ._transports._base import COUNTER_FIELDS, Driver, RateLimitedLog, SourceCounters, SourceStats, Transport
+from ._transports._registry import client_transports
+from ._transports.gateway import GatewayStream
 from ._zmq import DEFAULT_MAX_SOURCES, fit_sources
 
 __all__ = ["ClientStats", "EventStream", "KvEventClient", "SourceStats", "SubscriberConfig", "TotalStats"]
 
 log = logging.getLogger("kvroute.client")
+
+
+def _check_target(target: str) -> None:
+    """Refuse a target discovery could never ask (no port, a scheme, not a host name) up front."""
+    try:
+        parse_target(target)
+    except DiscoveryError as exc:
+        raise ConfigError(f"target {target!r}: {exc.cause}") from None
 
 
 def _first_leaf(exc: BaseException) -> BaseException:
@@ -77,7 +77,9 @@ class ClientStats(msgspec.Struct, frozen=True, kw_only=True):
 
     ``sources``: per current source; ``totals``: their sum; ``refused_sources``: times a
     source was refused (see `KvEventClient.add_source`; discovery offers one again each round); ``removed_sources``:
-    sources removed so far; ``events_dropped``: envelopes dropped by full `events()` buffers.
+    sources removed so far; ``failed_sources``: sources removed because their driver failed;
+    ``adopted_sources``: ranks a gateway stream carried that discovery had not announced, followed
+    from their first batch on; ``events_dropped``: envelopes dropped by full `events()` buffers.
     """
 
     sources: dict[WorkerKey, SourceStats]
@@ -85,109 +87,8 @@ class ClientStats(msgspec.Struct, frozen=True, kw_only=True):
     refused_sources: int = 0
     removed_sources: int = 0
     failed_sources: int = 0
+    adopted_sources: int = 0
     events_dropped: int = 0
-
-
-class EventStream:
-    """An async iterator over the client's `Envelope` stream, with its own bounded buffer.
-
-    Overflow policy: when ``capacity`` envelopes are waiting, each new one drops the oldest;
-    the iterator then yields one `Overflow` envelope (with the number dropped) before the
-    next surviving envelope. It ends when the client stops or on `aclose` (also usable as
-    ``async with client.events() as stream:``).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        #: Envelopes this iterator lost to overflow, in total.
-        self.dropped = 0
-        self._buffer: deque[Envelope] = deque()
-        self._unreported = 0
-        self._last_dropped: Envelope | None = None
-        self._wakeup: anyio.Event | None = None
-        self._closed = False
-
-    def _push(self, envelope: Envelope) -> bool:
-        """Buffer one envelope; True when that dropped the oldest."""
-        buf = self._buffer
-        dropped = len(buf) >= self.capacity
-        if dropped:
-            self._last_dropped = buf.popleft()
-            self.dropped += 1
-            self._unreported += 1
-        buf.append(envelope)
-        if self._wakeup is not None:
-            self._wakeup.set()
-        return dropped
-
-    def _close(self) -> None:
-        self._closed = True
-        if self._wakeup is not None:
-            self._wakeup.set()
-
-    def __aiter__(self) -> EventStream:
-        return self
-
-    async def __anext__(self) -> Envelope:
-        while True:
-            if self._unreported:
-                dropped, self._unreported = self._unreported, 0
-                last = self._last_dropped
-                assert last is not None  # set with every drop
-                return Envelope(source=last.source, seq=None, ts=time.time(), event=Overflow(dropped=dropped))
-            if self._buffer:
-                return self._buffer.popleft()
-            if self._closed:
-                raise StopAsyncIteration
-            self._wakeup = anyio.Event()
-            await self._wakeup.wait()
-            self._wakeup = None
-
-    async def aclose(self) -> None:
-        """Stop receiving; envelopes already buffered are discarded."""
-        self._closed = True
-        self._buffer.clear()
-        self._unreported = 0
-
-    async def __aenter__(self) -> EventStream:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-
-class _Hub:
-    """The drivers' `EventSink`: copies each envelope to every live `EventStream`."""
-
-    def __init__(self) -> None:
-        # Weak: an iterator the caller dropped without closing stops costing anything.
-        self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
-        #: Envelopes dropped by full iterators, all of them (closed ones included).
-        self.dropped = 0
-
-    @property
-    def active(self) -> bool:
-        return bool(self._streams)
-
-    def add(self, stream: EventStream) -> None:
-        self._streams.add(stream)
-
-    def publish(self, envelope: Envelope) -> None:
-        closed: list[EventStream] = []
-        for stream in self._streams:
-            if stream._closed:
-                closed.append(stream)
-            elif stream._push(envelope):
-                self.dropped += 1
-        for stream in closed:  # not while iterating: a set must not change size under its iterator
-            self._streams.discard(stream)
-
-    def close(self) -> None:
-        for stream in list(self._streams):
-            stream._close()
-        self._streams = weakref.WeakSet()
 
 
 class _Subscription:
@@ -216,7 +117,7 @@ class KvEventClient:
     `PrefixIndex.restore` carries the saved positions in ``restored_cursors``; the client
     takes them over (and empties that attribute, so a later ``index.snapshot(path)`` cannot
     pair stale positions with a changed index). Each source whose worker has one resumes
-    from it (`SourceMachine.resume`: identity check on first connect, then replay of what
+    from it (`RecoveryMachine.resume`: identity check on first connect, then replay of what
     the engine published since; a restarted engine, or a buffer that no longer reaches
     back to the position, resets the worker first). A restored worker whose source starts
     without a usable position (none saved, or no replay endpoint to check it with) is reset
@@ -250,6 +151,8 @@ class KvEventClient:
         self._index = index if index is not None else PrefixIndex()
         self._initial_sources = list(sources)
         self._initial_targets = list(targets)
+        for target in self._initial_targets:
+            _check_target(target)
         self._ctx = context
         self._own_ctx = context is None
         self._discovery_interval = discovery_interval
@@ -271,16 +174,19 @@ class KvEventClient:
         self._targets: dict[str, anyio.CancelScope] = {}
         # Targets whose first discovery has not answered yet: not synced (see wait_synced).
         self._targets_pending: set[str] = set()
-        self._hub = _Hub()
+        # The last discovery error of each target whose latest round failed.
+        self._discovery_errors: dict[str, str] = {}
+        self._hub = Hub()
         self._tg: anyio.abc.TaskGroup | None = None
         self._limiter: ReplaySlots | None = None
         self._max_sources = self._config.max_sources or DEFAULT_MAX_SOURCES
         self._changed: anyio.Event | None = None
         self._refused = 0
-        # (issue 19) Sources refused and not subscribed since, with why: wait_synced names them.
+        # Sources refused and not subscribed since, with why: wait_synced names them.
         self._refused_keys: dict[WorkerKey, str] = {}
         self._removed = 0
         self._failed = 0
+        self._adopted = 0
         self._log = RateLimitedLog("KvEventClient", log)
         #: Engine load reported by gateway-stream sources; a `Router` given this client prices it.
         self.engine_loads = EngineLoads()
@@ -313,10 +219,15 @@ class KvEventClient:
         def spawn(stream: GatewayStream) -> None:
             tg.start_soon(stream.run)
 
-        self._transports = [
-            GatewayTransport(self._config, self._discovery_options, self.engine_loads, spawn),
-            ZmqTransport(self._ctx, self._config, self._limiter),
-        ]
+        self._transports = client_transports(
+            context=self._ctx,
+            config=self._config,
+            replay_slots=self._limiter,
+            channel_options=self._discovery_options,
+            loads=self.engine_loads,
+            spawn=spawn,
+            adopt=self._adopt,
+        )
         try:
             for src in self._initial_sources:
                 self.add_source(src)
@@ -344,6 +255,7 @@ class KvEventClient:
             self._subs.clear()
             self._targets.clear()
             self._targets_pending.clear()
+            self._discovery_errors.clear()
             self._hub.close()
             self._wake()
             if self._own_ctx and self._ctx is not None:
@@ -403,7 +315,7 @@ class KvEventClient:
             log.info("%s: restored state dropped: no replay endpoint to check it against", source.key)
             cursor = None
         if cursor is None and self._index.num_blocks(source.key):
-            # Restored without a position: SourceMachine.start() assumes an empty slate.
+            # Restored without a position: RecoveryMachine.start() assumes an empty slate.
             self._index.remove_worker(source.key)
         driver = transport.driver(source, index=self._index, sink=self._hub, on_change=self._wake, resume=cursor)
         scope = anyio.CancelScope()
@@ -412,9 +324,18 @@ class KvEventClient:
         self._wake()
         return True
 
+    def _adopt(self, source: EventSource, like: EventSource) -> bool:
+        """Follow ``source``, a rank a gateway stream carries unannounced, as ``like`` is followed (same origin)."""
+        sub = self._subs.get(like.key)
+        if self._tg is None or sub is None or sub.driver.source != like or source.key in self._subs:
+            return False
+        adopted = self._add(source, sub.origin)
+        self._adopted += adopted
+        return adopted
+
     def _refuse(self, source: EventSource, why: str) -> bool:
         self._refused += 1
-        self._refused_keys[source.key] = why  # (issue 19) named in wait_synced's error
+        self._refused_keys[source.key] = why  # named in wait_synced's error
         # Rate-limited: discovery offers the same refused source again every interval.
         self._log.warn("refused source", f"{source.key} ({source.endpoint}): {why}")
         return False
@@ -459,7 +380,11 @@ class KvEventClient:
         return list(self._targets)
 
     def add_target(self, target: str) -> None:
-        """Follow one more engine (``host:port`` of its gRPC server); no-op if already followed."""
+        """Follow one more engine (``host:port`` of its gRPC server); no-op if already followed.
+
+        A malformed target (no port, a scheme) raises `ConfigError`.
+        """
+        _check_target(target)
         tg = self._task_group()
         if target in self._targets:
             return
@@ -475,6 +400,7 @@ class KvEventClient:
             return False
         scope.cancel()
         self._targets_pending.discard(target)
+        self._discovery_errors.pop(target, None)
         for key in self._keys_of(target):
             self._remove(key, reason)
         self._drop_unclaimed()
@@ -486,7 +412,12 @@ class KvEventClient:
 
     async def _follow(self, target: str, scope: anyio.CancelScope) -> None:
         async def on_sources(sources: list[EventSource]) -> None:
+            self._discovery_errors.pop(target, None)
             self._on_discovered(target, sources)
+
+        def on_failure(exc: KvRouteError) -> None:
+            if target in self._targets:
+                self._discovery_errors[target] = str(exc)
 
         async def on_unreachable(err: BaseException) -> None:
             log.warning("target %s unreachable, removing its workers: %s", target, err)
@@ -504,7 +435,17 @@ class KvEventClient:
                 on_unreachable,
                 interval=self._discovery_interval,
                 grace=self._discovery_grace,
+                streaming=lambda: self._streaming(target),
+                on_failure=on_failure,
             )
+
+    def _streaming(self, target: str) -> str | None:
+        """The gateway service whose stream from ``target`` is live, if any: discovery then opens none."""
+        for key in self._keys_of(target):
+            service = self._subs[key].driver.streaming()
+            if service is not None:
+                return service
+        return None
 
     def _on_discovered(self, target: str, sources: Sequence[EventSource]) -> None:
         if self._tg is None or target not in self._targets:
@@ -514,7 +455,9 @@ class KvEventClient:
         current = [self._subs[k].driver.source for k in self._keys_of(target)]
         diff = diff_sources(current, list(sources))
         for src in diff.removed:
-            self._remove(src.key, "gone from discovery")
+            # A rank a live stream carries exists, whatever the engine's rank count says.
+            if not self._subs[src.key].driver.vouched():
+                self._remove(src.key, "gone from discovery")
         for new in diff.replaced:
             # A changed source is a new engine behind the same worker key: its state is gone.
             self._remove(new.key, "replaced")
@@ -587,25 +530,49 @@ class KvEventClient:
         """Return once every current source is caught up (cold-start replay done, no gap pending).
 
         Targets count too: each must have answered discovery once (or been given up on).
-        Raises TimeoutError after ``timeout`` seconds, naming the sources refused meanwhile.
+        Raises `NotSyncedError` (a `TimeoutError`) after ``timeout`` seconds, naming the targets
+        and sources still pending and why (`pending_targets`, `pending_sources`), and the sources
+        refused meanwhile (`refused_sources`): a refused source is never waited for.
         """
-        try:
-            with anyio.fail_after(timeout):
-                while not self._all_synced():
-                    if self._tg is None:
-                        raise ClientStateError("KvEventClient is not running (use `async with`)")
-                    if self._changed is None:
-                        self._changed = anyio.Event()
-                    await self._changed.wait()
-        except TimeoutError:
-            # (issue 19) A refused source is never synced and never waited for: say so here too.
-            refused = self._refused_keys
-            if not refused:
-                raise
-            named = "; ".join(f"{key}: {why}" for key, why in list(refused.items())[:10])
-            more = f" (and {len(refused) - 10} more)" if len(refused) > 10 else ""
-            detail = f"{len(refused)} sources refused: {named}{more}"
-            raise TimeoutError(f"not synced after {timeout:g} s; {detail}") from None
+        with anyio.move_on_after(timeout):
+            while not self._all_synced():
+                if self._tg is None:
+                    raise ClientStateError("KvEventClient is not running (use `async with`)")
+                if self._changed is None:
+                    self._changed = anyio.Event()
+                await self._changed.wait()
+            return
+        raise NotSyncedError(timeout, self.pending_targets(), self.pending_sources(), self.refused_sources())
+
+    def discovery_errors(self) -> dict[str, str]:
+        """The last discovery error of each followed target whose most recent discovery round failed."""
+        return dict(self._discovery_errors)
+
+    def refused_sources(self) -> dict[WorkerKey, str]:
+        """Each source refused (over ``max_sources``, no descriptors, unusable) and not subscribed since, with why."""
+        return dict(self._refused_keys)
+
+    def pending_targets(self) -> dict[str, str]:
+        """Each target that has not answered discovery yet, with its last discovery error (or that none came back)."""
+        return {t: self._discovery_errors.get(t, "no discovery answer yet") for t in sorted(self._targets_pending)}
+
+    def pending_sources(self) -> dict[WorkerKey, str]:
+        """Each source that is not synced, with its state and what it waits for."""
+        out: dict[WorkerKey, str] = {}
+        for key, sub in self._subs.copy().items():
+            machine = sub.driver.machine
+            if machine.state == "synced":
+                continue
+            why: list[str] = [machine.state]
+            if not sub.driver.connected:
+                why.append(f"not connected to {sub.driver.source.endpoint}")
+            request = machine.replay_in_flight
+            if request is not None:
+                why.append(f"{request.purpose} replay from seq {request.from_seq} in flight")
+            if machine.held:
+                why.append(f"{machine.held} batches held")
+            out[key] = ", ".join(why)
+        return out
 
     def worker_status(self, worker: WorkerKey) -> WorkerStatus | None:
         """The worker's sync state, or None when no current source feeds it."""
@@ -647,5 +614,6 @@ class KvEventClient:
             refused_sources=self._refused,
             removed_sources=self._removed,
             failed_sources=self._failed,
+            adopted_sources=self._adopted,
             events_dropped=self._hub.dropped,
         )

@@ -1,6 +1,16 @@
-"""The exceptions kvroute raises on purpose; every one derives from `KvRouteError`."""
+"""The exceptions kvroute raises on purpose; every one derives from `KvRouteError` and is defined here.
+
+(The simulator's and the command line's own errors live with them, in `kvroute.sim` and
+`kvroute.cli`.)
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._models import WorkerKey
 
 
 class KvRouteError(Exception):
@@ -31,6 +41,26 @@ class DiscoveryError(KvRouteError):
         self.cause = cause
 
 
+class TargetUnreachableError(DiscoveryError):
+    """No answer from the target: its name does not resolve, nothing listens, or no answer came in time."""
+
+
+class RpcRejectedError(DiscoveryError):
+    """The server answered the call with a permanent error status (not retried); ``code`` is its name."""
+
+    def __init__(self, target: str, code: str, cause: str) -> None:
+        super().__init__(target, cause)
+        self.code = code
+
+
+class MalformedAnswerError(DiscoveryError):
+    """The engine answered something that breaks the discovery contract (bad JSON, missing key, duplicate rank)."""
+
+
+class TooManySourcesError(DiscoveryError):
+    """The answer lists more sources than ``max_sources_per_target`` allows."""
+
+
 class EventsDisabledError(DiscoveryError):
     """The engine answered, but KV-cache events are turned off there."""
 
@@ -39,8 +69,16 @@ class UnusableSourceError(DiscoveryError):
     """The engine advertised a source kvroute cannot subscribe to (transport, encoding, schema, policy)."""
 
 
-class InvalidOptionsError(KvRouteError, ValueError):
+class InvalidOptionsError(ConfigError):
     """Discovery options that cannot work (engine name, timeout, metadata, TLS, allow-list, cap)."""
+
+
+class IndexLimitsError(ConfigError):
+    """An `IndexLimits` setting is not usable."""
+
+
+class RouterError(ConfigError):
+    """A `Router` or `CostModel` was given a setting or an input it cannot use."""
 
 
 class NoWorkersError(KvRouteError):
@@ -49,3 +87,32 @@ class NoWorkersError(KvRouteError):
 
 class SnapshotError(KvRouteError):
     """A snapshot file is missing, corrupt, or of a version this kvroute cannot read."""
+
+
+class NotSyncedError(KvRouteError, TimeoutError):
+    """`KvEventClient.wait_synced` timed out: what is still pending, and why.
+
+    ``targets``: each target that has not answered discovery yet, with its last discovery error
+    (or that none has come back yet). ``sources``: each source not synced, with its state and
+    what it waits for. ``refused``: each source refused and never subscribed (``max_sources``,
+    descriptors, an unusable endpoint), with why. Also a `TimeoutError`, so code catching that
+    keeps working.
+    """
+
+    def __init__(
+        self,
+        timeout: float,
+        targets: Mapping[str, str],
+        sources: Mapping[WorkerKey, str],
+        refused: Mapping[WorkerKey, str] | None = None,
+    ) -> None:
+        self.timeout = timeout
+        self.targets = dict(targets)
+        self.sources = dict(sources)
+        self.refused = dict(refused or {})
+        parts = [f"{len(self.refused)} sources refused"] if self.refused else []
+        parts += [f"refused {k.worker_id}[{k.dp_rank}]: {why}" for k, why in self.refused.items()]
+        parts += [f"target {t}: {why}" for t, why in self.targets.items()]
+        parts += [f"source {k.worker_id}[{k.dp_rank}]: {why}" for k, why in self.sources.items()]
+        shown = "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
+        super().__init__(f"not synced after {timeout:g} s: {shown or 'nothing pending (stopped?)'}")

@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from ._errors import KvRouteError
+from ._errors import IndexLimitsError
 from ._hashing import MultimodalItem, block_keys, mm_extras, root_key, tokens_to_bytes, xxh128
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, normalize_medium
 from ._snapshot import Cursor, SnapGroup, SnapWorker, read_snapshot, write_snapshot
@@ -108,10 +108,6 @@ class IndexLimits(msgspec.Struct, frozen=True, kw_only=True):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise IndexLimitsError(f"{name} must be an int >= 1, got {v!r}")
-
-
-class IndexLimitsError(KvRouteError, ValueError):
-    """An `IndexLimits` setting is not usable."""
 
 
 class _Group:

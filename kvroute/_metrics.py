@@ -19,7 +19,7 @@ from ._client import ClientStats, KvEventClient
 from ._errors import ConfigError
 from ._index import IndexStats, PrefixIndex
 from ._router import SELECT_BUCKETS, Router, RouterStats
-from ._subscriber import COUNTER_FIELDS, SourceStats, described_fields
+from ._transports._base import COUNTER_FIELDS, SourceStats, described_fields
 
 if TYPE_CHECKING:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -78,6 +78,12 @@ CLIENT_FIELDS: tuple[_Field, ...] = (
         "Sources removed (by the caller, by discovery, or after a failure).",
     ),
     ("kvroute_client_failed_sources", "failed_sources", "counter", "Sources whose driver failed (then removed)."),
+    (
+        "kvroute_client_adopted_sources",
+        "adopted_sources",
+        "counter",
+        "Ranks a gateway stream carried unannounced, followed from their first batch.",
+    ),
     ("kvroute_client_events_dropped", "events_dropped", "counter", "Envelopes dropped by full events() buffers."),
 )
 # From `TotalStats`: how many sources, in which condition. Its counters are the per-source

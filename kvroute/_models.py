@@ -1,8 +1,8 @@
-"""Identities shared by every layer: which worker, which event source, which storage tier."""
+"""Identities shared by every layer: which worker, which event source (and gateway stream endpoint), which tier."""
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, Protocol
+from typing import Final, Literal, NamedTuple, Protocol
 
 import msgspec
 
@@ -105,3 +105,50 @@ class WorkerStates(Protocol):
     def live_workers(self) -> set[WorkerKey]:
         """Every worker currently subscribed (discovered and not removed)."""
         ...
+
+
+# --- gateway stream endpoints (docs/protocol.md §6) -------------------------------------------------
+
+#: The gateway servicers' service names and the engine each fronts.
+GATEWAY_SERVICES: Final = {
+    "vllm.grpc.engine.VllmEngine": "vllm",
+    "sglang.grpc.scheduler.SglangScheduler": "sglang",
+    "trtllm.TrtllmService": "trtllm",
+    "mlx.grpc.engine.MlxEngine": "mlx",
+    "tokenspeed.grpc.scheduler.TokenSpeedScheduler": "tokenspeed",
+}
+#: The servicers whose ``GetLoads`` answers the data-parallel rank count.
+RANK_COUNTING_SERVICES: Final = frozenset(
+    s for s, e in GATEWAY_SERVICES.items() if e in ("vllm", "sglang", "tokenspeed")
+)
+_GATEWAY_SCHEME: Final = "grpc://"
+
+
+def gateway_endpoint(address: str, service: str) -> str:
+    """The `EventSource.endpoint` of a rank of ``service``'s stream at ``address`` (``host:port``)."""
+    return f"{_GATEWAY_SCHEME}{address}/{service}"
+
+
+def is_gateway_endpoint(endpoint: str) -> bool:
+    """Whether ``endpoint`` names a gateway stream (``grpc://…``), well-formed or not."""
+    return endpoint.startswith(_GATEWAY_SCHEME)
+
+
+def parse_gateway_endpoint(endpoint: str) -> tuple[str, str] | None:
+    """``(address, service)`` of a gateway endpoint, or None when ``endpoint`` is not one."""
+    if not endpoint.startswith(_GATEWAY_SCHEME):
+        return None
+    address, sep, service = endpoint[len(_GATEWAY_SCHEME) :].partition("/")
+    if not sep or not address or service not in GATEWAY_SERVICES:
+        return None
+    return address, service
+
+
+def gateway_sources(target: str, address: str, service: str, ranks: int, worker_id: str) -> list[EventSource]:
+    """One `EventSource` per rank of ``service``'s stream at ``address``."""
+    endpoint = gateway_endpoint(address, service)
+    engine = GATEWAY_SERVICES[service]
+    return [
+        EventSource(worker_id=worker_id, dp_rank=r, endpoint=endpoint, engine=engine, target=target)
+        for r in range(max(1, ranks))
+    ]

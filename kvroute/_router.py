@@ -37,11 +37,11 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from itertools import accumulate, islice
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from ._errors import KvRouteError, NoWorkersError
+from ._errors import NoWorkersError, RouterError
 from ._hashing import MultimodalItem, chain_keys
 from ._index import OverlapScores, PrefixIndex
 from ._load import EngineLoads
@@ -56,8 +56,17 @@ _log = logging.getLogger("kvroute.router")
 _TIE_EPS = 1e-9
 
 
-class RouterError(KvRouteError, ValueError):
-    """A `Router` or `CostModel` was given a setting or an input it cannot use."""
+@runtime_checkable
+class ReportsLoads(WorkerStates, Protocol):
+    """`WorkerStates` that also carry the engines' reported load, as `KvEventClient` does.
+
+    A `Router` given them as ``states`` prices that load unless it is given ``engine_loads``.
+    """
+
+    @property
+    def engine_loads(self) -> EngineLoads:
+        """The engines' newest load records."""
+        ...
 
 
 def _key(worker: WorkerKey) -> WorkerKey:
@@ -333,10 +342,8 @@ class Router:
         self.approximate_ttl = float(approximate_ttl)
         self._rng = random.Random(seed)
         self._clock = clock
-        found = getattr(states, "engine_loads", None)
-        self.engine_loads = (
-            engine_loads if engine_loads is not None else found if isinstance(found, EngineLoads) else None
-        )
+        found = states.engine_loads if isinstance(states, ReportsLoads) else None
+        self.engine_loads = engine_loads if engine_loads is not None else found
         self._registered: set[WorkerKey] = set()
         self._approx: dict[WorkerKey, _Approx] = {}
         self._load: dict[WorkerKey, int] = {}  # tokens the active requests added per worker

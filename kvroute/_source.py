@@ -69,16 +69,12 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Sequence
-from typing import Annotated, Final, Literal
-
-import msgspec
-from msgspec import Meta
+from typing import Final, Literal
 
 from ._events import (
     Connected,
     Disconnected,
     Gap,
-    LifecycleEvent,
     Partial,
     Replayed,
     ReplayPurpose,
@@ -87,13 +83,38 @@ from ._events import (
     Synced,
 )
 from ._models import SourceState
+from ._recovery import (
+    REPLAY_END_SEQ,
+    TRANSITIONS,
+    Action,
+    Apply,
+    Emit,
+    History,
+    Holding,
+    Identity,
+    Link,
+    RecoveryPhase,
+    RecoveryStats,
+    RecreateSubscriber,
+    ReplayRequest,
+    Reply,
+    RequestReplay,
+    ResetWorker,
+)
 from ._wire import EventBatch
 
 __all__ = [
     "Action",
     "Apply",
     "Emit",
+    "History",
+    "Holding",
+    "Identity",
+    "Link",
+    "RecoveryMachine",
+    "RecoveryPhase",
     "RecreateSubscriber",
+    "Reply",
     "ReplayRequest",
     "RequestReplay",
     "ResetWorker",
@@ -101,97 +122,17 @@ __all__ = [
     "SourceMachine",
 ]
 
-#: The replay end marker's seq (0xFF x 8, docs/protocol.md §4); real seqs are below it.
-_SEQ_END: Final = (1 << 64) - 1
-
 #: An identity check that fails this many times in a row (no answer) is taken as a restart:
 #: one failure may be a dropped reply under load (docs/protocol.md §4), a second means the
 #: old state cannot be vouched for (rule 2: "a failed identity check means the engine restarted").
 _IDENTITY_ATTEMPTS: Final = 2
 
 
-class Apply(msgspec.Struct, frozen=True):
-    """Apply these ``(seq, ts, batch)`` items to the index, in this order."""
-
-    items: list[tuple[int, float, EventBatch]]
-
-
-class RequestReplay(msgspec.Struct, frozen=True):
-    """Ask the source's replay endpoint for every buffered batch from ``from_seq`` on.
-
-    ``purpose``: "cold" (start, rule 6), "gap" (rule 3), "retry" (the previous answer left
-    seqs missing or lost its end marker, rule 4), "probe" (quiet tick or first connect:
-    lost tail, rule 8) or "identity" (reconnect, or old seqs no longer in the ts ring:
-    rules 2 and 7). Probes and identity checks ask from the newest applied seq, so the
-    first reply can be compared with what was applied.
-    """
-
-    from_seq: int
-    purpose: ReplayPurpose
-
-
-#: The request `SourceMachine.replay_in_flight` holds: the same struct the action carries.
-ReplayRequest = RequestReplay
-
-
-class ResetWorker(msgspec.Struct, frozen=True):
-    """Drop every block of this worker from the index (``PrefixIndex.remove_worker``).
-
-    ``reason`` is one of the reason tokens of `kvroute._events`.
-    """
-
-    reason: ResetReason
-
-
-class RecreateSubscriber(msgspec.Struct, frozen=True):
-    """Close the SUB socket and open a new one, discarding every message read from the old one."""
-
-
-class Emit(msgspec.Struct, frozen=True):
-    """Deliver this lifecycle event to the source's listeners."""
-
-    event: LifecycleEvent
-
-
-Action = Apply | RequestReplay | ResetWorker | RecreateSubscriber | Emit
-
-
-class RecoveryStats(msgspec.Struct, kw_only=True):
-    """Counters of one source's machine, monotonic over its lifetime.
-
-    The one definition of the recovery counters: `kvroute.SourceStats`, `kvroute.TotalStats`
-    and the Prometheus per-source families are derived from these fields (each field's
-    description is its metric's help text), so adding a counter here is the whole change.
-    """
-
-    batches: Annotated[int, Meta(description="Batches applied to the index, live or replayed.")] = 0
-    duplicates: Annotated[int, Meta(description="Copies of a batch already applied or held, dropped.")] = 0
-    stale: Annotated[
-        int, Meta(description="Old seqs no longer in the ts ring, unreadable, or sent while down, dropped.")
-    ] = 0
-    undecodable: Annotated[int, Meta(description="Undecodable batches that fell in the sequence (holes).")] = 0
-    invalid: Annotated[int, Meta(description="Seqs out of range and replies with no request, dropped.")] = 0
-    gaps: Annotated[int, Meta(description="Live seq gaps seen (an undecodable in-order batch is one too).")] = 0
-    replays: Annotated[int, Meta(description="Replay requests issued.")] = 0
-    replay_failures: Annotated[int, Meta(description="Replay requests that got no usable answer.")] = 0
-    identity_checks: Annotated[int, Meta(description="Replay requests that checked the engine's identity.")] = 0
-    probes: Annotated[int, Meta(description="Replay probes for a lost tail (quiet source, first connect).")] = 0
-    restarts: Annotated[int, Meta(description="Engine restarts seen.")] = 0
-    resets: Annotated[int, Meta(description="Times the worker's index state was dropped.")] = 0
-    uncovered: Annotated[int, Meta(description="Losses no replay could fill (gaps skipped for good).")] = 0
-    overflows: Annotated[int, Meta(description="Batches that found the hold (waiting for a replay) full.")] = 0
-
-
 # A batch waiting to be applied: (ts, batch or None when undecodable, came from a replay).
 _Held = tuple[float, EventBatch | None, bool]
 
-#: Where the source's history starts: "cold" (a cold replay from seq 0 will say), "first-live"
-#: (no replay, or the cold one failed: the first live seq starts it) or "known".
-_History = Literal["cold", "first-live", "known"]
-
-
-class SourceMachine:
-    """Sequence, gap, restart and replay logic of one source, as a pure state machine.
+class RecoveryMachine:
+    """Sequence, gap, restart and replay logic of one source, as a pure state machine (formerly `SourceMachine`).
 
     ``has_replay``: the source has a replay endpoint. ``ts_ring``: how many applied seqs
     keep their ts, to tell a duplicate from a restart (rule 2); the default 4,096 (64 KB a
@@ -231,8 +172,8 @@ class SourceMachine:
         #: Counted into ``stats`` when given (the driver's per-source counters extend it).
         self.stats = stats if stats is not None else RecoveryStats()
         # The ts ring: slot seq % ts_ring holds the newest applied seq of that residue and its
-        # ts (_SEQ_END: empty). Two flat arrays, 16 bytes a slot, one store each per batch.
-        self._ring_seq = array("Q", [_SEQ_END]) * ts_ring
+        # ts (REPLAY_END_SEQ: empty). Two flat arrays, 16 bytes a slot, one store each per batch.
+        self._ring_seq = array("Q", [REPLAY_END_SEQ]) * ts_ring
         self._ring_ts = array("d", [0.0]) * ts_ring
         #: Newest seq recorded in the ring (-1: none since the last restart).
         self._newest = -1
@@ -240,33 +181,45 @@ class SourceMachine:
         # Sizes of the held live batches given one (`on_live`'s ``size``), and their sum.
         self._held_size: dict[int, int] = {}
         self._held_bytes = 0
-        # Initial history not known yet: with replay, a cold replay is needed; without,
-        # the first live message starts the history (and ``_first_reason`` says why).
-        self._history: _History = "cold" if has_replay else "first-live"
+        # The state (`RecoveryPhase`), one field per component, written only by `_move`.
+        # Initial history not known yet: with replay, a cold replay is needed; without, the
+        # first live message starts the history (and ``_first_reason`` says why).
+        self._history: History = "cold" if has_replay else "first-live"
+        self._link: Link = "idle"
+        self._identity: Identity = "unknown"
+        self._reply: Reply = "none"
+        self._holding: Holding = "nothing"
         self._first_reason: ResetReason = "no-replay"
-        # The request in flight answers a question that no longer matters (restart, outage).
-        self._abandoned = False
         # ts of the seq an identity check / probe asked from; None for other requests.
         self._anchor_ts: float | None = None
-        self._identity_question = False
-        self._identity_ok = False
+        # Identity checks that got no answer in a row (_IDENTITY_ATTEMPTS of them: a restart).
         self._identity_failures = 0
-        self._connected = False
-        self._connected_once = False
-        # The SUB was connected and lost it: hold (or, without replay, drop) live batches and
-        # ask no replay until it is back (on_disconnected).
-        self._down = False
-        # The index may hold blocks of this worker (something applied since the last reset).
-        self._dirty = False
-        # start() or resume() was called.
-        self._begun = False
 
     # --- read-only state ------------------------------------------------------------
 
     @property
+    def phase(self) -> RecoveryPhase:
+        """The machine's state, one value per component (`History`, `Link`, `Identity`, `Reply`, `Holding`)."""
+        return RecoveryPhase(self._history, self._link, self._identity, self._reply, self._holding)
+
+    def _move(self, component: str, event: str) -> None:
+        """Move ``component`` by ``event`` as its transition table says; a pair it does not list is a bug."""
+        attr = "_" + component
+        before = getattr(self, attr)
+        after = TRANSITIONS[component].get((before, event))
+        if after is None:
+            raise RuntimeError(f"recovery machine: {component} {before!r} has no transition on {event!r}")
+        setattr(self, attr, after)
+
+    @property
+    def _down(self) -> bool:
+        """Live batches are held (or, without replay, dropped) and no replay is asked: not connected, holding."""
+        return self._link == "held" or self._link == "down"
+
+    @property
     def state(self) -> SourceState:
         """ "syncing", "synced" or "resyncing", as `kvroute._models.WorkerStatus.state` means them."""
-        if self._identity_question or not self._connected:
+        if self._identity == "asking" or self._link != "up":
             return "syncing"
         if self._history == "cold" or (self._history == "first-live" and self.has_replay):
             return "syncing"
@@ -282,7 +235,7 @@ class SourceMachine:
         The driver may stop waiting for it and call `on_replay_failed` at once; the
         machine asks again, if it still needs to, once that request is settled.
         """
-        return self._abandoned
+        return self._reply == "moot"
 
     @property
     def applied(self) -> tuple[int, float] | None:
@@ -292,7 +245,7 @@ class SourceMachine:
         the position a snapshot saves (`resume` takes it back): the index's state for the
         worker is exactly the run that ends here.
         """
-        if not self._dirty or self._newest < 0:
+        if self._holding == "nothing" or self._newest < 0:
             return None
         return self._newest, self._ring_ts[self._newest % self.ts_ring]
 
@@ -305,7 +258,8 @@ class SourceMachine:
 
     def start(self) -> list[Action]:
         """Begin following the source: the cold start of rule 6 (a no-op when already begun)."""
-        self._begun = True
+        if self._link == "idle":
+            self._move("link", "start")
         before = self.state
         out: list[Action] = []
         self._advance(out)
@@ -327,22 +281,22 @@ class SourceMachine:
         starts as after `start`. Raises ValueError for a seq out of range or a ts that is not
         finite, RuntimeError once the machine has begun.
         """
-        if self._begun:
+        if self._link != "idle":
             raise RuntimeError("resume() must come first, instead of start()")
-        if not 0 <= seq < _SEQ_END or not math.isfinite(ts):
+        if not 0 <= seq < REPLAY_END_SEQ or not math.isfinite(ts):
             raise ValueError(f"cannot resume from seq {seq!r} with ts {ts!r}")
-        self._begun = True
         before = self.state
         out: list[Action] = []
-        self._dirty = True  # the restored state
+        self._move("holding", "apply")  # the restored state
         if not self.has_replay:
+            self._move("link", "start")
             self._reset("no-replay", f"restored state through seq {seq} cannot be checked without replay", out)
             return self._done(before, out)
-        self._history = "known"
+        self._move("link", "resume")  # until the first connect: hold live batches, ask nothing
+        self._move("history", "known")
         self.last_seq = seq
         self._record(seq, ts)
-        self._identity_question = True
-        self._down = True  # until the first connect: hold live batches, ask nothing
+        self._move("identity", "ask")
         return self._done(before, out)
 
     def in_order(self, seq: int) -> bool:
@@ -354,22 +308,24 @@ class SourceMachine:
         """
         return (
             seq == self.last_seq + 1
-            and seq != _SEQ_END
+            and seq != REPLAY_END_SEQ
             and self.replay_in_flight is None
             and not self._held
             and self._history == "known"
-            and not self._identity_question
-            and not self._down
+            and self._identity != "asking"
+            and self._link != "held"
+            and self._link != "down"
         )
 
     def on_applied(self, seq: int, ts: float) -> None:
         """The driver applied the live batch ``seq`` (``ts`` finite) itself, after `in_order` said so."""
-        # Rule 1 as in `on_live` (`_record` inlined): the ring, the run, the count.
+        # Rule 1 as in `on_live` (`_record` inlined, and the holding table's "apply", which leads
+        # to "run" from either value, written direct): the ring, the run, the count.
         i = seq % self.ts_ring
         self._ring_seq[i] = seq
         self._ring_ts[i] = ts
         self._newest = self.last_seq = seq
-        self._dirty = True
+        self._holding = "run"
         self.stats.batches += 1
 
     def on_live(self, seq: int, ts: float, batch: EventBatch | None, size: int = 0) -> list[Action]:
@@ -395,8 +351,10 @@ class SourceMachine:
         out: list[Action] = []
         self.replay_in_flight = None
         anchor_ts, self._anchor_ts = self._anchor_ts, None
-        if self._abandoned:
-            self._abandoned = False
+        moot = self._reply == "moot"
+        self._move("reply", "settle")
+        if moot:
+            pass  # asked before a restart or an outage: nothing it says applies now
         elif anchor_ts is not None:
             self._answer_anchored(req, anchor_ts, items, complete, out)
         else:
@@ -415,9 +373,9 @@ class SourceMachine:
         self.replay_in_flight = None
         anchored = self._anchor_ts is not None
         self._anchor_ts = None
-        if self._abandoned:
-            self._abandoned = False
-        else:
+        moot = self._reply == "moot"
+        self._move("reply", "settle")
+        if not moot:
             self.stats.replay_failures += 1
             self._failed(req, anchored, reason, out)
         self._advance(out)
@@ -441,11 +399,9 @@ class SourceMachine:
         """
         before = self.state
         out: list[Action] = [Emit(Connected())]
-        first = not self._connected_once
-        self._connected_once = True
-        self._connected = True
-        self._down = False
-        self._identity_ok = False
+        first = self._link != "up" and self._link != "down"
+        self._move("link", "connect")
+        self._move("identity", "doubt")
         if first or continued:
             # What the SUB missed before it joined (slow joiner) shows as a gap at the next
             # live seq, or to the quiet probe (rules 3 and 8). A resumed source asks its
@@ -470,15 +426,16 @@ class SourceMachine:
         the live stream), and the chunk is applied; the following chunks arrive as live
         batches. ``partial``: the snapshot does not cover the engine's whole history.
         """
-        if not 0 <= seq < _SEQ_END or not math.isfinite(ts):
+        if not 0 <= seq < REPLAY_END_SEQ or not math.isfinite(ts):
             self.stats.invalid += 1
             return []
         before = self.state
         out: list[Action] = []
         self._reset("snapshot", f"state snapshot from seq {seq}", out)
         self._forget()
-        self._cold = False
-        self._await_first = False
+        # The snapshot is the history from here: the next live batch continues it (an
+        # exact worker unless ``partial``), it does not start one of unknown past.
+        self._move("history", "known")
         self.last_seq = seq - 1
         if partial:
             self._mark_partial("snapshot", seq, out)
@@ -498,16 +455,15 @@ class SourceMachine:
     def on_disconnected(self) -> list[Action]:
         """The SUB socket lost its connection; the source is "syncing" until it is back."""
         before = self.state
-        self._connected = False
-        self._identity_ok = False
-        self._down = True
+        self._move("link", "disconnect")
+        self._move("identity", "doubt")
         if self.has_replay:
             # The engine may be gone, and whatever comes next (live or replayed) may be its
             # successor's: hold everything and ask nothing until the reconnect's identity
             # check vouches for the newest batch applied, which is then still the one
             # applied before the disconnect (rule 7).
             if self._newest >= 0:
-                self._identity_question = True
+                self._move("identity", "ask")
             if self._anchor_ts is None:
                 self._abandon()
         return self._done(before, [Emit(Disconnected())])
@@ -534,17 +490,16 @@ class SourceMachine:
         """Drop all sequence state, as for a new engine process."""
         self.last_seq = -1
         self.partial = False
-        self._ring_seq = array("Q", [_SEQ_END]) * self.ts_ring
+        self._ring_seq = array("Q", [REPLAY_END_SEQ]) * self.ts_ring
         self._newest = -1
         self._held.clear()
         self._held_size.clear()
         self._held_bytes = 0
-        self._identity_question = False
-        self._identity_ok = False
+        self._move("identity", "forget")
         self._identity_failures = 0
 
     def _live(self, seq: int, ts: float, batch: EventBatch | None, out: list[Action], size: int = 0) -> None:
-        if not 0 <= seq < _SEQ_END:
+        if not 0 <= seq < REPLAY_END_SEQ:
             self.stats.invalid += 1
             return
         if self._down and not self.has_replay:
@@ -554,7 +509,7 @@ class SourceMachine:
         if batch is None:
             self.stats.undecodable += 1
         if self._history == "first-live":
-            self._history = "known"
+            self._move("history", "known")
             if seq > 0:
                 self.last_seq = seq - 1
                 self._mark_partial(self._first_reason, seq, out)
@@ -583,7 +538,7 @@ class SourceMachine:
                 if len(self._held) > self.max_held
                 else f"more than {self.max_held_bytes} bytes of batches"
             )
-            if self._identity_question or self._down:
+            if self._identity == "asking" or self._down:
                 # Applying them would trust an engine that has not been checked: start over.
                 self._restart(f"{what} held while the engine's identity is unchecked", out, reason="overflow")
                 return
@@ -613,7 +568,7 @@ class SourceMachine:
             # Without replay nothing but a restart moves the stream behind `last`.
             self._restart(f"seq {seq} arrived after seq {self.last_seq}, and no replay endpoint can check", out)
             return
-        if self._identity_ok or self._identity_question or self._newest < 0:
+        if self._identity != "unknown" or self._newest < 0:
             # One identity check answers for every such message (rule 2); with nothing
             # recorded since the last restart, the index holds nothing to protect.
             return
@@ -625,7 +580,7 @@ class SourceMachine:
         A replay in flight that does not vouch for the engine is dropped: its answer may
         come from a successor and would extend the old run with the new engine's batches.
         """
-        self._identity_question = True
+        self._move("identity", "ask")
         self._identity_failures = 0
         if self._anchor_ts is None:
             self._abandon()
@@ -633,7 +588,7 @@ class SourceMachine:
 
     def _abandon(self) -> None:
         if self.replay_in_flight is not None:
-            self._abandoned = True
+            self._move("reply", "abandon")
 
     def _hold(self, seq: int, ts: float, batch: EventBatch | None, replayed: bool, out: list[Action]) -> bool:
         """Keep a batch until it can be applied; False when it proved a restart (already handled)."""
@@ -670,12 +625,12 @@ class SourceMachine:
         if self._history == "cold":
             self._request(0, "cold", None, out)
             return
-        if self._identity_question:
+        if self._identity == "asking":
             if self._newest >= 0:
                 self._request_probe("identity", out)
                 return
             # Nothing applied since the last restart: the index holds nothing to vouch for.
-            self._identity_question = False
+            self._move("identity", "forget")
         self._drain(out)
         if self._held:
             self._request(self.last_seq + 1, "gap", None, out)
@@ -683,6 +638,7 @@ class SourceMachine:
     def _request(self, from_seq: int, purpose: ReplayPurpose, anchor_ts: float | None, out: list[Action]) -> None:
         req = RequestReplay(from_seq, purpose)
         self.replay_in_flight = req
+        self._move("reply", "request")
         self._anchor_ts = anchor_ts
         stats = self.stats
         stats.replays += 1
@@ -718,8 +674,7 @@ class SourceMachine:
                 f"replay from seq {req.from_seq} (applied with ts {anchor_ts!r}) began with seq {seq}, {got}", out
             )
             return
-        self._identity_question = False
-        self._identity_ok = True
+        self._move("identity", "vouch")
         self._identity_failures = 0
         self._answer(req, req.from_seq + 1, items[1:], complete, False, out)
 
@@ -734,13 +689,13 @@ class SourceMachine:
     ) -> None:
         """Rules 3-6: merge replayed batches with the held ones and apply the contiguous run."""
         # An answer establishes where the history starts (from_seq, or the floor below).
-        self._history = "known"
+        self._move("history", "known")
         last_before = self.last_seq
         taken = 0
         first: int | None = None
         stats = self.stats
         for seq, ts, batch in items:
-            if not from_seq <= seq < _SEQ_END:
+            if not from_seq <= seq < REPLAY_END_SEQ:
                 stats.invalid += 1
                 continue
             if first is None:
@@ -788,18 +743,18 @@ class SourceMachine:
 
     def _failed(self, req: RequestReplay, anchored: bool, reason: str, out: list[Action]) -> None:
         if anchored:
-            if self._identity_question:
+            if self._identity == "asking":
                 self._identity_failures += 1
                 if self._identity_failures >= _IDENTITY_ATTEMPTS:
                     self._restart(f"identity check failed {self._identity_failures} times: {reason}", out)
             return
         if req.purpose == "cold":
-            self._history = "known"
             if not self._held and self.last_seq < 0:
                 # Nothing known at all: like a source without replay, the next live seq starts it.
-                self._history = "first-live"
+                self._move("history", "cold-replay-failed")
                 self._first_reason = "replay-failed"
                 return
+            self._move("history", "known")
         if self._held:
             self._uncover(None, "replay-failed", f"replay from seq {req.from_seq} failed: {reason}", out)
             self._drain(out)
@@ -811,19 +766,17 @@ class SourceMachine:
         self.stats.resets += 1
         out.append(ResetWorker(reason))
         out.append(Emit(Reset(reason, detail)))
-        self._dirty = False
+        self._move("holding", "reset")
         self._fresh_start("no-replay", out)
 
     def _fresh_start(self, first_reason: ResetReason, out: list[Action]) -> None:
         """Follow the source from scratch on a new SUB, as after `start()`."""
         out.append(RecreateSubscriber())
         self._forget()
-        self._connected = False
-        self._connected_once = False
-        self._down = False
+        self._move("link", "fresh-start")
         self._anchor_ts = None
         self._abandon()
-        self._history = "cold" if self.has_replay else "first-live"
+        self._move("history", "fresh-start-with-replay" if self.has_replay else "fresh-start-without-replay")
         self._first_reason = first_reason
         self._advance(out)
 
@@ -863,11 +816,11 @@ class SourceMachine:
         self._mark_partial(reason, h + 1, out)
 
     def _reset(self, reason: ResetReason, detail: str, out: list[Action]) -> None:
-        if self._dirty:
+        if self._holding == "run":
             self.stats.resets += 1
             out.append(ResetWorker(reason))
             out.append(Emit(Reset(reason, detail)))
-            self._dirty = False
+            self._move("holding", "reset")
 
     def _mark_partial(self, reason: ResetReason, first_seq: int, out: list[Action]) -> None:
         self.partial = True
@@ -892,6 +845,10 @@ class SourceMachine:
             nxt += 1
         if items:
             self.last_seq = nxt - 1
-            self._dirty = True
+            self._move("holding", "apply")
             self.stats.batches += len(items)
             out.append(Apply(items))
+
+
+#: The machine's name before it was named for what it does; kept for code written against it.
+SourceMachine = RecoveryMachine

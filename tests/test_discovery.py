@@ -39,7 +39,6 @@ from kvroute._proto import vllm_control_pb2 as vllm_pb
 from kvroute.cli._discover import register
 from kvroute.cli._display import (
     EXIT_EVENTS_DISABLED,
-    EXIT_FAILED,
     EXIT_MALFORMED_ANSWER,
     EXIT_OK,
     EXIT_REJECTED,
@@ -739,7 +738,6 @@ async def test_cli_exit_code_per_failure_kind(monkeypatch: pytest.MonkeyPatch) -
             ((s3.target,), EXIT_MALFORMED_ANSWER, "malformed answer"),
             ((s4.target, "--max-sources", "2"), EXIT_TOO_MANY_SOURCES, "too many sources"),
             ((s5.target,), EXIT_REJECTED, "rejected"),
-            (("nohost",), EXIT_FAILED, "failed"),
         ]:
             code, out, err = await cli(*argv)
             assert (code, out) == (expected, ""), argv
@@ -755,6 +753,9 @@ async def test_cli_exit_code_per_failure_kind(monkeypatch: pytest.MonkeyPatch) -
             code, _, err = await cli(s5.target, *bad)
             assert code == EXIT_USAGE and err.startswith("kvroute discover: "), bad
         assert (await cli(s1.target, s2.target, "--worker-id", "w"))[0] == EXIT_USAGE
+        # A malformed target is a usage error (issue 20: it exited 1), and nothing is asked.
+        code, _, err = await cli("nohost")
+        assert code == EXIT_USAGE and err.startswith("kvroute discover: nohost: target must be host:port"), err
 
 
 async def test_cli_tls(ca: trustme.CA, tmp_path: Path) -> None:

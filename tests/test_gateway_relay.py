@@ -44,8 +44,8 @@ def relay_python() -> str:
 
 
 @asynccontextmanager
-async def relay_servicer(eng: SimEngine) -> AsyncIterator[str]:
-    """The released relay serving ``eng``'s publishers; yields its ``host:port``."""
+async def relay_servicer(eng: SimEngine, *extra: str) -> AsyncIterator[str]:
+    """The released relay serving ``eng``'s publishers (``extra``: harness options); yields its ``host:port``."""
     sources = eng.sources()
     cmd = [
         relay_python(),
@@ -56,6 +56,7 @@ async def relay_servicer(eng: SimEngine) -> AsyncIterator[str]:
         ",".join(s.replay_endpoint or "" for s in sources),
         "--hwm",
         str(eng.config.hwm),
+        *extra,
     ]
     async with await anyio.open_process(cmd, stderr=sys.stderr) as proc:
         assert proc.stdout is not None and proc.stdin is not None
@@ -162,3 +163,25 @@ async def test_the_released_relay_through_cold_start_drops_stall_clear_and_resta
         await traffic(eng, PROMPTS[16:24])
         await settled(client, eng)
         assert client.index.num_blocks() > 0
+
+
+async def test_a_rank_the_relays_getloads_leaves_out_is_followed(anyio_backend: str) -> None:
+    # vLLM's servicer reports a rank in GetLoads only once it has stats: a router discovering a
+    # fresh engine hears "1 rank" while both publish. The stream carries rank 1's batches anyway.
+    relay_python()
+    config = SimConfig(ranks=2, block_size=BS, grpc_port=None, http_port=None, capacity_blocks=512)
+    async with (
+        SimEngine(config) as eng,
+        relay_servicer(eng, "--announced-ranks", "1") as target,
+        KvEventClient(targets=[target], discovery_interval=0.3) as client,
+    ):
+        await until(lambda: len(client.sources()) == 1 and all(s.connected for s in client.stats().sources.values()))
+        await anyio.sleep(0.5)  # the relay's SUB handshakes (see the test above)
+        await traffic(eng, PROMPTS[:16])
+        await settled(client, eng)
+        stats = client.stats()
+        assert stats.adopted_sources == 1 and not any(st.partial for st in stats.sources.values())
+        await anyio.sleep(1.0)  # discovery rounds keep hearing "1 rank"; the stream vouches for rank 1
+        await traffic(eng, PROMPTS[16:])
+        await settled(client, eng)
+        assert client.stats().removed_sources == 0

@@ -30,10 +30,10 @@ from kvroute import (
     decode_batch,
     discover,
 )
-from kvroute._grpc_stream import convert_batch
 from kvroute._proto import smg_common_pb2 as pb
 from kvroute._source import Apply, ResetWorker, SourceMachine
 from kvroute._wire import AllBlocksCleared, BlockStored, EventBatch, Limits
+from kvroute._wire_proto import convert_batch
 from kvroute.cli._watch import TierTally, plain_table, rows
 from kvroute.sim import SimConfig, SimEngine
 
@@ -169,9 +169,11 @@ async def test_servicer_restart_resume_refused_then_partial_snapshot(anyio_backe
         await traffic(eng, PROMPTS[:8])
         await settled(client, eng)
         await eng.restart_gateway()  # history and record lost; the engine keeps its cache
+        # The client tries to resume (one rank) and is refused (OUT_OF_RANGE): the new record holds
+        # nothing yet. (Traffic first would race the reconnect: a record that already holds the
+        # resume seq serves it, and the run continues exactly, neither partial nor reset.)
+        await until(lambda: eng.gateway.refusals >= 1)
         await traffic(eng, PROMPTS[8:16])
-        # The client tried to resume (one rank), was refused (OUT_OF_RANGE), cleared and resubscribed.
-        await until(lambda: eng.gateway.refusals >= 1 or eng.gateway.streams_opened >= 1)
         await settled(client, eng)
         (st,) = client.stats().sources.values()
         assert st.partial and st.resets >= 1
@@ -244,8 +246,14 @@ async def test_malformed_messages_are_counted_and_the_stream_goes_on(anyio_backe
     async with gw(ranks=1) as eng, KvEventClient(targets=[eng.grpc_target]) as client:
         await until(lambda: any(s.connected for s in client.stats().sources.values()))
         eng.gateway.inject(b"\x0a\xff\xff\xff")  # not a KvEventBatch
-        stray = pb.KvEventBatch(sequence_number=3, timestamp=1.0, dp_rank=9)  # a rank nobody follows
+        stray = pb.KvEventBatch(sequence_number=3, timestamp=1.0, dp_rank=9)  # a rank nobody announced
         eng.gateway.inject(stray.SerializeToString())
+        # The stream is the truth about which ranks exist (issue 20): the stray batch starts rank 9,
+        # a source whose history begins at its seq 3 (partial), counted in the client's stats.
+        await until(lambda: client.stats().adopted_sources == 1)
+        stray_key = WorkerKey(eng.grpc_target, 9)
+        assert client.stats().sources[stray_key].partial
+        client.remove_source(stray_key)  # the simulated engine has no rank 9 to compare with
         await traffic(eng, PROMPTS[:8])
         await settled(client, eng)
         (st,) = client.stats().sources.values()

@@ -276,6 +276,37 @@ async def test_a_replay_ends_at_its_deadline_and_junk_never_keeps_it_open() -> N
             assert client.index.num_blocks(drip) == 0  # each drip stores and removes its block
 
 
+async def test_a_dripping_replay_gives_its_one_slot_up_at_the_slice() -> None:
+    # One replay slot. A replayer drips a decodable reply every 50 ms (20/s: not "productive"),
+    # never the end marker, so neither replay_timeout (each drip renews it) nor the 30 s deadline
+    # ends its turn: only giving the slot up at replay_slice lets an honest cold start through.
+    cfg = msgspec.structs.replace(
+        FLEET, max_concurrent_replays=1, replay_slice=0.1, replay_timeout=5.0, replay_deadline=30.0
+    )
+    async with Honest(3) as honest, bad_fleet(1, "drip") as (dripper,):
+        dripper.drip = 0.05
+        honest.steps(300)
+        async with KvEventClient([dripper.source("drip")], config=cfg) as client:
+            drip = WorkerKey("drip", 0)
+            await until(lambda: client.stats().sources[drip].replayed_batches >= 3)  # it holds the slot
+            took = await _cold_start(honest, client, "honest")
+            # Alone it takes well under a second; the dripper's turn ends at its slice (a waiter
+            # wakes it), not at its 30 s deadline.
+            assert took < 10.0, took
+            assert client.stats().sources[drip].replays >= 1
+
+
+async def test_junk_replies_count_against_the_reply_budget() -> None:
+    # A replayer answering junk every 20 ms (50/s), never a decodable reply nor the end marker;
+    # replay_timeout 30 s, so only the 20-reply budget, junk included, ends the request early.
+    cfg = msgspec.structs.replace(FLEET, replay_budget=20, replay_timeout=30.0, replay_deadline=60.0)
+    async with bad_fleet(1, "junk") as (junk,), KvEventClient([junk.source("junk")], config=cfg) as client:
+        key = WorkerKey("junk", 0)
+        t = await until(lambda: client.stats().sources[key].replay_cutoffs >= 1, limit=20)
+        st = client.stats().sources[key]
+        assert t < 10.0 and st.skipped_frames >= 20, (t, st)
+
+
 # --- rows 2, 3 and 8: a flood of large valid batches; hwm 0, 2^31-1 and 2^32-1 advertised ----------
 
 # A separate process floods, as fast as a PUB can send: the client's process is measured alone.

@@ -405,3 +405,39 @@ def test_an_invalid_restored_position_drops_that_worker_only(tmp_path: Path) -> 
     client = KvEventClient(index=PrefixIndex.restore(path))  # no error for the whole fleet
     client.snapshot(tmp_path / "again.kvs")
     assert PrefixIndex.restore(tmp_path / "again.kvs").restored_cursors == {good: Cursor(3, 1.0)}
+
+
+@pytest.mark.anyio
+async def test_a_forged_restored_position_leaves_the_other_sources_resuming_where_they_were(tmp_path: Path) -> None:
+    # Over sockets: two engines followed, snapshotted, one more worker's position forged into the file.
+    # The forged worker's state is dropped; the two real sources resume from their own positions
+    # (only what they published while the router was down is replayed), not cold from seq 0.
+    wl_a, wl_b = Workload(41), Workload(42)
+    path, forged_path = tmp_path / "index.kvs", tmp_path / "forged.kvs"
+    async with EventPublisher() as pa, EventPublisher() as pb:
+        a, b = pa.source("a"), pb.source("b")
+        for _ in range(20):
+            pa.publish(wl_a.batch())
+            pb.publish(wl_b.batch())
+        async with KvEventClient([a, b], config=FAST) as client:
+            stream = client.events()
+            await settle(client, stream, {a.key: pa.next_seq - 1, b.key: pb.next_seq - 1})
+            client.snapshot(path)
+        saved = PrefixIndex.restore(path)
+        forged = WorkerKey("forged", 0)
+        saved.snapshot(forged_path, cursors={**saved.restored_cursors, forged: Cursor(-5, math.nan)})
+        for _ in range(7):  # published while the router is down
+            pa.publish(wl_a.batch())
+            pb.publish(wl_b.batch())
+        index = PrefixIndex.restore(forged_path)
+        assert set(index.restored_cursors) == {a.key, b.key, forged}
+        async with KvEventClient([a, b], config=FAST, index=index) as client:
+            # Taken over at once: the real positions are the sources' from the start.
+            assert client.cursors() == {a.key: Cursor(19, pa.history[19].ts), b.key: Cursor(19, pb.history[19].ts)}
+            stream = client.events()
+            await settle(client, stream, {a.key: pa.next_seq - 1, b.key: pb.next_seq - 1})
+            assert_index_equal(client.index, truth_index({a.key: pa, b.key: pb}), wl_a.queries + wl_b.queries)
+            for key in (a.key, b.key):
+                st = client.stats().sources[key]
+                assert (st.resets, st.batches, st.partial) == (0, 7, False), (key, st)
+            assert forged not in client.index.workers()

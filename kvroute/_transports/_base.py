@@ -1,7 +1,7 @@
 """What every transport shares: the driver interface and base, counters, stats, logging, applying.
 
 A transport moves bytes and time; the recovery rules live in one place, the sans-I/O
-`kvroute._source.SourceMachine`. Each driver feeds its source's machine and carries out what it
+`kvroute._source.RecoveryMachine`. Each driver feeds its source's machine and carries out what it
 returns through `DriverBase.execute`: apply batches to the index (and fan their events out),
 reset the worker, emit lifecycle events; the transport-specific actions (ask a replay, recreate
 the subscriber) go to the driver's `DriverBase.on_action`.
@@ -22,7 +22,7 @@ from .._index import PrefixIndex
 from .._load import EngineLoad
 from .._models import EventSource, SourceState, WorkerKey, WorkerStatus
 from .._snapshot import Cursor
-from .._source import Action, Apply, Emit, RecoveryStats, ResetWorker, SourceMachine
+from .._source import Action, Apply, Emit, RecoveryMachine, RecoveryStats, ResetWorker
 from .._wire import BlockStored, EventBatch
 
 __all__ = [
@@ -180,7 +180,9 @@ class Driver(Protocol):
 
     source: EventSource
     key: WorkerKey
-    machine: SourceMachine
+    machine: RecoveryMachine
+    #: While the transport has a live connection to the publisher (or stream).
+    connected: bool
 
     async def run(self) -> None:
         """Follow the source until cancelled; release everything on the way out."""
@@ -200,6 +202,14 @@ class Driver(Protocol):
 
     def stats(self) -> SourceStats:
         """The source's counters."""
+        ...
+
+    def vouched(self) -> bool:
+        """The transport itself shows the source exists now (discovery keeps it whatever it hears)."""
+        ...
+
+    def streaming(self) -> str | None:
+        """The gateway service whose stream carries this source live now, else None."""
         ...
 
 
@@ -233,7 +243,7 @@ class DriverBase:
     A transport's driver subclasses this, implements ``run`` (feeding ``machine`` and passing
     what it returns to `execute`), and handles its own actions in `on_action`. ``resume``: the
     index already holds this worker's state through that position (a restored snapshot); the
-    machine resumes from it (`SourceMachine.resume`) instead of starting cold, and `first_actions`
+    machine resumes from it (`RecoveryMachine.resume`) instead of starting cold, and `first_actions`
     hands the driver what resuming asked for.
     """
 
@@ -252,7 +262,7 @@ class DriverBase:
         self.key = source.key
         #: Every counter of this source; the machine counts its recovery ones into it too.
         self.counters = SourceCounters()
-        self.machine = SourceMachine(has_replay=has_replay, max_held_bytes=max_held_bytes, stats=self.counters)
+        self.machine = RecoveryMachine(has_replay=has_replay, max_held_bytes=max_held_bytes, stats=self.counters)
         # Resumed now, not in run(): the restored state is the machine's from the start, so
         # `cursor` reports it even before the task runs. Its actions are carried out in run().
         self._first_actions = self.machine.resume(resume.seq, resume.ts) if resume is not None else None
@@ -280,7 +290,7 @@ class DriverBase:
         self._stopped = True
 
     def cursor(self) -> Cursor | None:
-        """The newest applied seq and its ts while the index holds this source's run (`SourceMachine.applied`)."""
+        """The newest applied seq and its ts while the index holds this source's run (`RecoveryMachine.applied`)."""
         applied = self.machine.applied
         return Cursor(*applied) if applied is not None else None
 
@@ -302,6 +312,17 @@ class DriverBase:
 
     def load(self) -> EngineLoad | None:
         """The engine's newest load record, for transports that carry one (None by default)."""
+        return None
+
+    def vouched(self) -> bool:
+        """The transport itself shows the source exists now: discovery keeps it whatever it hears (default False)."""
+        return False
+
+    def streaming(self) -> str | None:
+        """The gateway service whose stream carries this source live now (None by default).
+
+        Such a stream is its target's proof of life: discovery then asks the rank count only.
+        """
         return None
 
     # --- actions --------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The ``kvroute`` command line, built only on the public `kvroute` and `kvroute.sim` APIs.
+"""The ``kvroute`` command line, built on the `kvroute` and `kvroute.sim` APIs (and, like httpx's, free to use
+kvroute's private modules: it ships and is tested with them).
 
 One module per subcommand, each registering its own flags beside the code it drives:
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+
+from kvroute import __version__
 
 from ._demo_plot import plot
 from ._demo_report import DemoResult, FaultNote, PolicyResult, RequestRecord, render
@@ -73,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ._watch import register as register_watch
 
     parser = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware routing for vLLM and SGLang.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     register_demo(sub)
     register_discover(sub)

@@ -9,7 +9,9 @@ Usage::
 
 Targets are asked concurrently. Sources go to stdout (a table, or with ``--json`` one object
 ``{"sources": [...], "errors": [{"target", "kind", "message"}]}``); failures are reported on
-stderr, and the exit code is that of the first failing target in command-line order.
+stderr, and the exit code is that of the first failing target in command-line order. A
+malformed target is a usage error (nothing is asked); a refused connection is reported at once
+(unreachable), not retried for the whole timeout.
 """
 
 from __future__ import annotations
@@ -23,22 +25,19 @@ from typing import TextIO
 import anyio
 import msgspec
 
-from kvroute import (
-    DEFAULT_MAX_SOURCES,
-    ENGINES,
+from kvroute._discovery import DEFAULT_MAX_SOURCES, ENGINES, DiscoveryOptions, discover_with, parse_target
+from kvroute._errors import (
     DiscoveryError,
-    DiscoveryOptions,
     EventsDisabledError,
-    EventSource,
     InvalidOptionsError,
     MalformedAnswerError,
     RpcRejectedError,
     TargetUnreachableError,
-    TlsConfig,
     TooManySourcesError,
     UnusableSourceError,
-    discover_with,
 )
+from kvroute._models import EventSource
+from kvroute._tls import TlsConfig
 
 from ._display import (
     EXIT_EVENTS_DISABLED,
@@ -144,6 +143,8 @@ def _options(args: argparse.Namespace) -> DiscoveryOptions:
         allow_ipc=args.allow_ipc,
         allowed_hosts=args.allow_host,
         max_sources_per_target=args.max_sources,
+        # One-shot: a closed port is the answer, not an engine about to start.
+        retry_refused=False,
     )
 
 
@@ -189,7 +190,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     err = err or sys.stderr
     try:
         options = _options(args)
+        for target in args.targets:
+            parse_target(target)
     except InvalidOptionsError as exc:
+        return error("discover", exc, EXIT_USAGE, err)
+    except DiscoveryError as exc:
         return error("discover", exc, EXIT_USAGE, err)
     results = anyio.run(_discover_all, args.targets, options)
     sources = [s for r in results if not isinstance(r, DiscoveryError) for s in r]

@@ -11,7 +11,7 @@ import anyio
 import msgspec
 import zmq
 
-from kvroute import GATEWAY_SERVICES
+from kvroute._models import GATEWAY_SERVICES
 from kvroute.sim import SimConfig, SimEngine
 
 from ._display import EXIT_FAILED, EXIT_OK, EXIT_USAGE, error

@@ -7,7 +7,8 @@ Usage::
 
 The table (rich when installed, plain text otherwise) has one row per worker (engine, rank):
 sync state, partial flag, blocks held per tier, blocks in the index, engine events per second,
-last applied seq, gaps, replays and resets. With ``--json`` every envelope of
+last applied seq, gaps, replays and resets; under the title, a line per target whose discovery
+is failing, with its last error. With ``--json`` every envelope of
 `KvEventClient.events()` (engine and lifecycle events) is written to stdout as one JSON line,
 ``{"source": {...}, "seq": N|null, "ts": T, "event": {"type": ..., ...}}``.
 
@@ -28,14 +29,10 @@ import anyio
 import msgspec
 
 from kvroute import (
-    ENGINES,
-    TIERS,
     AllBlocksCleared,
-    BlockHash,
     BlockRemoved,
     BlockStored,
     DiscoveryOptions,
-    EngineLoad,
     Envelope,
     KvEventClient,
     KvRouteError,
@@ -44,9 +41,11 @@ from kvroute import (
     Reset,
     SubscriberConfig,
     WorkerKey,
-    discover_with,
-    normalize_medium,
 )
+from kvroute._discovery import ENGINES, discover_with
+from kvroute._load import EngineLoad
+from kvroute._models import TIERS, normalize_medium
+from kvroute._wire import BlockHash
 
 from . import _display
 from ._display import EXIT_FAILED, EXIT_OK, EXIT_USAGE, error
@@ -285,7 +284,7 @@ async def watch(
                     if json_lines:
                         out.flush()
                     elif display is not None:
-                        display.show(rows(client, tally, rates), _title(targets, now - started))
+                        display.show(rows(client, tally, rates), _title(client, targets, now - started))
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(consume)
@@ -294,7 +293,7 @@ async def watch(
                 final = rows(client, tally, rates)
                 tg.cancel_scope.cancel()
                 if display is not None:
-                    display.show(final, _title(targets, time.monotonic() - started), final=True)
+                    display.show(final, _title(client, targets, time.monotonic() - started), final=True)
     finally:
         if display is not None:
             display.close()
@@ -302,8 +301,11 @@ async def watch(
     return final
 
 
-def _title(targets: list[str], elapsed: float) -> str:
-    return f"kvroute watch {' '.join(targets)} — {elapsed:.0f} s"
+def _title(client: KvEventClient, targets: list[str], elapsed: float) -> str:
+    """The table's title, with a line per target whose discovery is failing and why."""
+    lines = [f"kvroute watch {' '.join(targets)} — {elapsed:.0f} s"]
+    lines += [f"! {target}: discovery failing: {why}" for target, why in client.discovery_errors().items()]
+    return "\n".join(lines)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

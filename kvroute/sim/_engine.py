@@ -40,8 +40,7 @@ import anyio
 import anyio.abc
 import zmq
 
-from .._grpc_stream import GATEWAY_SERVICES
-from .._models import EventSource
+from .._models import GATEWAY_SERVICES, EventSource
 from .._wire import EventBatch
 from ._cache import CapacityError, InvalidRequestError, PrefixCache, hash_seed
 from ._gateway import GatewayKvService, LoadFigures

@@ -39,8 +39,7 @@ import anyio
 import anyio.from_thread
 import grpc
 
-from .._grpc_stream import GATEWAY_SERVICES
-from .._models import normalize_medium
+from .._models import GATEWAY_SERVICES, normalize_medium
 from .._proto import smg_common_pb2 as pb
 from .._wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ._grpc import _Abort, _Service

@@ -26,13 +26,14 @@ import zmq
 
 from .. import _zmq
 from .._models import EventSource
+from .._recovery import REPLAY_END_MARKER
 from .._wire import EngineEvent, EventBatch, encode_batch
 from ._lifecycle import AsyncService
 
 __all__ = ["END_SEQ", "EventPublisher"]
 
-#: The replay end marker's seq: 0xFF x 8 (-1 as a signed int64), docs/protocol.md §4.
-END_SEQ = b"\xff" * 8
+#: The replay end marker's seq: 0xFF x 8 (-1 as a signed int64), docs/protocol.md §4 (defined once, in _recovery).
+END_SEQ = REPLAY_END_MARKER
 
 # A payload no decoder accepts: 0xc1 is the one byte msgpack never uses.
 _GARBAGE = b"\xc1garbage"

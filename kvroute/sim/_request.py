@@ -15,7 +15,7 @@ import xxhash
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._errors import KvRouteError
-from .._grpc_stream import GATEWAY_SERVICES
+from .._models import GATEWAY_SERVICES
 
 __all__ = ["Completion", "RequestAbortedError", "SimConfig", "SimRequest"]
 

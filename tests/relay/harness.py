@@ -2,7 +2,8 @@
 
 Runs in the venv ``tests/relay/setup.sh`` builds, not in kvroute's: it serves
 ``vllm.grpc.engine.VllmEngine`` with ``SubscribeKvEvents`` relayed by the released relay from the
-ZMQ publishers named on the command line, and ``GetLoads`` answering the rank count (every other
+ZMQ publishers named on the command line, and ``GetLoads`` answering the rank count (or
+``--announced-ranks``, as vLLM's servicer does before every rank has stats; every other
 method is the generated servicer's UNIMPLEMENTED). Prints ``PORT <n>`` once serving; exits when
 its stdin closes.
 
@@ -22,9 +23,11 @@ from smg_grpc_servicer import kv_relay
 
 
 class Servicer(vllm_engine_pb2_grpc.VllmEngineServicer):
-    def __init__(self, sources: list[kv_relay.RankSource], hwm: int | None) -> None:
+    def __init__(self, sources: list[kv_relay.RankSource], hwm: int | None, announced: int | None) -> None:
         self.sources = sources
         self.hwm = hwm
+        # vLLM's servicer names a rank in GetLoads only once it has stats: a fresh engine, one.
+        self.announced = announced if announced is not None else len(sources)
 
     @staticmethod
     def load(rank: int | None) -> common_pb2.EngineLoad:
@@ -45,7 +48,7 @@ class Servicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             yield batch
 
     async def GetLoads(self, request, context):
-        return vllm_engine_pb2.GetLoadsResponse(dp_rank_count=len(self.sources))
+        return vllm_engine_pb2.GetLoadsResponse(dp_rank_count=self.announced)
 
 
 async def main() -> None:
@@ -53,6 +56,7 @@ async def main() -> None:
     parser.add_argument("--endpoints", required=True)
     parser.add_argument("--replay-endpoints", default="")
     parser.add_argument("--hwm", type=int, default=None)
+    parser.add_argument("--announced-ranks", type=int, default=None, help="GetLoads' rank count (default: all)")
     args = parser.parse_args()
     endpoints = args.endpoints.split(",")
     replays = args.replay_endpoints.split(",") if args.replay_endpoints else [None] * len(endpoints)
@@ -60,7 +64,7 @@ async def main() -> None:
         kv_relay.RankSource(rank=r, endpoint=e, replay_endpoint=p) for r, (e, p) in enumerate(zip(endpoints, replays))
     ]
     server = grpc.aio.server()
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(Servicer(sources, args.hwm), server)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(Servicer(sources, args.hwm, args.announced_ranks), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(f"PORT {port}", flush=True)

@@ -1,0 +1,122 @@
+"""The client's fan-out of envelopes to `events()` iterators, each with its own bounded buffer.
+
+The drivers publish every envelope to one `_Hub` (their `EventSink`); it copies it to each live
+`EventStream`. When a stream's buffer is full the oldest envelope is dropped and counted, and the
+iterator yields an `Overflow` lifecycle event in its place, so a slow consumer loses events but
+never slows indexing down.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from types import TracebackType
+
+import anyio
+
+from ._events import Envelope, Overflow
+
+__all__ = ["EventStream", "Hub"]
+
+
+class EventStream:
+    """An async iterator over the client's `Envelope` stream, with its own bounded buffer.
+
+    Overflow policy: when ``capacity`` envelopes are waiting, each new one drops the oldest;
+    the iterator then yields one `Overflow` envelope (with the number dropped) before the
+    next surviving envelope. It ends when the client stops or on `aclose` (also usable as
+    ``async with client.events() as stream:``).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        #: Envelopes this iterator lost to overflow, in total.
+        self.dropped = 0
+        self._buffer: deque[Envelope] = deque()
+        self._unreported = 0
+        self._last_dropped: Envelope | None = None
+        self._wakeup: anyio.Event | None = None
+        self._closed = False
+
+    def _push(self, envelope: Envelope) -> bool:
+        """Buffer one envelope; True when that dropped the oldest."""
+        buf = self._buffer
+        dropped = len(buf) >= self.capacity
+        if dropped:
+            self._last_dropped = buf.popleft()
+            self.dropped += 1
+            self._unreported += 1
+        buf.append(envelope)
+        if self._wakeup is not None:
+            self._wakeup.set()
+        return dropped
+
+    def _close(self) -> None:
+        self._closed = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> Envelope:
+        while True:
+            if self._unreported:
+                dropped, self._unreported = self._unreported, 0
+                last = self._last_dropped
+                assert last is not None  # set with every drop
+                return Envelope(source=last.source, seq=None, ts=time.time(), event=Overflow(dropped=dropped))
+            if self._buffer:
+                return self._buffer.popleft()
+            if self._closed:
+                raise StopAsyncIteration
+            self._wakeup = anyio.Event()
+            await self._wakeup.wait()
+            self._wakeup = None
+
+    async def aclose(self) -> None:
+        """Stop receiving; envelopes already buffered are discarded."""
+        self._closed = True
+        self._buffer.clear()
+        self._unreported = 0
+
+    async def __aenter__(self) -> EventStream:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class Hub:
+    """The drivers' `EventSink`: copies each envelope to every live `EventStream`."""
+
+    def __init__(self) -> None:
+        # Weak: an iterator the caller dropped without closing stops costing anything.
+        self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
+        #: Envelopes dropped by full iterators, all of them (closed ones included).
+        self.dropped = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self._streams)
+
+    def add(self, stream: EventStream) -> None:
+        self._streams.add(stream)
+
+    def publish(self, envelope: Envelope) -> None:
+        closed: list[EventStream] = []
+        for stream in self._streams:
+            if stream._closed:
+                closed.append(stream)
+            elif stream._push(envelope):
+                self.dropped += 1
+        for stream in closed:  # not while iterating: a set must not change size under its iterator
+            self._streams.discard(stream)
+
+    def close(self) -> None:
+        for stream in list(self._streams):
+            stream._close()
+        self._streams = weakref.WeakSet()

@@ -1,0 +1,39 @@
+"""The one place `KvEventClient` takes its transports from, in the order they are asked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import zmq
+
+from .._load import EngineLoads
+from .._models import EventSource
+from .._subscriber import ReplaySlots, SubscriberConfig
+from .._transport import ZmqTransport
+from ._base import Transport
+from .gateway import ChannelOptions, GatewayStream, GatewayTransport
+
+__all__ = ["client_transports"]
+
+
+def client_transports(
+    *,
+    context: zmq.Context[zmq.Socket[bytes]],
+    config: SubscriberConfig,
+    replay_slots: ReplaySlots,
+    channel_options: ChannelOptions,
+    loads: EngineLoads,
+    spawn: Callable[[GatewayStream], None],
+    adopt: Callable[[EventSource, EventSource], bool],
+) -> list[Transport]:
+    """Every transport a client uses; the first that `Transport.handles` a source carries it.
+
+    The gateway stream claims ``grpc://`` endpoints; ZMQ (SUB + replay DEALER) takes every
+    other source. ``spawn`` starts a shared stream's task, ``loads`` receives engine load
+    records, ``adopt(source, like)`` follows a rank a stream carries unannounced the way
+    ``like`` is followed.
+    """
+    return [
+        GatewayTransport(config.limits, channel_options, loads, spawn, adopt),
+        ZmqTransport(context, config, replay_slots),
+    ]
