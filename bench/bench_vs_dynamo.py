@@ -13,7 +13,7 @@ What is compared (issue 18, "Targets"):
 
 1. ingest: 16 workers x 12 sequences x 512 blocks of 16 tokens, one vLLM map-form batch per
    sequence (kvroute's own `encode_batch`). kvroute: ``PrefixIndex.apply_payload(worker, bytes)``
-   when the build has it, and ``BatchDecoder.decode`` + ``PrefixIndex.apply_batch`` always; the
+   when the build has it, and ``decode_batch`` + ``PrefixIndex.apply_batch`` always; the
    ratio denominator is a bare ``msgspec.msgpack.decode`` of the same payloads into Python objects.
    Dynamo: ``dynamo._core.RadixTree.apply_event(worker_id, json_bytes)``, one call per sequence, fed
    the same blocks as Dynamo's own router receives them: a JSON ``KvCacheEvent``
@@ -45,7 +45,7 @@ from typing import Any
 import msgspec
 
 import kvroute
-from kvroute import BatchDecoder, BlockStored, EventBatch, PrefixIndex, WorkerKey, encode_batch
+from kvroute import BlockStored, EventBatch, PrefixIndex, WorkerKey, decode_batch, encode_batch
 
 try:
     from dynamo._core import RadixTree, compute_block_hash_for_seq
@@ -131,7 +131,7 @@ def ingest_figures(wl: Workload, repeat: int) -> tuple[dict[str, float], PrefixI
 
     def decode_apply() -> float:
         idx = PrefixIndex()
-        decode, apply = BatchDecoder().decode, idx.apply_batch
+        decode, apply = decode_batch, idx.apply_batch
         t0 = time.perf_counter()
         for worker, _, payload in wl.payloads:
             apply(worker, decode(payload))
