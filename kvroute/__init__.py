@@ -55,6 +55,7 @@ from ._events import (
 from ._grpc_stream import GATEWAY_SERVICES, gateway_endpoint
 from ._hashing import HASH_VERSION, MultimodalItem, chain_keys
 from ._index import IndexLimits, IndexLimitsError, IndexStats, OverlapScores, PrefixIndex
+from ._jetstream import JetStreamRelay, JetStreamReplica
 from ._load import EngineLoad, EngineLoads, LoadPolicy
 from ._metrics import KvRouteCollector
 from ._models import (
@@ -128,6 +129,8 @@ __all__ = [
     "GapReason",
     "IndexStats",
     "InvalidOptionsError",
+    "JetStreamRelay",
+    "JetStreamReplica",
     "KvEventClient",
     "KvRouteCollector",
     "KvRouteError",
