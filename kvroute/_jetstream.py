@@ -361,17 +361,25 @@ class JetStreamReplica:
         nl = _NatsLoop(self._servers, self._name)
         await nl.start(self._connect_timeout)
         self._nats = nl
-        try:
-            if self._use_snapshot:
-                await self._load_snapshot(nl)
-            await self._subscribe(nl)
-            tg = anyio.create_task_group()
-            await tg.__aenter__()
-            self._tg = tg
-            tg.start_soon(self._apply_loop)
-        except BaseException:
-            await self.stop()
-            raise
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        tg.start_soon(self._follow, nl)
+
+    async def _follow(self, nl: _NatsLoop) -> None:
+        """Wait for the stream (a replica may start before any relay), load the snapshot, subscribe, apply."""
+        nats = _nats()
+        while True:
+            try:
+                if self._use_snapshot:
+                    await self._load_snapshot(nl)
+                await self._subscribe(nl)
+                break
+            except JetStreamError as exc:
+                if not isinstance(exc.__cause__, nats.js.errors.NotFoundError):
+                    log.warning("replica %s: %s; retrying", self._name, exc)
+                await anyio.sleep(0.25)
+        await self._apply_loop()
 
     async def stop(self) -> None:
         """Stop following the log (the index keeps what it holds)."""
@@ -396,7 +404,10 @@ class JetStreamReplica:
                 return None
             return bytes(res.data), res.info.description or ""
 
-        got = await nl.call(fetch())
+        try:
+            got = await nl.call(fetch())
+        except Exception as exc:
+            raise JetStreamError(f"cannot read the snapshot of {self.stream}: {exc!r}") from exc
         if got is None:
             return
         data, description = got
@@ -546,7 +557,11 @@ class JetStreamReplica:
 
     async def wait_synced(self, timeout: float) -> None:  # noqa: ASYNC109 (the same API as KvEventClient)
         """Return once everything the log held at subscription is applied (TimeoutError after ``timeout``)."""
-        await self.wait_position(self._target or 0, timeout)
+        with anyio.fail_after(timeout):
+            while not self.synced:
+                if self._changed is None:
+                    self._changed = anyio.Event()
+                await self._changed.wait()
 
     async def wait_position(self, seq: int, timeout: float) -> None:  # noqa: ASYNC109
         """Return once the stream sequence ``seq`` is applied (TimeoutError after ``timeout``)."""
@@ -630,6 +645,13 @@ class RelayStats(msgspec.Struct, frozen=True, kw_only=True):
     snapshots: int
     snapshot_seq: int
     publish_failures: int
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The first non-group exception inside ``exc`` (task groups wrap what their tasks raise)."""
+    while getattr(exc, "exceptions", None):
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    return exc
 
 
 class _Restart(Exception):
@@ -857,15 +879,16 @@ class JetStreamRelay:
                 while True:
                     try:
                         await self._session()
-                    except _Restart as why:
+                    except Exception as exc:
+                        why = _leaf(exc)
+                        if not isinstance(why, _Restart):
+                            raise
                         self._counts["publish_failures"] += 1
                         log.warning("relay %s: session restarts from the log: %s", self.name, why)
                         await anyio.sleep(0.2)
-        except BaseException as exc:
-            # A task group wraps what its tasks raise: surface a lost lease as itself.
-            leaf: BaseException = exc
-            while getattr(leaf, "exceptions", None):
-                leaf = leaf.exceptions[0]  # type: ignore[attr-defined]
+        except Exception as exc:
+            # Task groups wrap what their tasks raise: surface a lost lease as itself.
+            leaf = _leaf(exc)
             if isinstance(leaf, _LeaseLost):
                 raise leaf from None
             raise

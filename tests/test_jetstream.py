@@ -8,24 +8,28 @@ Each test starts its own server on a free loopback port with a temporary storage
 from __future__ import annotations
 
 import hashlib
+import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import msgspec
 import pytest
 from _publisher_helpers import FAST, Workload, wait_for
+from anyio.streams.text import TextReceiveStream
 
 from kvroute import KvEventClient, PrefixIndex, WorkerKey
 from kvroute._jetstream import JetStreamRelay, JetStreamReplica, _Batch, _encode_record, _Partial, _Removed, _Reset
 from kvroute._snapshot import read_snapshot
 from kvroute._wire import BlockStored, EventBatch, encode_batch
-from kvroute.sim import EventPublisher
+from kvroute.sim import EventPublisher, SimConfig, SimEngine
 
 NATS = shutil.which("nats-server")
 pytestmark = pytest.mark.skipif(NATS is None, reason="nats-server is not installed (apt-get install nats-server)")
@@ -242,3 +246,170 @@ async def test_three_replicas_and_a_direct_client_agree(nats_server: NatsServer)
                     assert not r.partial_workers()
                     assert r.worker_status(WorkerKey("w0", 0)) is not None
                 assert relay.stats().duplicates == 0
+
+
+@pytest.mark.anyio
+async def test_nats_server_restart_loses_and_doubles_nothing(nats_server: NatsServer) -> None:
+    async with EventPublisher() as p0, EventPublisher() as p1:
+        fleet = Fleet([p0, p1])
+        async with (
+            KvEventClient(fleet.sources(), config=FAST) as direct,
+            JetStreamRelay(
+                nats_server.url,
+                fleet.sources(),
+                stream="R",
+                config=FAST,
+                snapshot_interval=0.5,
+                lease_ttl=1.0,
+                publish_timeout=1.0,
+            ) as relay,
+            JetStreamReplica(nats_server.url, stream="R") as replica,
+        ):
+            await relay.wait_active(10)
+            await _steady(fleet, 10)
+            await replica_at(replica, fleet.last())
+            # The server goes away (file storage) while the engines keep publishing; their replay
+            # buffers hold what the relay could not publish meanwhile.
+            await anyio.to_thread.run_sync(nats_server.stop)
+            await _steady(fleet, 10)
+            await anyio.sleep(2.0)  # longer than the publish timeout: the relay's session fails
+            await anyio.to_thread.run_sync(nats_server.start)
+            await _steady(fleet, 10)
+            last = fleet.last()
+            await client_at(direct, last)
+            await replica_at(replica, last, timeout=40)
+            assert_same(replica.index, direct.index, fleet.queries())
+            st = replica.stats()
+            assert (st.gaps, st.stream_gaps, st.undecodable, st.duplicates) == (0, 0, 0, 0)
+            assert not replica.partial_workers()
+            assert relay.stats().sessions >= 2  # the relay resumed from the log after the outage
+            # A replica started after the restart reads the same from the persisted snapshot + log.
+            async with JetStreamReplica(nats_server.url, stream="R") as late:
+                try:
+                    await late.wait_synced(20)
+                except TimeoutError:
+                    print("late replica not synced:", late.stats(), relay.stats(), replica.stats())
+                    raise
+                assert_same(late.index, direct.index, fleet.queries())
+
+
+@pytest.mark.anyio
+async def test_a_replica_back_after_the_engines_buffers_wrapped_is_exact(nats_server: NatsServer) -> None:
+    # Engines that keep 8 batches: a client following them directly that starts late is partial.
+    async with EventPublisher(buffer_steps=8) as p0, EventPublisher(buffer_steps=8) as p1:
+        fleet = Fleet([p0, p1])
+        async with (
+            JetStreamRelay(nats_server.url, fleet.sources(), stream="B", config=FAST, snapshot_interval=0.3) as relay,
+        ):
+            await relay.wait_active(10)
+            async with JetStreamReplica(nats_server.url, stream="B") as replica:
+                await _steady(fleet, 4)
+                await replica_at(replica, fleet.last())
+            # Stopped for 60 batches per worker: 7 times what the engines' buffers hold.
+            await _steady(fleet, 12)
+            async with (
+                KvEventClient(fleet.sources(), config=FAST) as late_direct,
+                JetStreamReplica(nats_server.url, stream="B") as back,
+            ):
+                last = fleet.last()
+                await client_at(late_direct, last)
+                await replica_at(back, last)
+                assert all(late_direct.worker_status(k).partial for k in last)  # type: ignore[union-attr]
+                assert not back.partial_workers() and back.stats().gaps == 0
+                truth = PrefixIndex()
+                for i, pub in enumerate(fleet.pubs):
+                    for batch in pub.history:
+                        truth.apply_batch(WorkerKey(f"w{i}", 0), batch)
+                assert_same(back.index, truth, fleet.queries())
+
+
+async def _read_lines(proc: anyio.abc.Process, lines: list[str]) -> None:
+    assert proc.stdout is not None
+    async for chunk in TextReceiveStream(proc.stdout):
+        lines.extend(chunk.splitlines())
+
+
+async def converged(replica: JetStreamReplica, direct: KvEventClient, timeout: float = 30.0) -> None:  # noqa: ASYNC109
+    """Wait until the replica stands where the direct client stands, for every worker, and both are synced."""
+    with anyio.fail_after(timeout):
+        while True:
+            want = {k: c.seq for k, c in direct.cursors().items()}
+            got = {k: c.seq for k, c in replica.cursors().items()}
+            if want and want == got and direct.stats().totals.synced == len(want):
+                return
+            await anyio.sleep(0.05)
+
+
+@pytest.mark.anyio
+async def test_standby_relay_takes_over_when_the_active_one_is_killed(nats_server: NatsServer) -> None:
+    def config(name: str) -> SimConfig:
+        return SimConfig(name=name, http_port=None, prefill_time_per_token=0.0, decode_time_per_step=0.0)
+
+    rng = random.Random(7)
+    prompts: list[tuple[int, ...]] = []
+
+    async def traffic(engines: list[SimEngine], n: int) -> None:
+        for i in range(n):
+            prompt = tuple(rng.randrange(32_000) for _ in range(16 * rng.randint(1, 6)))
+            prompts.append(prompt)
+            await engines[i % len(engines)].complete(prompt, max_tokens=1)
+
+    async with SimEngine(config("a")) as ea, SimEngine(config("b")) as eb:
+        targets = [t for t in (ea.grpc_target, eb.grpc_target) if t is not None]
+        relay_cmd = [sys.executable, "-m", "kvroute.cli", "relay", *targets, "--nats", nats_server.url, "--stream", "H"]
+        relay_cmd += ["--lease-ttl", "1", "--snapshot-interval", "0.5", "--status-interval", "0.1"]
+        lines: dict[str, list[str]] = {"ra": [], "rb": []}
+
+        def active() -> str | None:
+            for name, out in lines.items():
+                if out and out[-1].startswith(f"{name} active"):
+                    return name
+            return None
+
+        async with (
+            await anyio.open_process([*relay_cmd, "--name", "ra"]) as ra,
+            await anyio.open_process([*relay_cmd, "--name", "rb"]) as rb,
+            anyio.create_task_group() as tg,
+        ):
+            procs = {"ra": ra, "rb": rb}
+            tg.start_soon(_read_lines, ra, lines["ra"])
+            tg.start_soon(_read_lines, rb, lines["rb"])
+            try:
+                async with (
+                    KvEventClient(targets=targets, config=FAST) as direct,
+                    JetStreamReplica(nats_server.url, stream="H") as r1,
+                    JetStreamReplica(nats_server.url, stream="H") as r2,
+                ):
+                    with anyio.fail_after(30):
+                        while active() is None:  # noqa: ASYNC110 (a subprocess's output, polled)
+                            await anyio.sleep(0.05)
+                    first = active()
+                    assert first is not None
+                    await traffic([ea, eb], 30)
+                    await converged(r1, direct)
+                    # SIGKILL: the lease is not released; the standby waits out its ttl (1 s) and takes over.
+                    procs[first].kill()
+                    killed = anyio.current_time()
+                    lines[first].clear()
+                    await traffic([ea, eb], 30)  # the engines' replay buffers carry these over the handover
+                    with anyio.fail_after(15):
+                        while active() is None:  # noqa: ASYNC110 (a subprocess's output, polled)
+                            await anyio.sleep(0.05)
+                    takeover = anyio.current_time() - killed
+                    assert active() != first
+                    assert takeover < 10.0
+                    await traffic([ea, eb], 30)
+                    for r in (r1, r2):
+                        await converged(r, direct)
+                        assert_same(r.index, direct.index, prompts)
+                        st = r.stats()
+                        assert (st.gaps, st.stream_gaps, st.undecodable, st.duplicates) == (0, 0, 0, 0)
+                        assert not r.partial_workers()
+                    async with JetStreamReplica(nats_server.url, stream="H") as late:
+                        await late.wait_synced(20)
+                        assert_same(late.index, direct.index, prompts)
+            finally:
+                tg.cancel_scope.cancel()
+                for p in procs.values():
+                    if p.returncode is None:
+                        p.kill()
