@@ -270,6 +270,103 @@ async def _lease_bucket(js: Any, stream: str, *, create: bool) -> Any:
         return await js.create_key_value(bucket=f"{stream}_lease", history=1)
 
 
+class _Follower:
+    """An ordered push consumer of the whole stream, run on the NATS loop (nats-py's own answers flow control
+    only every 250 ms, which stalls a busy stream; this one answers at once).
+
+    Records go to ``queue`` as (stream sequence, data). A consumer sequence that skips, or silence
+    (no record, no heartbeat) for three heartbeat intervals (the server restarted: the consumer,
+    in memory, is gone), recreates the consumer from the sequence after the last record taken.
+    """
+
+    def __init__(self, nl: _NatsLoop, stream: str, queue: deque[tuple[int, bytes]], ready: threading.Event) -> None:
+        self.nl = nl
+        self.stream = stream
+        self.queue = queue
+        self.ready = ready
+        self.sseq = 0
+        self.cseq = 0
+        self.generation = 0
+        self.seen = 0.0
+        self.sub: Any = None
+        self.consumer: str | None = None
+        self.heartbeat = 1.0
+
+    async def open(self, start: int) -> int:
+        """Create the consumer from ``start`` and start the watchdog; the stream's last sequence now."""
+        info = await self.nl.js.stream_info(self.stream)
+        self.sseq = start - 1
+        await self._create()
+        asyncio.get_running_loop().create_task(self._watchdog())
+        return int(info.state.last_seq)
+
+    async def _create(self) -> None:
+        nats = _nats()
+        api = nats.js.api
+        nc = self.nl.nc
+        self.generation += 1
+        generation = self.generation
+        old, self.sub = self.sub, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+        if self.consumer is not None:
+            consumer, self.consumer = self.consumer, None
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nl.js.delete_consumer(self.stream, consumer), 1.0)
+        inbox = nc.new_inbox()
+
+        async def on_msg(msg: Any) -> None:
+            if generation != self.generation:
+                return  # a message of a replaced consumer
+            self.seen = asyncio.get_running_loop().time()
+            reply = msg.reply
+            if not reply or not reply.startswith("$JS.ACK."):
+                hdr = msg.headers or {}
+                if reply and hdr.get("Status") == "100":
+                    await nc.publish(reply, b"")  # flow control: answered at once
+                stalled = hdr.get("Nats-Consumer-Stalled")
+                if stalled:
+                    await nc.publish(stalled, b"")
+                return
+            meta = msg.metadata.sequence
+            if meta.consumer != self.cseq + 1:
+                await self._create()  # a delivery was lost: start over after the last one taken
+                return
+            self.cseq = meta.consumer
+            self.sseq = meta.stream
+            self.queue.append((meta.stream, msg.data))
+            self.ready.set()
+
+        self.cseq = 0
+        self.seen = asyncio.get_running_loop().time()
+        self.sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        cfg = api.ConsumerConfig(
+            deliver_subject=inbox,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=self.sseq + 1,
+            ack_policy=api.AckPolicy.NONE,
+            filter_subject=f"{subject_prefix(self.stream)}.>",
+            flow_control=True,
+            idle_heartbeat=self.heartbeat,
+            mem_storage=True,
+            num_replicas=1,
+            inactive_threshold=30.0,
+        )
+        info = await self.nl.js.add_consumer(self.stream, config=cfg)
+        self.consumer = info.name
+
+    async def _watchdog(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            if loop.time() - self.seen > 3 * self.heartbeat:
+                try:
+                    await self._create()
+                except Exception as exc:  # the server is still away: try again next tick
+                    log.debug("consumer of %s not recreated yet: %r", self.stream, exc)
+
+
 # --- the replica --------------------------------------------------------------------------------------
 
 
@@ -342,8 +439,9 @@ class JetStreamReplica:
         self._nats: _NatsLoop | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._changed: anyio.Event | None = None
-        #: Called after each applied record with its stream sequence (the relay's snapshot writer uses it).
-        self.on_applied: Callable[[int], None] | None = None
+        #: Called after each applied record: its stream sequence, worker and engine seq (None for a
+        #: lifecycle record); for measuring apply lag (bench/bench_jetstream.py).
+        self.on_applied: Callable[[int, WorkerKey, int | None], None] | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -428,34 +526,9 @@ class JetStreamReplica:
         self.position = self._snapshot_seq = info.stream_seq
 
     async def _subscribe(self, nl: _NatsLoop) -> None:
-        nats = _nats()
-        api = nats.js.api
-        queue, ready = self._queue, self._ready
-
-        async def on_msg(msg: Any) -> None:
-            queue.append((msg.metadata.sequence.stream, msg.data))
-            ready.set()
-
-        async def subscribe() -> int:
-            info = await nl.js.stream_info(self.stream)
-            start = self.position + 1
-            cfg = api.ConsumerConfig(
-                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start, inactive_threshold=30.0
-            )
-            await nl.js.subscribe(
-                f"{subject_prefix(self.stream)}.>",
-                stream=self.stream,
-                cb=on_msg,
-                ordered_consumer=True,
-                idle_heartbeat=1.0,
-                config=cfg,
-                pending_msgs_limit=-1,
-                pending_bytes_limit=-1,
-            )
-            return int(info.state.last_seq)
-
+        follower = _Follower(nl, self.stream, self._queue, self._ready)
         try:
-            self._target = await nl.call(subscribe())
+            self._target = await nl.call(follower.open(self.position + 1))
         except Exception as exc:
             raise JetStreamError(f"cannot subscribe to stream {self.stream}: {exc!r}") from exc
 
@@ -541,7 +614,7 @@ class JetStreamReplica:
             self.index.remove_worker(key)
             self._workers.pop(key, None)
         if self.on_applied is not None:
-            self.on_applied(sseq)
+            self.on_applied(sseq, key, rec.seq if isinstance(rec, _Batch) else None)
 
     # --- state ----------------------------------------------------------------------------------
 
@@ -633,7 +706,8 @@ class RelayStats(msgspec.Struct, frozen=True, kw_only=True):
     ``active``: it holds the lease; ``sessions``: times it started following the engines (a
     takeover, or a restart after a publish failure or an events overflow); ``batches`` and
     ``records``: published (``duplicates`` of them dropped by the server's dedup window);
-    ``snapshots``: written to the object store, the newest covering ``snapshot_seq``.
+    ``snapshots``: written to the object store, the newest covering ``snapshot_seq``;
+    ``resets`` / ``partials`` / ``removals``: lifecycle records published.
     """
 
     active: bool
@@ -645,6 +719,9 @@ class RelayStats(msgspec.Struct, frozen=True, kw_only=True):
     snapshots: int
     snapshot_seq: int
     publish_failures: int
+    resets: int
+    partials: int
+    removals: int
 
 
 def _leaf(exc: BaseException) -> BaseException:
@@ -723,6 +800,9 @@ class JetStreamRelay:
             "snapshots": 0,
             "snapshot_seq": 0,
             "publish_failures": 0,
+            "resets": 0,
+            "partials": 0,
+            "removals": 0,
         }
         self.active = False
         self._lease_rev = 0
@@ -757,6 +837,17 @@ class JetStreamRelay:
         """Return once this relay holds the lease (TimeoutError after ``timeout``)."""
         with anyio.fail_after(timeout):
             await self._became_active.wait()
+
+    async def wait_synced(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Return once this relay holds the lease and its sources are synced (TimeoutError after ``timeout``)."""
+        with anyio.fail_after(timeout):
+            while True:
+                await self._became_active.wait()
+                client = self.client
+                if client is not None:
+                    await client.wait_synced(timeout)
+                    return
+                await anyio.sleep(0.01)
 
     def stats(self) -> RelayStats:
         """A snapshot of the relay's counters."""
@@ -1012,6 +1103,7 @@ class _Publisher:
 
     def removed(self, key: WorkerKey, reason: str) -> None:
         self.prev.pop(key, None)
+        self.relay._counts["removals"] += 1
         self._lifecycle(key, _Removed(key.worker_id, key.dp_rank, reason))
 
     def _flush_group(self) -> None:
@@ -1055,8 +1147,10 @@ class _Publisher:
             raise _Restart(f"events buffer overflowed ({ev.dropped} dropped)")
         if isinstance(ev, Reset):
             self.prev[key] = None
+            self.relay._counts["resets"] += 1
             self._lifecycle(key, _Reset(key.worker_id, key.dp_rank, ev.reason, ev.detail))
         elif isinstance(ev, Partial):
+            self.relay._counts["partials"] += 1
             self._lifecycle(key, _Partial(key.worker_id, key.dp_rank, ev.reason, ev.first_seq))
         elif isinstance(ev, Removed):
             self.removed(key, ev.reason)

@@ -115,10 +115,11 @@ def answers(index: PrefixIndex, queries: list[tuple[int, ...]]) -> list[dict[Wor
     return [{w: s for w, s in index.find_matches(q).items() if s} for q in queries]
 
 
-def assert_same(a: PrefixIndex, b: PrefixIndex, queries: list[tuple[int, ...]]) -> None:
-    assert a.workers() == b.workers()
-    assert digest(a) == digest(b)
-    assert answers(a, queries) == answers(b, queries)
+def assert_same(a: PrefixIndex, b: PrefixIndex, queries: list[tuple[int, ...]], note: object = None) -> None:
+    """Same workers, same snapshot digest, same answer to every query (``note`` is shown on failure)."""
+    assert a.workers() == b.workers(), note
+    assert digest(a) == digest(b), note
+    assert answers(a, queries) == answers(b, queries), note
 
 
 async def replica_at(replica: JetStreamReplica, last: Mapping[WorkerKey, int], timeout: float = 20.0) -> None:  # noqa: ASYNC109
@@ -228,7 +229,7 @@ async def test_three_replicas_and_a_direct_client_agree(nats_server: NatsServer)
             JetStreamReplica(nats_server.url, stream="T") as r1,
             JetStreamReplica(nats_server.url, stream="T") as r2,
         ):
-            await relay.wait_active(10)
+            await relay.wait_synced(10)
             await _steady(fleet, 20)
             # The third replica starts later, from a snapshot and the rest of the log.
             await wait_for(lambda: relay.stats().snapshots > 0, "a snapshot was written")
@@ -265,7 +266,7 @@ async def test_nats_server_restart_loses_and_doubles_nothing(nats_server: NatsSe
             ) as relay,
             JetStreamReplica(nats_server.url, stream="R") as replica,
         ):
-            await relay.wait_active(10)
+            await relay.wait_synced(10)
             await _steady(fleet, 10)
             await replica_at(replica, fleet.last())
             # The server goes away (file storage) while the engines keep publishing; their replay
@@ -278,8 +279,8 @@ async def test_nats_server_restart_loses_and_doubles_nothing(nats_server: NatsSe
             last = fleet.last()
             await client_at(direct, last)
             await replica_at(replica, last, timeout=40)
-            assert_same(replica.index, direct.index, fleet.queries())
             st = replica.stats()
+            assert_same(replica.index, direct.index, fleet.queries(), note=(st, relay.stats()))
             assert (st.gaps, st.stream_gaps, st.undecodable, st.duplicates) == (0, 0, 0, 0)
             assert not replica.partial_workers()
             assert relay.stats().sessions >= 2  # the relay resumed from the log after the outage
@@ -301,7 +302,7 @@ async def test_a_replica_back_after_the_engines_buffers_wrapped_is_exact(nats_se
         async with (
             JetStreamRelay(nats_server.url, fleet.sources(), stream="B", config=FAST, snapshot_interval=0.3) as relay,
         ):
-            await relay.wait_active(10)
+            await relay.wait_synced(10)
             async with JetStreamReplica(nats_server.url, stream="B") as replica:
                 await _steady(fleet, 4)
                 await replica_at(replica, fleet.last())
@@ -315,7 +316,7 @@ async def test_a_replica_back_after_the_engines_buffers_wrapped_is_exact(nats_se
                 await client_at(late_direct, last)
                 await replica_at(back, last)
                 assert all(late_direct.worker_status(k).partial for k in last)  # type: ignore[union-attr]
-                assert not back.partial_workers() and back.stats().gaps == 0
+                assert not back.partial_workers() and back.stats().gaps == 0, (back.stats(), relay.stats())
                 truth = PrefixIndex()
                 for i, pub in enumerate(fleet.pubs):
                     for batch in pub.history:
