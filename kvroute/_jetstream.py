@@ -49,7 +49,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -58,6 +58,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 import msgspec
+import sniffio
 
 from ._client import KvEventClient
 from ._discovery import DiscoveryOptions
@@ -75,7 +76,11 @@ log = logging.getLogger("kvroute.jetstream")
 
 T = TypeVar("T")
 
-_SNAPSHOT_OBJECT: Final = "index"
+#: The meta bucket's key naming the newest snapshot object (objects are never rewritten in place: a
+#: replica reading one while the relay writes the next would wait for chunks that are gone).
+_SNAPSHOT_KEY: Final = "snapshot"
+#: Snapshot objects kept: the newest and the ones before it, which a slow reader may still be reading.
+_SNAPSHOTS_KEPT: Final = 3
 _LEASE_KEY: Final = "leader"
 _SNAPSHOT_FORMAT: Final = 1
 
@@ -161,19 +166,31 @@ def _nats() -> Any:
 
 
 class _NatsLoop:
-    """One NATS connection on its own asyncio loop in a daemon thread, callable from any anyio backend."""
+    """One NATS connection, callable from any anyio backend.
+
+    On asyncio, nats-py runs on the caller's own loop (no thread: a second thread would hand the
+    GIL back and forth on every wake-up). On trio, it runs on an asyncio loop in a daemon thread.
+    """
 
     def __init__(self, servers: Sequence[str], name: str) -> None:
         self.servers = list(servers)
         self.name = name
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=f"nats-{name}", daemon=True)
+        self.threaded = True
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self.nc: Any = None
         self.js: Any = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, connect_timeout: float) -> None:
-        """Start the loop and connect (nats-py then reconnects on its own, forever)."""
-        self._thread.start()
+        """Start the loop (trio) and connect (nats-py then reconnects on its own, forever)."""
+        self.threaded = sniffio.current_async_library() != "asyncio"
+        if self.threaded:
+            self.loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self.loop.run_forever, name=f"nats-{self.name}", daemon=True)
+            self._thread.start()
+        else:
+            self.loop = asyncio.get_running_loop()
         nats = _nats()
 
         async def quiet(_exc: Exception) -> None:
@@ -199,6 +216,9 @@ class _NatsLoop:
 
     async def call(self, coro: Awaitable[T]) -> T:
         """Run ``coro`` on the NATS loop and wait for its result (cancelling the caller cancels it)."""
+        if not self.threaded:
+            return await coro
+        assert self.loop is not None
         fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
         try:
             return await anyio.to_thread.run_sync(fut.result, abandon_on_cancel=True)
@@ -206,19 +226,84 @@ class _NatsLoop:
             fut.cancel()
             raise
 
+    def post(self, fn: Callable[..., object], *args: object) -> None:
+        """Call ``fn(*args)`` soon on the NATS loop, without waiting (from the caller's thread)."""
+        assert self.loop is not None
+        if self.threaded:
+            self.loop.call_soon_threadsafe(fn, *args)
+        else:
+            self.loop.call_soon(fn, *args)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` as a task on the NATS loop (call it from that loop), cancelled by `close`."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def signal(self) -> _Signal:
+        """A wake-up the NATS loop sets and the caller's side waits on."""
+        return _Signal(self.threaded)
+
     async def close(self) -> None:
         """Drop the connection (without waiting on a dead server) and stop the loop."""
+        tasks = list(self._tasks)
+        if tasks and self.loop is not None:
+
+            async def cancel() -> None:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+            with contextlib.suppress(Exception):
+                await self.call(cancel())
         if self.nc is not None:
             nc, self.nc = self.nc, None
             with contextlib.suppress(Exception):
                 await self.call(asyncio.wait_for(nc.close(), 2.0))
-        if self._thread.is_alive():
-            with contextlib.suppress(Exception):
-                await self.call(asyncio.wait_for(_cancel_all(), 2.0))
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            await anyio.to_thread.run_sync(self._thread.join, 5.0)
-        if not self.loop.is_running():
-            self.loop.close()
+        if self._thread is not None and self.loop is not None:
+            if self._thread.is_alive():
+                with contextlib.suppress(Exception):
+                    await self.call(asyncio.wait_for(_cancel_all(), 2.0))
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                await anyio.to_thread.run_sync(self._thread.join, 5.0)
+            if not self.loop.is_running():
+                self.loop.close()
+
+
+class _Signal:
+    """Set on the NATS loop, awaited by the caller: a threading.Event across threads, an anyio.Event on one loop."""
+
+    def __init__(self, threaded: bool) -> None:
+        self._threaded = threaded
+        self._event = threading.Event()
+        self._flag = False
+        self._waiter: anyio.Event | None = None
+
+    def set(self) -> None:
+        """Wake the waiter (from the NATS loop)."""
+        if self._threaded:
+            self._event.set()
+        else:
+            self._flag = True
+            if self._waiter is not None:
+                self._waiter.set()
+
+    def clear(self) -> None:
+        """Forget a past wake-up (the waiter then re-checks what it waits for)."""
+        self._event.clear()
+        self._flag = False
+
+    async def wait(self, timeout: float) -> None:  # noqa: ASYNC109 (a short poll bound, not an API timeout)
+        """Wait until set, at most ``timeout`` seconds."""
+        if self._threaded:
+            await anyio.to_thread.run_sync(self._event.wait, timeout, abandon_on_cancel=True)
+            return
+        if self._flag:
+            return
+        self._waiter = anyio.Event()
+        with anyio.move_on_after(timeout):
+            await self._waiter.wait()
+        self._waiter = None
 
 
 async def _cancel_all() -> None:
@@ -263,11 +348,11 @@ async def _object_store(js: Any, stream: str, *, create: bool) -> Any:
 async def _lease_bucket(js: Any, stream: str, *, create: bool) -> Any:
     nats = _nats()
     try:
-        return await js.key_value(f"{stream}_lease")
+        return await js.key_value(f"{stream}_meta")
     except nats.js.errors.NotFoundError:
         if not create:
             return None
-        return await js.create_key_value(bucket=f"{stream}_lease", history=1)
+        return await js.create_key_value(bucket=f"{stream}_meta", history=1)
 
 
 class _Follower:
@@ -279,7 +364,7 @@ class _Follower:
     in memory, is gone), recreates the consumer from the sequence after the last record taken.
     """
 
-    def __init__(self, nl: _NatsLoop, stream: str, queue: deque[tuple[int, bytes]], ready: threading.Event) -> None:
+    def __init__(self, nl: _NatsLoop, stream: str, queue: deque[tuple[int, bytes]], ready: _Signal) -> None:
         self.nl = nl
         self.stream = stream
         self.queue = queue
@@ -297,7 +382,7 @@ class _Follower:
         info = await self.nl.js.stream_info(self.stream)
         self.sseq = start - 1
         await self._create()
-        asyncio.get_running_loop().create_task(self._watchdog())
+        self.nl.spawn(self._watchdog())
         return int(info.state.last_seq)
 
     async def _create(self) -> None:
@@ -435,7 +520,7 @@ class JetStreamReplica:
         self._target: int | None = None
         self._counts = {"batches": 0, "duplicates": 0, "gaps": 0, "stream_gaps": 0, "undecodable": 0, "resets": 0}
         self._queue: deque[tuple[int, bytes]] = deque()
-        self._ready = threading.Event()
+        self._ready = _Signal(threaded=True)  # replaced by the connection's kind in start()
         self._nats: _NatsLoop | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._changed: anyio.Event | None = None
@@ -492,18 +577,21 @@ class JetStreamReplica:
 
     async def _load_snapshot(self, nl: _NatsLoop) -> None:
         async def fetch() -> tuple[bytes, str] | None:
-            store = await _object_store(nl.js, self.stream, create=False)
-            if store is None:
-                return None
             nats = _nats()
+            meta = await _lease_bucket(nl.js, self.stream, create=False)
+            store = await _object_store(nl.js, self.stream, create=False)
+            if meta is None or store is None:
+                return None
             try:
-                res = await store.get(_SNAPSHOT_OBJECT)
-            except nats.js.errors.ObjectNotFoundError:
+                name = (await meta.get(_SNAPSHOT_KEY)).value.decode()
+                res = await store.get(name)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.ObjectNotFoundError):
                 return None
             return bytes(res.data), res.info.description or ""
 
         try:
-            got = await nl.call(fetch())
+            # Bounded: an object deleted while it is read (three snapshots later) would never complete.
+            got = await nl.call(asyncio.wait_for(fetch(), 60.0))
         except Exception as exc:
             raise JetStreamError(f"cannot read the snapshot of {self.stream}: {exc!r}") from exc
         if got is None:
@@ -526,6 +614,7 @@ class JetStreamReplica:
         self.position = self._snapshot_seq = info.stream_seq
 
     async def _subscribe(self, nl: _NatsLoop) -> None:
+        self._ready = nl.signal()
         follower = _Follower(nl, self.stream, self._queue, self._ready)
         try:
             self._target = await nl.call(follower.open(self.position + 1))
@@ -546,7 +635,7 @@ class JetStreamReplica:
             ready.clear()
             if queue:
                 continue
-            await anyio.to_thread.run_sync(ready.wait, 0.5, abandon_on_cancel=True)
+            await ready.wait(0.5)
 
     async def _apply_loop(self) -> None:
         if self.synced:
@@ -1066,10 +1155,23 @@ class JetStreamRelay:
         assert nl is not None and mirror is not None
         data, info = mirror.snapshot_bytes()
         nats = _nats()
-        meta = nats.js.api.ObjectMeta(name=_SNAPSHOT_OBJECT, description=msgspec.json.encode(info).decode())
-        store = self._store
+        name = f"index-{info.stream_seq}"
+        meta = nats.js.api.ObjectMeta(name=name, description=msgspec.json.encode(info).decode())
+        store, kv = self._store, self._kv
+
+        async def put() -> None:
+            await store.put(name, data, meta=meta)
+            await kv.put(_SNAPSHOT_KEY, name.encode())
+            # Older objects go once newer ones exist (a reader holds at most one of them, briefly).
+            old = sorted(
+                (o.name for o in await store.list() if o.name.startswith("index-") and not o.deleted),
+                key=lambda n: int(n.split("-", 1)[1]),
+            )
+            for stale in old[:-_SNAPSHOTS_KEPT]:
+                await store.delete(stale)
+
         try:
-            await nl.call(store.put(_SNAPSHOT_OBJECT, data, meta=meta))
+            await nl.call(put())
         except Exception as exc:
             log.warning("relay %s: snapshot not written: %r", self.name, exc)
             return self._counts["snapshot_seq"]
@@ -1160,36 +1262,102 @@ class _Publisher:
         relay = self.relay
         nl = relay._nats
         assert nl is not None
-        while True:
-            # Take what is buffered without waiting; wait only when nothing is pending.
-            while len(self.out) < 20_000:
-                env = None
-                with anyio.move_on_after(0 if (self._group or self.out or self._kicked) else 0.5):
-                    env = await stream.__anext__()
-                if env is None:
-                    break
-                self.take(env)
-            self._flush_group()
-            self._kicked = False
-            if not self.out:
-                continue
-            out, self.out = self.out, []
-            try:
-                dup = await nl.call(_publish_all(nl.js, out, relay._publish_timeout))
-            except Exception as exc:
-                raise _Restart(f"publish failed: {exc!r}") from exc
-            relay._counts["duplicates"] += dup
+        outbox = _Outbox(nl, relay._publish_timeout)
+        duplicates_before = relay._counts["duplicates"]
+        try:
+            while True:
+                if self._group or self.out or self._kicked:
+                    # Take what is buffered without waiting (a batch ends where the buffer does).
+                    while stream.pending and len(self.out) < 20_000:
+                        self.take(await stream.__anext__())
+                else:
+                    with anyio.move_on_after(0.5):
+                        self.take(await stream.__anext__())
+                    continue
+                self._flush_group()
+                self._kicked = False
+                if outbox.failed is not None:
+                    raise _Restart(f"publish failed: {outbox.failed!r}")
+                if self.out:
+                    out, self.out = self.out, []
+                    outbox.post(out)
+                # Back-pressure: at most `_WINDOW` records await their acks.
+                while outbox.unacked > _WINDOW and outbox.failed is None:  # noqa: ASYNC110 (a thread's counter)
+                    await anyio.sleep(0.001)
+                relay._counts["duplicates"] = duplicates_before + outbox.duplicates
+        finally:
+            # Whatever is still in flight lands (or fails) before the next session reads the log.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(relay._publish_timeout + 1):
+                await nl.call(outbox.drain())
 
 
-async def _publish_all(js: Any, msgs: list[tuple[str, bytes, str]], timeout: float) -> int:  # noqa: ASYNC109 (asyncio side)
-    """Publish ``msgs`` in order, pipelined; wait for every ack. Returns how many were duplicates."""
-    futures = []
-    try:
-        for subject, data, msg_id in msgs:
-            futures.append(await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id}, wait_stall=timeout))
-        acks = await asyncio.wait_for(asyncio.gather(*futures), timeout)
-    except BaseException:
-        for f in futures:
-            f.cancel()
-        raise
-    return sum(1 for a in acks if a.duplicate)
+#: Records published but not yet acknowledged, at most (the relay's publish pipeline depth).
+_WINDOW: Final = 50_000
+
+
+class _Outbox:
+    """The relay's publisher on the NATS loop: records posted without waiting, published in order, acks checked.
+
+    ``failed`` is set by the first record not acknowledged within ``timeout`` (or refused): the
+    session must then start over from what the log holds.
+    """
+
+    def __init__(self, nl: _NatsLoop, timeout: float) -> None:
+        self.nl = nl
+        self.timeout = timeout
+        self.posted = 0
+        self.acked = 0
+        self.duplicates = 0
+        self.failed: BaseException | None = None
+        self._tail_sent: asyncio.Event | None = None
+        self._acks: set[asyncio.Task[None]] = set()
+
+    @property
+    def unacked(self) -> int:
+        """Records posted and not yet acknowledged."""
+        return self.posted - self.acked
+
+    def post(self, msgs: list[tuple[str, bytes, str]]) -> None:
+        """Queue ``msgs`` for publishing after everything posted before (returns at once; any thread)."""
+        self.posted += len(msgs)
+        self.nl.post(self._start, msgs)
+
+    def _start(self, msgs: list[tuple[str, bytes, str]]) -> None:
+        # Chained: a job hands its records to the connection only after the previous job did.
+        prev, sent = self._tail_sent, asyncio.Event()
+        self._tail_sent = sent
+        task = asyncio.get_running_loop().create_task(self._publish(prev, sent, msgs))
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
+
+    async def _publish(
+        self, prev: asyncio.Event | None, sent: asyncio.Event, msgs: list[tuple[str, bytes, str]]
+    ) -> None:
+        js = self.nl.js
+        futures = []
+        try:
+            if prev is not None:
+                await prev.wait()
+            for subject, data, msg_id in msgs:
+                if self.failed is not None:
+                    return  # the session restarts: publish nothing after a failure
+                futures.append(
+                    await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id}, wait_stall=self.timeout)
+                )
+            sent.set()
+            acks = await asyncio.wait_for(asyncio.gather(*futures), self.timeout)
+        except Exception as exc:
+            for f in futures:
+                f.cancel()
+            if self.failed is None:
+                self.failed = exc
+            return
+        finally:
+            sent.set()
+        self.duplicates += sum(1 for a in acks if a.duplicate)
+        self.acked += len(msgs)
+
+    async def drain(self) -> None:
+        """Wait for every posted job to be acknowledged or failed."""
+        while self._acks:
+            await asyncio.gather(*list(self._acks), return_exceptions=True)
