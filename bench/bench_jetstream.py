@@ -133,8 +133,8 @@ async def run(args: argparse.Namespace) -> None:
     if nats is None:
         raise SystemExit("nats-server is not installed (apt-get install nats-server)")
     n_sources = 4
-    n_batches = 2_000 if args.quick else 25_000  # per source: ~40 blocks each
-    paced = 200 if args.quick else 2_500
+    n_batches = 2_000 if args.quick else 6_500  # per source, ~40 blocks each: >= 1M index entries
+    paced = 200 if args.quick else 500
     payloads, blocks = make_payloads(n_batches * n_sources, n_sources, seed=1)
     paced_payloads, _ = make_payloads(paced * n_sources, n_sources, seed=2)
     all_payloads = [a + b for a, b in zip(payloads, paced_payloads)]
