@@ -32,8 +32,9 @@ holder waits until its mirror has read the whole log, then resumes its engines' 
 positions the log holds (`KvEventClient` warm restart: identity check, replay since there), so no
 batch is lost (the engines' replay buffers cover the handover) and none is doubled (dedup ids).
 
-nats-py is asyncio-only: each relay and replica runs its NATS connection on its own asyncio event
-loop in a thread (as grpcio runs behind worker threads), so callers on asyncio and trio both work.
+nats-py is asyncio-only: under asyncio it runs on the caller's loop; under trio each relay and
+replica runs its NATS connection on an asyncio loop in a thread (as grpcio runs behind worker
+threads), so callers on both anyio backends work.
 """
 
 from __future__ import annotations
@@ -197,14 +198,19 @@ class _NatsLoop:
             log.debug("nats %s: %s", self.name, _exc)
 
         async def connect() -> None:
-            self.nc = await nats.connect(
-                servers=self.servers,
-                name=self.name,
-                connect_timeout=connect_timeout,
-                reconnect_time_wait=0.2,
-                max_reconnect_attempts=-1,
-                error_cb=quiet,
-                pending_size=64 * 1024 * 1024,
+            # Reconnects are unlimited once connected; the first connect is bounded (nats-py would
+            # retry it forever too).
+            self.nc = await asyncio.wait_for(
+                nats.connect(
+                    servers=self.servers,
+                    name=self.name,
+                    connect_timeout=connect_timeout,
+                    reconnect_time_wait=0.2,
+                    max_reconnect_attempts=-1,
+                    error_cb=quiet,
+                    pending_size=64 * 1024 * 1024,
+                ),
+                connect_timeout,
             )
             self.js = self.nc.jetstream(timeout=connect_timeout)
 
@@ -493,8 +499,9 @@ class JetStreamReplica:
     follows it live. ``await replica.wait_synced(t)`` returns once it has applied everything the
     log held when it subscribed. It is a router's `WorkerStates` (``Router(replica.index,
     replica)``): every worker named by the log is live; a worker's ``partial`` flag is the relay's
-    (or set by a gap in the log). The NATS connection reconnects by itself; its consumer resumes
-    from the next sequence (nats-py's ordered consumer).
+    (or set by a gap in the log). The NATS connection reconnects by itself; its consumer is
+    recreated from the next sequence after a skipped delivery or a silent server (`_Follower`).
+    A replica started before any relay created the stream waits for it.
     """
 
     def __init__(
@@ -1182,7 +1189,7 @@ class JetStreamRelay:
 
 
 class _Publisher:
-    """One session's ordered publishing: envelopes → log records, one job in flight, the next one filling."""
+    """One session's ordered publishing: envelopes → log records, posted to an `_Outbox` in order."""
 
     def __init__(self, relay: JetStreamRelay, session: str, prev: dict[WorkerKey, int]) -> None:
         self.relay = relay

@@ -414,3 +414,11 @@ async def test_standby_relay_takes_over_when_the_active_one_is_killed(nats_serve
                 for p in procs.values():
                     if p.returncode is None:
                         p.kill()
+
+
+def test_relay_command_exit_codes() -> None:
+    from kvroute.cli import main
+
+    assert main(["relay", "127.0.0.1:1", "--lease-ttl", "0"]) == 2
+    # No NATS server there: the first connect is bounded and reported, not retried forever.
+    assert main(["relay", "127.0.0.1:1", "--nats", f"nats://127.0.0.1:{_free_port()}", "--duration", "1"]) == 1
