@@ -8,15 +8,18 @@ touches; every module is private. Simulated engines for tests and demos live in 
 The client and its settings:
 
 - `KvEventClient`: follows engines (static `EventSource`s or discovered targets), keeps a `PrefixIndex`
-  current, streams `Envelope`s (`EventStream`); `ClientStats`, `SourceStats`, `TotalStats` are its counters.
+  current, streams `Envelope`s (`EventStream`); `ClientStats` / `TotalStats` are its counters.
 - `SubscriberConfig` (sockets, replay, memory), `Limits` (decode caps), `DiscoveryOptions` and `TlsConfig`
   (how targets are asked), `discover` (ask one target), `IndexLimits` (the index's bounds).
-- `EventSource` (one publisher), `WorkerKey` (an engine rank), `WorkerStatus` / `WorkerStates` (what the
+- `EventSource` (one publisher), `WorkerKey` (an engine rank), `WorkerStatus` (what the
   router trusts), `Cursor` (a source's position, for warm restarts).
 
-Routing: `Router` (`RoutingDecision`), `CostModel`, `LoadPolicy`, `MultimodalItem`, `chain_keys`.
+Routing: `Router` (`RoutingDecision`), `CostModel`, `LoadPolicy`, `MultimodalItem`, `chain_keys`;
+`follow_engine_metrics` feeds the engines' own load (Prometheus) to the router.
 
-Events: `EventBatch` of `EngineEvent`s (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), `decode_batch` /
+Replicas: `JetStreamRelay` republishes what a client applied to NATS JetStream; `JetStreamReplica` follows it.
+
+Events: `EventBatch` of events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), `decode_batch` /
 `encode_batch`; lifecycle events a router reacts to: `Synced`, `Partial`, `Reset`, `Removed`,
 `Disconnected`, `Overflow`. Metrics: `KvRouteCollector`.
 
@@ -47,18 +50,17 @@ from ._errors import (
 from ._events import Disconnected, Envelope, Overflow, Partial, Removed, Reset, Synced
 from ._hashing import MultimodalItem, chain_keys
 from ._index import IndexLimits, PrefixIndex
-from ._load import LoadPolicy
+from ._jetstream import JetStreamRelay, JetStreamReplica
+from ._load import LoadPolicy, follow_engine_metrics
 from ._metrics import KvRouteCollector
-from ._models import EventSource, WorkerKey, WorkerStates, WorkerStatus
+from ._models import EventSource, WorkerKey, WorkerStatus
 from ._router import CostModel, Router, RoutingDecision
 from ._snapshot import Cursor
 from ._subscriber import SubscriberConfig
-from ._transports._base import SourceStats
 from ._wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    EngineEvent,
     EventBatch,
     Limits,
     decode_batch,
@@ -79,12 +81,13 @@ __all__ = [
     "Disconnected",
     "DiscoveryError",
     "DiscoveryOptions",
-    "EngineEvent",
     "Envelope",
     "EventBatch",
     "EventSource",
     "EventStream",
     "IndexLimits",
+    "JetStreamRelay",
+    "JetStreamReplica",
     "KvEventClient",
     "KvRouteCollector",
     "KvRouteError",
@@ -101,18 +104,17 @@ __all__ = [
     "Router",
     "RoutingDecision",
     "SnapshotError",
-    "SourceStats",
     "SubscriberConfig",
     "Synced",
     "TlsConfig",
     "TotalStats",
     "WorkerKey",
-    "WorkerStates",
     "WorkerStatus",
     "chain_keys",
     "decode_batch",
     "discover",
     "encode_batch",
+    "follow_engine_metrics",
 ]
 
 # Public until 0.1, deprecated now: name -> the private module that holds it. Each still imports
@@ -128,6 +130,7 @@ _DEPRECATED: dict[str, str] = {
     "DISK": "kvroute._models",
     "ENGINES": "kvroute._discovery",
     "EXTERNAL": "kvroute._models",
+    "EngineEvent": "kvroute._wire",
     "EngineLoad": "kvroute._load",
     "EngineLoads": "kvroute._load",
     "EventsDisabledError": "kvroute._errors",
@@ -151,10 +154,12 @@ _DEPRECATED: dict[str, str] = {
     "SourceCounters": "kvroute._transports._base",
     "SourceDiff": "kvroute._discovery",
     "SourceState": "kvroute._models",
+    "SourceStats": "kvroute._transports._base",
     "TIERS": "kvroute._models",
     "TargetUnreachableError": "kvroute._errors",
     "TooManySourcesError": "kvroute._errors",
     "UnusableSourceError": "kvroute._errors",
+    "WorkerStates": "kvroute._models",
     "diff_sources": "kvroute._discovery",
     "discover_with": "kvroute._discovery",
     "follow_target": "kvroute._discovery",

@@ -57,6 +57,11 @@ class EventStream:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    @property
+    def pending(self) -> int:
+        """Envelopes waiting to be taken: that many `__anext__` calls return without waiting."""
+        return len(self._buffer) + (1 if self._unreported else 0)
+
     def __aiter__(self) -> EventStream:
         return self
 

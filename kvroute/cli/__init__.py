@@ -6,6 +6,7 @@ One module per subcommand, each registering its own flags beside the code it dri
 - ``discover`` (`_discover`): ask engines' gRPC servers for their KV-event sources;
 - ``watch`` (`_watch`): follow engines' KV events, a live table per worker or JSON lines;
 - ``sim`` (`_sim`): run one simulated engine in the foreground;
+- ``relay`` (`_relay`): republish engines' KV events to NATS JetStream for router replicas;
 - ``demo``: routing policies over simulated engines, in three steps: `_demo_run` (fleet,
   policies, measurement, faults; `run_demo`), `_demo_report` (progress and the results table)
   and `_demo_plot` (the matplotlib figure); `_demo` holds its flags. `_workload` builds the
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser with every subcommand registered."""
     from ._demo import register as register_demo
     from ._discover import register as register_discover
+    from ._relay import register as register_relay
     from ._sim import register as register_sim
     from ._watch import register as register_watch
 
@@ -82,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_discover(sub)
     register_watch(sub)
     register_sim(sub)
+    register_relay(sub)
     return parser
 
 

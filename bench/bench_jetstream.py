@@ -1,0 +1,244 @@
+"""Router replicas on NATS JetStream: relay throughput to three replicas, apply lag, replica cold start.
+
+Run: python bench/bench_jetstream.py [--quick] [--backend asyncio|trio]   (needs ``nats-server`` on PATH)
+
+One run, every figure with its baseline beside it (the machine is shared and noisy):
+
+- baseline: decode + apply_batch of the same payloads in a loop (what one core can index);
+- throughput: a separate publisher process sends pre-encoded payloads over ZMQ as fast as it can
+  (bench_e2e's engines); one `JetStreamRelay` follows them and publishes to a real ``nats-server -js``
+  (file storage); three `JetStreamReplica` processes apply the log. Figure: blocks per second from
+  the first send to the last replica holding the last batch;
+- apply lag: the same at a paced rate; lag = replica apply time - publisher send time, per batch,
+  p50 / p99 over the three replicas;
+- cold start: a fresh replica process from the relay's snapshot (the whole index, >= 1M entries
+  in a full run) plus the log after it, until synced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import multiprocessing.connection
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import zmq
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_e2e import index_only, make_payloads
+
+from kvroute import EventSource, JetStreamRelay, JetStreamReplica, SubscriberConfig, WorkerKey
+
+STREAM = "BENCH"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Connection) -> None:
+    """Engines: one PUB per source; each round sends ``payloads[s][lo:hi]`` at ``rate`` batches/s (0: flat out)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    socks = []
+    for _ in payloads:
+        sock: zmq.Socket[bytes] = ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind("tcp://127.0.0.1:0")
+        socks.append(sock)
+    conn.send([s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in socks])  # type: ignore[union-attr]
+    while True:
+        cmd = conn.recv()
+        if cmd is None:
+            break
+        lo, hi, rate = cmd
+        sent: list[tuple[int, int, float]] = []
+        t0 = time.perf_counter()
+        n = 0
+        for i in range(lo, hi):
+            seq8 = i.to_bytes(8, "big")
+            for s, (sock, ps) in enumerate(zip(socks, payloads)):
+                if rate:
+                    due = t0 + n / rate
+                    while time.perf_counter() < due:
+                        pass
+                sent.append((s, i, time.time()))
+                sock.send_multipart([b"", seq8, ps[i]])
+                n += 1
+        conn.send(sent)
+    for sock in socks:
+        sock.close()
+    ctx.term()
+
+
+def _replica_process(url: str, conn: multiprocessing.connection.Connection, backend: str) -> None:
+    """A replica in its own process: reports apply times per (worker, seq) until told to stop."""
+
+    async def main() -> None:
+        applied: dict[tuple[int, int], float] = {}
+
+        def on_applied(_sseq: int, key: WorkerKey, seq: int | None) -> None:
+            if seq is not None:
+                applied[(int(key.worker_id[1:]), seq)] = time.time()
+
+        t0 = time.perf_counter()
+        async with JetStreamReplica(url, stream=STREAM) as replica:
+            replica.on_applied = on_applied
+            await replica.wait_synced(120)
+            ready = time.perf_counter() - t0
+            conn.send(("synced", ready, replica.index.stats().entries, replica.stats().snapshot_seq))
+            while True:
+                want = await anyio.to_thread.run_sync(conn.recv)
+                if want is None:
+                    return
+                # Wait until every worker holds its last seq, then report this round's apply times.
+                with anyio.fail_after(600):
+                    while True:
+                        cur = replica.cursors()
+                        if all(
+                            cur.get(WorkerKey(f"w{s}", 0)) and cur[WorkerKey(f"w{s}", 0)].seq >= last
+                            for s, last in want.items()
+                        ):
+                            break
+                        await anyio.sleep(0.005)
+                conn.send((time.time(), applied))
+                applied = {}
+
+    anyio.run(main, backend=backend)
+
+
+def _spawn_replica(url: str, backend: str) -> tuple[mp.process.BaseProcess, multiprocessing.connection.Connection]:
+    parent, child = mp.Pipe()
+    proc = mp.get_context("spawn").Process(target=_replica_process, args=(url, child, backend))
+    proc.start()
+    return proc, parent
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def run(args: argparse.Namespace) -> None:
+    nats = shutil.which("nats-server")
+    if nats is None:
+        raise SystemExit("nats-server is not installed (apt-get install nats-server)")
+    n_sources = 4
+    n_batches = 2_000 if args.quick else 6_500  # per source, ~40 blocks each: >= 1M index entries
+    paced = 200 if args.quick else 500
+    payloads, blocks = make_payloads(n_batches * n_sources, n_sources, seed=1)
+    paced_payloads, _ = make_payloads(paced * n_sources, n_sources, seed=2)
+    all_payloads = [a + b for a, b in zip(payloads, paced_payloads)]
+    base = index_only(payloads)
+    print(f"baseline: decode + apply of {blocks:,} blocks in one loop: {blocks / base:,.0f} blocks/s")
+
+    store = Path(tempfile.mkdtemp(prefix="kvroute-bench-js-"))
+    port = _free_port()
+    server = subprocess.Popen(  # noqa: ASYNC220 (started once, before anything runs)
+        [nats, "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"nats://127.0.0.1:{port}"
+    parent, child = mp.Pipe()
+    pub = mp.get_context("spawn").Process(target=_publisher, args=(all_payloads, child))
+    pub.start()
+    replicas: list[tuple[mp.process.BaseProcess, multiprocessing.connection.Connection]] = []
+    try:
+        await anyio.sleep(0.5)
+        endpoints = parent.recv()
+        sources = [EventSource(worker_id=f"w{i}", endpoint=ep, hwm=0) for i, ep in enumerate(endpoints)]
+        config = SubscriberConfig(quiet_interval=3600.0)
+        async with JetStreamRelay(url, sources, stream=STREAM, config=config, snapshot_interval=3600.0) as relay:
+            await relay.wait_active(20)
+            replicas = [_spawn_replica(url, args.backend) for _ in range(3)]
+            for _, conn in replicas:
+                await anyio.to_thread.run_sync(conn.recv)  # synced on the empty log
+            client = relay.client
+            assert client is not None
+            with anyio.fail_after(30):
+                while client.stats().totals.connected < n_sources:  # noqa: ASYNC110 (a bench may poll)
+                    await anyio.sleep(0.01)
+            await anyio.sleep(0.3)  # subscriptions travel after the handshake
+
+            async def round_(lo: int, hi: int, rate: float) -> tuple[float, list[float]]:
+                want = {s: hi - 1 for s in range(n_sources)}
+                for _, conn in replicas:
+                    conn.send(want)
+                t0 = time.time()
+                parent.send((lo, hi, rate))
+                sent = await anyio.to_thread.run_sync(parent.recv)
+                sent_at = {(s, i): t for s, i, t in sent}
+                done, lags = t0, []
+                for _, conn in replicas:
+                    end, applied = await anyio.to_thread.run_sync(conn.recv)
+                    done = max(done, end)
+                    lags += [applied[k] - sent_at[k] for k in applied if k in sent_at]
+                return done - t0, lags
+
+            elapsed, lags = await round_(0, n_batches, 0)
+            print(
+                f"throughput: {blocks:,} blocks ({n_batches * n_sources:,} batches) engines -> relay -> NATS ->"
+                f" 3 replicas in {elapsed:.2f} s: {blocks / elapsed:,.0f} blocks/s"
+                f" ({blocks / elapsed / (blocks / base):.2f} x the one-loop baseline);"
+                f" lag at full speed p50 {_pct(lags, 0.5) * 1e3:.0f} ms, p99 {_pct(lags, 0.99) * 1e3:.0f} ms"
+            )
+            t0 = time.perf_counter()
+            seq = await relay.write_snapshot()
+            snap_s = time.perf_counter() - t0
+            rate = 0.25 * n_batches * n_sources / elapsed  # batches/s: a quarter of the measured maximum
+            _, lags = await round_(n_batches, n_batches + paced, rate)
+            print(
+                f"apply lag at {rate:,.0f} batches/s (~{rate * blocks / (n_batches * n_sources):,.0f} blocks/s):"
+                f" p50 {_pct(lags, 0.5) * 1e3:.1f} ms, p99 {_pct(lags, 0.99) * 1e3:.1f} ms,"
+                f" max {max(lags) * 1e3:.1f} ms"
+                f" over {len(lags):,} applies"
+            )
+            for proc, conn in replicas:
+                conn.send(None)
+                proc.join(10)
+            replicas = []
+            t0 = time.perf_counter()
+            cold = _spawn_replica(url, args.backend)
+            _, ready, entries, snap_seq = await anyio.to_thread.run_sync(cold[1].recv)
+            wall = time.perf_counter() - t0
+            cold[1].send(None)
+            cold[0].join(10)
+            mirror = relay.stats()
+            print(
+                f"cold start: snapshot at seq {seq} ({entries:,} index entries, written in {snap_s:.2f} s) + "
+                f"{mirror.records - snap_seq:,} records after it: synced {ready:.2f} s after start"
+                f" ({wall:.2f} s with the process spawn and imports)"
+            )
+            print(f"relay: {mirror}")
+    finally:
+        for proc, _conn in replicas:
+            proc.kill()
+        parent.send(None)
+        pub.join(10)
+        if pub.is_alive():
+            pub.kill()
+        server.terminate()
+        server.wait(10)
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small run (smoke test)")
+    parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    args = parser.parse_args()
+    anyio.run(run, args, backend=args.backend)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,427 @@
+"""Router replicas on NATS JetStream (docs/replicas.md), against a real ``nats-server -js``.
+
+Each test starts its own server on a free loopback port with a temporary storage directory
+(Debian's ``nats-server``; `.ci/run` installs it). The fleet is kvroute.sim's simulated engines;
+"identical" means the same snapshot digest and the same `find_matches` answer for every query.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import msgspec
+import pytest
+from _publisher_helpers import FAST, Workload, wait_for
+from anyio.streams.text import TextReceiveStream
+
+from kvroute import KvEventClient, PrefixIndex, WorkerKey
+from kvroute._jetstream import JetStreamRelay, JetStreamReplica, _Batch, _encode_record, _Partial, _Removed, _Reset
+from kvroute._snapshot import read_snapshot
+from kvroute._wire import BlockStored, EventBatch, encode_batch
+from kvroute.sim import EventPublisher, SimConfig, SimEngine
+
+NATS = shutil.which("nats-server")
+
+
+# --- a real server ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class NatsServer:
+    """``nats-server -js`` on loopback with file storage in ``store``; restartable on the same port."""
+
+    def __init__(self, store: Path) -> None:
+        self.store = store
+        self.port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        assert NATS is not None
+        self.proc = subprocess.Popen(
+            [NATS, "-js", "-sd", str(self.store), "-a", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.02)
+        raise RuntimeError("nats-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A fresh server per test (`.ci/run` installs Debian's nats-server; skipped where it is missing)."""
+    if NATS is None:
+        pytest.skip("nats-server is not installed (apt-get install nats-server)")
+    server = NatsServer(tmp_path / "jetstream")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# --- comparing indexes --------------------------------------------------------------------------------
+
+
+def digest(index: PrefixIndex) -> str:
+    """The index's snapshot, canonical (workers and tables sorted, no timestamp, no cursors), hashed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "snap"
+        index.snapshot(path, cursors={})
+        workers, _ = read_snapshot(path)
+    canon = sorted(
+        (
+            w.worker_id,
+            w.dp_rank,
+            sorted(w.classes),
+            w.primary,
+            sorted(zip(w.hashes, w.keys), key=repr),
+            sorted(w.special, key=repr),
+        )
+        for w in workers
+    )
+    return hashlib.sha256(msgspec.msgpack.encode(canon)).hexdigest()
+
+
+def answers(index: PrefixIndex, queries: list[tuple[int, ...]]) -> list[dict[WorkerKey, int]]:
+    return [{w: s for w, s in index.find_matches(q).items() if s} for q in queries]
+
+
+def assert_same(a: PrefixIndex, b: PrefixIndex, queries: list[tuple[int, ...]], note: object = None) -> None:
+    """Same workers, same snapshot digest, same answer to every query (``note`` is shown on failure)."""
+    assert a.workers() == b.workers(), note
+    assert digest(a) == digest(b), note
+    assert answers(a, queries) == answers(b, queries), note
+
+
+async def replica_at(replica: JetStreamReplica, last: Mapping[WorkerKey, int], timeout: float = 20.0) -> None:  # noqa: ASYNC109
+    """Wait until the replica applied each worker's batch ``last[worker]``."""
+    with anyio.fail_after(timeout):
+        while True:
+            cur = replica.cursors()
+            if all(k in cur and cur[k].seq == s for k, s in last.items()):
+                return
+            await anyio.sleep(0.02)
+
+
+async def client_at(client: KvEventClient, last: Mapping[WorkerKey, int], timeout: float = 20.0) -> None:  # noqa: ASYNC109
+    with anyio.fail_after(timeout):
+        while True:
+            cur = client.cursors()
+            if all(k in cur and cur[k].seq == s for k, s in last.items()) and all(
+                st.state == "synced" for st in client.stats().sources.values()
+            ):
+                return
+            await anyio.sleep(0.02)
+
+
+class Fleet:
+    """Simulated engine ranks (one `EventPublisher` each) with a seeded workload."""
+
+    def __init__(self, pubs: list[EventPublisher]) -> None:
+        self.pubs = pubs
+        self.loads = [Workload(seed=i) for i in range(len(pubs))]
+
+    def sources(self) -> list:  # type: ignore[type-arg]
+        return [p.source(f"w{i}") for i, p in enumerate(self.pubs)]
+
+    def step(self, n: int) -> None:
+        for _ in range(n):
+            for p, wl in zip(self.pubs, self.loads):
+                p.publish(wl.batch())
+
+    def last(self) -> dict[WorkerKey, int]:
+        return {WorkerKey(f"w{i}", 0): p.next_seq - 1 for i, p in enumerate(self.pubs)}
+
+    def queries(self) -> list[tuple[int, ...]]:
+        return [q for wl in self.loads for q in wl.probes]
+
+
+async def _steady(fleet: Fleet, rounds: int, per_round: int = 5) -> None:
+    for _ in range(rounds):
+        fleet.step(per_round)
+        await anyio.sleep(0.01)
+
+
+# --- the replica's rules, record by record (no server needed) ---------------------------------------
+
+
+def _batch(seq: int, prev: int | None, hashes: list[int], worker: str = "w") -> bytes:
+    ev = BlockStored(
+        block_hashes=hashes, parent_block_hash=None, token_ids=list(range(16 * len(hashes))), block_size=16
+    )
+    return _encode_record(
+        _Batch(worker, 0, seq, float(seq), prev, encode_batch(EventBatch(ts=float(seq), events=[ev])))
+    )
+
+
+def test_replica_rules_chain_duplicates_gaps_and_lifecycle() -> None:
+    r = JetStreamReplica(stream="T")
+    w = WorkerKey("w", 0)
+    r.apply_record(1, _batch(0, None, [1]))
+    r.apply_record(2, _batch(1, 0, [2]))
+    assert r.index.num_blocks(w) == 2 and r.cursors()[w].seq == 1 and not r.partial_workers()
+    # A duplicate (a relay overlap older than the server's dedup window) is skipped.
+    r.apply_record(3, _batch(1, 0, [2]))
+    assert r.stats().duplicates == 1 and r.index.num_blocks(w) == 2
+    # prev 3 but the replica holds up to 1: batches 2..3 are lost, the old state is not trusted.
+    r.apply_record(4, _batch(4, 3, [5]))
+    assert r.index.num_blocks(w) == 1 and w in r.partial_workers() and r.stats().gaps == 1
+    # A reset clears the worker and its partial flag; a partial record sets the flag again.
+    r.apply_record(5, _encode_record(_Reset("w", 0, "restart", "")))
+    assert r.index.num_blocks(w) == 0 and not r.partial_workers() and w not in r.cursors()
+    r.apply_record(6, _encode_record(_Partial("w", 0, "not-in-buffer", 7)))
+    r.apply_record(7, _batch(7, None, [9]))
+    assert w in r.partial_workers() and r.index.num_blocks(w) == 1
+    # A jump in the stream's own sequence (records lost to retention): every worker reset, partial.
+    r.apply_record(8, _batch(0, None, [11], worker="v"))
+    r.apply_record(10, _batch(8, 7, [12]))
+    assert r.stats().stream_gaps == 1 and r.index.num_blocks(WorkerKey("v", 0)) == 0
+    assert r.partial_workers() == {w, WorkerKey("v", 0)}
+    # Undecodable records are counted and skipped; removed drops the worker.
+    r.apply_record(11, b"\xc1garbage")
+    r.apply_record(12, _encode_record(_Removed("w", 0, "gone")))
+    assert r.stats().undecodable == 1 and w not in r.live_workers() and r.index.num_blocks(w) == 0
+    # A redelivered sequence is ignored.
+    r.apply_record(12, _encode_record(_Reset("v", 0, "restart", "")))
+    assert r.stats().resets == 1
+
+
+# --- end to end ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_three_replicas_and_a_direct_client_agree(nats_server: NatsServer) -> None:
+    async with EventPublisher() as p0, EventPublisher() as p1, EventPublisher() as p2:
+        fleet = Fleet([p0, p1, p2])
+        fleet.step(20)  # history before anything follows: replayed by the relay's cold start
+        async with (
+            KvEventClient(fleet.sources(), config=FAST) as direct,
+            JetStreamRelay(nats_server.url, fleet.sources(), stream="T", config=FAST, snapshot_interval=0.3) as relay,
+            JetStreamReplica(nats_server.url, stream="T") as r1,
+            JetStreamReplica(nats_server.url, stream="T") as r2,
+        ):
+            await relay.wait_synced(10)
+            await _steady(fleet, 20)
+            # The third replica starts later, from a snapshot and the rest of the log.
+            await wait_for(lambda: relay.stats().snapshots > 0, "a snapshot was written")
+            async with JetStreamReplica(nats_server.url, stream="T") as r3:
+                await r3.wait_synced(10)
+                assert r3.stats().snapshot_seq > 0
+                await _steady(fleet, 10)
+                last = fleet.last()
+                await client_at(direct, last)
+                for r in (r1, r2, r3):
+                    await replica_at(r, last)
+                    assert_same(r.index, direct.index, fleet.queries())
+                    st = r.stats()
+                    assert (st.gaps, st.stream_gaps, st.undecodable) == (0, 0, 0)
+                    assert not r.partial_workers()
+                    assert r.worker_status(WorkerKey("w0", 0)) is not None
+                assert relay.stats().duplicates == 0
+
+
+@pytest.mark.anyio
+async def test_nats_server_restart_loses_and_doubles_nothing(nats_server: NatsServer) -> None:
+    async with EventPublisher() as p0, EventPublisher() as p1:
+        fleet = Fleet([p0, p1])
+        async with (
+            KvEventClient(fleet.sources(), config=FAST) as direct,
+            JetStreamRelay(
+                nats_server.url,
+                fleet.sources(),
+                stream="R",
+                config=FAST,
+                snapshot_interval=0.5,
+                lease_ttl=1.0,
+                publish_timeout=1.0,
+            ) as relay,
+            JetStreamReplica(nats_server.url, stream="R") as replica,
+        ):
+            await relay.wait_synced(10)
+            await _steady(fleet, 10)
+            await replica_at(replica, fleet.last())
+            # The server goes away (file storage) while the engines keep publishing; their replay
+            # buffers hold what the relay could not publish meanwhile.
+            await anyio.to_thread.run_sync(nats_server.stop)
+            await _steady(fleet, 10)
+            await anyio.sleep(2.0)  # longer than the publish timeout: the relay's session fails
+            await anyio.to_thread.run_sync(nats_server.start)
+            await _steady(fleet, 10)
+            last = fleet.last()
+            await client_at(direct, last)
+            await replica_at(replica, last, timeout=40)
+            st = replica.stats()
+            assert_same(replica.index, direct.index, fleet.queries(), note=(st, relay.stats()))
+            assert (st.gaps, st.stream_gaps, st.undecodable, st.duplicates) == (0, 0, 0, 0)
+            assert not replica.partial_workers()
+            assert relay.stats().sessions >= 2  # the relay resumed from the log after the outage
+            # A replica started after the restart reads the same from the persisted snapshot + log.
+            async with JetStreamReplica(nats_server.url, stream="R") as late:
+                try:
+                    await late.wait_synced(20)
+                except TimeoutError:
+                    print("late replica not synced:", late.stats(), relay.stats(), replica.stats())
+                    raise
+                assert_same(late.index, direct.index, fleet.queries())
+
+
+@pytest.mark.anyio
+async def test_a_replica_back_after_the_engines_buffers_wrapped_is_exact(nats_server: NatsServer) -> None:
+    # Engines that keep 8 batches: a client following them directly that starts late is partial.
+    async with EventPublisher(buffer_steps=8) as p0, EventPublisher(buffer_steps=8) as p1:
+        fleet = Fleet([p0, p1])
+        async with (
+            JetStreamRelay(nats_server.url, fleet.sources(), stream="B", config=FAST, snapshot_interval=0.3) as relay,
+        ):
+            await relay.wait_synced(10)
+            async with JetStreamReplica(nats_server.url, stream="B") as replica:
+                await _steady(fleet, 4)
+                await replica_at(replica, fleet.last())
+            # Stopped for 60 batches per worker: 7 times what the engines' buffers hold.
+            await _steady(fleet, 12)
+            async with (
+                KvEventClient(fleet.sources(), config=FAST) as late_direct,
+                JetStreamReplica(nats_server.url, stream="B") as back,
+            ):
+                last = fleet.last()
+                await client_at(late_direct, last)
+                await replica_at(back, last)
+                assert all(late_direct.worker_status(k).partial for k in last)  # type: ignore[union-attr]
+                assert not back.partial_workers() and back.stats().gaps == 0, (back.stats(), relay.stats())
+                truth = PrefixIndex()
+                for i, pub in enumerate(fleet.pubs):
+                    for batch in pub.history:
+                        truth.apply_batch(WorkerKey(f"w{i}", 0), batch)
+                assert_same(back.index, truth, fleet.queries())
+
+
+async def _read_lines(proc: anyio.abc.Process, lines: list[str]) -> None:
+    assert proc.stdout is not None
+    async for chunk in TextReceiveStream(proc.stdout):
+        lines.extend(chunk.splitlines())
+
+
+async def converged(replica: JetStreamReplica, direct: KvEventClient, timeout: float = 30.0) -> None:  # noqa: ASYNC109
+    """Wait until the replica stands where the direct client stands, for every worker, and both are synced."""
+    with anyio.fail_after(timeout):
+        while True:
+            want = {k: c.seq for k, c in direct.cursors().items()}
+            got = {k: c.seq for k, c in replica.cursors().items()}
+            if want and want == got and direct.stats().totals.synced == len(want):
+                return
+            await anyio.sleep(0.05)
+
+
+@pytest.mark.anyio
+async def test_standby_relay_takes_over_when_the_active_one_is_killed(nats_server: NatsServer) -> None:
+    def config(name: str) -> SimConfig:
+        return SimConfig(name=name, http_port=None, prefill_time_per_token=0.0, decode_time_per_step=0.0)
+
+    rng = random.Random(7)
+    prompts: list[tuple[int, ...]] = []
+
+    async def traffic(engines: list[SimEngine], n: int) -> None:
+        for i in range(n):
+            prompt = tuple(rng.randrange(32_000) for _ in range(16 * rng.randint(1, 6)))
+            prompts.append(prompt)
+            await engines[i % len(engines)].complete(prompt, max_tokens=1)
+
+    async with SimEngine(config("a")) as ea, SimEngine(config("b")) as eb:
+        targets = [t for t in (ea.grpc_target, eb.grpc_target) if t is not None]
+        relay_cmd = [sys.executable, "-m", "kvroute.cli", "relay", *targets, "--nats", nats_server.url, "--stream", "H"]
+        relay_cmd += ["--lease-ttl", "1", "--snapshot-interval", "0.5", "--status-interval", "0.1"]
+        lines: dict[str, list[str]] = {"ra": [], "rb": []}
+
+        def active() -> str | None:
+            for name, out in lines.items():
+                if out and out[-1].startswith(f"{name} active"):
+                    return name
+            return None
+
+        async with (
+            await anyio.open_process([*relay_cmd, "--name", "ra"]) as ra,
+            await anyio.open_process([*relay_cmd, "--name", "rb"]) as rb,
+            anyio.create_task_group() as tg,
+        ):
+            procs = {"ra": ra, "rb": rb}
+            tg.start_soon(_read_lines, ra, lines["ra"])
+            tg.start_soon(_read_lines, rb, lines["rb"])
+            try:
+                async with (
+                    KvEventClient(targets=targets, config=FAST) as direct,
+                    JetStreamReplica(nats_server.url, stream="H") as r1,
+                    JetStreamReplica(nats_server.url, stream="H") as r2,
+                ):
+                    with anyio.fail_after(30):
+                        while active() is None:  # noqa: ASYNC110 (a subprocess's output, polled)
+                            await anyio.sleep(0.05)
+                    first = active()
+                    assert first is not None
+                    await traffic([ea, eb], 30)
+                    await converged(r1, direct)
+                    # SIGKILL: the lease is not released; the standby waits out its ttl (1 s) and takes over.
+                    procs[first].kill()
+                    killed = anyio.current_time()
+                    lines[first].clear()
+                    await traffic([ea, eb], 30)  # the engines' replay buffers carry these over the handover
+                    with anyio.fail_after(15):
+                        while active() is None:  # noqa: ASYNC110 (a subprocess's output, polled)
+                            await anyio.sleep(0.05)
+                    takeover = anyio.current_time() - killed
+                    print(f"standby took over {takeover:.2f} s after the SIGKILL (lease ttl 1 s)")
+                    assert active() != first
+                    assert takeover < 10.0
+                    await traffic([ea, eb], 30)
+                    for r in (r1, r2):
+                        await converged(r, direct)
+                        assert_same(r.index, direct.index, prompts)
+                        st = r.stats()
+                        assert (st.gaps, st.stream_gaps, st.undecodable, st.duplicates) == (0, 0, 0, 0)
+                        assert not r.partial_workers()
+                    async with JetStreamReplica(nats_server.url, stream="H") as late:
+                        await late.wait_synced(20)
+                        assert_same(late.index, direct.index, prompts)
+            finally:
+                tg.cancel_scope.cancel()
+                for p in procs.values():
+                    if p.returncode is None:
+                        p.kill()
+
+
+def test_relay_command_exit_codes() -> None:
+    from kvroute.cli import main
+
+    assert main(["relay", "127.0.0.1:1", "--lease-ttl", "0"]) == 2
+    # No NATS server there: the first connect is bounded and reported, not retried forever.
+    assert main(["relay", "127.0.0.1:1", "--nats", f"nats://127.0.0.1:{_free_port()}", "--duration", "1"]) == 1
