@@ -28,7 +28,6 @@ import zmq
 from kvroute import (
     BlockRemoved,
     BlockStored,
-    EngineEvent,
     EventBatch,
     EventSource,
     KvEventClient,
@@ -55,7 +54,7 @@ def make_payloads(n_batches: int, n_sources: int, seed: int) -> tuple[list[list[
     blocks = 0
     for i in range(n_batches):
         s = i % n_sources
-        events: list[EngineEvent] = []
+        events: list[BlockStored | BlockRemoved] = []
         for _ in range(rng.randint(1, 4)):
             n = rng.randint(1, 32)
             tail = tails[s]
