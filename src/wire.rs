@@ -18,7 +18,7 @@
 
 use std::fmt;
 
-use rmp::decode as rd;
+use rmp::decode::{self as rd, Bytes, RmpRead};
 use rmp::Marker;
 
 use crate::protocols::{Batch, BlockHash, BlockRemoved, BlockStored, Event, Value};
@@ -344,6 +344,14 @@ fn expected(what: &str, got: &Tok<'_>) -> E {
     invalid(format!("Expected `{what}`, got `{}`", got.name()))
 }
 
+/// A struct's key that is not a str (msgspec names a nil key `null`, a nil value `None`).
+fn expected_key(got: &Tok<'_>) -> E {
+    match got {
+        Tok::Nil => invalid("Expected `str`, got `null`"),
+        t => expected("str", t),
+    }
+}
+
 /// Adds one path step to an `Invalid` on its way out.
 trait At<T> {
     fn at(self, seg: Seg) -> Result<T, E>;
@@ -363,6 +371,25 @@ impl<T> At<T> for Result<T, E> {
 
 fn utf8(b: &[u8]) -> Result<&str, E> {
     std::str::from_utf8(b).map_err(|_| bare("Invalid UTF-8 encoded string"))
+}
+
+/// The next `n` bytes of `r` (a str, bin or ext body).
+#[inline]
+fn take<'a>(r: &mut Bytes<'a>, n: usize) -> Result<&'a [u8], DecodeError> {
+    let rest = r.remaining_slice();
+    let (out, after) = rest.split_at_checked(n).ok_or_else(truncated)?;
+    *r = Bytes::new(after);
+    Ok(out)
+}
+
+/// A str (0xd9-0xdb) or bin (0xc4-0xc6) body, by its marker.
+#[inline]
+fn str_or_bin(marker: u8, body: &[u8]) -> Tok<'_> {
+    if marker >= 0xd9 {
+        Tok::Str(body)
+    } else {
+        Tok::Bin(body)
+    }
 }
 
 fn truncated() -> DecodeError {
@@ -495,7 +522,9 @@ struct RawStore {
     lora_id: Option<i128>,
     group_idx: Option<i128>,
     window: Option<i128>,
-    tokens: Vec<i128>,
+    /// Token ids saturated to i64, and those that were past it (index, value).
+    tokens: Vec<i64>,
+    wide_tokens: Vec<(usize, u64)>,
     /// `[token, next_token]` cells: token_ids as SGLang with EAGLE speculative decoding sends them.
     cells: Option<Vec<(i128, i128)>>,
     lookahead: Option<Vec<Vec<i128>>>,
@@ -519,60 +548,51 @@ impl<'a> Dec<'a> {
         self.buf.get(self.pos..).unwrap_or(&[])
     }
 
-    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
-        let rest = self.rest();
-        let out = rest.get(..n).ok_or_else(truncated)?;
-        self.pos += n;
-        Ok(out)
-    }
-
-    /// The next item's header (and value, for scalars), through rmp's low-level reader.
+    /// The next item's header (and value, for scalars), through rmp's low-level reader: the
+    /// marker decoded by `Marker::from_u8`, its data read by `RmpRead` over `rmp::decode::Bytes`.
     #[inline]
     fn tok(&mut self) -> Result<Tok<'a>, DecodeError> {
         let rest = self.rest();
-        let Some(&b) = rest.first() else {
+        let Some((&b, data)) = rest.split_first() else {
             return Err(truncated());
         };
-        // The hot case (token ids under 128, small lengths) costs one byte: no reader needed.
-        if b < 0x80 {
-            self.pos += 1;
-            return Ok(Tok::Int(i128::from(b)));
-        }
-        let mut r: &[u8] = rest;
+        let mut r = Bytes::new(data);
         let tr = |_| truncated();
         let tok = match Marker::from_u8(b) {
-            Marker::FixNeg(_)
-            | Marker::U8
-            | Marker::U16
-            | Marker::U32
-            | Marker::U64
-            | Marker::I8
-            | Marker::I16
-            | Marker::I32
-            | Marker::I64 => Tok::Int(rd::read_int::<i128, _>(&mut r).map_err(|_| truncated())?),
-            Marker::Null => {
-                rd::read_nil(&mut r).map_err(tr)?;
-                Tok::Nil
+            Marker::FixPos(v) => Tok::Int(i128::from(v)),
+            Marker::FixNeg(v) => Tok::Int(i128::from(v)),
+            Marker::U8 => Tok::Int(i128::from(r.read_data_u8().map_err(tr)?)),
+            Marker::U16 => Tok::Int(i128::from(r.read_data_u16().map_err(tr)?)),
+            Marker::U32 => Tok::Int(i128::from(r.read_data_u32().map_err(tr)?)),
+            Marker::U64 => Tok::Int(i128::from(r.read_data_u64().map_err(tr)?)),
+            Marker::I8 => Tok::Int(i128::from(r.read_data_i8().map_err(tr)?)),
+            Marker::I16 => Tok::Int(i128::from(r.read_data_i16().map_err(tr)?)),
+            Marker::I32 => Tok::Int(i128::from(r.read_data_i32().map_err(tr)?)),
+            Marker::I64 => Tok::Int(i128::from(r.read_data_i64().map_err(tr)?)),
+            Marker::Null => Tok::Nil,
+            Marker::True => Tok::Bool(true),
+            Marker::False => Tok::Bool(false),
+            Marker::F32 => Tok::Float(f64::from(r.read_data_f32().map_err(tr)?)),
+            Marker::F64 => Tok::Float(r.read_data_f64().map_err(tr)?),
+            Marker::FixStr(n) => Tok::Str(take(&mut r, usize::from(n))?),
+            Marker::Str8 | Marker::Bin8 => {
+                let n = usize::from(r.read_data_u8().map_err(tr)?);
+                str_or_bin(b, take(&mut r, n)?)
             }
-            Marker::True | Marker::False => Tok::Bool(rd::read_bool(&mut r).map_err(tr)?),
-            Marker::F32 => Tok::Float(f64::from(rd::read_f32(&mut r).map_err(tr)?)),
-            Marker::F64 => Tok::Float(rd::read_f64(&mut r).map_err(tr)?),
-            Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32 => {
-                let n = rd::read_str_len(&mut r).map_err(tr)? as usize;
-                self.pos = self.buf.len() - r.len();
-                return Ok(Tok::Str(self.take(n)?));
+            Marker::Str16 | Marker::Bin16 => {
+                let n = usize::from(r.read_data_u16().map_err(tr)?);
+                str_or_bin(b, take(&mut r, n)?)
             }
-            Marker::Bin8 | Marker::Bin16 | Marker::Bin32 => {
-                let n = rd::read_bin_len(&mut r).map_err(tr)? as usize;
-                self.pos = self.buf.len() - r.len();
-                return Ok(Tok::Bin(self.take(n)?));
+            Marker::Str32 | Marker::Bin32 => {
+                let n = r.read_data_u32().map_err(tr)? as usize;
+                str_or_bin(b, take(&mut r, n)?)
             }
-            Marker::FixArray(_) | Marker::Array16 | Marker::Array32 => {
-                Tok::Arr(rd::read_array_len(&mut r).map_err(tr)?)
-            }
-            Marker::FixMap(_) | Marker::Map16 | Marker::Map32 => {
-                Tok::Map(rd::read_map_len(&mut r).map_err(tr)?)
-            }
+            Marker::FixArray(n) => Tok::Arr(u32::from(n)),
+            Marker::Array16 => Tok::Arr(u32::from(r.read_data_u16().map_err(tr)?)),
+            Marker::Array32 => Tok::Arr(r.read_data_u32().map_err(tr)?),
+            Marker::FixMap(n) => Tok::Map(u32::from(n)),
+            Marker::Map16 => Tok::Map(u32::from(r.read_data_u16().map_err(tr)?)),
+            Marker::Map32 => Tok::Map(r.read_data_u32().map_err(tr)?),
             Marker::FixExt1
             | Marker::FixExt2
             | Marker::FixExt4
@@ -581,19 +601,51 @@ impl<'a> Dec<'a> {
             | Marker::Ext8
             | Marker::Ext16
             | Marker::Ext32 => {
-                let meta = rd::read_ext_meta(&mut r).map_err(tr)?;
-                self.pos = self.buf.len() - r.len();
-                return Ok(Tok::Ext(meta.typeid, self.take(meta.size as usize)?));
+                // rmp reads the marker itself here: hand it the item from its first byte.
+                let mut whole = Bytes::new(rest);
+                let meta = rd::read_ext_meta(&mut whole).map_err(tr)?;
+                let mut r2 = whole;
+                let d = take(&mut r2, meta.size as usize)?;
+                r = r2;
+                Tok::Ext(meta.typeid, d)
             }
-            Marker::Reserved | Marker::FixPos(_) => {
+            Marker::Reserved => {
                 return Err(fatal(format!(
-                    "MessagePack data is malformed: invalid opcode '\\x{b:02x}' (byte {})",
+                    "MessagePack data is malformed: invalid opcode '\\xc1' (byte {})",
                     self.pos
                 )))
             }
         };
-        self.pos = self.buf.len() - r.len();
+        self.pos = self.buf.len() - r.remaining_slice().len();
         Ok(tok)
+    }
+
+    /// The next item if it is an int (the token-id loop's hot path: no `Tok` built), else None
+    /// without moving.
+    #[inline]
+    fn int_fast(&mut self) -> Result<Option<i128>, DecodeError> {
+        let rest = self.rest();
+        let Some((&b, data)) = rest.split_first() else {
+            return Err(truncated());
+        };
+        let mut r = Bytes::new(data);
+        let tr = |_| truncated();
+        let v = match Marker::from_u8(b) {
+            Marker::FixPos(v) => i128::from(v),
+            Marker::U8 => i128::from(r.read_data_u8().map_err(tr)?),
+            Marker::U16 => i128::from(r.read_data_u16().map_err(tr)?),
+            Marker::U32 => i128::from(r.read_data_u32().map_err(tr)?),
+            Marker::U64 => i128::from(r.read_data_u64().map_err(tr)?),
+            Marker::FixNeg(_) | Marker::I8 | Marker::I16 | Marker::I32 | Marker::I64 => {
+                match self.tok()? {
+                    Tok::Int(v) => return Ok(Some(v)),
+                    _ => return Ok(None),
+                }
+            }
+            _ => return Ok(None),
+        };
+        self.pos = self.buf.len() - r.remaining_slice().len();
+        Ok(Some(v))
     }
 
     fn enter(&mut self) -> Result<(), DecodeError> {
@@ -749,6 +801,18 @@ impl<'a> Dec<'a> {
     /// decode as the struct of the first `type` key (what msgspec's tagged union read), which must
     /// agree with every other `type` key.
     fn map_event(&mut self, st: &mut State<'_>, start: usize) -> EvResult {
+        // Engines write `type` first: decode straight away, and take the long way (which reads
+        // the type first, then the fields) only when that fails.
+        if let Some(kind) = self.leading_type() {
+            match self.map_struct(kind, kind == Kind::Stored) {
+                Ok(ev) => return Ok(Some(ev)),
+                Err(E::Fatal(f)) => return Err((None, E::Fatal(f))),
+                Err(E::Invalid(_)) => {
+                    self.pos = start;
+                    self.depth_reset_to_event();
+                }
+            }
+        }
         let scan = self.scan_tag().map_err(|e| (None, e))?;
         let (first, last) = match scan {
             (Some(f), Some(l)) => (f, l),
@@ -772,6 +836,17 @@ impl<'a> Dec<'a> {
             .map_err(|e| (Some(kind), e))
     }
 
+    /// The known type of a map event whose first key is `type`, without moving.
+    fn leading_type(&mut self) -> Option<Kind> {
+        let start = self.pos;
+        let kind = match (self.tok(), self.tok(), self.tok()) {
+            (Ok(Tok::Map(_)), Ok(Tok::Str(b"type")), Ok(Tok::Str(tag))) => Kind::of(tag),
+            _ => None,
+        };
+        self.pos = start;
+        kind
+    }
+
     /// Read a map event's keys: every key a str, every `type` a valid str; the first and last type.
     #[allow(clippy::type_complexity)]
     fn scan_tag(&mut self) -> Result<(Option<&'a [u8]>, Option<&'a [u8]>), E> {
@@ -792,7 +867,7 @@ impl<'a> Dec<'a> {
                     t => return Err(expected("str", &t)).at(Seg::Field("type")),
                 },
                 Tok::Str(_) => self.skip()?,
-                t => return Err(expected("str", &t)).at(Seg::Key),
+                t => return Err(expected_key(&t)).at(Seg::Key),
             }
         }
         self.leave();
@@ -812,7 +887,7 @@ impl<'a> Dec<'a> {
         for _ in 0..n {
             let key = match self.tok()? {
                 Tok::Str(k) => k,
-                t => return Err(expected("str", &t)).at(Seg::Key),
+                t => return Err(expected_key(&t)).at(Seg::Key),
             };
             if key == b"type" {
                 match self.tok()? {
@@ -1078,14 +1153,33 @@ impl<'a> Dec<'a> {
             }
             s.cells = Some(out);
             s.tokens.clear();
+            s.wide_tokens.clear();
         } else {
             let mut out = Vec::with_capacity(self.reserve_for(n));
+            s.wide_tokens.clear();
+            // The hot loop of a store: rmp's `read_int` straight over the payload. Anything it does
+            // not take as an i64 (an int past i64::MAX, another type, the end) goes through `tok`.
+            let mut r = Bytes::new(self.rest());
             for i in 0..n as usize {
-                match self.tok()? {
-                    Tok::Int(v) => out.push(v),
-                    t => return Err(expected("int", &t)).at(Seg::Index(i)),
+                let before = r;
+                if let Ok(v) = rd::read_int::<i64, _>(&mut r) {
+                    out.push(v);
+                    continue;
                 }
+                self.pos = self.buf.len() - before.remaining_slice().len();
+                match self.int_fast()? {
+                    Some(v) => {
+                        s.wide_tokens.push((i, v as u64));
+                        out.push(sat(v));
+                    }
+                    None => {
+                        let t = self.tok()?;
+                        return Err(expected("int", &t)).at(Seg::Index(i));
+                    }
+                }
+                r = Bytes::new(self.rest());
             }
+            self.pos = self.buf.len() - r.remaining_slice().len();
             s.tokens = out;
             s.cells = None;
         }
@@ -1191,7 +1285,11 @@ impl<'a> Dec<'a> {
         if let Some(cells) = s.cells.take() {
             // SGLang EAGLE stores: each cell's token is the token, and each page's last next_token
             // its one lookahead token (the engine's key covers it).
-            s.tokens = cells.iter().map(|c| c.0).collect();
+            s.wide_tokens = (cells.iter().enumerate())
+                .filter(|(_, c)| c.0 > i128::from(i64::MAX))
+                .map(|(i, c)| (i, c.0 as u64))
+                .collect();
+            s.tokens = cells.iter().map(|c| sat(c.0)).collect();
             if s.lookahead.is_none() && s.block_size > 0 {
                 let bs = usize::try_from(s.block_size).unwrap_or(usize::MAX);
                 let mut la = Vec::with_capacity(cells.len().div_ceil(bs.max(1)));
@@ -1252,11 +1350,15 @@ fn narrow(s: RawStore) -> Stored {
         group_idx,
         window,
         tokens,
+        wide_tokens,
         lookahead,
         n_hashes,
         ..
     } = s;
-    let mut wide = Vec::new();
+    let mut wide: Vec<(WideField, u64)> = wide_tokens
+        .into_iter()
+        .map(|(i, v)| (WideField::Token(i), v))
+        .collect();
     let mut note = |field: WideField, v: i128| {
         if v > i128::from(i64::MAX) {
             wide.push((field, v as u64));
@@ -1267,11 +1369,7 @@ fn narrow(s: RawStore) -> Stored {
     ev.lora_id = lora_id.map(|v| note(WideField::LoraId, v));
     ev.group_idx = group_idx.map(|v| note(WideField::GroupIdx, v));
     ev.kv_cache_spec_sliding_window = window.map(|v| note(WideField::SlidingWindow, v));
-    ev.token_ids = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| note(WideField::Token(i), v))
-        .collect();
+    ev.token_ids = tokens;
     ev.lookahead_token_ids = lookahead.map(|rows| {
         rows.iter()
             .enumerate()

@@ -372,6 +372,7 @@ def _removal(**fields: bytes) -> bytes:
         b"\x07",
         mp([(E("block_hashes"), E([]))]),
         mp([(E(1), E(2))]),
+        mp([(E(None), E(2))]),  # msgspec names a nil key `null`
     ],
 )
 def test_unreadable_events_are_reported_the_same(event: bytes) -> None:
