@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 from typing import Any
 
 import msgspec
@@ -33,7 +34,12 @@ from kvroute._wire import (
 
 E = msgspec.msgpack.encode
 I64, U64 = -(1 << 63), (1 << 64) - 1
-SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# KVROUTE_DIFF_EXAMPLES raises the example count for a long local run.
+SETTINGS = settings(
+    max_examples=int(os.environ.get("KVROUTE_DIFF_EXAMPLES", "400")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def _hdr(fix: int, b16: int, b32: int, n: int) -> bytes:

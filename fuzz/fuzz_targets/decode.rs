@@ -6,7 +6,11 @@ use kvroute_core::wire::{decode, Limits};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let tight = Limits { max_events_per_batch: 2, max_blocks_per_event: 3, max_block_size: 4 };
+    let tight = Limits {
+        max_events_per_batch: 2,
+        max_blocks_per_event: 3,
+        max_block_size: 4,
+    };
     let (lim, payload) = match data.split_first() {
         Some((&b, rest)) if b & 1 == 1 => (tight, rest),
         _ => (Limits::default(), data),
