@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from . import _core
+from ._core import decode_batch as _decode_batch
 
 __all__ = [
     "AllBlocksCleared",
@@ -201,7 +201,7 @@ class BatchDecoder:
     def decode(self, payload: bytes | memoryview) -> EventBatch:
         """Decode one payload; raises `DecodeError` with a short reason when its envelope is malformed."""
         lim = self.limits
-        batch: EventBatch = _core.decode_batch(
+        batch: EventBatch = _decode_batch(
             payload, lim.max_events_per_batch, lim.max_blocks_per_event, lim.max_block_size
         )
         if batch.skipped:

@@ -509,6 +509,14 @@ impl<'l> State<'l> {
     }
 }
 
+/// An optional i64 field's value, and the value itself if it was past i64.
+fn wide_opt(v: Option<i128>) -> (Option<i64>, Option<u64>) {
+    match v {
+        Some(v) if v > i128::from(i64::MAX) => (Some(i64::MAX), Some(v as u64)),
+        v => (v.map(sat), None),
+    }
+}
+
 /// An i64 field's value: msgpack ints reach 2^64 - 1, kvroute's fields stop at i64::MAX.
 fn sat(v: i128) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
@@ -889,6 +897,7 @@ impl<'a> Dec<'a> {
         let mut s = RawStore::default();
         let mut rm = BlockRemoved::default();
         let mut n_removed = 0;
+        let mut rm_wide = None;
         let (mut have_hashes, mut have_tokens, mut have_bs) = (false, false, false);
         for _ in 0..n {
             let key = match self.tok()? {
@@ -916,7 +925,8 @@ impl<'a> Dec<'a> {
                     }
                     b"medium" => rm.medium = self.opt_str().at(Seg::Field("medium"))?,
                     b"group_idx" => {
-                        rm.group_idx = self.opt_int().at(Seg::Field("group_idx"))?.map(sat)
+                        (rm.group_idx, rm_wide) =
+                            wide_opt(self.opt_int().at(Seg::Field("group_idx"))?)
                     }
                     b"locality" => rm.locality = self.any().at(Seg::Field("locality"))?,
                     b"ownership" => rm.ownership = self.any().at(Seg::Field("ownership"))?,
@@ -943,7 +953,7 @@ impl<'a> Dec<'a> {
         match kind {
             Kind::Cleared => Ok(Decd::Cleared),
             Kind::Removed if !have_hashes => Err(missing("block_hashes")),
-            Kind::Removed => Ok(Decd::Removed(rm, n_removed)),
+            Kind::Removed => Ok(Decd::Removed(rm, n_removed, rm_wide)),
             Kind::Stored if !have_hashes => Err(missing("block_hashes")),
             Kind::Stored if !have_tokens => Err(missing("token_ids")),
             Kind::Stored if !have_bs => Err(missing("block_size")),
@@ -1000,6 +1010,7 @@ impl<'a> Dec<'a> {
         let mut s = RawStore::default();
         let mut rm = BlockRemoved::default();
         let mut n_removed = 0;
+        let mut rm_wide = None;
         for i in 1..n as usize {
             let f = i - 1;
             if f >= fields {
@@ -1013,7 +1024,7 @@ impl<'a> Dec<'a> {
                 Kind::Removed => match f {
                     0 => (rm.block_hashes, n_removed) = self.hashes().at(Seg::Index(i))?,
                     1 => rm.medium = self.opt_str().at(Seg::Index(i))?,
-                    2 => rm.group_idx = self.opt_int().at(Seg::Index(i))?.map(sat),
+                    2 => (rm.group_idx, rm_wide) = wide_opt(self.opt_int().at(Seg::Index(i))?),
                     3 => rm.locality = self.any().at(Seg::Index(i))?,
                     _ => rm.ownership = self.any().at(Seg::Index(i))?,
                 },
@@ -1023,7 +1034,7 @@ impl<'a> Dec<'a> {
         self.leave();
         match kind {
             Kind::Stored => self.finish_store(s),
-            Kind::Removed => Ok(Decd::Removed(rm, n_removed)),
+            Kind::Removed => Ok(Decd::Removed(rm, n_removed, rm_wide)),
             Kind::Cleared => Ok(Decd::Cleared),
         }
     }
@@ -1317,10 +1328,18 @@ impl<'a> Dec<'a> {
         let lim = *st.limits;
         match ev {
             Decd::Cleared => st.events.push(Event::Cleared),
-            Decd::Removed(rm, n) => {
+            Decd::Removed(rm, n, wide_group) => {
                 if let Some(e) = over_cap(n as i128, 0, &lim) {
                     st.refused = Some(e);
                     return;
+                }
+                if let Some(value) = wide_group {
+                    let event = st.events.len();
+                    self.wide.push(Wide {
+                        event,
+                        field: WideField::GroupIdx,
+                        value,
+                    });
                 }
                 st.events.push(Event::Removed(rm));
             }
@@ -1428,8 +1447,9 @@ struct Stored {
 enum Decd {
     // Boxed: a store is large, and moves through a few calls before it lands in the batch.
     Stored(Box<Stored>),
-    /// With its hash count (the hashes are not kept past `max_blocks_per_event`).
-    Removed(BlockRemoved, usize),
+    /// With its hash count (the hashes are not kept past `max_blocks_per_event`) and its
+    /// `group_idx` if that was past i64.
+    Removed(BlockRemoved, usize, Option<u64>),
     Cleared,
 }
 

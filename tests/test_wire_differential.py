@@ -423,6 +423,9 @@ def test_wide_ints_keep_their_value() -> None:
     cells = mp([(E("type"), E("BlockStored")), (E("block_hashes"), E([1])), (E("token_ids"), E([[U64, U64]])),
                 (E("block_size"), E(1))])
     check_same(arr([E(0.0), arr([cells])]))
+    removal = mp([(E("type"), E("BlockRemoved")), (E("block_hashes"), E([1])), (E("group_idx"), E(U64))])
+    got = check_same(arr([E(0.0), arr([removal, arr([E("BlockRemoved"), E([2]), E(None), E(1 << 63)])])]))
+    assert got is not None and [e.group_idx for e in got.events] == [U64, 1 << 63]
     big = mp([(E("type"), E("BlockStored")), (E("block_hashes"), E([])), (E("token_ids"), E([])),
               (E("block_size"), E(U64))])
     check_same(arr([E(0.0), arr([big])]), Limits(max_block_size=1 << 70))
