@@ -6,6 +6,7 @@
 pub mod keys;
 pub mod protocols;
 mod py;
+pub mod wire;
 
 use pyo3::prelude::*;
 

@@ -23,6 +23,8 @@ pub enum Value {
     Array(Vec<Value>),
     /// A map, its pairs in wire order.
     Map(Vec<(Value, Value)>),
+    /// A msgpack extension (type code, data); code -1 is a timestamp (a datetime in Python).
+    Ext(i8, Vec<u8>),
 }
 
 #[derive(Clone, Debug, PartialEq, Default)]

@@ -3,6 +3,8 @@
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+mod wire;
+
 /// XXH3-128 of ``data`` as 16 big-endian bytes (the `xxhash.xxh3_128_digest` convention).
 #[pyfunction]
 fn xxh128<'py>(py: Python<'py>, data: &[u8]) -> Bound<'py, PyBytes> {
@@ -12,5 +14,6 @@ fn xxh128<'py>(py: Python<'py>, data: &[u8]) -> Bound<'py, PyBytes> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("HASH_VERSION", crate::keys::HASH_VERSION)?;
     m.add_function(wrap_pyfunction!(xxh128, m)?)?;
+    wire::register(m)?;
     Ok(())
 }
