@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from types import SimpleNamespace
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec

@@ -248,7 +248,10 @@ mod tests {
         assert_eq!(root_key(None, None), xxh128(b"kvroute/2/root"));
         assert_eq!(root_key(Some(""), Some("")), root_key(None, None));
         assert_eq!(root_key(Some("a"), None), xxh128(b"kvroute/2/root\x00a"));
-        assert_eq!(root_key(Some("a"), Some("s")), xxh128(b"kvroute/2/root\x00a\x01s"));
+        assert_eq!(
+            root_key(Some("a"), Some("s")),
+            xxh128(b"kvroute/2/root\x00a\x01s")
+        );
     }
 
     #[test]
@@ -264,7 +267,10 @@ mod tests {
         assert_eq!(enc(Value::Int(-33)), [0xd0, 0xdf]);
         assert_eq!(enc(Value::Int(1 << 63)), [0xcf, 0x80, 0, 0, 0, 0, 0, 0, 0]);
         let mut out = Vec::new();
-        assert_eq!(encode_value(&Value::Int(1 << 64), &mut out), Err(Unencodable));
+        assert_eq!(
+            encode_value(&Value::Int(1 << 64), &mut out),
+            Err(Unencodable)
+        );
         assert_eq!(encode_extras(Some(&[])).unwrap(), None);
     }
 

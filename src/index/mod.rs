@@ -181,7 +181,11 @@ impl<V> EMap<V> {
         self.ints
             .iter()
             .map(|(k, v)| (BlockHash::Int(*k), v))
-            .chain(self.bytes.iter().map(|(k, v)| (BlockHash::Bytes(k.to_vec()), v)))
+            .chain(
+                self.bytes
+                    .iter()
+                    .map(|(k, v)| (BlockHash::Bytes(k.to_vec()), v)),
+            )
     }
 
     pub(crate) fn reserve(&mut self, n: usize) {
@@ -204,12 +208,19 @@ impl GroupKind {
         match kind {
             None
             | Some(
-                "full_attention" | "mla_attention" | "sink_full_attention" | "FullAttentionSpec"
-                | "MLAAttentionSpec" | "SinkFullAttentionSpec",
+                "full_attention"
+                | "mla_attention"
+                | "sink_full_attention"
+                | "FullAttentionSpec"
+                | "MLAAttentionSpec"
+                | "SinkFullAttentionSpec",
             ) => GroupKind::Full,
-            Some("sliding_window" | "sliding_window_mla" | "SlidingWindowSpec" | "SlidingWindowMLASpec") => {
-                GroupKind::Window
-            }
+            Some(
+                "sliding_window"
+                | "sliding_window_mla"
+                | "SlidingWindowSpec"
+                | "SlidingWindowMLASpec",
+            ) => GroupKind::Window,
             Some("mamba" | "MambaSpec") => GroupKind::State,
             Some(_) => GroupKind::Unknown,
         }
@@ -318,7 +329,12 @@ impl<K> Worker<K> {
     }
 
     pub(crate) fn entries(&self) -> usize {
-        self.blocks.len() + self.groups.iter().map(|(_, g)| g.blocks.len()).sum::<usize>()
+        self.blocks.len()
+            + self
+                .groups
+                .iter()
+                .map(|(_, g)| g.blocks.len())
+                .sum::<usize>()
     }
 
     pub(crate) fn group(&self, g: i64) -> Option<usize> {
@@ -392,7 +408,9 @@ impl<K: WorkerName> Index<K> {
     }
 
     pub(crate) fn worker(&self, key: &K) -> Option<&Worker<K>> {
-        self.by_key.get(key).and_then(|&s| self.workers[s as usize].as_ref())
+        self.by_key
+            .get(key)
+            .and_then(|&s| self.workers[s as usize].as_ref())
     }
 
     /// Workers that hold at least one block.
@@ -420,13 +438,19 @@ impl<K: WorkerName> Index<K> {
 
     /// The (block size, lookahead) classes `worker` stores under.
     pub fn classes_of(&self, worker: &K) -> Vec<Class> {
-        self.worker(worker).map_or_else(Vec::new, |w| w.classes.clone())
+        self.worker(worker)
+            .map_or_else(Vec::new, |w| w.classes.clone())
     }
 
     /// The index's size and counters.
     pub fn stats(&self) -> Stats {
         Stats {
-            workers: self.workers.iter().flatten().filter(|w| !w.holds_nothing()).count() as u64,
+            workers: self
+                .workers
+                .iter()
+                .flatten()
+                .filter(|w| !w.holds_nothing())
+                .count() as u64,
             entries: self.entries,
             distinct_keys: self.table.holder_keys() as u64,
             unknown_parent_blocks: self.unknown_parent,
@@ -486,9 +510,21 @@ impl<K: WorkerName> Index<K> {
         Tables {
             flagged,
             classes: self.bs_members.clone(),
-            workers: self.workers.iter().flatten().map(|w| (w.key.clone(), w.slot)).collect(),
+            workers: self
+                .workers
+                .iter()
+                .flatten()
+                .map(|w| (w.key.clone(), w.slot))
+                .collect(),
             roots: self.roots.lock().keys().cloned().collect(),
         }
+    }
+}
+
+#[cfg(test)]
+impl<K: WorkerName> Index<K> {
+    fn table_sizes_for_tests(&self) -> [usize; 5] {
+        self.table.flag_key_counts()
     }
 }
 
@@ -505,11 +541,105 @@ pub fn tier_pos(medium: Option<&str>) -> usize {
     }
     match medium {
         None => 0,
-        Some(m) => alias(m).or_else(|| if m.is_empty() { Some(0) } else { alias(&m.to_uppercase()) }).unwrap_or(3),
+        Some(m) => alias(m)
+            .or_else(|| {
+                if m.is_empty() {
+                    Some(0)
+                } else {
+                    alias(&m.to_uppercase())
+                }
+            })
+            .unwrap_or(3),
     }
 }
 
 /// The tier mask of per-tier counts (`_mask`).
 pub(crate) fn mask_of(c: &[i32; 4]) -> u8 {
     u8::from(c[0] > 0) | u8::from(c[1] > 0) << 1 | u8::from(c[2] > 0) << 2 | u8::from(c[3] > 0) << 3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocols::{Batch, BlockRemoved, BlockStored, Event};
+
+    #[derive(Clone, PartialEq, Eq, Hash, Debug)]
+    struct W(&'static str);
+
+    impl WorkerName for W {
+        fn label(&self) -> String {
+            format!("{}/0", self.0)
+        }
+    }
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[i64], bs: i64) -> Event {
+        Event::Stored(Box::new(BlockStored {
+            block_hashes: hashes.iter().map(|&h| BlockHash::Int(h)).collect(),
+            parent_block_hash: parent.map(BlockHash::Int),
+            token_ids: tokens.to_vec(),
+            block_size: bs,
+            ..BlockStored::default()
+        }))
+    }
+
+    fn matches(idx: &Index<W>, tokens: &[u32]) -> Vec<(&'static str, i64)> {
+        let mut q = idx.query(QueryInput {
+            tokens: tokens.to_vec(),
+            ..QueryInput::default()
+        });
+        idx.find_matches(&mut q)
+            .scores
+            .iter()
+            .map(|s| (s.worker.0, s.blocks))
+            .collect()
+    }
+
+    #[test]
+    fn a_batch_is_applied_and_counted() {
+        let mut idx: Index<W> = Index::new(Limits::default());
+        let batch = Batch {
+            events: vec![
+                stored(&[1, 2], None, &[1, 2, 3, 4], 2),
+                stored(&[3], Some(2), &[5, 6], 2),
+                Event::Removed(BlockRemoved {
+                    block_hashes: vec![BlockHash::Int(3)],
+                    ..BlockRemoved::default()
+                }),
+            ],
+            ..Batch::default()
+        };
+        let counts = idx.apply_batch(&W("a"), &batch);
+        assert_eq!(
+            counts,
+            ApplyCounts {
+                stored_blocks: 3,
+                removed_blocks: 1,
+                events: 3
+            }
+        );
+        assert_eq!(matches(&idx, &[1, 2, 3, 4, 5, 6]), vec![("a", 2)]);
+        assert_eq!(idx.stats().entries, 2);
+    }
+
+    #[test]
+    fn the_longest_prefix_wins_and_a_cleared_worker_leaves_no_residue() {
+        let mut idx: Index<W> = Index::new(Limits::default());
+        idx.apply(&W("a"), &stored(&[1, 2], None, &[1, 2, 3, 4], 2));
+        idx.apply(&W("b"), &stored(&[7], None, &[1, 2], 2));
+        assert_eq!(matches(&idx, &[1, 2, 3, 4]), vec![("b", 1), ("a", 2)]);
+        idx.apply(&W("a"), &Event::Cleared);
+        idx.remove_worker(&W("b"));
+        assert_eq!(matches(&idx, &[1, 2, 3, 4]), vec![]);
+        assert_eq!(idx.table_sizes_for_tests(), [0; 5]);
+        assert!(idx.workers().is_empty() && idx.bs_members.is_empty());
+    }
+
+    #[test]
+    fn an_unknown_parent_is_held_but_never_claimed() {
+        let mut idx: Index<W> = Index::new(Limits::default());
+        idx.apply(&W("a"), &stored(&[5], Some(99), &[3, 4], 2));
+        assert_eq!(idx.num_blocks(Some(&W("a"))), 1);
+        assert_eq!(idx.stats().unknown_parent_blocks, 1);
+        assert_eq!(matches(&idx, &[3, 4]), vec![]);
+    }
 }

@@ -158,7 +158,14 @@ impl Scores {
 
 /// Walk the sorted `alive` slots through a key's sorted holder words: keep those whose flags
 /// pass `ok`, record the others at `at` blocks (when > 0).
-fn step(alive: &mut Vec<u32>, holders: &[u32], ok: impl Fn(u8) -> bool, at: i64, bs: i64, out: &mut Scores) {
+fn step(
+    alive: &mut Vec<u32>,
+    holders: &[u32],
+    ok: impl Fn(u8) -> bool,
+    at: i64,
+    bs: i64,
+    out: &mut Scores,
+) {
     let mut j = 0;
     alive.retain(|&slot| {
         // Both lists are sorted by slot: advance through the holders once.
@@ -197,7 +204,11 @@ impl<K: WorkerName> Index<K> {
             let bs = cls.0;
             let n = q.n_blocks(cls);
             let mut alive = members.clone();
-            let mut alive_gpu = if track_gpu { members.clone() } else { Vec::new() };
+            let mut alive_gpu = if track_gpu {
+                members.clone()
+            } else {
+                Vec::new()
+            };
             let mut i = 0usize;
             let mut chunk = 8usize;
             while i < n && !alive.is_empty() {
@@ -207,10 +218,27 @@ impl<K: WorkerName> Index<K> {
                 q.extend(cls, end);
                 let ks = &q.keys[&cls];
                 while i < end && !alive.is_empty() {
-                    let holders = self.table.id(&ks[i]).map_or(no_h, |id| self.table.holders(id));
-                    step(&mut alive, holders, |f| f & H != 0, i as i64, bs, &mut scores);
+                    let holders = self
+                        .table
+                        .id(&ks[i])
+                        .map_or(no_h, |id| self.table.holders(id));
+                    step(
+                        &mut alive,
+                        holders,
+                        |f| f & H != 0,
+                        i as i64,
+                        bs,
+                        &mut scores,
+                    );
                     if track_gpu {
-                        step(&mut alive_gpu, holders, |f| f & H != 0 && f & G == 0, i as i64, bs, &mut gpu);
+                        step(
+                            &mut alive_gpu,
+                            holders,
+                            |f| f & H != 0 && f & G == 0,
+                            i as i64,
+                            bs,
+                            &mut gpu,
+                        );
                     }
                     i += 1;
                 }
@@ -258,7 +286,11 @@ impl<K: WorkerName> Index<K> {
             while hit != 0 && align != 0 {
                 let before = hit;
                 for (_, grp) in &w.groups {
-                    let gbs = if grp.block_size != 0 { grp.block_size } else { bs };
+                    let gbs = if grp.block_size != 0 {
+                        grp.block_size
+                    } else {
+                        bs
+                    };
                     hit = group_hit(grp, q, (gbs, w.lookahead), hit, align, anchor(w, grp));
                     if hit == 0 {
                         break;
@@ -301,7 +333,11 @@ impl<K: WorkerName> Index<K> {
                 let ks = q.upto(cls, (*n).max(0) as usize);
                 let run = ks
                     .iter()
-                    .take_while(|k| self.table.id(k).is_some_and(|id| self.table.flags(id, w.slot) & flag != 0))
+                    .take_while(|k| {
+                        self.table
+                            .id(k)
+                            .is_some_and(|id| self.table.flags(id, w.slot) & flag != 0)
+                    })
                     .count() as i64;
                 if run > 0 {
                     best = Some(best.map_or(run, |b| b.max(run)));
@@ -333,7 +369,14 @@ fn lcm(a: i64, b: i64) -> i64 {
 }
 
 /// The longest hit (tokens, <= `max_tokens`) group `grp` serves, by the engine's rule for its kind.
-fn group_hit(grp: &Group, q: &mut Query, cls: Class, max_tokens: i64, align: i64, anchor_p: i64) -> i64 {
+fn group_hit(
+    grp: &Group,
+    q: &mut Query,
+    cls: Class,
+    max_tokens: i64,
+    align: i64,
+    anchor_p: i64,
+) -> i64 {
     if grp.kind == GroupKind::Unknown {
         return 0;
     }
@@ -346,7 +389,13 @@ fn group_hit(grp: &Group, q: &mut Query, cls: Class, max_tokens: i64, align: i64
     let keys: &[Key] = if anchor_p != 0 {
         let count = want.min(q.n_blocks((bs, 0)));
         let b = bs as usize;
-        anchored = keys::anchored_ids(&q.root, &q.input.tokens[..count * b], b, anchor_p as usize, count);
+        anchored = keys::anchored_ids(
+            &q.root,
+            &q.input.tokens[..count * b],
+            b,
+            anchor_p as usize,
+            count,
+        );
         &anchored
     } else {
         q.upto(cls, want)

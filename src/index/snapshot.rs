@@ -50,12 +50,23 @@ impl<K: WorkerName> Index<K> {
         for w in self.workers.iter().flatten().filter(|w| !w.holds_nothing()) {
             let mut classes = w.classes.clone();
             classes.sort_unstable();
-            let (mut hashes, mut keys) = (Vec::with_capacity(w.blocks.len()), Vec::with_capacity(w.blocks.len()));
+            let (mut hashes, mut keys) = (
+                Vec::with_capacity(w.blocks.len()),
+                Vec::with_capacity(w.blocks.len()),
+            );
             for (h, &id) in w.blocks.iter() {
                 hashes.push(h);
-                keys.push(if id == NOKEY { Vec::new() } else { self.table.key(id).to_vec() });
+                keys.push(if id == NOKEY {
+                    Vec::new()
+                } else {
+                    self.table.key(id).to_vec()
+                });
             }
-            let special = w.special.iter().map(|(h, c)| (h, c.iter().map(|&v| i64::from(v)).collect())).collect();
+            let special = w
+                .special
+                .iter()
+                .map(|(h, c)| (h, c.iter().map(|&v| i64::from(v)).collect()))
+                .collect();
             let groups = w
                 .groups
                 .iter()
@@ -112,13 +123,17 @@ impl<K: WorkerName> Index<K> {
         if !(0..=1 << 16).contains(&sw.lookahead) {
             return Some(format!("lookahead {}", sw.lookahead));
         }
-        if sw.keys.iter().any(|k| k.len() != 0 && k.len() != 16) {
+        if sw.keys.iter().any(|k| !k.is_empty() && k.len() != 16) {
             return Some("malformed content keys".into());
         }
         let present: FxHashSet<&BlockHash> = sw.hashes.iter().collect();
         let mut seen: FxHashSet<&BlockHash> = FxHashSet::default();
         for (h, c) in &sw.special {
-            if !present.contains(h) || seen.contains(h) || c.len() != 4 || c.iter().any(|&v| v != 0 && v != 1) {
+            if !present.contains(h)
+                || seen.contains(h)
+                || c.len() != 4
+                || c.iter().any(|&v| v != 0 && v != 1)
+            {
                 return Some("inconsistent tier entries".into());
             }
             seen.insert(h);
@@ -135,12 +150,20 @@ impl<K: WorkerName> Index<K> {
             }
             gids.insert(idx);
             if GroupKind::from_name(&g.kind).is_none() || !(0..=1 << 20).contains(&g.block_size) {
-                return Some(format!("group {idx}: kind '{}' / block size {}", g.kind, g.block_size));
+                return Some(format!(
+                    "group {idx}: kind '{}' / block size {}",
+                    g.kind, g.block_size
+                ));
             }
-            if g.hashes.len() != g.keys.len() || g.keys.len() != g.masks.len() || !distinct(&g.hashes) {
+            if g.hashes.len() != g.keys.len()
+                || g.keys.len() != g.masks.len()
+                || !distinct(&g.hashes)
+            {
                 return Some(format!("group {idx}: inconsistent tables"));
             }
-            if g.keys.iter().any(|k| k.len() != 0 && k.len() != 16) || g.masks.iter().any(|m| !(1..=15).contains(m)) {
+            if g.keys.iter().any(|k| !k.is_empty() && k.len() != 16)
+                || g.masks.iter().any(|m| !(1..=15).contains(m))
+            {
                 return Some(format!("group {idx}: malformed entries"));
             }
             total += g.hashes.len();

@@ -6,7 +6,9 @@
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::table::{tier_flag, G, H};
-use super::{mask_of, tier_pos, ApplyCounts, Class, EMap, Group, GroupKind, Index, Worker, WorkerName, NOKEY};
+use super::{
+    mask_of, tier_pos, ApplyCounts, Class, EMap, Group, GroupKind, Index, Worker, WorkerName, NOKEY,
+};
 use crate::keys::{self, Key};
 use crate::protocols::{Batch, BlockHash, BlockRemoved, BlockStored, Event, Value};
 
@@ -170,10 +172,17 @@ fn add_copy(copies: &mut EMap<u32>, ehash: &BlockHash) {
     }
 }
 
-fn warn<K: WorkerName>(logs: &mut Vec<String>, w: &mut Worker<K>, what: &'static str, detail: String) {
+fn warn<K: WorkerName>(
+    logs: &mut Vec<String>,
+    w: &mut Worker<K>,
+    what: &'static str,
+    detail: String,
+) {
     if w.warned.insert(what) {
         let label = w.key.label();
-        logs.push(format!("worker {label}: {what} ({detail}); further ones are counted, not logged"));
+        logs.push(format!(
+            "worker {label}: {what} ({detail}); further ones are counted, not logged"
+        ));
     }
 }
 
@@ -289,7 +298,12 @@ impl<K: WorkerName> Index<K> {
                 }
             }
         } else {
-            let ids: FxHashSet<u32> = w.blocks.values().copied().filter(|&id| id != NOKEY).collect();
+            let ids: FxHashSet<u32> = w
+                .blocks
+                .values()
+                .copied()
+                .filter(|&id| id != NOKEY)
+                .collect();
             for id in ids {
                 let old = self.worker_mask(slot, id);
                 self.set_mask(slot, id, old, 0);
@@ -342,7 +356,15 @@ impl<K: WorkerName> Index<K> {
     }
 
     /// An engine hash mapping to key `id` became present (+1) or absent (-1) on tier `pos`.
-    fn presence(&mut self, w: &mut Worker<K>, ehash: &BlockHash, id: u32, pos: usize, delta: i32, new_ehash: bool) {
+    fn presence(
+        &mut self,
+        w: &mut Worker<K>,
+        ehash: &BlockHash,
+        id: u32,
+        pos: usize,
+        delta: i32,
+        new_ehash: bool,
+    ) {
         if id == NOKEY {
             return;
         }
@@ -379,7 +401,12 @@ impl<K: WorkerName> Index<K> {
             if w.classes.len() >= lim.max_block_sizes {
                 self.refused_bs += 1;
                 let detail = format!("{} past {}", cls.0, classes_repr(&w.classes));
-                warn(&mut self.logs, w, "store refused: too many block sizes", detail);
+                warn(
+                    &mut self.logs,
+                    w,
+                    "store refused: too many block sizes",
+                    detail,
+                );
                 return false;
             }
             w.classes.push(cls);
@@ -389,7 +416,12 @@ impl<K: WorkerName> Index<K> {
         if w.entries() + n > lim.max_entries_per_worker {
             self.refused_entries += n as u64;
             let detail = format!("max_entries_per_worker={}", lim.max_entries_per_worker);
-            warn(&mut self.logs, w, "store refused: entry bound reached", detail);
+            warn(
+                &mut self.logs,
+                w,
+                "store refused: entry bound reached",
+                detail,
+            );
             return false;
         }
         true
@@ -409,7 +441,9 @@ impl<K: WorkerName> Index<K> {
     /// Where a store goes (`_group_of`): Ok(None) the primary group, Ok(Some(i)) group i, Err refused.
     fn group_of(&mut self, w: &mut Worker<K>, ev: &BlockStored) -> Result<Option<usize>, ()> {
         let kind = GroupKind::of(ev.kv_cache_spec_kind.as_deref());
-        let Some(g) = ev.group_idx else { return Ok(None) };
+        let Some(g) = ev.group_idx else {
+            return Ok(None);
+        };
         if ev.block_size == 0 && ev.token_ids.is_empty() && ev.kv_cache_spec_kind.is_none() {
             return Ok(None);
         }
@@ -421,11 +455,18 @@ impl<K: WorkerName> Index<K> {
             None => {
                 if w.groups.len() >= self.limits.max_groups_per_worker {
                     self.ignored_group += 1;
-                    warn(&mut self.logs, w, "store refused: too many KV-cache groups", format!("group {g}"));
+                    warn(
+                        &mut self.logs,
+                        w,
+                        "store refused: too many KV-cache groups",
+                        format!("group {g}"),
+                    );
                     return Err(());
                 }
-                w.groups
-                    .push((g, Group::new(kind, ev.kv_cache_spec_sliding_window, ev.block_size)));
+                w.groups.push((
+                    g,
+                    Group::new(kind, ev.kv_cache_spec_sliding_window, ev.block_size),
+                ));
                 if !w.hybrid {
                     w.hybrid = true;
                     self.hybrid_workers += 1;
@@ -436,7 +477,12 @@ impl<K: WorkerName> Index<K> {
                         Some(k) => format!("'{k}'"),
                         None => "None".to_owned(),
                     };
-                    warn(&mut self.logs, w, "no hit rule for KV-cache group kind", format!("{shown}: its hits are 0"));
+                    warn(
+                        &mut self.logs,
+                        w,
+                        "no hit rule for KV-cache group kind",
+                        format!("{shown}: its hits are 0"),
+                    );
                 }
                 Ok(Some(w.groups.len() - 1))
             }
@@ -598,7 +644,14 @@ impl<K: WorkerName> Index<K> {
     }
 
     /// The hot path: n new engine hashes, one GPU copy each, chained on a known parent.
-    fn store_fresh(&mut self, w: &mut Worker<K>, hashes: &[BlockHash], parent: &Key, tokens: &[i64], bs: usize) {
+    fn store_fresh(
+        &mut self,
+        w: &mut Worker<K>,
+        hashes: &[BlockHash],
+        parent: &Key,
+        tokens: &[i64],
+        bs: usize,
+    ) {
         let n = hashes.len();
         let toks = keys::tokens_u32(&tokens[..n * bs]).expect("checked by the caller");
         let keys = keys::plain_keys(parent, &toks, bs, n);
@@ -612,16 +665,13 @@ impl<K: WorkerName> Index<K> {
         }
         let slot = w.slot;
         w.blocks.reserve(n);
-        let ids: Vec<u32> = keys
-            .iter()
-            .map(|k| {
-                let id = self.table.retain_key(k);
-                id
-            })
-            .collect();
+        let ids: Vec<u32> = keys.iter().map(|k| self.table.retain_key(k)).collect();
         // Whether the worker held each key before this store (read before any update, as the
         // Python index reads its holder sets once).
-        let held: Vec<bool> = ids.iter().map(|&id| self.table.flags(id, slot) & H != 0).collect();
+        let held: Vec<bool> = ids
+            .iter()
+            .map(|&id| self.table.flags(id, slot) & H != 0)
+            .collect();
         for (ehash, &id) in hashes.iter().zip(&ids) {
             w.blocks.insert(ehash, id);
         }
@@ -637,7 +687,14 @@ impl<K: WorkerName> Index<K> {
         }
     }
 
-    fn store_one(&mut self, w: &mut Worker<K>, ehash: &BlockHash, key: Option<Key>, pos: usize, copy: bool) {
+    fn store_one(
+        &mut self,
+        w: &mut Worker<K>,
+        ehash: &BlockHash,
+        key: Option<Key>,
+        pos: usize,
+        copy: bool,
+    ) {
         if w.blocks.contains(ehash) {
             let id = *w.blocks.get(ehash).expect("checked");
             self.store_one_id(w, ehash, id, pos, copy);
@@ -662,7 +719,14 @@ impl<K: WorkerName> Index<K> {
     }
 
     /// `_store_one` for a key already interned (`id`, with no reference taken for it yet).
-    fn store_one_id(&mut self, w: &mut Worker<K>, ehash: &BlockHash, id: u32, pos: usize, copy: bool) {
+    fn store_one_id(
+        &mut self,
+        w: &mut Worker<K>,
+        ehash: &BlockHash,
+        id: u32,
+        pos: usize,
+        copy: bool,
+    ) {
         let Some(&old_id) = w.blocks.get(ehash) else {
             if id != NOKEY {
                 self.table.retain(id);
@@ -700,7 +764,13 @@ impl<K: WorkerName> Index<K> {
 
     /// `_lookup`: the content key of an engine hash in a group of the worker with group `gi`'s
     /// block size. Some(None): found, but unclaimable.
-    fn lookup(&self, w: &Worker<K>, gi: usize, ehash: &BlockHash, anchored: bool) -> Option<Option<Key>> {
+    fn lookup(
+        &self,
+        w: &Worker<K>,
+        gi: usize,
+        ehash: &BlockHash,
+        anchored: bool,
+    ) -> Option<Option<Key>> {
         let grp = &w.groups[gi].1;
         if let Some(&(k, _)) = grp.blocks.get(ehash) {
             return Some(k);
@@ -763,8 +833,16 @@ impl<K: WorkerName> Index<K> {
         }
         if w.entries() + n > self.limits.max_entries_per_worker {
             self.refused_entries += n as u64;
-            let detail = format!("max_entries_per_worker={}", self.limits.max_entries_per_worker);
-            warn(&mut self.logs, w, "store refused: entry bound reached", detail);
+            let detail = format!(
+                "max_entries_per_worker={}",
+                self.limits.max_entries_per_worker
+            );
+            warn(
+                &mut self.logs,
+                w,
+                "store refused: entry bound reached",
+                detail,
+            );
             return;
         }
         let bs = ev.block_size;
@@ -784,7 +862,9 @@ impl<K: WorkerName> Index<K> {
                     None => Some(None),
                 };
                 let chained = match (ns.extras, la) {
-                    (Ok(extras), Some(la)) => chain(&k, tokens, bs as usize, n, extras.as_ref(), la.as_deref()),
+                    (Ok(extras), Some(la)) => {
+                        chain(&k, tokens, bs as usize, n, extras.as_ref(), la.as_deref())
+                    }
                     _ => None,
                 };
                 match chained {
@@ -834,12 +914,21 @@ impl<K: WorkerName> Index<K> {
     }
 
     /// `_anchored_keys`: keys of a store of a group with blocks smaller than the primary's.
-    fn anchored_keys(&mut self, w: &Worker<K>, ev: &BlockStored, p: i64) -> Option<Vec<Option<Key>>> {
+    fn anchored_keys(
+        &mut self,
+        w: &Worker<K>,
+        ev: &BlockStored,
+        p: i64,
+    ) -> Option<Vec<Option<Key>>> {
         let ns = namespaces(ev);
         let s_bs = ev.block_size;
         let tokens = &ev.token_ids;
-        let has_la = ev.lookahead_token_ids.as_ref().is_some_and(|l| !l.is_empty());
-        if !matches!(ns.extras, Ok(None)) || has_la || s_bs <= 0 || tokens.len() as i64 % s_bs != 0 {
+        let has_la = ev
+            .lookahead_token_ids
+            .as_ref()
+            .is_some_and(|l| !l.is_empty());
+        if !matches!(ns.extras, Ok(None)) || has_la || s_bs <= 0 || tokens.len() as i64 % s_bs != 0
+        {
             return None;
         }
         let anchor_key = match &ev.parent_block_hash {
@@ -889,7 +978,11 @@ impl<K: WorkerName> Index<K> {
                     || (gap < room
                         && ((prev_j + 1) as usize..j)
                             .filter(|b| (b + 1) % per == 0)
-                            .all(|b| self.table.id(&ids[b]).is_some_and(|id| self.table.flags(id, slot) & H != 0))));
+                            .all(|b| {
+                                self.table
+                                    .id(&ids[b])
+                                    .is_some_and(|id| self.table.flags(id, slot) & H != 0)
+                            })));
             if fits {
                 for d in 0..gap {
                     pos[(prev_i + 1 + d) as usize] = Some((jj - gap + d) as usize);

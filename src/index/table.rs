@@ -165,7 +165,10 @@ impl KeyTable {
     /// Every interned key with the union of its holders' flags.
     pub(crate) fn keys_with_flags(&self) -> impl Iterator<Item = (Key, u8)> + '_ {
         self.map.iter().map(|(k, &id)| {
-            let f = self.recs[id as usize].holders.iter().fold(0u8, |acc, &w| acc | flags_of(w));
+            let f = self.recs[id as usize]
+                .holders
+                .iter()
+                .fold(0u8, |acc, &w| acc | flags_of(w));
             (*k, f)
         })
     }

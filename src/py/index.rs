@@ -90,7 +90,9 @@ fn flush_logs(py: Python<'_>, logs: Vec<String>) -> PyResult<()> {
     if logs.is_empty() {
         return Ok(());
     }
-    let log = py.import("logging")?.call_method1("getLogger", ("kvroute.index",))?;
+    let log = py
+        .import("logging")?
+        .call_method1("getLogger", ("kvroute.index",))?;
     for msg in logs {
         log.call_method1("warning", ("%s", msg))?;
     }
@@ -114,7 +116,11 @@ fn score_dicts<'py>(
 impl PyIndex {
     /// Run `f` on the index under the write lock with the GIL released, then log its warnings.
     /// The integrator's `apply_payload` is `wire::decode` + `Index::apply_batch` inside `f`.
-    pub fn with_write<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Index<PyKey>) -> R + Send) -> PyResult<R> {
+    pub fn with_write<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Index<PyKey>) -> R + Send,
+    ) -> PyResult<R> {
         let (out, logs) = py.detach(|| {
             let mut idx = self.inner.write();
             let out = f(&mut idx);
@@ -150,12 +156,22 @@ impl PyIndex {
     }
 
     /// Apply engine events (kvroute._wire Structs) of ``worker`` in order.
-    fn apply_events(&self, py: Python<'_>, worker: &Bound<'_, PyAny>, events: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn apply_events(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        events: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let key = PyKey::extract(worker)?;
         let evs = if let Ok(list) = events.cast::<PyList>() {
-            list.iter().map(|e| event(&e)).collect::<PyResult<Vec<_>>>()?
+            list.iter()
+                .map(|e| event(&e))
+                .collect::<PyResult<Vec<_>>>()?
         } else {
-            events.try_iter()?.map(|e| event(&e?)).collect::<PyResult<Vec<_>>>()?
+            events
+                .try_iter()?
+                .map(|e| event(&e?))
+                .collect::<PyResult<Vec<_>>>()?
         };
         self.with_write(py, |idx| {
             for ev in &evs {
@@ -165,7 +181,12 @@ impl PyIndex {
     }
 
     /// Apply one engine event of ``worker``.
-    fn apply_event(&self, py: Python<'_>, worker: &Bound<'_, PyAny>, ev: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn apply_event(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        ev: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let key = PyKey::extract(worker)?;
         let ev = event(ev)?;
         self.with_write(py, |idx| idx.apply(&key, &ev))
@@ -228,7 +249,10 @@ impl PyIndex {
         let out = PyDict::new(py);
         let names = ["holders", "gpu_missing", "CPU", "DISK", "EXTERNAL"];
         for (name, keys) in names.iter().zip(&t.flagged) {
-            out.set_item(*name, PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))?)?;
+            out.set_item(
+                *name,
+                PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))?,
+            )?;
         }
         let classes = PyDict::new(py);
         for (cls, members) in &t.classes {
@@ -254,7 +278,12 @@ impl PyIndex {
         cache_salt: &Bound<'py, PyAny>,
         mm_items: &Bound<'py, PyAny>,
         extra_keys: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>, Option<Bound<'py, PyDict>>, Bound<'py, PyMatch>)> {
+    ) -> PyResult<(
+        Bound<'py, PyDict>,
+        Bound<'py, PyDict>,
+        Option<Bound<'py, PyDict>>,
+        Bound<'py, PyMatch>,
+    )> {
         let input = convert::query_input(token_ids, lora_name, cache_salt, mm_items, extra_keys)?;
         let (query, result) = self.with_read(py, move |idx| {
             let mut q = idx.query(input);
@@ -266,7 +295,11 @@ impl PyIndex {
             Some(g) => Some(score_dicts(py, g)?.0),
             None => None,
         };
-        let any = result.scores.into_iter().map(|s| (s.worker, s.blocks, s.block_size)).collect();
+        let any = result
+            .scores
+            .into_iter()
+            .map(|s| (s.worker, s.blocks, s.block_size))
+            .collect();
         let m = PyMatch {
             index: self.inner.clone(),
             query: Mutex::new(query),
@@ -298,13 +331,27 @@ impl PyIndex {
                     g.masks.clone(),
                 ))?;
             }
-            out.append((k.obj(py), sw.classes, sw.primary, sw.lookahead, hashes, keys, special, groups))?;
+            out.append((
+                k.obj(py),
+                sw.classes,
+                sw.primary,
+                sw.lookahead,
+                hashes,
+                keys,
+                special,
+                groups,
+            ))?;
         }
         Ok(out)
     }
 
     /// Restore one worker from a `SnapWorker`; returns why it was refused (None: restored).
-    fn import_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>, sw: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    fn import_worker(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        sw: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<String>> {
         let key = PyKey::extract(worker)?;
         let sw = convert::snap_worker(sw)?;
         self.with_write(py, |idx| idx.import_worker(&key, &sw).err())
@@ -318,7 +365,10 @@ fn hash_obj<'py>(py: Python<'py>, h: &crate::protocols::BlockHash) -> PyResult<B
     })
 }
 
-fn hash_list<'py>(py: Python<'py>, hs: &[crate::protocols::BlockHash]) -> PyResult<Bound<'py, PyList>> {
+fn hash_list<'py>(
+    py: Python<'py>,
+    hs: &[crate::protocols::BlockHash],
+) -> PyResult<Bound<'py, PyList>> {
     let out = PyList::empty(py);
     for h in hs {
         out.append(hash_obj(py, h)?)?;
@@ -340,7 +390,9 @@ impl PyMatch {
     /// Leading blocks on tier ``pos`` (1 CPU, 2 DISK, 3 EXTERNAL) per worker.
     fn tier<'py>(&self, py: Python<'py>, pos: usize) -> PyResult<Bound<'py, PyDict>> {
         if !(1..=3).contains(&pos) {
-            return Err(pyo3::exceptions::PyValueError::new_err("tier position must be 1, 2 or 3"));
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "tier position must be 1, 2 or 3",
+            ));
         }
         let found = py.detach(|| {
             let idx = self.index.read();
@@ -359,7 +411,10 @@ impl PyMatch {
     fn hashed<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
         for (cls, keys) in self.query.lock().hashed() {
-            out.set_item(*cls, PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))?)?;
+            out.set_item(
+                *cls,
+                PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))?,
+            )?;
         }
         Ok(out)
     }
@@ -397,7 +452,9 @@ fn block_keys<'py>(
         .try_into()
         .map_err(|_| pyo3::exceptions::PyValueError::new_err("parent must be 16 bytes"))?;
     if tokens.len() < n * block_size || lookahead.as_ref().is_some_and(|l| l.len() < n) {
-        return Err(pyo3::exceptions::PyValueError::new_err("fewer tokens or lookahead rows than blocks"));
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "fewer tokens or lookahead rows than blocks",
+        ));
     }
     let extras: Vec<Option<Vec<u8>>> = match &extra_keys {
         None => Vec::new(),
@@ -406,10 +463,15 @@ fn block_keys<'py>(
             .map(|e| -> PyResult<Option<Vec<u8>>> {
                 let vals = match e {
                     None => None,
-                    Some(v) => Some(v.try_iter()?.map(|x| convert::value(&x?)).collect::<PyResult<Vec<_>>>()?),
+                    Some(v) => Some(
+                        v.try_iter()?
+                            .map(|x| convert::value(&x?))
+                            .collect::<PyResult<Vec<_>>>()?,
+                    ),
                 };
-                crate::keys::encode_extras(vals.as_deref())
-                    .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("an int outside 64 bits"))
+                crate::keys::encode_extras(vals.as_deref()).map_err(|_| {
+                    pyo3::exceptions::PyOverflowError::new_err("an int outside 64 bits")
+                })
             })
             .collect::<PyResult<_>>()?,
     };
@@ -429,7 +491,11 @@ fn block_keys<'py>(
 /// The chain's root key for an adapter and a cache salt (kvroute._hashing.root_key).
 #[pyfunction]
 #[pyo3(signature = (lora_name, cache_salt=None))]
-fn root_key<'py>(py: Python<'py>, lora_name: Option<&str>, cache_salt: Option<&str>) -> Bound<'py, PyBytes> {
+fn root_key<'py>(
+    py: Python<'py>,
+    lora_name: Option<&str>,
+    cache_salt: Option<&str>,
+) -> Bound<'py, PyBytes> {
     PyBytes::new(py, &crate::keys::root_key(lora_name, cache_salt))
 }
 

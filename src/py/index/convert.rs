@@ -29,7 +29,10 @@ fn event_types(py: Python<'_>) -> PyResult<&EventTypes> {
         Ok(EventTypes {
             stored: m.getattr("BlockStored")?.cast_into::<PyType>()?.unbind(),
             removed: m.getattr("BlockRemoved")?.cast_into::<PyType>()?.unbind(),
-            cleared: m.getattr("AllBlocksCleared")?.cast_into::<PyType>()?.unbind(),
+            cleared: m
+                .getattr("AllBlocksCleared")?
+                .cast_into::<PyType>()?
+                .unbind(),
         })
     })
 }
@@ -137,7 +140,11 @@ pub(crate) fn value(obj: &Bound<'_, PyAny>) -> PyResult<Value> {
         return Ok(Value::Bytes(b.as_bytes().to_vec()));
     }
     if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
-        return obj.try_iter()?.map(|v| value(&v?)).collect::<PyResult<_>>().map(Value::Array);
+        return obj
+            .try_iter()?
+            .map(|v| value(&v?))
+            .collect::<PyResult<_>>()
+            .map(Value::Array);
     }
     if let Ok(d) = obj.cast::<PyDict>() {
         return d
@@ -148,7 +155,9 @@ pub(crate) fn value(obj: &Bound<'_, PyAny>) -> PyResult<Value> {
     }
     Err(PyTypeError::new_err(format!(
         "cannot use a {} in extra keys",
-        obj.get_type().name().map_or_else(|_| "?".into(), |n| n.to_string())
+        obj.get_type()
+            .name()
+            .map_or_else(|_| "?".into(), |n| n.to_string())
     )))
 }
 
@@ -162,7 +171,11 @@ fn extra_keys(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<Option<Vec<Value>>>
         if ek.is_none() {
             out.push(None);
         } else {
-            out.push(Some(ek.try_iter()?.map(|v| value(&v?)).collect::<PyResult<_>>()?));
+            out.push(Some(
+                ek.try_iter()?
+                    .map(|v| value(&v?))
+                    .collect::<PyResult<_>>()?,
+            ));
         }
     }
     Ok(Some(out))
@@ -175,7 +188,11 @@ fn stored<'py>(ev: &Bound<'py, PyAny>) -> PyResult<BlockStored> {
     let lookahead_token_ids = if la.is_none() {
         None
     } else {
-        Some(la.try_iter()?.map(|row| event_tokens(&row?)).collect::<PyResult<_>>()?)
+        Some(
+            la.try_iter()?
+                .map(|row| event_tokens(&row?))
+                .collect::<PyResult<_>>()?,
+        )
     };
     Ok(BlockStored {
         block_hashes: hashes(&get(intern!(py, "block_hashes"))?)?,
@@ -222,7 +239,10 @@ pub(crate) fn event(ev: &Bound<'_, PyAny>) -> PyResult<Event> {
     } else if ev.is_instance(types.cleared.bind(py))? {
         Ok(Event::Cleared)
     } else {
-        let name = ev.get_type().name().map_or_else(|_| "?".into(), |n| n.to_string());
+        let name = ev
+            .get_type()
+            .name()
+            .map_or_else(|_| "?".into(), |n| n.to_string());
         Err(PyTypeError::new_err(format!("not an engine event: {name}")))
     }
 }
@@ -241,7 +261,10 @@ fn bad_token(py: Python<'_>, at: usize, item: &Bound<'_, PyAny>) -> PyErr {
     } else {
         shown
     };
-    query_error(py, format!("token_ids[{at}] = {shown} is not an int in [0, 2**32)"))
+    query_error(
+        py,
+        format!("token_ids[{at}] = {shown} is not an int in [0, 2**32)"),
+    )
 }
 
 /// A typed buffer of uint32 in native byte order (array('I'), numpy uint32, ...): its tokens,
@@ -255,14 +278,25 @@ fn u32_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
     let itemsize: usize = mv.getattr(intern!(py, "itemsize"))?.extract()?;
     let ndim: usize = mv.getattr(intern!(py, "ndim"))?.extract()?;
     let format: String = mv.getattr(intern!(py, "format"))?.extract()?;
-    let native = if cfg!(target_endian = "little") { "<" } else { ">" };
-    let code = format.trim_start_matches(['@', '=']).trim_start_matches(native);
+    let native = if cfg!(target_endian = "little") {
+        "<"
+    } else {
+        ">"
+    };
+    let code = format
+        .trim_start_matches(['@', '='])
+        .trim_start_matches(native);
     if itemsize != 4 || ndim != 1 || !(code == "I" || code == "L") {
         return Ok(None);
     }
     let raw = mv.call_method0(intern!(py, "tobytes"))?;
     let bytes = raw.cast::<PyBytes>()?.as_bytes();
-    Ok(Some(bytes.chunks_exact(4).map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect()))
+    Ok(Some(
+        bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    ))
 }
 
 /// The query's token ids, every one checked: an int in [0, 2^32) (what `array('I')` accepts).
@@ -283,16 +317,31 @@ pub(crate) fn query_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         }
         return Ok(out);
     }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<pyo3::types::PyByteArray>() {
-        let name = obj.get_type().name().map_or_else(|_| "?".into(), |n| n.to_string());
-        return Err(query_error(py, format!("token_ids must be a sequence of ints, got {name}")));
+    if obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<pyo3::types::PyByteArray>()
+    {
+        let name = obj
+            .get_type()
+            .name()
+            .map_or_else(|_| "?".into(), |n| n.to_string());
+        return Err(query_error(
+            py,
+            format!("token_ids must be a sequence of ints, got {name}"),
+        ));
     }
     if let Some(v) = u32_buffer(obj)? {
         return Ok(v);
     }
     let Ok(iter) = obj.try_iter() else {
-        let name = obj.get_type().name().map_or_else(|_| "?".into(), |n| n.to_string());
-        return Err(query_error(py, format!("token_ids must be a sequence of ints, got {name}")));
+        let name = obj
+            .get_type()
+            .name()
+            .map_or_else(|_| "?".into(), |n| n.to_string());
+        return Err(query_error(
+            py,
+            format!("token_ids must be a sequence of ints, got {name}"),
+        ));
     };
     let mut out = Vec::new();
     for (i, t) in iter.enumerate() {
@@ -367,7 +416,9 @@ pub(crate) fn query_input<'py>(
 }
 
 fn bytes_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
-    obj.try_iter()?.map(|k| Ok(k?.cast::<PyBytes>()?.as_bytes().to_vec())).collect()
+    obj.try_iter()?
+        .map(|k| Ok(k?.cast::<PyBytes>()?.as_bytes().to_vec()))
+        .collect()
 }
 
 /// A `SnapWorker` Struct (kvroute/_snapshot.py) as the core's.
@@ -393,7 +444,10 @@ pub(crate) fn snap_worker(sw: &Bound<'_, PyAny>) -> PyResult<SnapWorker> {
         .try_iter()?
         .map(|item| {
             let item = item?;
-            Ok((block_hash(&item.get_item(0)?)?, item.get_item(1)?.extract::<Vec<i64>>()?))
+            Ok((
+                block_hash(&item.get_item(0)?)?,
+                item.get_item(1)?.extract::<Vec<i64>>()?,
+            ))
         })
         .collect::<PyResult<_>>()?;
     Ok(SnapWorker {
