@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -423,3 +424,40 @@ def test_a_typed_buffer_answers_as_the_list_does() -> None:
     assert idx.find_matches(array("q", [5, 6, 7, 8])) == {W[0]: 2}  # other int buffers: checked one by one
     with pytest.raises(QueryError, match=r"token_ids\[1\]"):
         idx.find_matches(array("q", [5, -6]))
+
+
+def test_queries_on_threads_run_while_other_threads_ingest() -> None:
+    """find_matches from two threads while two threads apply and remove: no deadlock, every answer right."""
+    idx = PrefixIndex()
+    prompt = list(range(64))
+    idx.apply(W[0], BlockStored(block_hashes=list(range(1, 17)), token_ids=prompt, block_size=4))
+    stop = threading.Event()
+    wrong: list[object] = []
+
+    def ingest(t: int) -> None:
+        w = WorkerKey(f"ingest{t}", 0)
+        n = 0
+        while not stop.is_set():
+            hashes = [10_000 * (n + 1) + j for j in range(32)]
+            idx.apply(w, BlockStored(block_hashes=hashes, token_ids=[(n + j) % 50 for j in range(128)], block_size=4))
+            idx.remove_worker(w)
+            n += 1
+
+    def query() -> None:
+        for _ in range(500):
+            s = idx.find_matches(prompt)
+            if s.get(W[0]) != 16 or s.tier("CPU"):
+                wrong.append(dict(s))
+
+    ingesters = [threading.Thread(target=ingest, args=(t,)) for t in range(2)]
+    queriers = [threading.Thread(target=query) for _ in range(2)]
+    for th in ingesters + queriers:
+        th.start()
+    for th in queriers:
+        th.join(timeout=60)
+    stop.set()
+    for th in ingesters:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in ingesters + queriers), "a thread is stuck"
+    assert wrong == []
+    assert idx.workers() == {W[0]}
