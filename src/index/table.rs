@@ -5,7 +5,10 @@
 //! and the `CPU` / `DISK` / `EXT` tier holders. Keeping them as separate bits (not one derived
 //! mask) keeps every table update the Python index makes expressible one for one.
 
-use rustc_hash::FxHashMap;
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
+use rustc_hash::FxBuildHasher;
 use smallvec::SmallVec;
 
 use crate::keys::Key;
@@ -29,9 +32,11 @@ struct KeyRec {
     holders: Holders,
 }
 
+/// Ids by key: the table holds only the 4-byte ids, hashed and compared through `recs` (a map
+/// from key to id would store every 16-byte key a second time).
 #[derive(Default)]
 pub(crate) struct KeyTable {
-    map: FxHashMap<Key, u32>,
+    ids: HashTable<u32>,
     recs: Vec<KeyRec>,
     free: Vec<u32>,
     /// keys with at least one holder with each flag (`len(_holders)`, `len(_gpu_missing)`, ...)
@@ -48,9 +53,16 @@ pub(crate) fn flags_of(word: u32) -> u8 {
     (word & FLAG_MASK) as u8
 }
 
+fn hash(key: &Key) -> u64 {
+    FxBuildHasher.hash_one(key)
+}
+
 impl KeyTable {
     pub(crate) fn id(&self, key: &Key) -> Option<u32> {
-        self.map.get(key).copied()
+        let recs = &self.recs;
+        self.ids
+            .find(hash(key), |&id| recs[id as usize].key == *key)
+            .copied()
     }
 
     pub(crate) fn key(&self, id: u32) -> &Key {
@@ -59,8 +71,8 @@ impl KeyTable {
 
     /// The id of `key`, interned if new, with one more reference.
     pub(crate) fn retain_key(&mut self, key: &Key) -> u32 {
-        let id = match self.map.get(key) {
-            Some(&id) => id,
+        let id = match self.id(key) {
+            Some(id) => id,
             None => {
                 let rec = KeyRec {
                     key: *key,
@@ -77,7 +89,9 @@ impl KeyTable {
                         (self.recs.len() - 1) as u32
                     }
                 };
-                self.map.insert(*key, id);
+                let recs = &self.recs;
+                self.ids
+                    .insert_unique(hash(key), id, |&i| hash(&recs[i as usize].key));
                 id
             }
         };
@@ -99,7 +113,9 @@ impl KeyTable {
     fn maybe_free(&mut self, id: u32) {
         let rec = &mut self.recs[id as usize];
         if rec.refs == 0 && rec.holders.is_empty() {
-            self.map.remove(&rec.key);
+            if let Ok(entry) = self.ids.find_entry(hash(&rec.key), |&i| i == id) {
+                entry.remove();
+            }
             rec.holders = Holders::new();
             self.free.push(id);
         }
@@ -164,12 +180,12 @@ impl KeyTable {
 
     /// Every interned key with the union of its holders' flags.
     pub(crate) fn keys_with_flags(&self) -> impl Iterator<Item = (Key, u8)> + '_ {
-        self.map.iter().map(|(k, &id)| {
-            let f = self.recs[id as usize]
-                .holders
-                .iter()
-                .fold(0u8, |acc, &w| acc | flags_of(w));
-            (*k, f)
+        self.ids.iter().map(|&id| {
+            let rec = &self.recs[id as usize];
+            (
+                rec.key,
+                rec.holders.iter().fold(0u8, |acc, &w| acc | flags_of(w)),
+            )
         })
     }
 }
