@@ -156,28 +156,71 @@ impl Scores {
     }
 }
 
-/// Walk the sorted `alive` slots through a key's sorted holder words: keep those whose flags
-/// pass `ok`, record the others at `at` blocks (when > 0).
-fn step(
-    alive: &mut Vec<u32>,
-    holders: &[u32],
-    ok: impl Fn(u8) -> bool,
-    at: i64,
-    bs: i64,
-    out: &mut Scores,
-) {
-    let mut j = 0;
-    alive.retain(|&slot| {
-        // Both lists are sorted by slot: advance through the holders once.
-        while j < holders.len() && slot_of(holders[j]) < slot {
-            j += 1;
+/// The workers still continuing a prefix, as a bit set over slots.
+struct Alive {
+    words: Vec<u64>,
+    mask: Vec<u64>,
+    count: usize,
+}
+
+impl Alive {
+    fn new(members: &[u32], slots: usize) -> Alive {
+        let mut words = vec![0u64; slots.div_ceil(64).max(1)];
+        for &s in members {
+            words[s as usize / 64] |= 1 << (s % 64);
         }
-        let keep = j < holders.len() && slot_of(holders[j]) == slot && ok(flags_of(holders[j]));
-        if !keep && at > 0 {
-            out.record(slot, at, bs);
+        let mask = vec![0u64; words.len()];
+        Alive {
+            words,
+            mask,
+            count: members.len(),
         }
-        keep
-    });
+    }
+
+    /// Keep the workers whose holder word on this key passes `ok`; record the others at `at`
+    /// blocks (when > 0), lowest slot first (as the Python index records bits).
+    fn step(
+        &mut self,
+        holders: &[u32],
+        ok: impl Fn(u8) -> bool,
+        at: i64,
+        bs: i64,
+        out: &mut Scores,
+    ) {
+        self.mask.fill(0);
+        for &h in holders {
+            if ok(flags_of(h)) {
+                let s = slot_of(h) as usize;
+                self.mask[s / 64] |= 1 << (s % 64);
+            }
+        }
+        for (wi, (a, m)) in self.words.iter_mut().zip(&self.mask).enumerate() {
+            let mut dropped = *a & !*m;
+            if dropped == 0 {
+                continue;
+            }
+            *a &= *m;
+            self.count -= dropped.count_ones() as usize;
+            if at > 0 {
+                while dropped != 0 {
+                    let b = dropped.trailing_zeros();
+                    out.record(wi as u32 * 64 + b, at, bs);
+                    dropped &= dropped - 1;
+                }
+            }
+        }
+    }
+
+    /// Record every worker left at `at` blocks.
+    fn record_all(&self, at: i64, bs: i64, out: &mut Scores) {
+        for (wi, &w) in self.words.iter().enumerate() {
+            let mut left = w;
+            while left != 0 {
+                out.record(wi as u32 * 64 + left.trailing_zeros(), at, bs);
+                left &= left - 1;
+            }
+        }
+    }
 }
 
 impl<K: WorkerName> Index<K> {
@@ -203,36 +246,25 @@ impl<K: WorkerName> Index<K> {
             let cls = *cls;
             let bs = cls.0;
             let n = q.n_blocks(cls);
-            let mut alive = members.clone();
-            let mut alive_gpu = if track_gpu {
-                members.clone()
-            } else {
-                Vec::new()
-            };
+            let slots = self.workers.len();
+            let mut alive = Alive::new(members, slots);
+            let mut alive_gpu = Alive::new(if track_gpu { members } else { &[] }, slots);
             let mut i = 0usize;
             let mut chunk = 8usize;
-            while i < n && !alive.is_empty() {
+            while i < n && alive.count > 0 {
                 // Hash in chunks that double: a short match hashes little, a long one few times.
                 let end = n.min(i + chunk);
                 chunk *= 2;
                 q.extend(cls, end);
                 let ks = &q.keys[&cls];
-                while i < end && !alive.is_empty() {
+                while i < end && alive.count > 0 {
                     let holders = self
                         .table
                         .id(&ks[i])
                         .map_or(no_h, |id| self.table.holders(id));
-                    step(
-                        &mut alive,
-                        holders,
-                        |f| f & H != 0,
-                        i as i64,
-                        bs,
-                        &mut scores,
-                    );
-                    if track_gpu {
-                        step(
-                            &mut alive_gpu,
+                    alive.step(holders, |f| f & H != 0, i as i64, bs, &mut scores);
+                    if alive_gpu.count > 0 {
+                        alive_gpu.step(
                             holders,
                             |f| f & H != 0 && f & G == 0,
                             i as i64,
@@ -244,12 +276,8 @@ impl<K: WorkerName> Index<K> {
                 }
             }
             if i > 0 {
-                for &s in &alive {
-                    scores.record(s, i as i64, bs);
-                }
-                for &s in &alive_gpu {
-                    gpu.record(s, i as i64, bs);
-                }
+                alive.record_all(i as i64, bs, &mut scores);
+                alive_gpu.record_all(i as i64, bs, &mut gpu);
             }
         }
         if self.hybrid_workers > 0 && !scores.order.is_empty() {
