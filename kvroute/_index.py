@@ -22,7 +22,8 @@ from typing import Any
 
 import msgspec
 
-from . import _core
+import kvroute._core as _core
+
 from ._errors import KvRouteError
 from ._hashing import MultimodalItem
 from ._models import GPU, TIERS, WorkerKey, normalize_medium

@@ -327,7 +327,7 @@ _LIMITS = st.sampled_from(
 )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(stream=_streams(), limits=_LIMITS)
 def test_event_streams_give_identical_answers_and_stats(
     stream: tuple[list[list[int]], list[tuple[Any, ...]]], limits: dict[str, int]

@@ -282,6 +282,8 @@ pub(crate) const NOKEY: u32 = u32::MAX;
 pub(crate) struct Worker<K> {
     pub(crate) key: K,
     pub(crate) slot: u32,
+    /// creation order (the Python index's `_workers` dict order: snapshots list workers in it)
+    pub(crate) created: u64,
     /// engine hash -> content key id (NOKEY: held, never claimable), primary group
     pub(crate) blocks: EMap<u32>,
     /// engine hash -> presence per tier [GPU, CPU, DISK, EXTERNAL]; absent = one GPU copy
@@ -304,10 +306,11 @@ pub(crate) struct Worker<K> {
 }
 
 impl<K> Worker<K> {
-    fn new(key: K, slot: u32) -> Worker<K> {
+    fn new(key: K, slot: u32, created: u64) -> Worker<K> {
         Worker {
             key,
             slot,
+            created,
             blocks: EMap::default(),
             special: EMap::default(),
             multi: FxHashMap::default(),
@@ -357,6 +360,8 @@ pub struct Index<K: WorkerName> {
     /// class -> member slots (sorted), in the order classes first came into use
     pub(crate) bs_members: Vec<(Class, Vec<u32>)>,
     pub(crate) hybrid_workers: usize,
+    /// workers created so far (each worker's `created`)
+    pub(crate) created: u64,
     roots: Mutex<RootCache>,
     uncached_roots: AtomicU64,
     pub(crate) entries: u64,
@@ -383,6 +388,7 @@ impl<K: WorkerName> Index<K> {
             table: KeyTable::default(),
             bs_members: Vec::new(),
             hybrid_workers: 0,
+            created: 0,
             roots: Mutex::new(FxHashMap::default()),
             uncached_roots: AtomicU64::new(0),
             entries: 0,

@@ -47,7 +47,16 @@ impl<K: WorkerName> Index<K> {
     /// Every worker holding something, with its tables.
     pub fn export(&self) -> Vec<(K, SnapWorker)> {
         let mut out = Vec::new();
-        for w in self.workers.iter().flatten().filter(|w| !w.holds_nothing()) {
+        let mut live: Vec<&super::Worker<K>> = self
+            .workers
+            .iter()
+            .flatten()
+            .filter(|w| !w.holds_nothing())
+            .collect();
+        // In creation order, as the Python index lists them: a restore adds block-size classes
+        // in file order, and that order breaks ties between classes in find_matches.
+        live.sort_by_key(|w| w.created);
+        for w in live {
             let mut classes = w.classes.clone();
             classes.sort_unstable();
             let (mut hashes, mut keys) = (
@@ -192,8 +201,9 @@ impl<K: WorkerName> Index<K> {
                     (self.workers.len() - 1) as u32
                 }
             };
-            self.workers[slot as usize] = Some(super::Worker::new(key.clone(), slot));
+            self.workers[slot as usize] = Some(super::Worker::new(key.clone(), slot, self.created));
             self.by_key.insert(key.clone(), slot);
+            self.created += 1;
             slot
         };
         let mut w = self.take(slot);

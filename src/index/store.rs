@@ -241,8 +241,9 @@ impl<K: WorkerName> Index<K> {
                 (self.workers.len() - 1) as u32
             }
         };
-        self.workers[slot as usize] = Some(Worker::new(key.clone(), slot));
+        self.workers[slot as usize] = Some(Worker::new(key.clone(), slot, self.created));
         self.by_key.insert(key.clone(), slot);
+        self.created += 1;
         slot
     }
 
