@@ -1,11 +1,72 @@
-"""Types of the compiled core, `kvroute._core` (src/py/): private; the public API is the Python package."""
+"""Type stubs of the compiled extension `kvroute._core` (the Rust crate at the repository root)."""
 
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+from ._hashing import MultimodalItem
+from ._models import WorkerKey
+from ._snapshot import SnapWorker
+from ._wire import EngineEvent
 
 HASH_VERSION: int
 MAX_DEPTH: int
 
 def xxh128(data: bytes) -> bytes: ...
+
+# --- the index (src/index, src/py/index.rs) -----------------------------------------------------
+
+class Match:
+    def tier(self, pos: int) -> dict[WorkerKey, int]: ...
+    def hashed(self) -> dict[tuple[int, int], list[bytes]]: ...
+    def query_blocks(self, worker: WorkerKey) -> int: ...
+
+class Index:
+    def __init__(
+        self, max_block_sizes: int, max_entries_per_worker: int, max_groups_per_worker: int, max_cached_roots: int
+    ) -> None: ...
+    def apply_events(self, worker: WorkerKey, events: Iterable[EngineEvent]) -> None: ...
+    def apply_event(self, worker: WorkerKey, event: EngineEvent) -> None: ...
+    def remove_worker(self, worker: WorkerKey) -> None: ...
+    def workers(self) -> list[WorkerKey]: ...
+    def num_blocks(self, worker: WorkerKey | None = None) -> int: ...
+    def block_size(self, worker: WorkerKey) -> int | None: ...
+    def classes_of(self, worker: WorkerKey) -> list[tuple[int, int]]: ...
+    def stats(self) -> list[int]: ...
+    def tables(self) -> dict[str, Any]: ...
+    def find_matches(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+        cache_salt: str | None,
+        mm_items: Sequence[MultimodalItem],
+        extra_keys: Sequence[Sequence[Any] | None] | None,
+    ) -> tuple[dict[WorkerKey, int], dict[WorkerKey, int], dict[WorkerKey, int] | None, Match]: ...
+    def export(
+        self,
+    ) -> list[
+        tuple[
+            WorkerKey,
+            list[tuple[int, int]],
+            int | None,
+            int,
+            list[int | bytes],
+            list[bytes],
+            list[tuple[int | bytes, list[int]]],
+            list[tuple[int, str, int | None, int, list[int | bytes], list[bytes], list[int]]],
+        ]
+    ]: ...
+    def import_worker(self, worker: WorkerKey, sw: SnapWorker) -> str | None: ...
+
+def set_query_error(cls: type[Exception]) -> None: ...
+def block_keys(
+    parent: bytes,
+    tokens: Sequence[int],
+    block_size: int,
+    n: int,
+    extra_keys: Sequence[Sequence[Any] | None] | None = None,
+    lookahead: Sequence[Sequence[int]] | None = None,
+) -> list[bytes]: ...
+def root_key(lora_name: str | None, cache_salt: str | None = None) -> bytes: ...
 
 # --- wire (src/py/wire.rs) ---------------------------------------------------------------------
 def decode_batch(payload: Any, max_events_per_batch: int, max_blocks_per_event: int, max_block_size: int) -> Any:

@@ -77,6 +77,13 @@ class IndexLimitsError(ConfigError):
     """An `IndexLimits` setting is not usable."""
 
 
+class QueryError(KvRouteError, TypeError, ValueError):
+    """A `find_matches` argument is not usable: a token id that is not an int in [0, 2**32), a
+    ``lora_name`` / ``cache_salt`` that is not a str, an item that is not a `MultimodalItem`.
+    The message names the argument and the first bad position. `Router.select` reports it as
+    `RouterError`."""
+
+
 class RouterError(ConfigError):
     """A `Router` or `CostModel` was given a setting or an input it cannot use."""
 

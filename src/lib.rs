@@ -3,6 +3,7 @@
 //! -> `keys` (HASH_VERSION 2 content keys) -> `index` (store / query / snapshot) -> `scoring`.
 //! `py` is the PyO3 surface, the private module `kvroute._core`.
 
+pub mod index;
 pub mod keys;
 pub mod protocols;
 mod py;

@@ -470,7 +470,9 @@ def test_odd_prompts_route_without_claims() -> None:
     _store(index, A, 2)
     router = Router(index)
     router.add_worker(B, approximate=True)
-    assert router.select([2**40] * 48).overlap_blocks == 0  # no tokenizer has such ids
+    # No tokenizer has such ids: every token is checked up front (issue 18), whatever the index holds.
+    with pytest.raises(RouterError, match=r"token_ids\[0\]"):
+        router.select([2**40] * 48)
     d = router.select([], load={A: 1.0})
     assert d.worker == B and d.cost == 0.0
 

@@ -1,5 +1,7 @@
 //! The PyO3 surface: `kvroute._core`. Python-facing types live here; the core modules stay pure Rust.
 
+pub mod index;
+
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -15,5 +17,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("HASH_VERSION", crate::keys::HASH_VERSION)?;
     m.add_function(wrap_pyfunction!(xxh128, m)?)?;
     wire::register(m)?;
+    index::register(m)?;
     Ok(())
 }

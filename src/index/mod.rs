@@ -1,0 +1,651 @@
+//! The prefix-block index: which worker holds how many leading blocks of a token sequence.
+//!
+//! A port of kvroute/_index.py, rule for rule (tests/reference/ keeps the Python one as the
+//! executable reference; tests/test_core_differential.py feeds both the same event streams):
+//! `store` applies events (stores, removals, clears, KV-cache groups, copies, limits), `query`
+//! answers `find_matches` (the hybrid rule, tiers), `snapshot` exports and imports a worker's
+//! tables (kvroute/_snapshot.py writes them in today's file format).
+//!
+//! Layout: each worker has a slot (the Python index's bit). Content keys are interned to u32 ids
+//! in one `KeyTable`; each key lists its holders as packed `slot << 5 | flags` words, sorted by
+//! slot, where the flags mirror the Python index's shared tables one for one (`_holders`,
+//! `_gpu_missing`, the three `_tier_holders`). Per worker, engine hashes map to key ids.
+//!
+//! ## The raw-bytes seam (for `PrefixIndex.apply_payload`)
+//!
+//! The integrator's glue is `wire::decode` + [`Index::apply_batch`], off the GIL, under the write
+//! lock of the `PyIndex` that `src/py/index.rs` defines:
+//!
+//! ```ignore
+//! // in src/py/index.rs, on PyIndex:
+//! fn apply_payload(&self, py: Python<'_>, worker: &Bound<'_, PyAny>, payload: &[u8]) -> PyResult<...> {
+//!     let key = PyKey::extract(worker)?;                  // WorkerKey -> the index's worker type
+//!     let report = py.detach(|| {
+//!         let batch = crate::wire::decode(payload)?;       // bytes -> protocols::Batch
+//!         let counts = self.inner.write().apply_batch(&key, &batch);   // -> ApplyCounts
+//!         Ok((batch.ts, batch.untrusted, batch.skipped, counts))
+//!     });
+//!     self.flush_logs(py);                                 // refusal warnings -> logging "kvroute.index"
+//!     ...build the ApplyReport from `report`...
+//! }
+//! ```
+//!
+//! [`Index::apply_batch`] applies every event of the batch in order (the batch's `untrusted` and
+//! `skipped` are the recovery machine's business, as in the Python `apply_batch`) and returns
+//! [`ApplyCounts`] (stored blocks, removed blocks, events).
+
+mod query;
+mod snapshot;
+mod store;
+mod table;
+
+use std::hash::Hash;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::keys::Key;
+use crate::protocols::BlockHash;
+
+pub use query::{MatchResult, Query, QueryInput, Score};
+pub use snapshot::{SnapGroup, SnapWorker};
+use table::KeyTable;
+
+/// What identifies a worker (a `WorkerKey` in Python): hashable, cheap to clone, printable.
+pub trait WorkerName: Clone + Eq + Hash + Send + Sync {
+    /// "worker_id/dp_rank", as the log lines name a worker.
+    fn label(&self) -> String;
+}
+
+/// `IndexLimits` (kvroute/_index.py): per-worker bounds and the namespace-root cache size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub max_block_sizes: usize,
+    pub max_entries_per_worker: usize,
+    pub max_groups_per_worker: usize,
+    pub max_cached_roots: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_block_sizes: 8,
+            max_entries_per_worker: 1 << 24,
+            max_groups_per_worker: 64,
+            max_cached_roots: 4096,
+        }
+    }
+}
+
+/// `IndexStats` (kvroute/_index.py), field for field.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub workers: u64,
+    pub entries: u64,
+    pub distinct_keys: u64,
+    pub unknown_parent_blocks: u64,
+    pub unhashable_blocks: u64,
+    pub unknown_removals: u64,
+    pub ignored_group_events: u64,
+    pub remote_blocks: u64,
+    pub repeated_stores: u64,
+    pub refused_block_sizes: u64,
+    pub refused_entries: u64,
+    pub uncached_roots: u64,
+}
+
+/// What `apply_batch` did: blocks named by the batch's stores and removals, and its events.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ApplyCounts {
+    pub stored_blocks: u64,
+    pub removed_blocks: u64,
+    pub events: u64,
+}
+
+/// The index's tables as the Python index named them (`Index::tables`, for tests): content keys
+/// per flag [holders, gpu_missing, CPU, DISK, EXTERNAL], classes with member slots, workers with
+/// their slots, cached namespace roots.
+pub struct Tables<K> {
+    pub flagged: [Vec<Key>; 5],
+    pub classes: Vec<(Class, Vec<u32>)>,
+    pub workers: Vec<(K, u32)>,
+    pub roots: Vec<(Option<String>, Option<String>)>,
+}
+
+/// A (block size, lookahead tokens) pair: how a worker's content keys are chained.
+pub type Class = (i64, i64);
+
+/// A map keyed by engine block hashes, ints and bytes apart (a uint64 stays 8 bytes).
+#[derive(Clone, Debug)]
+pub(crate) struct EMap<V> {
+    ints: FxHashMap<u64, V>,
+    bytes: FxHashMap<Box<[u8]>, V>,
+}
+
+impl<V> Default for EMap<V> {
+    fn default() -> Self {
+        EMap {
+            ints: FxHashMap::default(),
+            bytes: FxHashMap::default(),
+        }
+    }
+}
+
+impl<V> EMap<V> {
+    pub(crate) fn get(&self, h: &BlockHash) -> Option<&V> {
+        match h {
+            BlockHash::Int(i) => self.ints.get(i),
+            BlockHash::Bytes(b) => self.bytes.get(b.as_slice()),
+        }
+    }
+
+    pub(crate) fn get_mut(&mut self, h: &BlockHash) -> Option<&mut V> {
+        match h {
+            BlockHash::Int(i) => self.ints.get_mut(i),
+            BlockHash::Bytes(b) => self.bytes.get_mut(b.as_slice()),
+        }
+    }
+
+    pub(crate) fn contains(&self, h: &BlockHash) -> bool {
+        self.get(h).is_some()
+    }
+
+    pub(crate) fn insert(&mut self, h: &BlockHash, v: V) -> Option<V> {
+        match h {
+            BlockHash::Int(i) => self.ints.insert(*i, v),
+            BlockHash::Bytes(b) => self.bytes.insert(b.clone().into_boxed_slice(), v),
+        }
+    }
+
+    pub(crate) fn remove(&mut self, h: &BlockHash) -> Option<V> {
+        match h {
+            BlockHash::Int(i) => self.ints.remove(i),
+            BlockHash::Bytes(b) => self.bytes.remove(b.as_slice()),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.ints.len() + self.bytes.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.ints.is_empty() && self.bytes.is_empty()
+    }
+
+    pub(crate) fn values(&self) -> impl Iterator<Item = &V> {
+        self.ints.values().chain(self.bytes.values())
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (BlockHash, &V)> {
+        self.ints
+            .iter()
+            .map(|(k, v)| (BlockHash::Int(*k), v))
+            .chain(
+                self.bytes
+                    .iter()
+                    .map(|(k, v)| (BlockHash::Bytes(k.to_vec()), v)),
+            )
+    }
+
+    pub(crate) fn reserve(&mut self, n: usize) {
+        self.ints.reserve(n);
+    }
+}
+
+/// The hit rule of a non-primary KV-cache group (vLLM's single_type_kv_cache_manager).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupKind {
+    Full,
+    Window,
+    State,
+    Unknown,
+}
+
+impl GroupKind {
+    /// The kind of an event's `kv_cache_spec_kind` (kvroute/_index.py `_group_kind`).
+    pub fn of(kind: Option<&str>) -> GroupKind {
+        match kind {
+            None
+            | Some(
+                "full_attention"
+                | "mla_attention"
+                | "sink_full_attention"
+                | "FullAttentionSpec"
+                | "MLAAttentionSpec"
+                | "SinkFullAttentionSpec",
+            ) => GroupKind::Full,
+            Some(
+                "sliding_window"
+                | "sliding_window_mla"
+                | "SlidingWindowSpec"
+                | "SlidingWindowMLASpec",
+            ) => GroupKind::Window,
+            Some("mamba" | "MambaSpec") => GroupKind::State,
+            Some(_) => GroupKind::Unknown,
+        }
+    }
+
+    /// The name snapshots store.
+    pub fn name(self) -> &'static str {
+        match self {
+            GroupKind::Full => "full",
+            GroupKind::Window => "window",
+            GroupKind::State => "state",
+            GroupKind::Unknown => "unknown",
+        }
+    }
+
+    /// The kind a snapshot names (None: not a kind).
+    pub fn from_name(name: &str) -> Option<GroupKind> {
+        match name {
+            "full" => Some(GroupKind::Full),
+            "window" => Some(GroupKind::Window),
+            "state" => Some(GroupKind::State),
+            "unknown" => Some(GroupKind::Unknown),
+            _ => None,
+        }
+    }
+}
+
+/// A KV-cache group of a worker other than its primary full-attention group (`_Group`).
+#[derive(Clone, Debug)]
+pub(crate) struct Group {
+    pub(crate) kind: GroupKind,
+    pub(crate) window: Option<i64>,
+    pub(crate) block_size: i64,
+    /// engine hash -> (content key, None: held but never claimable; tier mask)
+    pub(crate) blocks: EMap<(Option<Key>, u8)>,
+    /// claimable content key -> engine hashes holding it
+    pub(crate) held: FxHashMap<Key, u32>,
+    /// engine hash -> GPU copies beyond the first
+    pub(crate) copies: EMap<u32>,
+}
+
+impl Group {
+    fn new(kind: GroupKind, window: Option<i64>, block_size: i64) -> Group {
+        Group {
+            kind,
+            window,
+            block_size,
+            blocks: EMap::default(),
+            held: FxHashMap::default(),
+            copies: EMap::default(),
+        }
+    }
+}
+
+/// No content key: held, but never claimable (the Python index's `b""`).
+pub(crate) const NOKEY: u32 = u32::MAX;
+
+/// One worker's tables (`_Worker`); see kvroute/_index.py for what each one is for.
+pub(crate) struct Worker<K> {
+    pub(crate) key: K,
+    pub(crate) slot: u32,
+    /// creation order (the Python index's `_workers` dict order: snapshots list workers in it)
+    pub(crate) created: u64,
+    /// engine hash -> content key id (NOKEY: held, never claimable), primary group
+    pub(crate) blocks: EMap<u32>,
+    /// engine hash -> presence per tier [GPU, CPU, DISK, EXTERNAL]; absent = one GPU copy
+    pub(crate) special: EMap<[i32; 4]>,
+    /// content key id -> engine hashes present per tier, once two engine hashes map to one key
+    pub(crate) multi: FxHashMap<u32, [i32; 4]>,
+    /// engine hash -> GPU copies beyond the first, primary group
+    pub(crate) copies: EMap<u32>,
+    /// the last event was a primary store from block 0 naming blocks held on GPU: (tokens, hashes)
+    pub(crate) pending: Option<(Vec<i64>, Vec<BlockHash>)>,
+    pub(crate) classes: Vec<Class>,
+    pub(crate) bs: i64,
+    pub(crate) primary: Option<i64>,
+    /// group_idx -> group, in the order groups were first seen
+    pub(crate) groups: Vec<(i64, Group)>,
+    pub(crate) lookahead: i64,
+    pub(crate) hybrid: bool,
+    pub(crate) warned: FxHashSet<&'static str>,
+    pub(crate) fresh_root: FxHashSet<BlockHash>,
+}
+
+impl<K> Worker<K> {
+    fn new(key: K, slot: u32, created: u64) -> Worker<K> {
+        Worker {
+            key,
+            slot,
+            created,
+            blocks: EMap::default(),
+            special: EMap::default(),
+            multi: FxHashMap::default(),
+            copies: EMap::default(),
+            pending: None,
+            classes: Vec::new(),
+            bs: 0,
+            primary: None,
+            groups: Vec::new(),
+            lookahead: 0,
+            hybrid: false,
+            warned: FxHashSet::default(),
+            fresh_root: FxHashSet::default(),
+        }
+    }
+
+    pub(crate) fn holds_nothing(&self) -> bool {
+        self.blocks.is_empty() && self.groups.iter().all(|(_, g)| g.blocks.is_empty())
+    }
+
+    pub(crate) fn entries(&self) -> usize {
+        self.blocks.len()
+            + self
+                .groups
+                .iter()
+                .map(|(_, g)| g.blocks.len())
+                .sum::<usize>()
+    }
+
+    pub(crate) fn group(&self, g: i64) -> Option<usize> {
+        self.groups.iter().position(|(idx, _)| *idx == g)
+    }
+}
+
+/// The namespace-root cache (adapter, salt) -> root key, bounded by `max_cached_roots`.
+type RootCache = FxHashMap<(Option<String>, Option<String>), Key>;
+
+/// The prefix index over workers named by `K`.
+pub struct Index<K: WorkerName> {
+    pub(crate) limits: Limits,
+    /// workers by slot (None: a free slot)
+    pub(crate) workers: Vec<Option<Worker<K>>>,
+    pub(crate) by_key: FxHashMap<K, u32>,
+    /// slots freed, reused last-in first-out (as the Python index reuses bits)
+    pub(crate) free_slots: Vec<u32>,
+    pub(crate) table: KeyTable,
+    /// class -> member slots (sorted), in the order classes first came into use
+    pub(crate) bs_members: Vec<(Class, Vec<u32>)>,
+    pub(crate) hybrid_workers: usize,
+    /// workers created so far (each worker's `created`)
+    pub(crate) created: u64,
+    roots: Mutex<RootCache>,
+    uncached_roots: AtomicU64,
+    pub(crate) entries: u64,
+    pub(crate) unknown_parent: u64,
+    pub(crate) unhashable: u64,
+    pub(crate) unknown_removals: u64,
+    pub(crate) ignored_group: u64,
+    pub(crate) remote: u64,
+    pub(crate) repeated: u64,
+    pub(crate) refused_bs: u64,
+    pub(crate) refused_entries: u64,
+    /// warnings to log (drained by the caller: the core never logs itself)
+    pub(crate) logs: Vec<String>,
+}
+
+impl<K: WorkerName> Index<K> {
+    /// An empty index with `limits`.
+    pub fn new(limits: Limits) -> Index<K> {
+        Index {
+            limits,
+            workers: Vec::new(),
+            by_key: FxHashMap::default(),
+            free_slots: Vec::new(),
+            table: KeyTable::default(),
+            bs_members: Vec::new(),
+            hybrid_workers: 0,
+            created: 0,
+            roots: Mutex::new(FxHashMap::default()),
+            uncached_roots: AtomicU64::new(0),
+            entries: 0,
+            unknown_parent: 0,
+            unhashable: 0,
+            unknown_removals: 0,
+            ignored_group: 0,
+            remote: 0,
+            repeated: 0,
+            refused_bs: 0,
+            refused_entries: 0,
+            logs: Vec::new(),
+        }
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Warnings since the last call (refusals, once per worker and kind), for the caller to log.
+    pub fn take_logs(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.logs)
+    }
+
+    pub(crate) fn worker(&self, key: &K) -> Option<&Worker<K>> {
+        self.by_key
+            .get(key)
+            .and_then(|&s| self.workers[s as usize].as_ref())
+    }
+
+    /// Workers that hold at least one block.
+    pub fn workers(&self) -> Vec<K> {
+        self.workers
+            .iter()
+            .flatten()
+            .filter(|w| !w.holds_nothing())
+            .map(|w| w.key.clone())
+            .collect()
+    }
+
+    /// Blocks held by `worker` (every KV-cache group), or (block, worker) entries over all workers.
+    pub fn num_blocks(&self, worker: Option<&K>) -> u64 {
+        match worker {
+            None => self.entries,
+            Some(k) => self.worker(k).map_or(0, |w| w.entries() as u64),
+        }
+    }
+
+    /// The largest block size `worker`'s events use (None when it has none).
+    pub fn block_size(&self, worker: &K) -> Option<i64> {
+        self.worker(worker).map(|w| w.bs).filter(|&bs| bs != 0)
+    }
+
+    /// The (block size, lookahead) classes `worker` stores under.
+    pub fn classes_of(&self, worker: &K) -> Vec<Class> {
+        self.worker(worker)
+            .map_or_else(Vec::new, |w| w.classes.clone())
+    }
+
+    /// The index's size and counters.
+    pub fn stats(&self) -> Stats {
+        Stats {
+            workers: self
+                .workers
+                .iter()
+                .flatten()
+                .filter(|w| !w.holds_nothing())
+                .count() as u64,
+            entries: self.entries,
+            distinct_keys: self.table.holder_keys() as u64,
+            unknown_parent_blocks: self.unknown_parent,
+            unhashable_blocks: self.unhashable,
+            unknown_removals: self.unknown_removals,
+            ignored_group_events: self.ignored_group,
+            remote_blocks: self.remote,
+            repeated_stores: self.repeated,
+            refused_block_sizes: self.refused_bs,
+            refused_entries: self.refused_entries,
+            uncached_roots: self.uncached_roots.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The root key of a namespace, through the bounded cache (`_root`). Safe under a read lock.
+    pub(crate) fn root(&self, lora: Option<&str>, salt: Option<&str>) -> Key {
+        let lora = lora.filter(|s| !s.is_empty());
+        let salt = salt.filter(|s| !s.is_empty());
+        if lora.is_none() && salt.is_none() {
+            // The base root is the common case: no cache entry needed beyond the first.
+            let mut roots = self.roots.lock();
+            if let Some(r) = roots.get(&(None, None)) {
+                return *r;
+            }
+            let r = crate::keys::root_key(None, None);
+            if roots.len() < self.limits.max_cached_roots {
+                roots.insert((None, None), r);
+            } else {
+                self.uncached_roots.fetch_add(1, Ordering::Relaxed);
+            }
+            return r;
+        }
+        let ns = (lora.map(str::to_owned), salt.map(str::to_owned));
+        let mut roots = self.roots.lock();
+        if let Some(r) = roots.get(&ns) {
+            return *r;
+        }
+        let r = crate::keys::root_key(lora, salt);
+        if roots.len() < self.limits.max_cached_roots {
+            roots.insert(ns, r);
+        } else {
+            self.uncached_roots.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// Introspection for tests: the contents of the tables the Python index kept.
+    pub fn tables(&self) -> Tables<K> {
+        let mut flagged: [Vec<Key>; 5] = Default::default();
+        for (key, flags) in self.table.keys_with_flags() {
+            for (i, v) in flagged.iter_mut().enumerate() {
+                if flags & (1 << i) != 0 {
+                    v.push(key);
+                }
+            }
+        }
+        Tables {
+            flagged,
+            classes: self.bs_members.clone(),
+            workers: self
+                .workers
+                .iter()
+                .flatten()
+                .map(|w| (w.key.clone(), w.slot))
+                .collect(),
+            roots: self.roots.lock().keys().cloned().collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+impl<K: WorkerName> Index<K> {
+    fn table_sizes_for_tests(&self) -> [usize; 5] {
+        self.table.flag_key_counts()
+    }
+}
+
+/// The tier position of an engine's `medium` (`normalize_medium`: nil = GPU, unknown = EXTERNAL).
+pub fn tier_pos(medium: Option<&str>) -> usize {
+    fn alias(m: &str) -> Option<usize> {
+        match m {
+            "GPU" => Some(0),
+            "CPU" | "CPU_PINNED" => Some(1),
+            "DISK" | "STORAGE" => Some(2),
+            "EXTERNAL" => Some(3),
+            _ => None,
+        }
+    }
+    match medium {
+        None => 0,
+        Some(m) => alias(m)
+            .or_else(|| {
+                if m.is_empty() {
+                    Some(0)
+                } else {
+                    alias(&m.to_uppercase())
+                }
+            })
+            .unwrap_or(3),
+    }
+}
+
+/// The tier mask of per-tier counts (`_mask`).
+pub(crate) fn mask_of(c: &[i32; 4]) -> u8 {
+    u8::from(c[0] > 0) | u8::from(c[1] > 0) << 1 | u8::from(c[2] > 0) << 2 | u8::from(c[3] > 0) << 3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocols::{Batch, BlockRemoved, BlockStored, Event};
+
+    #[derive(Clone, PartialEq, Eq, Hash, Debug)]
+    struct W(&'static str);
+
+    impl WorkerName for W {
+        fn label(&self) -> String {
+            format!("{}/0", self.0)
+        }
+    }
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[i64], bs: i64) -> Event {
+        Event::Stored(Box::new(BlockStored {
+            block_hashes: hashes.iter().map(|&h| BlockHash::Int(h)).collect(),
+            parent_block_hash: parent.map(BlockHash::Int),
+            token_ids: tokens.to_vec(),
+            block_size: bs,
+            ..BlockStored::default()
+        }))
+    }
+
+    fn matches(idx: &Index<W>, tokens: &[u32]) -> Vec<(&'static str, i64)> {
+        let mut q = idx.query(QueryInput {
+            tokens: tokens.to_vec(),
+            ..QueryInput::default()
+        });
+        idx.find_matches(&mut q)
+            .scores
+            .iter()
+            .map(|s| (s.worker.0, s.blocks))
+            .collect()
+    }
+
+    #[test]
+    fn a_batch_is_applied_and_counted() {
+        let mut idx: Index<W> = Index::new(Limits::default());
+        let batch = Batch {
+            events: vec![
+                stored(&[1, 2], None, &[1, 2, 3, 4], 2),
+                stored(&[3], Some(2), &[5, 6], 2),
+                Event::Removed(BlockRemoved {
+                    block_hashes: vec![BlockHash::Int(3)],
+                    ..BlockRemoved::default()
+                }),
+            ],
+            ..Batch::default()
+        };
+        let counts = idx.apply_batch(&W("a"), &batch);
+        assert_eq!(
+            counts,
+            ApplyCounts {
+                stored_blocks: 3,
+                removed_blocks: 1,
+                events: 3
+            }
+        );
+        assert_eq!(matches(&idx, &[1, 2, 3, 4, 5, 6]), vec![("a", 2)]);
+        assert_eq!(idx.stats().entries, 2);
+    }
+
+    #[test]
+    fn the_longest_prefix_wins_and_a_cleared_worker_leaves_no_residue() {
+        let mut idx: Index<W> = Index::new(Limits::default());
+        idx.apply(&W("a"), &stored(&[1, 2], None, &[1, 2, 3, 4], 2));
+        idx.apply(&W("b"), &stored(&[7], None, &[1, 2], 2));
+        assert_eq!(matches(&idx, &[1, 2, 3, 4]), vec![("b", 1), ("a", 2)]);
+        idx.apply(&W("a"), &Event::Cleared);
+        idx.remove_worker(&W("b"));
+        assert_eq!(matches(&idx, &[1, 2, 3, 4]), vec![]);
+        assert_eq!(idx.table_sizes_for_tests(), [0; 5]);
+        assert!(idx.workers().is_empty() && idx.bs_members.is_empty());
+    }
+
+    #[test]
+    fn an_unknown_parent_is_held_but_never_claimed() {
+        let mut idx: Index<W> = Index::new(Limits::default());
+        idx.apply(&W("a"), &stored(&[5], Some(99), &[3, 4], 2));
+        assert_eq!(idx.num_blocks(Some(&W("a"))), 1);
+        assert_eq!(idx.stats().unknown_parent_blocks, 1);
+        assert_eq!(matches(&idx, &[3, 4]), vec![]);
+    }
+}

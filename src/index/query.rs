@@ -1,0 +1,467 @@
+//! Queries: `find_matches` (leading blocks per worker, any tier and GPU), the hybrid rule over
+//! a worker's KV-cache groups, and the off-GPU tier answers. kvroute/_index.py's
+//! `find_matches`, `_hybrid_rule`, `_group_hit`, `_tier_scores`, rule for rule.
+//!
+//! The prompt is hashed lazily, once per (block size, lookahead) class, and only as far as
+//! some worker still continues the prefix: a short match never pays for hashing a long prompt.
+
+use rustc_hash::FxHashMap;
+
+use super::store::{anchor, div_ceil, floor_div};
+use super::table::{flags_of, slot_of, tier_flag, G, H};
+use super::{Class, Group, GroupKind, Index, WorkerName};
+use crate::keys::{self, Key, MmItem};
+
+/// A query's prompt and namespaces, checked: every token is a uint32.
+#[derive(Clone, Debug, Default)]
+pub struct QueryInput {
+    pub tokens: Vec<u32>,
+    pub lora: Option<String>,
+    pub salt: Option<String>,
+    /// multimodal items (sorted by offset here, stably, as `mm_extras` sorts them)
+    pub mm_items: Vec<MmItem>,
+    /// deprecated per-block extras, encoded (None: a block without extras)
+    pub extra_keys: Option<Vec<Option<Vec<u8>>>>,
+}
+
+/// One prompt with its content keys per class, computed on demand (`_Query`).
+pub struct Query {
+    pub input: QueryInput,
+    pub root: Key,
+    keys: FxHashMap<Class, Vec<Key>>,
+}
+
+impl Query {
+    fn n_blocks(&self, cls: Class) -> usize {
+        let (bs, la) = cls;
+        if bs <= 0 {
+            return 0;
+        }
+        floor_div(self.input.tokens.len() as i64 - la, bs).max(0) as usize
+    }
+
+    /// Full blocks the query has at `classes`' block sizes (the most over them).
+    pub fn query_blocks(&self, classes: &[Class]) -> usize {
+        classes.iter().map(|&c| self.n_blocks(c)).max().unwrap_or(0)
+    }
+
+    /// The keys hashed so far, per class.
+    pub fn hashed(&self) -> impl Iterator<Item = (&Class, &Vec<Key>)> {
+        self.keys.iter()
+    }
+
+    /// Extend class `cls`'s keys to `n` blocks (at most the prompt's).
+    fn extend(&mut self, cls: Class, n: usize) {
+        let n = n.min(self.n_blocks(cls));
+        let have = self.keys.get(&cls).map_or(0, Vec::len);
+        if have >= n {
+            return;
+        }
+        let (bs, la) = (cls.0 as usize, cls.1 as usize);
+        let mut got = self.keys.remove(&cls).unwrap_or_default();
+        let parent = got.last().copied().unwrap_or(self.root);
+        let input = &self.input;
+        let toks = &input.tokens[have * bs..n * bs];
+        let mm = if input.extra_keys.is_none() && !input.mm_items.is_empty() {
+            keys::mm_extras(&input.mm_items, bs, have, n, la)
+        } else {
+            None
+        };
+        let extras = |i: usize| -> Option<&[u8]> {
+            match &input.extra_keys {
+                Some(ek) => ek.get(have + i).and_then(|x| x.as_deref()),
+                None => mm.as_ref().and_then(|m| m[i].as_deref()),
+            }
+        };
+        let tokens = &input.tokens;
+        let lookahead = |i: usize| -> Option<&[u32]> {
+            (la > 0).then(|| {
+                let start = (have + i + 1) * bs;
+                &tokens[start..start + la]
+            })
+        };
+        keys::chain_into(&mut got, &parent, toks, bs, n - have, extras, lookahead);
+        self.keys.insert(cls, got);
+    }
+
+    /// The first `n` keys of class `cls` (fewer when the prompt has fewer).
+    fn upto(&mut self, cls: Class, n: usize) -> &[Key] {
+        self.extend(cls, n);
+        let got = self.keys.get(&cls).map_or(&[][..], Vec::as_slice);
+        &got[..n.min(got.len())]
+    }
+}
+
+/// One worker's answer: leading blocks, counted in `block_size`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Score<K> {
+    pub worker: K,
+    pub slot: u32,
+    pub blocks: i64,
+    pub block_size: i64,
+}
+
+/// `find_matches`' answer: per worker on any tier (in the Python dict's insertion order), and on
+/// GPU (None: every held block is on GPU, the GPU answer is the same).
+#[derive(Clone, Debug)]
+pub struct MatchResult<K> {
+    pub scores: Vec<Score<K>>,
+    pub gpu: Option<Vec<Score<K>>>,
+}
+
+/// Scores by slot, kept in first-insertion order (`_record` semantics).
+#[derive(Default)]
+struct Scores {
+    order: Vec<u32>,
+    /// slot -> (blocks, block size)
+    by_slot: FxHashMap<u32, (i64, i64)>,
+}
+
+impl Scores {
+    /// Give `slot` `value` blocks of `bs`; its best in tokens over block sizes wins.
+    fn record(&mut self, slot: u32, value: i64, bs: i64) {
+        match self.by_slot.get_mut(&slot) {
+            None => {
+                self.by_slot.insert(slot, (value, bs));
+                self.order.push(slot);
+            }
+            Some(old) => {
+                if old.0 * old.1 < value * bs {
+                    *old = (value, bs);
+                }
+            }
+        }
+    }
+
+    fn remove(&mut self, slot: u32) {
+        if self.by_slot.remove(&slot).is_some() {
+            self.order.retain(|&s| s != slot);
+        }
+    }
+
+    fn into_vec<K: WorkerName>(self, index: &Index<K>) -> Vec<Score<K>> {
+        self.order
+            .iter()
+            .map(|&slot| {
+                let (blocks, block_size) = self.by_slot[&slot];
+                let w = index.workers[slot as usize].as_ref().expect("live worker");
+                Score {
+                    worker: w.key.clone(),
+                    slot,
+                    blocks,
+                    block_size,
+                }
+            })
+            .collect()
+    }
+}
+
+/// The workers still continuing a prefix, as a bit set over slots.
+struct Alive {
+    words: Vec<u64>,
+    mask: Vec<u64>,
+    count: usize,
+}
+
+impl Alive {
+    fn new(members: &[u32], slots: usize) -> Alive {
+        let mut words = vec![0u64; slots.div_ceil(64).max(1)];
+        for &s in members {
+            words[s as usize / 64] |= 1 << (s % 64);
+        }
+        let mask = vec![0u64; words.len()];
+        Alive {
+            words,
+            mask,
+            count: members.len(),
+        }
+    }
+
+    /// Keep the workers whose holder word on this key passes `ok`; record the others at `at`
+    /// blocks (when > 0), lowest slot first (as the Python index records bits).
+    fn step(
+        &mut self,
+        holders: &[u32],
+        ok: impl Fn(u8) -> bool,
+        at: i64,
+        bs: i64,
+        out: &mut Scores,
+    ) {
+        self.mask.fill(0);
+        for &h in holders {
+            if ok(flags_of(h)) {
+                let s = slot_of(h) as usize;
+                self.mask[s / 64] |= 1 << (s % 64);
+            }
+        }
+        for (wi, (a, m)) in self.words.iter_mut().zip(&self.mask).enumerate() {
+            let mut dropped = *a & !*m;
+            if dropped == 0 {
+                continue;
+            }
+            *a &= *m;
+            self.count -= dropped.count_ones() as usize;
+            if at > 0 {
+                while dropped != 0 {
+                    let b = dropped.trailing_zeros();
+                    out.record(wi as u32 * 64 + b, at, bs);
+                    dropped &= dropped - 1;
+                }
+            }
+        }
+    }
+
+    /// Record every worker left at `at` blocks.
+    fn record_all(&self, at: i64, bs: i64, out: &mut Scores) {
+        for (wi, &w) in self.words.iter().enumerate() {
+            let mut left = w;
+            while left != 0 {
+                out.record(wi as u32 * 64 + left.trailing_zeros(), at, bs);
+                left &= left - 1;
+            }
+        }
+    }
+}
+
+impl<K: WorkerName> Index<K> {
+    /// A query for `input`, rooted in its namespace (through the bounded root cache).
+    pub fn query(&self, input: QueryInput) -> Query {
+        let mut input = input;
+        input.mm_items.sort_by_key(|m| m.offset);
+        let root = self.root(input.lora.as_deref(), input.salt.as_deref());
+        Query {
+            input,
+            root,
+            keys: FxHashMap::default(),
+        }
+    }
+
+    /// How many leading full blocks of the query each worker holds (`find_matches`).
+    pub fn find_matches(&self, q: &mut Query) -> MatchResult<K> {
+        let mut scores = Scores::default();
+        let track_gpu = self.table.flag_key_counts()[1] > 0;
+        let mut gpu = Scores::default();
+        let no_h: &[u32] = &[];
+        for (cls, members) in &self.bs_members {
+            let cls = *cls;
+            let bs = cls.0;
+            let n = q.n_blocks(cls);
+            let slots = self.workers.len();
+            let mut alive = Alive::new(members, slots);
+            let mut alive_gpu = Alive::new(if track_gpu { members } else { &[] }, slots);
+            let mut i = 0usize;
+            let mut chunk = 8usize;
+            while i < n && alive.count > 0 {
+                // Hash in chunks that double: a short match hashes little, a long one few times.
+                let end = n.min(i + chunk);
+                chunk *= 2;
+                q.extend(cls, end);
+                let ks = &q.keys[&cls];
+                while i < end && alive.count > 0 {
+                    let holders = self
+                        .table
+                        .id(&ks[i])
+                        .map_or(no_h, |id| self.table.holders(id));
+                    alive.step(holders, |f| f & H != 0, i as i64, bs, &mut scores);
+                    if alive_gpu.count > 0 {
+                        alive_gpu.step(
+                            holders,
+                            |f| f & H != 0 && f & G == 0,
+                            i as i64,
+                            bs,
+                            &mut gpu,
+                        );
+                    }
+                    i += 1;
+                }
+            }
+            if i > 0 {
+                alive.record_all(i as i64, bs, &mut scores);
+                alive_gpu.record_all(i as i64, bs, &mut gpu);
+            }
+        }
+        if self.hybrid_workers > 0 && !scores.order.is_empty() {
+            self.hybrid_rule(q, &mut scores, track_gpu.then_some(&mut gpu));
+        }
+        MatchResult {
+            scores: scores.into_vec(self),
+            gpu: track_gpu.then(|| gpu.into_vec(self)),
+        }
+    }
+
+    /// Cut each hybrid worker's run to what every KV-cache group serves (`_hybrid_rule`).
+    fn hybrid_rule(&self, q: &mut Query, scores: &mut Scores, mut gpu: Option<&mut Scores>) {
+        let ntok = q.input.tokens.len() as i64;
+        let hybrid: Vec<u32> = scores
+            .order
+            .iter()
+            .copied()
+            .filter(|&s| self.workers[s as usize].as_ref().is_some_and(|w| w.hybrid))
+            .collect();
+        for slot in hybrid {
+            let w = self.workers[slot as usize].as_ref().expect("live worker");
+            let (value, bs) = scores.by_slot[&slot];
+            let mut align = lcm(bs, w.bs);
+            for (_, grp) in &w.groups {
+                if grp.block_size != 0 {
+                    align = lcm(align, grp.block_size);
+                }
+            }
+            let mut hit = (value * bs).min((ntok - 1).max(0));
+            if align != 0 {
+                hit -= hit.rem_euclid(align);
+            }
+            while hit != 0 && align != 0 {
+                let before = hit;
+                for (_, grp) in &w.groups {
+                    let gbs = if grp.block_size != 0 {
+                        grp.block_size
+                    } else {
+                        bs
+                    };
+                    hit = group_hit(grp, q, (gbs, w.lookahead), hit, align, anchor(w, grp));
+                    if hit == 0 {
+                        break;
+                    }
+                }
+                if hit == before {
+                    break;
+                }
+            }
+            if hit != 0 {
+                let v = hit / bs;
+                scores.by_slot.insert(slot, (v, bs));
+                if let Some(g) = gpu.as_deref_mut() {
+                    if let Some(e) = g.by_slot.get_mut(&slot) {
+                        e.0 = e.0.min(v);
+                    }
+                }
+            } else {
+                scores.remove(slot);
+                if let Some(g) = gpu.as_deref_mut() {
+                    g.remove(slot);
+                }
+            }
+        }
+    }
+
+    /// Leading blocks held on an off-GPU tier (`pos` 1 CPU, 2 DISK, 3 EXTERNAL) by the workers of
+    /// `any` (`_tier_scores`), from the index as it is now.
+    pub fn tier_scores(&self, q: &mut Query, pos: usize, any: &[(K, i64, i64)]) -> Vec<(K, i64)> {
+        let flag = tier_flag(1 << pos);
+        if self.table.flag_key_counts()[pos + 1] == 0 {
+            return Vec::new();
+        }
+        let mut out: Vec<(K, i64)> = Vec::new();
+        for (wk, n, bs) in any {
+            let Some(w) = self.worker(wk) else { continue };
+            let mut best: Option<i64> = None;
+            let classes: Vec<Class> = w.classes.iter().copied().filter(|c| c.0 == *bs).collect();
+            for cls in classes {
+                let ks = q.upto(cls, (*n).max(0) as usize);
+                let run = ks
+                    .iter()
+                    .take_while(|k| {
+                        self.table
+                            .id(k)
+                            .is_some_and(|id| self.table.flags(id, w.slot) & flag != 0)
+                    })
+                    .count() as i64;
+                if run > 0 {
+                    best = Some(best.map_or(run, |b| b.max(run)));
+                }
+            }
+            if let Some(b) = best {
+                // a hybrid worker's run is already cut to its groups
+                out.push((wk.clone(), b.min(*n)));
+            }
+        }
+        out
+    }
+}
+
+fn gcd(a: i64, b: i64) -> i64 {
+    let (mut a, mut b) = (a.abs(), b.abs());
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// Python's `math.lcm` for two ints (0 when either is 0).
+fn lcm(a: i64, b: i64) -> i64 {
+    if a == 0 || b == 0 {
+        return 0;
+    }
+    (a / gcd(a, b) * b).abs()
+}
+
+/// The longest hit (tokens, <= `max_tokens`) group `grp` serves, by the engine's rule for its kind.
+fn group_hit(
+    grp: &Group,
+    q: &mut Query,
+    cls: Class,
+    max_tokens: i64,
+    align: i64,
+    anchor_p: i64,
+) -> i64 {
+    if grp.kind == GroupKind::Unknown {
+        return 0;
+    }
+    let bs = cls.0;
+    if bs <= 0 {
+        return 0;
+    }
+    let want = (max_tokens / bs).max(0) as usize;
+    let anchored: Vec<Key>;
+    let keys: &[Key] = if anchor_p != 0 {
+        let count = want.min(q.n_blocks((bs, 0)));
+        let b = bs as usize;
+        anchored = keys::anchored_ids(
+            &q.root,
+            &q.input.tokens[..count * b],
+            b,
+            anchor_p as usize,
+            count,
+        );
+        &anchored
+    } else {
+        q.upto(cls, want)
+    };
+    let held = &grp.held;
+    let m = keys.len() as i64;
+    if grp.kind == GroupKind::Full {
+        let run = keys.iter().take_while(|k| held.contains_key(*k)).count() as i64;
+        let t = run * bs;
+        return t - t.rem_euclid(align);
+    }
+    let need = if grp.kind == GroupKind::State {
+        1
+    } else {
+        match grp.window {
+            Some(win) if win >= 1 => div_ceil(win - 1, bs),
+            _ => m + 1, // no window known: only a run from the start can be trusted
+        }
+    };
+    if need <= 0 {
+        return max_tokens - max_tokens.rem_euclid(align);
+    }
+    // vLLM's SlidingWindowManager.find_longest_cache_hit: from the right, the first run of
+    // `need` held blocks ending on an aligned boundary; else the run from block 0.
+    let mut count = 0i64;
+    for i in (0..m).rev() {
+        if held.contains_key(&keys[i as usize]) {
+            if count == 0 && bs != align && ((i + 1) * bs).rem_euclid(align) != 0 {
+                continue;
+            }
+            count += 1;
+            if count >= need {
+                return (i + count) * bs;
+            }
+        } else {
+            count = 0;
+        }
+    }
+    let t = count * bs;
+    t - t.rem_euclid(align)
+}

@@ -1,0 +1,510 @@
+//! The PyO3 face of the index: `kvroute._core.Index` (the state behind `kvroute.PrefixIndex`)
+//! and `kvroute._core.Match` (one query's lazily computed tier answers).
+//!
+//! Threads: the index sits behind a `parking_lot::RwLock`; applying takes the write lock and
+//! queries the read lock, each inside `py.detach` (the GIL released), so concurrent queries run
+//! in parallel and ingest does not stall Python threads. The lock is never held while the GIL is
+//! re-acquired: Python objects are converted before and built after the locked section.
+
+mod convert;
+
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
+
+use crate::index::{Index, Limits, Query, Score, WorkerName};
+
+pub(crate) use convert::event;
+
+/// A worker as Python names it (a `WorkerKey`: worker_id, dp_rank), with the object itself so
+/// answers hand back the caller's own key.
+#[derive(Clone)]
+pub struct PyKey(Arc<PyKeyInner>);
+
+struct PyKeyInner {
+    worker_id: String,
+    dp_rank: i64,
+    obj: Py<PyAny>,
+}
+
+impl PartialEq for PyKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.dp_rank == other.0.dp_rank && self.0.worker_id == other.0.worker_id
+    }
+}
+
+impl Eq for PyKey {}
+
+impl Hash for PyKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.0.worker_id.hash(state);
+        self.0.dp_rank.hash(state);
+    }
+}
+
+impl WorkerName for PyKey {
+    fn label(&self) -> String {
+        format!("{}/{}", self.0.worker_id, self.0.dp_rank)
+    }
+}
+
+impl PyKey {
+    /// A (worker_id: str, dp_rank: int) pair, as `WorkerKey` is.
+    pub fn extract(obj: &Bound<'_, PyAny>) -> PyResult<PyKey> {
+        let bad = || {
+            let shown = obj.repr().map_or_else(|_| "?".into(), |r| r.to_string());
+            PyTypeError::new_err(format!("not a WorkerKey (worker_id, dp_rank): {shown}"))
+        };
+        let t = obj.cast::<PyTuple>().map_err(|_| bad())?;
+        if t.len() != 2 {
+            return Err(bad());
+        }
+        let worker_id: String = t.get_item(0)?.extract().map_err(|_| bad())?;
+        let dp_rank: i64 = t.get_item(1)?.extract().map_err(|_| bad())?;
+        Ok(PyKey(Arc::new(PyKeyInner {
+            worker_id,
+            dp_rank,
+            obj: obj.clone().unbind(),
+        })))
+    }
+
+    fn obj<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
+        self.0.obj.bind(py).clone()
+    }
+}
+
+type Shared = Arc<RwLock<Index<PyKey>>>;
+
+/// The compiled prefix index (`kvroute.PrefixIndex` wraps it; see kvroute/_index.py).
+#[pyclass(frozen, module = "kvroute._core", name = "Index")]
+pub struct PyIndex {
+    inner: Shared,
+}
+
+/// Log the core's refusal warnings on "kvroute.index" (once per worker and kind, as before).
+fn flush_logs(py: Python<'_>, logs: Vec<String>) -> PyResult<()> {
+    if logs.is_empty() {
+        return Ok(());
+    }
+    let log = py
+        .import("logging")?
+        .call_method1("getLogger", ("kvroute.index",))?;
+    for msg in logs {
+        log.call_method1("warning", ("%s", msg))?;
+    }
+    Ok(())
+}
+
+fn score_dicts<'py>(
+    py: Python<'py>,
+    scores: &[Score<PyKey>],
+) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+    let blocks = PyDict::new(py);
+    let sizes = PyDict::new(py);
+    for s in scores {
+        let k = s.worker.obj(py);
+        blocks.set_item(&k, s.blocks)?;
+        sizes.set_item(&k, s.block_size)?;
+    }
+    Ok((blocks, sizes))
+}
+
+impl PyIndex {
+    /// Run `f` on the index under the write lock with the GIL released, then log its warnings.
+    /// The integrator's `apply_payload` is `wire::decode` + `Index::apply_batch` inside `f`.
+    pub fn with_write<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Index<PyKey>) -> R + Send,
+    ) -> PyResult<R> {
+        let (out, logs) = py.detach(|| {
+            let mut idx = self.inner.write();
+            let out = f(&mut idx);
+            (out, idx.take_logs())
+        });
+        flush_logs(py, logs)?;
+        Ok(out)
+    }
+
+    fn with_read<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Index<PyKey>) -> R + Send) -> R {
+        py.detach(|| f(&self.inner.read()))
+    }
+}
+
+#[pymethods]
+impl PyIndex {
+    #[new]
+    fn new(
+        max_block_sizes: usize,
+        max_entries_per_worker: usize,
+        max_groups_per_worker: usize,
+        max_cached_roots: usize,
+    ) -> Self {
+        let limits = Limits {
+            max_block_sizes,
+            max_entries_per_worker,
+            max_groups_per_worker,
+            max_cached_roots,
+        };
+        PyIndex {
+            inner: Arc::new(RwLock::new(Index::new(limits))),
+        }
+    }
+
+    /// Apply engine events (kvroute._wire Structs) of ``worker`` in order.
+    fn apply_events(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        events: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let key = PyKey::extract(worker)?;
+        let evs = if let Ok(list) = events.cast::<PyList>() {
+            list.iter()
+                .map(|e| event(&e))
+                .collect::<PyResult<Vec<_>>>()?
+        } else {
+            events
+                .try_iter()?
+                .map(|e| event(&e?))
+                .collect::<PyResult<Vec<_>>>()?
+        };
+        self.with_write(py, |idx| {
+            for ev in &evs {
+                idx.apply(&key, ev);
+            }
+        })
+    }
+
+    /// Apply one engine event of ``worker``.
+    fn apply_event(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        ev: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let key = PyKey::extract(worker)?;
+        let ev = event(ev)?;
+        self.with_write(py, |idx| idx.apply(&key, &ev))
+    }
+
+    /// Forget everything ``worker`` holds.
+    fn remove_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<()> {
+        let key = PyKey::extract(worker)?;
+        self.with_write(py, |idx| idx.remove_worker(&key))
+    }
+
+    /// Workers holding at least one block.
+    fn workers<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyAny>> {
+        let keys = self.with_read(py, |idx| idx.workers());
+        keys.iter().map(|k| k.obj(py)).collect()
+    }
+
+    /// Blocks of ``worker`` (None: (block, worker) entries over all workers).
+    #[pyo3(signature = (worker=None))]
+    fn num_blocks(&self, py: Python<'_>, worker: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+        let key = worker.map(PyKey::extract).transpose()?;
+        Ok(self.with_read(py, |idx| idx.num_blocks(key.as_ref())))
+    }
+
+    /// The largest block size ``worker`` uses (None: none).
+    fn block_size(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+        let key = PyKey::extract(worker)?;
+        Ok(self.with_read(py, |idx| idx.block_size(&key)))
+    }
+
+    /// The (block size, lookahead) classes ``worker`` stores under.
+    fn classes_of(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<Vec<(i64, i64)>> {
+        let key = PyKey::extract(worker)?;
+        Ok(self.with_read(py, |idx| idx.classes_of(&key)))
+    }
+
+    /// The counters, in `IndexStats` field order.
+    fn stats(&self, py: Python<'_>) -> [u64; 12] {
+        let s = self.with_read(py, |idx| idx.stats());
+        [
+            s.workers,
+            s.entries,
+            s.distinct_keys,
+            s.unknown_parent_blocks,
+            s.unhashable_blocks,
+            s.unknown_removals,
+            s.ignored_group_events,
+            s.remote_blocks,
+            s.repeated_stores,
+            s.refused_block_sizes,
+            s.refused_entries,
+            s.uncached_roots,
+        ]
+    }
+
+    /// Introspection for tests: the tables the pure-Python index kept, by its names
+    /// (content keys per table, classes -> member slots, worker -> slot, cached roots).
+    fn tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let t = self.with_read(py, |idx| idx.tables());
+        let out = PyDict::new(py);
+        let names = ["holders", "gpu_missing", "CPU", "DISK", "EXTERNAL"];
+        for (name, keys) in names.iter().zip(&t.flagged) {
+            out.set_item(
+                *name,
+                PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))?,
+            )?;
+        }
+        let classes = PyDict::new(py);
+        for (cls, members) in &t.classes {
+            classes.set_item(*cls, members.clone())?;
+        }
+        out.set_item("bs_members", classes)?;
+        let workers = PyDict::new(py);
+        for (k, slot) in &t.workers {
+            workers.set_item(k.obj(py), *slot)?;
+        }
+        out.set_item("workers", workers)?;
+        out.set_item("roots", t.roots)?;
+        Ok(out)
+    }
+
+    /// `find_matches`: (scores, block sizes, GPU scores or None, the `Match` for tiers).
+    #[allow(clippy::type_complexity)]
+    fn find_matches<'py>(
+        &self,
+        py: Python<'py>,
+        token_ids: &Bound<'py, PyAny>,
+        lora_name: &Bound<'py, PyAny>,
+        cache_salt: &Bound<'py, PyAny>,
+        mm_items: &Bound<'py, PyAny>,
+        extra_keys: &Bound<'py, PyAny>,
+    ) -> PyResult<(
+        Bound<'py, PyDict>,
+        Bound<'py, PyDict>,
+        Option<Bound<'py, PyDict>>,
+        Bound<'py, PyMatch>,
+    )> {
+        let input = convert::query_input(token_ids, lora_name, cache_salt, mm_items, extra_keys)?;
+        let (query, result) = self.with_read(py, move |idx| {
+            let mut q = idx.query(input);
+            let r = idx.find_matches(&mut q);
+            (q, r)
+        });
+        let (scores, sizes) = score_dicts(py, &result.scores)?;
+        let gpu = match &result.gpu {
+            Some(g) => Some(score_dicts(py, g)?.0),
+            None => None,
+        };
+        let any = result
+            .scores
+            .into_iter()
+            .map(|s| (s.worker, s.blocks, s.block_size))
+            .collect();
+        let m = PyMatch {
+            index: self.inner.clone(),
+            query: Mutex::new(query),
+            any,
+        };
+        Ok((scores, sizes, gpu, Bound::new(py, m)?))
+    }
+
+    /// Every worker's tables: (worker, classes, primary, lookahead, hashes, keys, special, groups).
+    fn export<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let workers = self.with_read(py, |idx| idx.export());
+        let out = PyList::empty(py);
+        for (k, sw) in workers {
+            let hashes = hash_list(py, &sw.hashes)?;
+            let keys = PyList::new(py, sw.keys.iter().map(|b| PyBytes::new(py, b)))?;
+            let special = PyList::empty(py);
+            for (h, c) in &sw.special {
+                special.append((hash_obj(py, h)?, c.clone()))?;
+            }
+            let groups = PyList::empty(py);
+            for g in &sw.groups {
+                groups.append((
+                    g.group_idx,
+                    g.kind.as_str(),
+                    g.window,
+                    g.block_size,
+                    hash_list(py, &g.hashes)?,
+                    PyList::new(py, g.keys.iter().map(|b| PyBytes::new(py, b)))?,
+                    g.masks.clone(),
+                ))?;
+            }
+            out.append((
+                k.obj(py),
+                sw.classes,
+                sw.primary,
+                sw.lookahead,
+                hashes,
+                keys,
+                special,
+                groups,
+            ))?;
+        }
+        Ok(out)
+    }
+
+    /// Restore one worker from a `SnapWorker`; returns why it was refused (None: restored).
+    fn import_worker(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        sw: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<String>> {
+        let key = PyKey::extract(worker)?;
+        let sw = convert::snap_worker(sw)?;
+        self.with_write(py, |idx| idx.import_worker(&key, &sw).err())
+    }
+}
+
+fn hash_obj<'py>(py: Python<'py>, h: &crate::protocols::BlockHash) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match h {
+        crate::protocols::BlockHash::Int(i) => i.into_pyobject(py)?.into_any(),
+        crate::protocols::BlockHash::Bytes(b) => PyBytes::new(py, b).into_any(),
+    })
+}
+
+fn hash_list<'py>(
+    py: Python<'py>,
+    hs: &[crate::protocols::BlockHash],
+) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(py);
+    for h in hs {
+        out.append(hash_obj(py, h)?)?;
+    }
+    Ok(out)
+}
+
+/// One query's state after `find_matches`: off-GPU tier answers are computed on first access,
+/// from the index as it is then (`OverlapScores.tier`).
+#[pyclass(frozen, module = "kvroute._core", name = "Match")]
+pub struct PyMatch {
+    index: Shared,
+    query: Mutex<Query>,
+    any: Vec<(PyKey, i64, i64)>,
+}
+
+#[pymethods]
+impl PyMatch {
+    /// Leading blocks on tier ``pos`` (1 CPU, 2 DISK, 3 EXTERNAL) per worker.
+    fn tier<'py>(&self, py: Python<'py>, pos: usize) -> PyResult<Bound<'py, PyDict>> {
+        if !(1..=3).contains(&pos) {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "tier position must be 1, 2 or 3",
+            ));
+        }
+        let found = py.detach(|| {
+            let idx = self.index.read();
+            let mut q = self.query.lock();
+            idx.tier_scores(&mut q, pos, &self.any)
+        });
+        let out = PyDict::new(py);
+        for (k, n) in found {
+            out.set_item(k.obj(py), n)?;
+        }
+        Ok(out)
+    }
+
+    /// The query's content keys hashed so far, per (block size, lookahead) class (for tests:
+    /// hashing is lazy).
+    fn hashed<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (cls, keys) in self.query.lock().hashed() {
+            out.set_item(
+                *cls,
+                PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))?,
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// Full blocks of the query at ``worker``'s block sizes (0 when the index has none for it).
+    fn query_blocks(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let key = PyKey::extract(worker)?;
+        Ok(py.detach(|| {
+            let classes = self.index.read().classes_of(&key);
+            self.query.lock().query_blocks(&classes)
+        }))
+    }
+}
+
+/// Register the exception a bad query raises (kvroute._index.QueryError).
+#[pyfunction]
+fn set_query_error(py: Python<'_>, cls: Bound<'_, PyType>) {
+    let _ = convert::QUERY_ERROR.set(py, cls.unbind());
+}
+
+/// Content keys of `n` blocks chained on `parent` (for the differential tests against
+/// kvroute._hashing.block_keys): per-block extras (lists of values) and lookahead token lists.
+#[pyfunction]
+#[pyo3(signature = (parent, tokens, block_size, n, extra_keys=None, lookahead=None))]
+fn block_keys<'py>(
+    py: Python<'py>,
+    parent: &[u8],
+    tokens: Vec<u32>,
+    block_size: usize,
+    n: usize,
+    extra_keys: Option<Vec<Option<Bound<'py, PyAny>>>>,
+    lookahead: Option<Vec<Vec<u32>>>,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let parent: crate::keys::Key = parent
+        .try_into()
+        .map_err(|_| pyo3::exceptions::PyValueError::new_err("parent must be 16 bytes"))?;
+    if tokens.len() < n * block_size || lookahead.as_ref().is_some_and(|l| l.len() < n) {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "fewer tokens or lookahead rows than blocks",
+        ));
+    }
+    let extras: Vec<Option<Vec<u8>>> = match &extra_keys {
+        None => Vec::new(),
+        Some(ek) => ek
+            .iter()
+            .map(|e| -> PyResult<Option<Vec<u8>>> {
+                let vals = match e {
+                    None => None,
+                    Some(v) => Some(
+                        v.try_iter()?
+                            .map(|x| convert::value(&x?))
+                            .collect::<PyResult<Vec<_>>>()?,
+                    ),
+                };
+                crate::keys::encode_extras(vals.as_deref()).map_err(|_| {
+                    pyo3::exceptions::PyOverflowError::new_err("an int outside 64 bits")
+                })
+            })
+            .collect::<PyResult<_>>()?,
+    };
+    let mut out = Vec::with_capacity(n);
+    crate::keys::chain_into(
+        &mut out,
+        &parent,
+        &tokens,
+        block_size,
+        n,
+        |i| extras.get(i).and_then(|x| x.as_deref()),
+        |i| lookahead.as_ref().map(|l| l[i].as_slice()),
+    );
+    Ok(out.iter().map(|k| PyBytes::new(py, k)).collect())
+}
+
+/// The chain's root key for an adapter and a cache salt (kvroute._hashing.root_key).
+#[pyfunction]
+#[pyo3(signature = (lora_name, cache_salt=None))]
+fn root_key<'py>(
+    py: Python<'py>,
+    lora_name: Option<&str>,
+    cache_salt: Option<&str>,
+) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &crate::keys::root_key(lora_name, cache_salt))
+}
+
+/// Add the index's classes and functions to `kvroute._core`.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyIndex>()?;
+    m.add_class::<PyMatch>()?;
+    m.add_function(wrap_pyfunction!(set_query_error, m)?)?;
+    m.add_function(wrap_pyfunction!(block_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(root_key, m)?)?;
+    Ok(())
+}

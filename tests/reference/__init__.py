@@ -1,0 +1,1 @@
+"""Executable references for kvroute's compiled core (tests only, not shipped)."""
