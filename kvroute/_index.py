@@ -18,7 +18,7 @@ import os
 import warnings
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -28,9 +28,9 @@ from ._errors import IndexLimitsError, QueryError
 from ._hashing import MultimodalItem
 from ._models import GPU, TIERS, WorkerKey, normalize_medium
 from ._snapshot import Cursor, SnapGroup, SnapWorker, read_snapshot, write_snapshot
-from ._wire import EngineEvent, EventBatch
+from ._wire import EngineEvent, EventBatch, Limits
 
-__all__ = ["IndexLimits", "IndexLimitsError", "IndexStats", "OverlapScores", "PrefixIndex", "QueryError"]
+__all__ = ["ApplyReport", "IndexLimits", "IndexLimitsError", "IndexStats", "OverlapScores", "PrefixIndex", "QueryError"]
 
 _log = logging.getLogger("kvroute.index")
 _TIER_POS = {name: i for i, name in enumerate(TIERS)}
@@ -189,6 +189,27 @@ class OverlapScores(Mapping[WorkerKey, int]):
         return self._match.query_blocks(worker)
 
 
+class ApplyReport(NamedTuple):
+    """What `PrefixIndex.apply_payload` did with one payload.
+
+    ``ok``: it decoded, its ts is finite, nothing in it was unreadable, and it was applied.
+    Otherwise nothing was applied and ``error_kind`` ("undecodable payload", "untrusted batch")
+    and ``error`` say why. ``skipped``: events left out of a decoded batch, per reason (as
+    `EventBatch.skipped`).
+    """
+
+    ts: float
+    ok: bool
+    error_kind: str
+    error: str
+    stored_blocks: int
+    skipped: dict[str, int]
+
+
+_NO_SKIPS: dict[str, int] = {}
+_DEFAULT_LIMITS = Limits()
+
+
 class PrefixIndex:
     """The prefix-block index: apply engine events per worker, ask who holds a prompt's prefix.
 
@@ -233,6 +254,20 @@ class PrefixIndex:
         self._core.remove_worker(worker)
 
     # --- applying events -----------------------------------------------------------------
+
+    def apply_payload(self, worker: WorkerKey, payload: bytes, limits: Limits | None = None) -> ApplyReport:
+        """Decode one msgpack payload and apply it to ``worker`` in one call, the GIL released.
+
+        The raw-bytes ingest: no Python object is built per event. A payload that does not
+        decode (or past ``limits``), whose ts is not finite, or that holds an unreadable removal
+        or clear is not applied at all: the report says why, and the subscriber's recovery
+        machine treats it as a hole (docs/recovery.md).
+        """
+        lim = limits or _DEFAULT_LIMITS
+        ts, kind, error, stored, skipped = self._core.apply_payload(
+            worker, payload, lim.max_events_per_batch, lim.max_blocks_per_event, lim.max_block_size
+        )
+        return ApplyReport(ts, not kind, kind, error, stored, dict(skipped) if skipped else _NO_SKIPS)
 
     def apply_batch(self, worker: WorkerKey, batch: EventBatch) -> None:
         """Apply every event of one batch, in order."""

@@ -15,7 +15,6 @@ import selectors
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import NamedTuple
 
 import anyio
 import anyio.lowlevel
@@ -24,7 +23,7 @@ import zmq
 
 from . import _zmq
 from ._errors import ConfigError, DecodeError
-from ._index import PrefixIndex
+from ._index import ApplyReport, PrefixIndex
 from ._models import EventSource, WorkerKey
 from ._snapshot import Cursor
 from ._source import Action, Apply, RecreateSubscriber, RequestReplay
@@ -39,12 +38,11 @@ from ._transports._base import (
     described_fields,
     emit_lifecycle,
 )
-from ._wire import BatchDecoder, BlockStored, EventBatch, Limits
+from ._wire import SKIP_UNKNOWN_TYPE, BatchDecoder, EventBatch, Limits
 
 __all__ = [
     "EventSink",
     "RateLimitedLog",
-    "PayloadReport",
     "Receiver",
     "ReplaySlots",
     "SourceCounters",
@@ -373,20 +371,6 @@ def _curve_keys(source: EventSource, config: SubscriberConfig) -> _zmq.CurveKeys
     return _zmq.CurveKeys(config.curve_public_key, config.curve_secret_key)
 
 
-class PayloadReport(NamedTuple):
-    """What applying one live payload did (the shape `PrefixIndex.apply_payload` of the compiled core returns).
-
-    ``ok``: decoded, finite ts, trusted, applied. Otherwise nothing was applied and
-    ``error_kind`` / ``error`` say why (the log line's kind and detail).
-    """
-
-    ts: float
-    ok: bool
-    error_kind: str
-    error: str
-    stored_blocks: int
-
-
 def _decode_checked(decoder: BatchDecoder, payload: bytes) -> tuple[EventBatch | None, str, str]:
     """A batch the machine may take as decodable, or None with the (kind, detail) of why not."""
     try:
@@ -405,22 +389,21 @@ def _decode_checked(decoder: BatchDecoder, payload: bytes) -> tuple[EventBatch |
     return batch, "", ""
 
 
-def _fast_apply(index: PrefixIndex, key: WorkerKey, decoder: BatchDecoder, payload: bytes) -> PayloadReport:
+def _fast_apply(index: PrefixIndex, key: WorkerKey, decoder: BatchDecoder, payload: bytes) -> ApplyReport:
     """Decode one in-order live payload and apply it to ``key``'s state: the per-message fast path.
 
-    The one seam the compiled core's raw-bytes ingest replaces (``index.apply_payload(key,
-    payload)``, decoding and applying in one call off the GIL): everything around it, the
-    seq check before and the machine's bookkeeping after, stays as it is.
+    The compiled core's raw-bytes ingest (`PrefixIndex.apply_payload`: one call, off the GIL,
+    no Python object per event); ``decoder`` only lends its `Limits` and keeps the source's
+    skip counts. Everything around it, the seq check before and the machine's bookkeeping
+    after, stays as it is.
     """
-    batch, kind, detail = _decode_checked(decoder, payload)
-    if batch is None:
-        return PayloadReport(math.nan, False, kind, detail, 0)
-    index.apply_batch(key, batch)
-    blocks = 0
-    for ev in batch.events:
-        if type(ev) is BlockStored:
-            blocks += len(ev.block_hashes)
-    return PayloadReport(batch.ts, True, "", "", blocks)
+    report = index.apply_payload(key, payload, decoder.limits)
+    if report.skipped:
+        decoder.unknown_events += report.skipped.get(SKIP_UNKNOWN_TYPE, 0)
+        total = decoder.skipped_events
+        for reason, n in report.skipped.items():
+            total[reason] = total.get(reason, 0) + n
+    return report
 
 
 # The receiver: how long one round may work before it yields to the event loop (a visit to

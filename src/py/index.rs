@@ -155,6 +155,69 @@ impl PyIndex {
         }
     }
 
+    /// The raw-bytes ingest: decode one payload (`crate::wire`) and apply it to ``worker`` in one
+    /// call with the GIL released, no Python object per event. Returns ``(ts, error_kind, error,
+    /// stored_blocks, skipped)``: ``error_kind`` "" when applied, else why nothing was (an
+    /// undecodable payload, a ts that is not finite, an untrusted batch) with the detail the
+    /// subscriber logs; ``skipped`` the decoder's per-reason counts (for any decoded batch).
+    #[allow(clippy::type_complexity)]
+    fn apply_payload(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        payload: &[u8],
+        max_events_per_batch: &Bound<'_, PyAny>,
+        max_blocks_per_event: &Bound<'_, PyAny>,
+        max_block_size: &Bound<'_, PyAny>,
+    ) -> PyResult<(f64, &'static str, String, u64, Vec<(String, u64)>)> {
+        let key = PyKey::extract(worker)?;
+        let lim = super::wire::limits(max_events_per_batch, max_blocks_per_event, max_block_size)?;
+        let inner = &self.inner;
+        let (out, logs) = py.detach(|| {
+            let batch = match crate::wire::decode(payload, &lim) {
+                Ok(b) => b,
+                Err(e) => {
+                    return (
+                        (f64::NAN, "undecodable payload", e.message, 0, Vec::new()),
+                        Vec::new(),
+                    )
+                }
+            };
+            let ts = batch.ts;
+            if !ts.is_finite() {
+                // A NaN or infinite ts cannot tell a duplicate from a restart, nor be saved as a
+                // position: the batch is a hole, like any undecodable one (Python's repr of it).
+                let shown = if ts.is_nan() {
+                    "nan"
+                } else if ts > 0.0 {
+                    "inf"
+                } else {
+                    "-inf"
+                };
+                let detail = format!("ts {shown} is not finite");
+                return (
+                    (f64::NAN, "undecodable payload", detail, 0, batch.skipped),
+                    Vec::new(),
+                );
+            }
+            if let Some(why) = batch.untrusted {
+                return (
+                    (f64::NAN, "untrusted batch", why, 0, batch.skipped),
+                    Vec::new(),
+                );
+            }
+            let mut idx = inner.write();
+            let counts = idx.apply_batch(&key, &batch);
+            let logs = idx.take_logs();
+            (
+                (ts, "", String::new(), counts.stored_blocks, batch.skipped),
+                logs,
+            )
+        });
+        flush_logs(py, logs)?;
+        Ok(out)
+    }
+
     /// Apply engine events (kvroute._wire Structs) of ``worker`` in order.
     fn apply_events(
         &self,

@@ -41,7 +41,7 @@ fn cap(v: &Bound<'_, PyAny>) -> PyResult<i128> {
     }
 }
 
-fn limits(
+pub(crate) fn limits(
     max_events: &Bound<'_, PyAny>,
     max_blocks: &Bound<'_, PyAny>,
     max_bs: &Bound<'_, PyAny>,

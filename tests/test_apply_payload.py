@@ -1,0 +1,120 @@
+"""`PrefixIndex.apply_payload` (raw bytes, one call, off the GIL) against the path it replaces.
+
+The subscriber's fast path used to decode a payload to an `EventBatch` (rejecting it when it
+does not decode, its ts is not finite, or it is untrusted) and apply that batch. The same
+sequences of payloads — engine-shaped batches of every form, hand-built msgpack with wrong
+types, and those mutated — go through both, into two indexes: every report must equal what the
+old path decided, and the two indexes must answer every query the same and count the same.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+from hypothesis import given
+from hypothesis import strategies as st
+from test_wire_differential import SETTINGS, batch_frag, engine_event
+
+from kvroute import DecodeError, EventBatch, PrefixIndex, WorkerKey, encode_batch
+from kvroute._wire import BatchDecoder, BlockStored, Limits
+
+W = [WorkerKey("a", 0), WorkerKey("b", 1)]
+
+
+def _old_path(index: PrefixIndex, worker: WorkerKey, decoder: BatchDecoder, payload: bytes) -> tuple[bool, str, int]:
+    """What the subscriber did before apply_payload: (applied, why not, blocks stored)."""
+    try:
+        batch = decoder.decode(payload)
+    except DecodeError:
+        return False, "undecodable payload", 0
+    if not math.isfinite(batch.ts):
+        return False, "undecodable payload", 0
+    if batch.untrusted is not None:
+        return False, "untrusted batch", 0
+    index.apply_batch(worker, batch)
+    return True, "", sum(len(e.block_hashes) for e in batch.events if type(e) is BlockStored)
+
+
+def _same(payloads: list[tuple[int, bytes]], limits: Limits | None) -> None:
+    new, old = PrefixIndex(), PrefixIndex()
+    new_dec, old_dec = BatchDecoder(limits), BatchDecoder(limits)
+    queries: list[list[int]] = []
+    for w, payload in payloads:
+        report = new.apply_payload(W[w], payload, limits)
+        applied, kind, stored = _old_path(old, W[w], old_dec, payload)
+        assert (report.ok, report.error_kind, report.stored_blocks) == (applied, kind, stored)
+        if report.ok or report.error_kind == "untrusted batch":
+            for reason, n in report.skipped.items():
+                new_dec.skipped_events[reason] = new_dec.skipped_events.get(reason, 0) + n
+        if applied:
+            batch = old_dec.decode(payload)  # decoded once more: its queries, not counted twice
+            assert report.ts == batch.ts
+            for ev in batch.events:
+                if type(ev) is BlockStored and ev.token_ids:
+                    queries.append([*list(ev.token_ids), 0])
+    assert new.stats() == old.stats()
+    assert new.workers() == old.workers()
+    for q in queries:
+        a, b = new.find_matches(q), old.find_matches(q)
+        assert dict(a) == dict(b)
+        assert {k: a.tokens(k) for k in a} == {k: b.tokens(k) for k in b}
+
+
+payload_st = st.one_of(
+    st.builds(
+        lambda ts, events, form, signed: encode_batch(EventBatch(ts, events), form=form, signed_hashes=signed),
+        st.floats(allow_nan=True),
+        st.lists(engine_event, max_size=5),
+        st.sampled_from(["map", "array"]),
+        st.booleans(),
+    ),
+    batch_frag(),
+    st.binary(max_size=32),
+)
+
+
+@SETTINGS
+@given(
+    st.lists(st.tuples(st.integers(0, 1), payload_st), max_size=12),
+    st.one_of(st.none(), st.builds(Limits, max_events_per_batch=st.integers(1, 6), max_block_size=st.integers(1, 8))),
+)
+def test_apply_payload_equals_decode_then_apply(payloads: list[tuple[int, bytes]], limits: Limits | None) -> None:
+    _same(payloads, limits)
+
+
+def test_a_rejected_payload_leaves_the_index_untouched() -> None:
+    index = PrefixIndex()
+    good = encode_batch(EventBatch(1.0, [BlockStored(block_hashes=[1, 2], token_ids=list(range(32)), block_size=16)]))
+    assert index.apply_payload(W[0], good).ok
+    before = index.stats()
+    nan_ts = encode_batch(EventBatch(math.nan, [BlockStored(block_hashes=[3], token_ids=[7] * 16, block_size=16)]))
+    report = index.apply_payload(W[0], nan_ts)
+    assert (report.ok, report.error_kind, report.error) == (False, "undecodable payload", "ts nan is not finite")
+    assert not index.apply_payload(W[0], b"\xc1").ok
+    assert index.stats() == before
+
+
+def test_queries_run_while_other_threads_apply_payloads() -> None:
+    # The GIL is released while a payload is applied: queries on this thread keep answering
+    # (and answer right) while two threads ingest.
+    index = PrefixIndex()
+    toks = list(range(16 * 64))
+    stores = [BlockStored(block_hashes=list(range(i, i + 64)), token_ids=toks, block_size=16) for i in range(99)]
+    payloads = [encode_batch(EventBatch(float(i), [ev])) for i, ev in enumerate(stores)]
+
+    def ingest(w: WorkerKey) -> None:
+        for p in payloads:
+            assert index.apply_payload(w, p).ok
+
+    threads = [threading.Thread(target=ingest, args=(w,)) for w in W]
+    for t in threads:
+        t.start()
+    answered = 0
+    while any(t.is_alive() for t in threads):
+        scores = index.find_matches([*toks, 0])
+        assert all(v in (0, 64) for v in scores.values())
+        answered += 1
+    for t in threads:
+        t.join()
+    assert answered > 0 and dict(index.find_matches([*toks, 0])) == {W[0]: 64, W[1]: 64}
