@@ -23,7 +23,11 @@ Usage (from the repository root, with the test dependencies installed)::
     python scripts/mutate.py --list          # names and rules
 
 Adding a rule: append one `Mutation` to `MUTATIONS` (name, rule, file, the exact text to
-break, its broken form, the tests to run, the socket-level tests that claim the rule).
+break, its broken form, the tests to run, the socket-level tests that claim the rule). A rule
+is broken where it is kept: the prefix index's and the wire decoder's in the Rust crate
+(src/index/, src/wire.rs; their broken form must compile, the copy's core is rebuilt), the
+receive path's in kvroute/_subscriber.py (the in-order fast path applies through
+``PrefixIndex.apply_payload``), the recovery rules in kvroute/_source.py.
 """
 
 from __future__ import annotations
@@ -68,9 +72,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "over-claim",
         "the index never claims a block a worker does not hold",
-        "kvroute/_index.py",
-        "        if old is None or old * sizes[wk] < tokens:\n            scores[wk] = value\n",
-        "        if old is None or old * sizes[wk] < tokens:\n            scores[wk] = value + 1\n",
+        "src/index/query.rs",
+        "            None => {\n                self.by_slot.insert(slot, (value, bs));\n",
+        "            None => {\n                self.by_slot.insert(slot, (value + 1, bs));\n",
         ("tests/test_index.py", "tests/test_client.py", "tests/test_sim_engine.py", "tests/test_warm_restart.py"),
         (
             "tests/test_client.py::test_cold_start_with_history",
@@ -92,8 +96,8 @@ MUTATIONS: list[Mutation] = [
         "contiguity",
         "rule 1/3: only the batch that continues the applied run is applied; a hole is replayed first",
         "kvroute/_source.py",
-        "            seq == self.last_seq + 1\n            and batch is not None",
-        "            seq > self.last_seq\n            and batch is not None",
+        "            seq == self.last_seq + 1\n            and seq != REPLAY_END_SEQ",
+        "            seq > self.last_seq\n            and seq != REPLAY_END_SEQ",
         ("tests/test_source.py", "tests/test_client.py"),
         ("tests/test_client.py::test_drops_inside_buffer_are_replayed",),
     ),
@@ -113,9 +117,10 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "unknown-parent",
         "a block whose parent is unknown (and its descendants) is never claimed",
-        "kvroute/_index.py",
-        '            key = blocks.get(parent, b"")\n',
-        "            key = blocks.get(parent, self._root(lora, salt))\n",
+        "src/index/store.rs",
+        "                    self.unknown_parent += n as u64;\n                    None\n",
+        "                    self.unknown_parent += n as u64;\n"
+        "                    Some(self.root(ns.lora.as_deref(), ns.salt.as_deref()))\n",
         ("tests/test_index.py", "tests/test_client.py", "tests/test_sim_engine.py"),
         (
             "tests/test_client.py::test_drops_past_the_buffer_reset_without_overclaiming",
@@ -125,9 +130,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "clear",
         "AllBlocksCleared drops every block of the worker",
-        "kvroute/_index.py",
-        "        elif isinstance(event, AllBlocksCleared):\n            self.remove_worker(worker)",
-        "        elif isinstance(event, AllBlocksCleared):\n            pass",
+        "src/index/store.rs",
+        "            Event::Cleared => self.remove_worker(worker),",
+        "            Event::Cleared => {}",
         ("tests/test_index.py", "tests/test_client.py", "tests/test_sim_engine.py", "tests/test_chaos.py"),
         (
             "tests/test_sim_engine.py::test_kvroute_client_index_converges_to_the_engines_ground_truth",
@@ -139,8 +144,8 @@ MUTATIONS: list[Mutation] = [
         "stopped-driver",
         "a removed source's driver applies nothing more",
         "kvroute/_subscriber.py",
-        "        if self._stopped:\n            return\n        self.counters.blocks += apply_items(",
-        "        self.counters.blocks += apply_items(",
+        "        fast = not self._sink.active and not self._stopped\n",
+        "        fast = not self._sink.active\n",
         ("tests/test_client.py",),
         ("tests/test_client.py::test_a_removed_source_touches_the_index_no_more",),
     ),
@@ -156,9 +161,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "signed-hashes",
         "SGLang's signed int64 hashes fold onto uint64 (one key whatever the form)",
-        "kvroute/_wire.py",
-        "        return h & _MASK64\n    return h",
-        "        return h\n    return h",
+        "src/wire.rs",
+        "    BlockHash::Int(v as u64)\n",
+        "    BlockHash::Int(v.unsigned_abs() as u64)\n",
         ("tests/test_wire.py", "tests/test_sim_engine.py", "tests/test_client.py"),
         (
             "tests/test_sim_engine.py::test_sglang_events_carry_the_engines_hashes",
@@ -178,8 +183,8 @@ MUTATIONS: list[Mutation] = [
         "no-apply",
         "the client applies what its sources publish (examples show it)",
         "kvroute/_subscriber.py",
-        "        apply_batch(key, batch)\n",
-        "        pass\n",
+        "    report = index.apply_payload(key, payload, decoder.limits)\n",
+        "    report = PrefixIndex().apply_payload(key, payload, decoder.limits)\n",
         ("tests/test_examples.py",),
         ("tests/test_examples.py",),
     ),
@@ -187,9 +192,12 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "salt-ignored",
         "a salted block is keyed in its tenant's namespace, never claimed for a plain prompt",
-        "kvroute/_index.py",
-        "        salt = ev.cache_salt if isinstance(ev.cache_salt, str) and ev.cache_salt else None",
-        "        salt = None",
+        "src/index/store.rs",
+        "    let mut salt = match &ev.cache_salt {\n"
+        "        Value::Str(s) if !s.is_empty() => Some(s.clone()),\n"
+        "        _ => None,\n"
+        "    };\n",
+        "    let mut salt: Option<String> = None;\n",
         ("tests/test_index_model.py", "tests/test_production_shapes.py", "tests/test_gateway_stream.py"),
         ("tests/engines::salt",),
         engines="salt and over",
@@ -197,9 +205,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "window-rule-off",
         "a hybrid hit needs the sliding-window group's blocks before the hit point",
-        "kvroute/_index.py",
-        "        need = -(-(grp.window - 1) // bs)\n    if need <= 0:",
-        "        need = 0\n    if need <= 0:",
+        "src/index/query.rs",
+        "            Some(win) if win >= 1 => div_ceil(win - 1, bs),",
+        "            Some(win) if win >= 1 => 0,",
         ("tests/test_index_groups.py", "tests/test_index_model.py", "tests/test_production_shapes.py"),
         ("tests/engines::hybrid-swa",),
         engines="hybrid-swa and over",
@@ -207,17 +215,17 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "remote-credited",
         "a REMOTE (shared-tier) block is not the worker's own cache",
-        "kvroute/_index.py",
-        "        if _remote(ev.locality):\n            # A shared pool",
-        "        if False:\n            # A shared pool",
+        "src/index/store.rs",
+        "        if remote(&ev.locality) {\n            self.remote += n as u64;",
+        "        if false {\n            self.remote += n as u64;",
         ("tests/test_production_shapes.py", "tests/test_index_model.py"),
     ),
     Mutation(
         "untrusted-batch",
         "an unreadable removal or clear resets the worker instead of applying the rest",
         "kvroute/_subscriber.py",
-        "        if batch.untrusted is not None:",
-        "        if False:",
+        "    if batch.untrusted is not None:",
+        "    if False:",
         ("tests/test_index_groups.py",),
         ("tests/test_index_groups.py::test_an_unreadable_removal_resets_the_worker",),
     ),
