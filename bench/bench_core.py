@@ -4,9 +4,10 @@ Run: python bench/bench_core.py [--quick]
 
 Figures, each printed with its absolute numbers and as a ratio within this run (the machines are noisy):
 
-- ingest: ``decode_batch`` + ``PrefixIndex.apply_batch`` (Python events converted, applied in Rust), blocks/s,
-  ÷ a bare ``msgspec.msgpack.decode`` of the same payloads; and ÷ the same through the pure-Python reference
-  index (tests/reference, the index before the Rust core).
+- ingest: ``PrefixIndex.apply_payload`` (raw bytes decoded and applied in Rust, the subscriber's path) and
+  ``decode_batch`` + ``PrefixIndex.apply_batch`` (Python events converted, applied in Rust), blocks/s, ÷ a bare
+  ``msgspec.msgpack.decode`` of the same payloads; and ÷ the same through the pure-Python reference index
+  (tests/reference, the index before the Rust core).
 - ``find_matches`` p50 / p99: a full 512-block match and 32 shared blocks of an 8k-token prompt (a list of ints
   and an ``array("I")``), 64 workers, compiled ÷ the reference index holding the same entries.
 - memory per (block, worker) entry at 1M entries: RSS growth ÷ entries (each entry a distinct block).
@@ -79,13 +80,19 @@ def bench_ingest(n_blocks: int) -> None:
     stream = make_stream(n_blocks, 16, 1)
     total = sum(n for _, _, n in stream)
     payloads = [p for _, p, _ in stream]
-    raw, comp, ref = [], [], []
+    raw, comp, ref, raw_bytes = [], [], [], []
     for _ in range(3):
         gc.collect()
         t0 = time.perf_counter()
         for p in payloads:
             msgspec.msgpack.decode(p)
         raw.append(time.perf_counter() - t0)
+        idx = PrefixIndex()
+        gc.collect()
+        t0 = time.perf_counter()
+        for w, p, _ in stream:
+            idx.apply_payload(w, p)
+        raw_bytes.append(time.perf_counter() - t0)
         for cls, out in ((PrefixIndex, comp), (ReferenceIndex, ref)):
             idx = cls()
             gc.collect()
@@ -93,9 +100,10 @@ def bench_ingest(n_blocks: int) -> None:
             for w, p, _ in stream:
                 idx.apply_batch(w, decode_batch(p))
             out.append(time.perf_counter() - t0)
-    r, c, f = min(raw), min(comp), min(ref)
+    r, c, f, b = min(raw), min(comp), min(ref), min(raw_bytes)
     print(f"ingest, {total:,} blocks (16 workers, 1-32 blocks an event), best of 3:")
     print(f"  bare msgspec.msgpack.decode   {total / r / 1e6:6.2f} M blocks/s")
+    print(f"  apply_payload (raw bytes)     {total / b / 1e6:6.2f} M blocks/s   ratio to bare decode {r / b:5.2f}")
     print(f"  decode_batch + apply (Rust)   {total / c / 1e6:6.2f} M blocks/s   ratio to bare decode {r / c:5.2f}")
     print(f"  decode_batch + apply (Python) {total / f / 1e6:6.2f} M blocks/s   ratio to bare decode {r / f:5.2f}")
     print(f"  compiled ÷ Python reference: {f / c:5.2f}x faster")
@@ -186,7 +194,8 @@ def bench_select_under_ingest(seconds: float) -> None:
             idx.apply(WorkerKey(f"w{i}", 0), BlockStored(block_hashes=[i << 32 | j for j in range(n)],
                                                          token_ids=prompt[: n * BS], block_size=BS))
     router = Router(idx, seed=1)
-    streams = [[(WorkerKey(f"ingest{t}-{w.worker_id}", w.dp_rank), decode_batch(p))
+    # The ingest threads take the subscriber's path: raw payloads through apply_payload.
+    streams = [[(WorkerKey(f"ingest{t}-{w.worker_id}", w.dp_rank), p)
                 for w, p, _ in make_stream(60_000, 8, 20 + t)] for t in range(2)]
 
     def select_p99(duration: float) -> tuple[float, int]:
@@ -204,10 +213,10 @@ def bench_select_under_ingest(seconds: float) -> None:
 
     def ingest(t: int) -> None:
         while not stop.is_set():
-            for w, b in streams[t]:
+            for w, p in streams[t]:
                 if stop.is_set():
                     return
-                idx.apply_batch(w, b)
+                idx.apply_payload(w, p)
                 applied[t] += 1
             for w, _ in streams[t]:
                 idx.remove_worker(w)
