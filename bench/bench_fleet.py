@@ -49,6 +49,7 @@ from kvroute import (
     EventBatch,
     EventSource,
     KvEventClient,
+    Limits,
     PrefixIndex,
     SubscriberConfig,
     WorkerKey,
@@ -176,8 +177,17 @@ class _LagIndex(PrefixIndex):
         self.lags = array("d")
         self.applied_blocks = 0
 
+    def apply_payload(self, worker: WorkerKey, payload: bytes, limits: Limits | None = None) -> Any:
+        """Apply raw bytes (the subscriber's in-order fast path), and count the blocks and the lag."""
+        report = super().apply_payload(worker, payload, limits)
+        if report.ok:
+            self.applied_blocks += BLOCKS
+            if self.recording:
+                self.lags.append(time.time() - report.ts)
+        return report
+
     def apply_batch(self, worker: WorkerKey, batch: EventBatch) -> None:
-        """Apply, and count the blocks and the lag."""
+        """Apply a decoded batch (the general path: replays, held batches), and count the blocks and the lag."""
         super().apply_batch(worker, batch)
         self.applied_blocks += BLOCKS
         if self.recording:
