@@ -33,6 +33,7 @@ receive path's in kvroute/_subscriber.py (the in-order fast path applies through
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import shutil
 import signal
@@ -265,15 +266,27 @@ def _copy_tree(dest: Path) -> None:
 def _build_core(tree: Path) -> None:
     """Build ``tree``'s compiled core (src/) into ``tree/kvroute/_core.abi3.so``, where the copy imports it from.
 
-    One cargo target directory serves every copy, so a mutation rebuilds only the kvroute crate.
+    One cargo target directory serves every copy (and every run), so a mutation rebuilds only
+    the kvroute crate. Cargo decides that crate is fresh by file times, and a copy keeps its
+    sources' times: the last build, a mutant of another copy, would pass for this tree's. So
+    the sources are stamped now, and the build and the copy-out hold the target's lock
+    against a concurrent run.
     """
     target = Path(tempfile.gettempdir()) / "kvroute-mutate-target"
-    subprocess.run(
-        ["cargo", "build", "-q", "--release", "--lib", "--features", "extension-module", "--target-dir", str(target)],
-        cwd=tree,
-        check=True,
-    )
-    shutil.copy2(target / "release" / "libkvroute_core.so", tree / "kvroute" / "_core.abi3.so")
+    target.mkdir(exist_ok=True)
+    now = time.time()
+    for src in (tree / "src").rglob("*"):
+        if src.is_file():
+            os.utime(src, (now, now))
+    with open(target / "kvroute-mutate.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cargo = ["cargo", "build", "-q", "--release", "--lib", "--features", "extension-module"]
+        subprocess.run(
+            [*cargo, "--target-dir", str(target)],
+            cwd=tree,
+            check=True,
+        )
+        shutil.copy2(target / "release" / "libkvroute_core.so", tree / "kvroute" / "_core.abi3.so")
 
 
 def _env(tree: Path) -> dict[str, str]:
