@@ -12,8 +12,10 @@ status=0
 ok() { [ "$1" -eq 5 ] || status=1; }
 for venv in vllm-0.33.0 vllm-0.34.0; do
   echo "== engine suite: $venv"
-  (cd "$here" && "$root/$venv/bin/python" -m pytest -q --confcutdir=. test_vllm.py test_golden.py "$@") || ok $?
+  (cd "$here" && PATH="$root/$venv/bin:$PATH" "$root/$venv/bin/python" -m pytest -q --confcutdir=. test_vllm.py test_golden.py "$@") || ok $?
 done
 echo "== engine suite: sglang-0.5.23"
-(cd "$here" && "$root/sglang-0.5.23/bin/python" -m pytest -q --confcutdir=. test_sglang.py test_golden.py "$@") || ok $?
+# The venv's bin on PATH, as an activated venv has it: SGLang's RadixCache compiles its HiCache hash
+# extension with torch's cpp_extension on first use, which runs the venv's `ninja`.
+(cd "$here" && PATH="$root/sglang-0.5.23/bin:$PATH" "$root/sglang-0.5.23/bin/python" -m pytest -q --confcutdir=. test_sglang.py test_golden.py "$@") || ok $?
 exit $status
