@@ -208,7 +208,7 @@ MUTATIONS: list[Mutation] = [
         "a hybrid hit needs the sliding-window group's blocks before the hit point",
         "src/index/query.rs",
         "            Some(win) if win >= 1 => div_ceil(win - 1, bs),",
-        "            Some(win) if win >= 1 => 0,",
+        "            Some(win) if win >= 1 => 0 * div_ceil(win - 1, bs),",
         ("tests/test_index_groups.py", "tests/test_index_model.py", "tests/test_production_shapes.py"),
         ("tests/engines::hybrid-swa",),
         engines="hybrid-swa and over",
