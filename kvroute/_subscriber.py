@@ -38,7 +38,7 @@ from ._transports._base import (
     described_fields,
     emit_lifecycle,
 )
-from ._wire import SKIP_UNKNOWN_TYPE, BatchDecoder, EventBatch, Limits
+from ._wire import BatchDecoder, EventBatch, Limits
 
 __all__ = [
     "EventSink",
@@ -398,11 +398,7 @@ def _fast_apply(index: PrefixIndex, key: WorkerKey, decoder: BatchDecoder, paylo
     after, stays as it is.
     """
     report = index.apply_payload(key, payload, decoder.limits)
-    if report.skipped:
-        decoder.unknown_events += report.skipped.get(SKIP_UNKNOWN_TYPE, 0)
-        total = decoder.skipped_events
-        for reason, n in report.skipped.items():
-            total[reason] = total.get(reason, 0) + n
+    decoder.count_skipped(report.skipped)
     return report
 
 

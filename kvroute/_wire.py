@@ -204,12 +204,16 @@ class BatchDecoder:
         batch: EventBatch = _decode_batch(
             payload, lim.max_events_per_batch, lim.max_blocks_per_event, lim.max_block_size
         )
-        if batch.skipped:
-            self.unknown_events += batch.skipped.get(SKIP_UNKNOWN_TYPE, 0)
-            total = self.skipped_events
-            for reason, n in batch.skipped.items():
-                total[reason] = total.get(reason, 0) + n
+        self.count_skipped(batch.skipped)
         return batch
+
+    def count_skipped(self, skipped: dict[str, int]) -> None:
+        """Add one batch's per-reason skips to this decoder's counters (also for batches decoded elsewhere)."""
+        if skipped:
+            self.unknown_events += skipped.get(SKIP_UNKNOWN_TYPE, 0)
+            total = self.skipped_events
+            for reason, n in skipped.items():
+                total[reason] = total.get(reason, 0) + n
 
 
 _default_decoder = BatchDecoder()

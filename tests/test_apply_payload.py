@@ -16,7 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_wire_differential import SETTINGS, batch_frag, engine_event
 
-from kvroute import DecodeError, EventBatch, PrefixIndex, WorkerKey, encode_batch
+from kvroute import EventBatch, PrefixIndex, WorkerKey, decode_batch, encode_batch
+from kvroute._subscriber import _decode_checked
 from kvroute._wire import BatchDecoder, BlockStored, Limits
 
 W = [WorkerKey("a", 0), WorkerKey("b", 1)]
@@ -24,14 +25,9 @@ W = [WorkerKey("a", 0), WorkerKey("b", 1)]
 
 def _old_path(index: PrefixIndex, worker: WorkerKey, decoder: BatchDecoder, payload: bytes) -> tuple[bool, str, int]:
     """What the subscriber did before apply_payload: (applied, why not, blocks stored)."""
-    try:
-        batch = decoder.decode(payload)
-    except DecodeError:
-        return False, "undecodable payload", 0
-    if not math.isfinite(batch.ts):
-        return False, "undecodable payload", 0
-    if batch.untrusted is not None:
-        return False, "untrusted batch", 0
+    batch, kind, _ = _decode_checked(decoder, payload)
+    if batch is None:
+        return False, kind, 0
     index.apply_batch(worker, batch)
     return True, "", sum(len(e.block_hashes) for e in batch.events if type(e) is BlockStored)
 
@@ -44,15 +40,14 @@ def _same(payloads: list[tuple[int, bytes]], limits: Limits | None) -> None:
         report = new.apply_payload(W[w], payload, limits)
         applied, kind, stored = _old_path(old, W[w], old_dec, payload)
         assert (report.ok, report.error_kind, report.stored_blocks) == (applied, kind, stored)
-        if report.ok or report.error_kind == "untrusted batch":
-            for reason, n in report.skipped.items():
-                new_dec.skipped_events[reason] = new_dec.skipped_events.get(reason, 0) + n
+        new_dec.count_skipped(report.skipped)
         if applied:
-            batch = old_dec.decode(payload)  # decoded once more: its queries, not counted twice
+            batch = decode_batch(payload)  # decoded once more, for its queries (uncounted)
             assert report.ts == batch.ts
             for ev in batch.events:
                 if type(ev) is BlockStored and ev.token_ids:
                     queries.append([*list(ev.token_ids), 0])
+    assert (new_dec.skipped_events, new_dec.unknown_events) == (old_dec.skipped_events, old_dec.unknown_events)
     assert new.stats() == old.stats()
     assert new.workers() == old.workers()
     for q in queries:
