@@ -161,7 +161,9 @@ async def main() -> None:
             await asyncio.sleep(0.01)
         print(f"router listening on http://127.0.0.1:{port}, {len(client.live_workers())} workers discovered")
 
-        openai = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        openai = await stack.enter_async_context(
+            AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        )
         system = "You are a terse assistant for the kvroute project. " * 40
         conversations: list[list[dict[str, str]]] = [[{"role": "system", "content": system}] for _ in range(6)]
         previous = [0] * 6

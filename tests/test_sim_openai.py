@@ -14,8 +14,12 @@ SYSTEM = "You answer in one word. " * 30
 
 
 async def test_chat_completions_whole_and_streamed_with_cached_tokens() -> None:
-    async with SimEngine(SimConfig(engine="vllm", ranks=2)) as engine:
-        openai = AsyncOpenAI(base_url=f"{engine.http_url}/v1", api_key="unused", max_retries=0)
+    # Each client is closed inside its own test: one left to the garbage collector closes its trio-bound
+    # connections from whatever event loop runs then (the next test's asyncio loop) and fails that test.
+    async with (
+        SimEngine(SimConfig(engine="vllm", ranks=2)) as engine,
+        AsyncOpenAI(base_url=f"{engine.http_url}/v1", api_key="unused", max_retries=0) as openai,
+    ):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
         first = await openai.chat.completions.create(
             model="sim-model",
@@ -50,8 +54,11 @@ async def test_chat_completions_whole_and_streamed_with_cached_tokens() -> None:
 
 
 async def test_completions_streamed_and_tokenize_agree_with_the_engine() -> None:
-    async with SimEngine(SimConfig(engine="sglang")) as engine, httpx.AsyncClient() as http:
-        openai = AsyncOpenAI(base_url=f"{engine.http_url}/v1", api_key="unused", max_retries=0)
+    async with (
+        SimEngine(SimConfig(engine="sglang")) as engine,
+        httpx.AsyncClient() as http,
+        AsyncOpenAI(base_url=f"{engine.http_url}/v1", api_key="unused", max_retries=0) as openai,
+    ):
         text = "tok1 tok2 hello world " * 20
         stream = await openai.completions.create(model="sim-model", prompt=text, max_tokens=3, stream=True)
         pieces = [c.choices[0].text async for c in stream if c.choices]
