@@ -50,7 +50,8 @@ from ._errors import (
 from ._events import Disconnected, Envelope, Overflow, Partial, Removed, Reset, Synced
 from ._hashing import MultimodalItem, chain_keys
 from ._index import IndexLimits, PrefixIndex
-from ._jetstream import JetStreamRelay, JetStreamReplica
+from ._jetstream_relay import JetStreamRelay
+from ._jetstream_replica import JetStreamReplica
 from ._load import LoadPolicy, follow_engine_metrics
 from ._metrics import KvRouteCollector
 from ._models import EventSource, WorkerKey, WorkerStatus

@@ -25,8 +25,8 @@ import pytest
 from _publisher_helpers import FAST, Workload, wait_for
 from anyio.streams.text import TextReceiveStream
 
-from kvroute import KvEventClient, PrefixIndex, WorkerKey
-from kvroute._jetstream import JetStreamRelay, JetStreamReplica, _Batch, _encode_record, _Partial, _Removed, _Reset
+from kvroute import JetStreamRelay, JetStreamReplica, KvEventClient, PrefixIndex, WorkerKey
+from kvroute._jetstream import _Batches, _Partial, _Removed, _Reset, decode_record, encode_record
 from kvroute._snapshot import read_snapshot
 from kvroute._wire import BlockStored, EventBatch, encode_batch
 from kvroute.sim import EventPublisher, SimConfig, SimEngine
@@ -176,13 +176,21 @@ async def _steady(fleet: Fleet, rounds: int, per_round: int = 5) -> None:
 # --- the replica's rules, record by record (no server needed) ---------------------------------------
 
 
-def _batch(seq: int, prev: int | None, hashes: list[int], worker: str = "w") -> bytes:
+def _payload(seq: int, hashes: list[int]) -> bytes:
     ev = BlockStored(
         block_hashes=hashes, parent_block_hash=None, token_ids=list(range(16 * len(hashes))), block_size=16
     )
-    return _encode_record(
-        _Batch(worker, 0, seq, float(seq), prev, encode_batch(EventBatch(ts=float(seq), events=[ev])))
-    )
+    return encode_batch(EventBatch(ts=float(seq), events=[ev]))
+
+
+def _run(prev: int | None, batches: list[tuple[int, bytes]], worker: str = "w") -> bytes:
+    """A `_Batches` record of ``worker``'s (seq, payload) batches after ``prev``."""
+    items = [(seq, float(seq), len(p)) for seq, p in batches]
+    return encode_record(_Batches(worker, 0, prev, items), [p for _, p in batches])
+
+
+def _batch(seq: int, prev: int | None, hashes: list[int], worker: str = "w") -> bytes:
+    return _run(prev, [(seq, _payload(seq, hashes))], worker)
 
 
 def test_replica_rules_chain_duplicates_gaps_and_lifecycle() -> None:
@@ -198,9 +206,9 @@ def test_replica_rules_chain_duplicates_gaps_and_lifecycle() -> None:
     r.apply_record(4, _batch(4, 3, [5]))
     assert r.index.num_blocks(w) == 1 and w in r.partial_workers() and r.stats().gaps == 1
     # A reset clears the worker and its partial flag; a partial record sets the flag again.
-    r.apply_record(5, _encode_record(_Reset("w", 0, "restart", "")))
+    r.apply_record(5, encode_record(_Reset("w", 0, "restart", "")))
     assert r.index.num_blocks(w) == 0 and not r.partial_workers() and w not in r.cursors()
-    r.apply_record(6, _encode_record(_Partial("w", 0, "not-in-buffer", 7)))
+    r.apply_record(6, encode_record(_Partial("w", 0, "not-in-buffer", 7)))
     r.apply_record(7, _batch(7, None, [9]))
     assert w in r.partial_workers() and r.index.num_blocks(w) == 1
     # A jump in the stream's own sequence (records lost to retention): every worker reset, partial.
@@ -210,11 +218,32 @@ def test_replica_rules_chain_duplicates_gaps_and_lifecycle() -> None:
     assert r.partial_workers() == {w, WorkerKey("v", 0)}
     # Undecodable records are counted and skipped; removed drops the worker.
     r.apply_record(11, b"\xc1garbage")
-    r.apply_record(12, _encode_record(_Removed("w", 0, "gone")))
+    r.apply_record(12, encode_record(_Removed("w", 0, "gone")))
     assert r.stats().undecodable == 1 and w not in r.live_workers() and r.index.num_blocks(w) == 0
     # A redelivered sequence is ignored.
-    r.apply_record(12, _encode_record(_Reset("v", 0, "restart", "")))
+    r.apply_record(12, encode_record(_Reset("v", 0, "restart", "")))
     assert r.stats().resets == 1
+
+
+def test_runs_of_batches_overlap_and_bad_payloads() -> None:
+    r = JetStreamReplica(stream="T")
+    w = WorkerKey("w", 0)
+    r.apply_record(1, _run(None, [(0, _payload(0, [1])), (1, _payload(1, [2])), (2, _payload(2, [3]))]))
+    assert r.index.num_blocks(w) == 3 and r.cursors()[w].seq == 2 and r.stats().batches == 3
+    # The same batches cut into another run (a relay restart): the covered ones are skipped, the rest applied.
+    r.apply_record(2, _run(1, [(2, _payload(2, [3])), (3, _payload(3, [4]))]))
+    assert (r.stats().duplicates, r.stats().gaps, r.index.num_blocks(w), r.cursors()[w].seq) == (1, 0, 4, 3)
+    # A payload the core cannot decode: nothing of the worker is trusted, the chain goes on after it.
+    r.apply_record(3, _run(3, [(4, b"\xc1"), (5, _payload(5, [6]))]))
+    st = r.stats()
+    assert (st.undecodable, st.gaps, r.index.num_blocks(w), r.cursors()[w].seq) == (1, 0, 1, 5)
+    assert w in r.partial_workers()
+    # A body that does not match its items is an undecodable record, not a crash.
+    good = _run(5, [(6, _payload(6, [7]))])
+    r.apply_record(4, good[:-1])
+    assert r.stats().undecodable == 2 and r.index.num_blocks(w) == 1
+    rec, at = decode_record(good)
+    assert isinstance(rec, _Batches) and at + rec.items[0][2] == len(good)
 
 
 # --- end to end ---------------------------------------------------------------------------------------

@@ -1,0 +1,180 @@
+"""The asyncio loop nats-py runs on, for the JetStream relay and replica on either anyio backend.
+
+nats-py is asyncio-only: under asyncio it runs on the caller's loop; under trio each relay and
+replica runs its NATS connection on an asyncio loop in a thread (as grpcio runs behind worker
+threads), so callers on both anyio backends work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+import sniffio
+
+from ._jetstream import JetStreamError, log, nats_module
+
+__all__ = ["NatsLoop", "Signal"]
+
+T = TypeVar("T")
+
+
+class NatsLoop:
+    """One NATS connection, callable from any anyio backend.
+
+    On asyncio, nats-py runs on the caller's own loop (no thread: a second thread would hand the
+    GIL back and forth on every wake-up). On trio, it runs on an asyncio loop in a daemon thread.
+    """
+
+    def __init__(self, servers: Sequence[str], name: str) -> None:
+        self.servers = list(servers)
+        self.name = name
+        self.threaded = True
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.nc: Any = None
+        self.js: Any = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, connect_timeout: float) -> None:
+        """Start the loop (trio) and connect (nats-py then reconnects on its own, forever)."""
+        self.threaded = sniffio.current_async_library() != "asyncio"
+        if self.threaded:
+            self.loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self.loop.run_forever, name=f"nats-{self.name}", daemon=True)
+            self._thread.start()
+        else:
+            self.loop = asyncio.get_running_loop()
+        nats = nats_module()
+
+        async def quiet(_exc: Exception) -> None:
+            log.debug("nats %s: %s", self.name, _exc)
+
+        async def connect() -> None:
+            # Reconnects are unlimited once connected; the first connect is bounded (nats-py would
+            # retry it forever too).
+            self.nc = await asyncio.wait_for(
+                nats.connect(
+                    servers=self.servers,
+                    name=self.name,
+                    connect_timeout=connect_timeout,
+                    reconnect_time_wait=0.2,
+                    max_reconnect_attempts=-1,
+                    error_cb=quiet,
+                    pending_size=64 * 1024 * 1024,
+                ),
+                connect_timeout,
+            )
+            self.js = self.nc.jetstream(timeout=connect_timeout)
+
+        try:
+            await self.call(connect())
+        except Exception as exc:
+            await self.close()
+            raise JetStreamError(f"cannot connect to NATS at {', '.join(self.servers)}: {exc!r}") from exc
+
+    async def call(self, coro: Awaitable[T]) -> T:
+        """Run ``coro`` on the NATS loop and wait for its result (cancelling the caller cancels it)."""
+        if not self.threaded:
+            return await coro
+        assert self.loop is not None
+        fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+        try:
+            return await anyio.to_thread.run_sync(fut.result, abandon_on_cancel=True)
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def post(self, fn: Callable[..., object], *args: object) -> None:
+        """Call ``fn(*args)`` soon on the NATS loop, without waiting (from the caller's thread)."""
+        assert self.loop is not None
+        if self.threaded:
+            self.loop.call_soon_threadsafe(fn, *args)
+        else:
+            self.loop.call_soon(fn, *args)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` as a task on the NATS loop (call it from that loop), cancelled by `close`."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def signal(self) -> Signal:
+        """A wake-up the NATS loop sets and the caller's side waits on."""
+        return Signal(self.threaded)
+
+    async def close(self) -> None:
+        """Drop the connection (without waiting on a dead server) and stop the loop."""
+        tasks = list(self._tasks)
+        if tasks and self.loop is not None:
+
+            async def cancel() -> None:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+            with contextlib.suppress(Exception):
+                await self.call(cancel())
+        if self.nc is not None:
+            nc, self.nc = self.nc, None
+            with contextlib.suppress(Exception):
+                await self.call(asyncio.wait_for(nc.close(), 2.0))
+        if self._thread is not None and self.loop is not None:
+            if self._thread.is_alive():
+                with contextlib.suppress(Exception):
+                    await self.call(asyncio.wait_for(_cancel_all(), 2.0))
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                await anyio.to_thread.run_sync(self._thread.join, 5.0)
+            if not self.loop.is_running():
+                self.loop.close()
+
+
+class Signal:
+    """Set on the NATS loop, awaited by the caller: a threading.Event across threads, an anyio.Event on one loop."""
+
+    def __init__(self, threaded: bool) -> None:
+        self._threaded = threaded
+        self._event = threading.Event()
+        self._flag = False
+        self._waiter: anyio.Event | None = None
+
+    def set(self) -> None:
+        """Wake the waiter (from the NATS loop)."""
+        if self._threaded:
+            self._event.set()
+        else:
+            self._flag = True
+            if self._waiter is not None:
+                self._waiter.set()
+
+    def clear(self) -> None:
+        """Forget a past wake-up (the waiter then re-checks what it waits for)."""
+        self._event.clear()
+        self._flag = False
+
+    async def wait(self, timeout: float) -> None:  # noqa: ASYNC109 (a short poll bound, not an API timeout)
+        """Wait until set, at most ``timeout`` seconds."""
+        if self._threaded:
+            await anyio.to_thread.run_sync(self._event.wait, timeout, abandon_on_cancel=True)
+            return
+        if self._flag:
+            return
+        self._waiter = anyio.Event()
+        with anyio.move_on_after(timeout):
+            await self._waiter.wait()
+        self._waiter = None
+
+
+async def _cancel_all() -> None:
+    """Cancel what nats-py left running on this loop (a subscription's heartbeat checks), so it stops clean."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+

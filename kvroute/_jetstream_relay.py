@@ -1,0 +1,680 @@
+"""`JetStreamRelay`: follow engines like `KvEventClient` and republish what was applied to a JetStream stream.
+
+The log's format is `kvroute._jetstream`'s. High availability: relays for one stream share a lease
+(the meta bucket's ``leader`` key). The holder renews it (a revision-checked update) every third
+of ``lease_ttl``; a standby that sees the revision unchanged for ``lease_ttl`` takes it over with a
+revision-checked update (only one standby can win). A new holder waits until its mirror (a
+`JetStreamReplica` of the log) has read the whole log, then resumes its engines' sources from the
+positions the log holds (`KvEventClient` warm restart: identity check, replay since there), so no
+batch is lost (the engines' replay buffers cover the handover) and none is doubled (message ids,
+and the replicas' seq rule).
+
+Publishing: the relay's client hands its applied events to an `events()` iterator; each engine
+batch's events are encoded back into one msgpack payload, and each worker's consecutive batches
+taken in one turn go out as one record (a run). Records are published without waiting for each
+ack (`_Outbox`: in order, at most `_WINDOW` unacknowledged, the first failure restarts the session
+from what the log holds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any, Final
+
+import anyio
+import anyio.abc
+import msgspec
+
+from ._client import KvEventClient
+from ._discovery import DiscoveryOptions
+from ._errors import ConfigError
+from ._events import Envelope, Overflow, Partial, Removed, Reset
+from ._index import PrefixIndex
+from ._jetstream import (
+    LEASE_KEY,
+    SNAPSHOT_KEY,
+    SNAPSHOTS_KEPT,
+    _Batches,
+    _Partial,
+    _Record,
+    _Removed,
+    _Reset,
+    check_stream_name,
+    encode_record,
+    ensure_stream,
+    log,
+    meta_bucket,
+    nats_module,
+    object_store,
+    run_msg_id,
+    worker_subject,
+)
+from ._jetstream_nats import NatsLoop
+from ._jetstream_replica import JetStreamReplica
+from ._models import EventSource, WorkerKey
+from ._subscriber import SubscriberConfig
+from ._wire import EventBatch, encode_batch
+
+__all__ = ["JetStreamRelay", "RelayStats"]
+
+
+# --- the relay ----------------------------------------------------------------------------------------
+
+
+class RelayStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A `JetStreamRelay`'s counters.
+
+    ``active``: it holds the lease; ``sessions``: times it started following the engines (a
+    takeover, or a restart after a publish failure or an events overflow); ``batches`` and
+    ``records``: published (``duplicates`` of them dropped by the server's dedup window);
+    ``snapshots``: written to the object store, the newest covering ``snapshot_seq``;
+    ``resets`` / ``partials`` / ``removals``: lifecycle records published.
+    """
+
+    active: bool
+    sessions: int
+    batches: int
+    blocks: int
+    records: int
+    duplicates: int
+    snapshots: int
+    snapshot_seq: int
+    publish_failures: int
+    resets: int
+    partials: int
+    removals: int
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The first non-group exception inside ``exc`` (task groups wrap what their tasks raise)."""
+    while getattr(exc, "exceptions", None):
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    return exc
+
+
+class _Restart(Exception):
+    """The session must start over from what the log holds (publish failure, overflow)."""
+
+
+class _LeaseLost(Exception):
+    """Another relay holds the lease now."""
+
+
+class JetStreamRelay:
+    """Follows engines like `KvEventClient` and republishes what it applied to a JetStream stream.
+
+    ``sources`` / ``targets`` / ``config`` / ``discovery_*`` are `KvEventClient`'s. Run it with
+    ``async with JetStreamRelay(...) as relay:`` (or ``await relay.run()``). Several relays may run
+    for one stream: the lease decides which one publishes (see the module docs). Leaving the block
+    releases the lease, so a standby takes over at once; a relay that dies keeps it until
+    ``lease_ttl`` passes. The active relay writes a snapshot every ``snapshot_interval`` seconds
+    (when the log moved). ``max_age`` bounds the stream's retention (0: unlimited); keep it well
+    above ``snapshot_interval``.
+    """
+
+    def __init__(
+        self,
+        servers: str | Sequence[str] = "nats://127.0.0.1:4222",
+        sources: Iterable[EventSource] = (),
+        *,
+        targets: Iterable[str] = (),
+        stream: str = "KVROUTE",
+        config: SubscriberConfig | None = None,
+        discovery_interval: float = 10.0,
+        discovery_grace: float = 30.0,
+        discovery_options: DiscoveryOptions | None = None,
+        snapshot_interval: float = 10.0,
+        lease_ttl: float = 3.0,
+        storage: str = "file",
+        max_age: float = 24 * 3600.0,
+        duplicate_window: float = 120.0,
+        publish_timeout: float = 5.0,
+        connect_timeout: float = 5.0,
+        name: str | None = None,
+    ) -> None:
+        check_stream_name(stream)
+        if storage not in ("file", "memory"):
+            raise ConfigError(f"storage must be 'file' or 'memory', not {storage!r}")
+        if not snapshot_interval > 0 or not lease_ttl > 0 or not publish_timeout > 0 or max_age < 0:
+            raise ConfigError("snapshot_interval, lease_ttl and publish_timeout must be > 0, max_age >= 0")
+        nats_module()
+        self._servers = [servers] if isinstance(servers, str) else list(servers)
+        self._sources = list(sources)
+        self._targets = list(targets)
+        self.stream = stream
+        self._config = config or SubscriberConfig()
+        self._discovery = (discovery_interval, discovery_grace, discovery_options)
+        self._snapshot_interval = snapshot_interval
+        self._lease_ttl = lease_ttl
+        self._storage = storage
+        self._max_age = max_age
+        self._duplicate_window = duplicate_window
+        self._publish_timeout = publish_timeout
+        self._connect_timeout = connect_timeout
+        self.name = name or f"relay-{uuid.uuid4().hex[:8]}"
+        self._counts = {
+            "sessions": 0,
+            "batches": 0,
+            "blocks": 0,
+            "records": 0,
+            "duplicates": 0,
+            "snapshots": 0,
+            "snapshot_seq": 0,
+            "publish_failures": 0,
+            "resets": 0,
+            "partials": 0,
+            "removals": 0,
+        }
+        self.active = False
+        self._lease_rev = 0
+        self._nats: NatsLoop | None = None
+        self._mirror: JetStreamReplica | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._became_active: anyio.Event = anyio.Event()
+        #: The `KvEventClient` of the current session (None while standby).
+        self.client: KvEventClient | None = None
+
+    async def __aenter__(self) -> JetStreamRelay:
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        await tg.start(self._run)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        tg, self._tg = self._tg, None
+        assert tg is not None
+        tg.cancel_scope.cancel()
+        await tg.__aexit__(None, None, None)
+
+    async def run(self) -> None:
+        """Run until cancelled (the command line's ``kvroute relay``)."""
+        await self._run()
+
+    async def wait_active(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Return once this relay holds the lease (TimeoutError after ``timeout``)."""
+        with anyio.fail_after(timeout):
+            await self._became_active.wait()
+
+    async def wait_synced(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Return once this relay holds the lease and its sources are synced (TimeoutError after ``timeout``)."""
+        with anyio.fail_after(timeout):
+            while True:
+                await self._became_active.wait()
+                client = self.client
+                if client is not None:
+                    await client.wait_synced(timeout)
+                    return
+                await anyio.sleep(0.01)
+
+    def stats(self) -> RelayStats:
+        """A snapshot of the relay's counters."""
+        return RelayStats(active=self.active, **self._counts)
+
+    async def _run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        nl = NatsLoop(self._servers, self.name)
+        await nl.start(self._connect_timeout)
+        self._nats = nl
+        try:
+            await nl.call(ensure_stream(nl.js, self.stream, self._storage, self._max_age, self._duplicate_window))
+            self._kv = await nl.call(meta_bucket(nl.js, self.stream, create=True))
+            self._store = await nl.call(object_store(nl.js, self.stream, create=True))
+            mirror = JetStreamReplica(self._servers, stream=self.stream, name=f"{self.name}-mirror")
+            async with mirror:
+                self._mirror = mirror
+                task_status.started()
+                while True:
+                    await self._standby()
+                    try:
+                        await self._active_term()
+                    except _LeaseLost:
+                        log.warning("relay %s: lost the lease, standing by", self.name)
+        finally:
+            self.active = False
+            with anyio.CancelScope(shield=True):
+                if self._lease_rev:
+                    await self._release()
+                self._nats = None
+                await nl.close()
+
+    # --- the lease ------------------------------------------------------------------------------
+
+    def _lease_value(self) -> bytes:
+        return json.dumps({"holder": self.name, "at": time.time()}).encode()
+
+    async def _standby(self) -> None:
+        """Wait for the lease: free, expired (its revision unchanged for lease_ttl), or released."""
+        nl = self._nats
+        assert nl is not None
+        nats = nats_module()
+        seen: tuple[int, float] | None = None
+        kv = self._kv
+        while True:
+
+            async def attempt(seen_rev: int | None) -> tuple[bool, int]:
+                try:
+                    entry = await kv.get(LEASE_KEY)
+                except nats.js.errors.KeyNotFoundError:
+                    try:
+                        return True, int(await kv.create(LEASE_KEY, self._lease_value()))
+                    except nats.js.errors.APIError:
+                        return False, 0
+                rev = int(entry.revision)
+                if seen_rev is None or rev != seen_rev:
+                    return False, rev
+                try:
+                    return True, int(await kv.update(LEASE_KEY, self._lease_value(), last=rev))
+                except nats.js.errors.APIError:
+                    return False, 0
+
+            now = anyio.current_time()
+            expired = seen is not None and now - seen[1] >= self._lease_ttl
+            try:
+                won, rev = await nl.call(attempt(seen[0] if expired and seen is not None else None))
+            except Exception as exc:  # the server is away: keep asking
+                log.debug("relay %s: lease check failed: %r", self.name, exc)
+                await anyio.sleep(self._lease_ttl / 4)
+                continue
+            if won:
+                self._lease_rev = rev
+                return
+            if rev and (seen is None or seen[0] != rev):
+                seen = (rev, now)
+            await anyio.sleep(self._lease_ttl / 4)
+
+    async def _renew(self) -> None:
+        nl = self._nats
+        assert nl is not None
+        nats = nats_module()
+        kv = self._kv
+        deadline = anyio.current_time() + self._lease_ttl
+        while True:
+            await anyio.sleep(self._lease_ttl / 3)
+            try:
+                rev = await nl.call(
+                    asyncio.wait_for(
+                        kv.update(LEASE_KEY, self._lease_value(), last=self._lease_rev), self._lease_ttl / 3
+                    )
+                )
+            except nats.js.errors.APIError as exc:
+                raise _LeaseLost() from exc
+            except Exception as exc:
+                # The server is away: the lease cannot be renewed; past its ttl another relay may hold it.
+                if anyio.current_time() >= deadline:
+                    raise _LeaseLost() from exc
+                continue
+            self._lease_rev = int(rev)
+            deadline = anyio.current_time() + self._lease_ttl
+
+    async def _release(self) -> None:
+        nl, rev = self._nats, self._lease_rev
+        self._lease_rev = 0
+        if nl is None:
+            return
+        kv = self._kv
+        with contextlib.suppress(Exception), anyio.move_on_after(2.0):
+            await nl.call(kv.delete(LEASE_KEY, last=rev))
+
+    # --- the active term ---------------------------------------------------------------------------
+
+    async def _active_term(self) -> None:
+        self.active = True
+        self._became_active.set()
+        log.info("relay %s: holds the lease of %s", self.name, self.stream)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._renew)
+                tg.start_soon(self._snapshots)
+                while True:
+                    try:
+                        await self._session()
+                    except Exception as exc:
+                        why = _leaf(exc)
+                        if not isinstance(why, _Restart):
+                            raise
+                        self._counts["publish_failures"] += 1
+                        log.warning("relay %s: session restarts from the log: %s", self.name, why)
+                        await anyio.sleep(0.2)
+        except Exception as exc:
+            # Task groups wrap what their tasks raise: surface a lost lease as itself.
+            leaf = _leaf(exc)
+            if isinstance(leaf, _LeaseLost):
+                raise leaf from None
+            raise
+        finally:
+            self.active = False
+            self._became_active = anyio.Event()
+            self.client = None
+
+    async def _caught_up(self) -> int:
+        """Wait until the mirror read the whole log (nothing is published meanwhile); its last sequence."""
+        nl, mirror = self._nats, self._mirror
+        assert nl is not None and mirror is not None
+        while True:
+            try:
+                info = await nl.call(nl.js.stream_info(self.stream))
+                last = int(info.state.last_seq)
+                await mirror.wait_position(last, 10.0)
+                return last
+            except Exception as exc:
+                log.warning("relay %s: waiting for the log: %r", self.name, exc)
+                await anyio.sleep(0.5)
+
+    async def _session(self) -> None:
+        """Follow the engines from where the log stands, publishing until something forces a restart."""
+        await self._caught_up()
+        mirror = self._mirror
+        assert mirror is not None
+        cursors = mirror.cursors()
+        known = mirror.live_workers()
+        index = PrefixIndex()
+        index.restored_cursors = dict(cursors)
+        interval, grace, options = self._discovery
+        self._counts["sessions"] += 1
+        session = uuid.uuid4().hex[:12]
+        pub = _Publisher(self, session, {k: c.seq for k, c in cursors.items()})
+        async with KvEventClient(
+            self._sources,
+            targets=self._targets,
+            index=index,
+            config=self._config,
+            discovery_interval=interval,
+            discovery_grace=grace,
+            discovery_options=options,
+        ) as client:
+            self.client = client
+            stream = client.events(buffer=1_000_000)
+            # Workers the log names that no static source feeds are gone (with targets, the
+            # discovered sources are only known later: the reconciler below handles them).
+            static = {s.key for s in self._sources}
+            if not self._targets:
+                for key in sorted(known - static):
+                    pub.removed(key, "gone from discovery")
+            async with anyio.create_task_group() as tg:
+                if self._targets:
+                    tg.start_soon(self._reconcile, client, pub, known)
+                await pub.pump(stream)
+
+    async def _reconcile(self, client: KvEventClient, pub: _Publisher, known: set[WorkerKey]) -> None:
+        """Once discovery answered: the log's workers no target feeds are removed from the log."""
+        while True:
+            try:
+                await client.wait_synced(self._discovery[0])
+                break
+            except TimeoutError:
+                continue
+        for key in sorted(known - client.live_workers()):
+            pub.removed(key, "gone from discovery")
+        pub.kick()
+
+    async def _snapshots(self) -> None:
+        nl, mirror = self._nats, self._mirror
+        assert nl is not None and mirror is not None
+        written = -1
+        while True:
+            await anyio.sleep(self._snapshot_interval)
+            if mirror.position == written:
+                continue
+            await self.write_snapshot()
+            written = self._counts["snapshot_seq"]
+
+    async def write_snapshot(self) -> int:
+        """Write the mirror's index to the object store now; the stream sequence it covers."""
+        nl, mirror = self._nats, self._mirror
+        assert nl is not None and mirror is not None
+        data, info = mirror.snapshot_bytes()
+        nats = nats_module()
+        name = f"index-{info.stream_seq}"
+        meta = nats.js.api.ObjectMeta(name=name, description=msgspec.json.encode(info).decode())
+        store, kv = self._store, self._kv
+
+        async def put() -> None:
+            await store.put(name, data, meta=meta)
+            await kv.put(SNAPSHOT_KEY, name.encode())
+            # Older objects go once newer ones exist (a reader holds at most one of them, briefly).
+            old = sorted(
+                (o.name for o in await store.list() if o.name.startswith("index-") and not o.deleted),
+                key=lambda n: int(n.split("-", 1)[1]),
+            )
+            for stale in old[:-SNAPSHOTS_KEPT]:
+                await store.delete(stale)
+
+        try:
+            await nl.call(put())
+        except Exception as exc:
+            log.warning("relay %s: snapshot not written: %r", self.name, exc)
+            return self._counts["snapshot_seq"]
+        self._counts["snapshots"] += 1
+        self._counts["snapshot_seq"] = info.stream_seq
+        log.info("relay %s: snapshot at %d (%d bytes)", self.name, info.stream_seq, len(data))
+        return info.stream_seq
+
+
+#: A run's payload bytes at most: it is then published and the next batch starts another (NATS's
+#: default max_payload is 1 MB).
+_RUN_BYTES: Final = 256 * 1024
+
+
+class _Run:
+    """One worker's batches taken in one turn, not yet published: one `_Batches` record."""
+
+    __slots__ = ("items", "payloads", "prev", "size")
+
+    def __init__(self, prev: int | None) -> None:
+        self.prev = prev
+        self.items: list[tuple[int, float, int]] = []
+        self.payloads: list[bytes] = []
+        self.size = 0
+
+
+class _Publisher:
+    """One session's ordered publishing: envelopes → log records (runs of batches, lifecycle facts), in order."""
+
+    def __init__(self, relay: JetStreamRelay, session: str, prev: dict[WorkerKey, int]) -> None:
+        self.relay = relay
+        self.session = session
+        self.prev: dict[WorkerKey, int | None] = dict(prev)
+        self.out: list[tuple[str, bytes, str]] = []
+        self._serial = 0
+        self._group: list[Envelope] = []
+        self._runs: dict[WorkerKey, _Run] = {}
+        self._kicked = False
+
+    def kick(self) -> None:
+        """Records were queued from outside the pump: flush them with the next round."""
+        self._kicked = True
+
+    def _lifecycle(self, key: WorkerKey, rec: _Record) -> None:
+        self._close_run(key)  # the worker's batches before the fact go first
+        self._serial += 1
+        msg_id = f"{key.worker_id}/{key.dp_rank}:{rec.__struct_config__.tag}:{self.session}:{self._serial}"
+        self.out.append((worker_subject(self.relay.stream, key), encode_record(rec), msg_id))
+        self.relay._counts["records"] += 1
+
+    def removed(self, key: WorkerKey, reason: str) -> None:
+        """Publish that ``key`` is gone (its state removed from every replica)."""
+        self.prev.pop(key, None)
+        self.relay._counts["removals"] += 1
+        self._lifecycle(key, _Removed(key.worker_id, key.dp_rank, reason))
+
+    def _close_run(self, key: WorkerKey) -> None:
+        run = self._runs.pop(key, None)
+        if run is None:
+            return
+        rec = _Batches(key.worker_id, key.dp_rank, run.prev, run.items)
+        self.out.append(
+            (worker_subject(self.relay.stream, key), encode_record(rec, run.payloads), run_msg_id(key, run.items))
+        )
+        self.relay._counts["records"] += 1
+
+    def close_runs(self) -> None:
+        """Every pending run becomes a record (the end of a turn)."""
+        for key in list(self._runs):
+            self._close_run(key)
+
+    def _flush_group(self) -> None:
+        group = self._group
+        if not group:
+            return
+        self._group = []
+        first = group[0]
+        key = first.source.key
+        seq = first.seq
+        assert seq is not None
+        events = [env.event for env in group]
+        payload = encode_batch(EventBatch(ts=first.ts, events=events))  # type: ignore[arg-type]
+        run = self._runs.get(key)
+        if run is None:
+            run = self._runs[key] = _Run(self.prev.get(key))
+        self.prev[key] = seq
+        run.items.append((seq, first.ts, len(payload)))
+        run.payloads.append(payload)
+        run.size += len(payload)
+        if run.size >= _RUN_BYTES:
+            self._close_run(key)
+        counts = self.relay._counts
+        counts["batches"] += 1
+        counts["blocks"] += sum(len(getattr(ev, "block_hashes", ())) for ev in events)
+
+    def take(self, env: Envelope) -> None:
+        """Turn one envelope into records (a batch is closed by the next envelope of another batch)."""
+        ev = env.event
+        if env.seq is not None:
+            group = self._group
+            if group and (group[0].source.key != env.source.key or group[0].seq != env.seq):
+                self._flush_group()
+            self._group.append(env)
+            return
+        self._flush_group()
+        key = env.source.key
+        if isinstance(ev, Overflow):
+            raise _Restart(f"events buffer overflowed ({ev.dropped} dropped)")
+        if isinstance(ev, Reset):
+            self.prev[key] = None
+            self.relay._counts["resets"] += 1
+            self._lifecycle(key, _Reset(key.worker_id, key.dp_rank, ev.reason, ev.detail))
+        elif isinstance(ev, Partial):
+            self.relay._counts["partials"] += 1
+            self._lifecycle(key, _Partial(key.worker_id, key.dp_rank, ev.reason, ev.first_seq))
+        elif isinstance(ev, Removed):
+            self.removed(key, ev.reason)
+
+    async def pump(self, stream: Any) -> None:
+        """Read envelopes, publish them in order; raises `_Restart` when the log may have missed one."""
+        relay = self.relay
+        nl = relay._nats
+        assert nl is not None
+        outbox = _Outbox(nl, relay._publish_timeout)
+        duplicates_before = relay._counts["duplicates"]
+        try:
+            while True:
+                if self._group or self._runs or self.out or self._kicked:
+                    # Take what is buffered without waiting (a batch ends where the buffer does).
+                    taken = 0
+                    while stream.pending and taken < _TURN:
+                        self.take(await stream.__anext__())
+                        taken += 1
+                else:
+                    with anyio.move_on_after(0.5):
+                        self.take(await stream.__anext__())
+                    continue
+                self._flush_group()
+                self.close_runs()
+                self._kicked = False
+                if outbox.failed is not None:
+                    raise _Restart(f"publish failed: {outbox.failed!r}")
+                if self.out:
+                    out, self.out = self.out, []
+                    outbox.post(out)
+                # Back-pressure: at most `_WINDOW` records await their acks.
+                while outbox.unacked > _WINDOW and outbox.failed is None:  # noqa: ASYNC110 (a thread's counter)
+                    await anyio.sleep(0.001)
+                relay._counts["duplicates"] = duplicates_before + outbox.duplicates
+        finally:
+            # Whatever is still in flight lands (or fails) before the next session reads the log.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(relay._publish_timeout + 1):
+                await nl.call(outbox.drain())
+
+
+#: Records published but not yet acknowledged, at most (the relay's publish pipeline depth; a
+#: record is one batch when the relay keeps up, a run of up to `_RUN_BYTES` when it does not).
+_WINDOW: Final = 4_000
+#: Envelopes taken from the events buffer in one turn, at most, before what they make is published.
+_TURN: Final = 50_000
+
+
+class _Outbox:
+    """The relay's publisher on the NATS loop: records posted without waiting, published in order, acks checked.
+
+    ``failed`` is set by the first record not acknowledged within ``timeout`` (or refused): the
+    session must then start over from what the log holds.
+    """
+
+    def __init__(self, nl: NatsLoop, timeout: float) -> None:
+        self.nl = nl
+        self.timeout = timeout
+        self.posted = 0
+        self.acked = 0
+        self.duplicates = 0
+        self.failed: BaseException | None = None
+        self._tail_sent: asyncio.Event | None = None
+        self._acks: set[asyncio.Task[None]] = set()
+
+    @property
+    def unacked(self) -> int:
+        """Records posted and not yet acknowledged."""
+        return self.posted - self.acked
+
+    def post(self, msgs: list[tuple[str, bytes, str]]) -> None:
+        """Queue ``msgs`` for publishing after everything posted before (returns at once; any thread)."""
+        self.posted += len(msgs)
+        self.nl.post(self._start, msgs)
+
+    def _start(self, msgs: list[tuple[str, bytes, str]]) -> None:
+        # Chained: a job hands its records to the connection only after the previous job did.
+        prev, sent = self._tail_sent, asyncio.Event()
+        self._tail_sent = sent
+        task = asyncio.get_running_loop().create_task(self._publish(prev, sent, msgs))
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
+
+    async def _publish(
+        self, prev: asyncio.Event | None, sent: asyncio.Event, msgs: list[tuple[str, bytes, str]]
+    ) -> None:
+        js = self.nl.js
+        futures = []
+        try:
+            if prev is not None:
+                await prev.wait()
+            for subject, data, msg_id in msgs:
+                if self.failed is not None:
+                    return  # the session restarts: publish nothing after a failure
+                futures.append(
+                    await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id}, wait_stall=self.timeout)
+                )
+            sent.set()
+            acks = await asyncio.wait_for(asyncio.gather(*futures), self.timeout)
+        except Exception as exc:
+            for f in futures:
+                f.cancel()
+            if self.failed is None:
+                self.failed = exc
+            return
+        finally:
+            sent.set()
+        self.duplicates += sum(1 for a in acks if a.duplicate)
+        self.acked += len(msgs)
+
+    async def drain(self) -> None:
+        """Wait for every posted job to be acknowledged or failed."""
+        while self._acks:
+            await asyncio.gather(*list(self._acks), return_exceptions=True)
