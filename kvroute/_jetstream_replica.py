@@ -33,10 +33,10 @@ from ._jetstream import (
     _Reset,
     check_stream_name,
     decode_record,
+    fetch_object,
     log,
     meta_bucket,
     nats_module,
-    object_store,
     subject_prefix,
 )
 from ._jetstream_nats import NatsLoop, Signal
@@ -275,15 +275,13 @@ class JetStreamReplica:
         async def fetch() -> tuple[bytes, str] | None:
             nats = nats_module()
             meta = await meta_bucket(nl.js, self.stream, create=False)
-            store = await object_store(nl.js, self.stream, create=False)
-            if meta is None or store is None:
+            if meta is None:
                 return None
             try:
                 name = (await meta.get(SNAPSHOT_KEY)).value.decode()
-                res = await store.get(name)
-            except (nats.js.errors.KeyNotFoundError, nats.js.errors.ObjectNotFoundError):
+            except nats.js.errors.KeyNotFoundError:
                 return None
-            return bytes(res.data), res.info.description or ""
+            return await fetch_object(nl.js, self.stream, name)
 
         try:
             # Bounded: an object deleted while it is read (three snapshots later) would never complete.
