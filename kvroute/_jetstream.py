@@ -18,7 +18,9 @@ Each record is a 4-byte big-endian header length, a msgpack header, then (batche
   N from the old one's, so a relay that publishes the same run again (an unanswered ack) is dropped
   by the server's duplicate window; a run cut differently (a relay restart, a second relay) is
   caught by the replica, which skips every batch at or below the worker's last seq.
-- ``reset`` / ``partial`` / ``removed``: what the relay's client did to the worker (header only).
+- ``reset`` / ``partial`` / ``removed``: what the relay's client did to the worker (header only);
+  ``present``: the client follows a worker the log has not named yet (synced with no batch: an idle
+  engine), so replicas route to it as a client following the engines would.
 
 Replica rules (docs/recovery.md, applied to the log): a batch whose ``prev`` is not the worker's
 last applied seq is an uncovered gap (a record the log lost): the worker is reset and marked
@@ -115,8 +117,15 @@ class _Removed(msgspec.Struct, array_like=True, tag="removed"):
     reason: str
 
 
+class _Present(msgspec.Struct, array_like=True, tag="present"):
+    """The relay's client follows this worker (synced), before any batch of it: a router may route to it."""
 
-_Record = _Batches | _Reset | _Partial | _Removed
+    worker_id: str
+    dp_rank: int
+
+
+
+_Record = _Batches | _Reset | _Partial | _Removed | _Present
 _decode_header = msgspec.msgpack.Decoder(_Record).decode
 _encode_header = msgspec.msgpack.Encoder().encode
 #: A record's header length prefix (4 bytes, big-endian).

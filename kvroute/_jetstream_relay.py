@@ -34,7 +34,7 @@ import msgspec
 from ._client import KvEventClient
 from ._discovery import DiscoveryOptions
 from ._errors import ConfigError
-from ._events import Envelope, Overflow, Partial, Removed, Reset
+from ._events import Envelope, Overflow, Partial, Removed, Reset, Synced
 from ._index import PrefixIndex
 from ._jetstream import (
     LEASE_KEY,
@@ -42,6 +42,7 @@ from ._jetstream import (
     SNAPSHOTS_KEPT,
     _Batches,
     _Partial,
+    _Present,
     _Record,
     _Removed,
     _Reset,
@@ -381,7 +382,7 @@ class JetStreamRelay:
         interval, grace, options = self._discovery
         self._counts["sessions"] += 1
         session = uuid.uuid4().hex[:12]
-        pub = _Publisher(self, session, {k: c.seq for k, c in cursors.items()})
+        pub = _Publisher(self, session, {k: c.seq for k, c in cursors.items()}, known)
         async with KvEventClient(
             self._sources,
             targets=self._targets,
@@ -479,10 +480,14 @@ class _Run:
 class _Publisher:
     """One session's ordered publishing: envelopes → log records (runs of batches, lifecycle facts), in order."""
 
-    def __init__(self, relay: JetStreamRelay, session: str, prev: dict[WorkerKey, int]) -> None:
+    def __init__(
+        self, relay: JetStreamRelay, session: str, prev: dict[WorkerKey, int], named: set[WorkerKey]
+    ) -> None:
         self.relay = relay
         self.session = session
         self.prev: dict[WorkerKey, int | None] = dict(prev)
+        #: The workers the log names (a `_Present` is published for a synced one it does not).
+        self.named = set(named)
         self.out: list[tuple[str, bytes, str]] = []
         self._serial = 0
         self._group: list[Envelope] = []
@@ -503,6 +508,7 @@ class _Publisher:
     def removed(self, key: WorkerKey, reason: str) -> None:
         """Publish that ``key`` is gone (its state removed from every replica)."""
         self.prev.pop(key, None)
+        self.named.discard(key)
         self.relay._counts["removals"] += 1
         self._lifecycle(key, _Removed(key.worker_id, key.dp_rank, reason))
 
@@ -535,6 +541,7 @@ class _Publisher:
         run = self._runs.get(key)
         if run is None:
             run = self._runs[key] = _Run(self.prev.get(key))
+            self.named.add(key)
         self.prev[key] = seq
         run.items.append((seq, first.ts, len(payload)))
         run.payloads.append(payload)
@@ -567,6 +574,9 @@ class _Publisher:
             self._lifecycle(key, _Partial(key.worker_id, key.dp_rank, ev.reason, ev.first_seq))
         elif isinstance(ev, Removed):
             self.removed(key, ev.reason)
+        elif isinstance(ev, Synced) and key not in self.named:
+            self.named.add(key)
+            self._lifecycle(key, _Present(key.worker_id, key.dp_rank))
 
     async def pump(self, stream: Any) -> None:
         """Read envelopes, publish them in order; raises `_Restart` when the log may have missed one."""

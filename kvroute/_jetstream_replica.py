@@ -30,6 +30,7 @@ from ._jetstream import (
     SnapshotInfo,
     _Batches,
     _Partial,
+    _Present,
     _Reset,
     check_stream_name,
     decode_record,
@@ -373,6 +374,8 @@ class JetStreamReplica:
             self._workers[key] = _WorkerState()
         elif isinstance(rec, _Partial):
             self._workers.setdefault(key, _WorkerState()).partial = True
+        elif isinstance(rec, _Present):
+            self._workers.setdefault(key, _WorkerState())
         else:
             self.index.remove_worker(key)
             self._workers.pop(key, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import anyio
@@ -12,6 +13,7 @@ from kvroute import KvRouteError
 
 from . import _demo_run
 from ._demo_plot import plot
+from ._demo_replica import ReplicaPolicy, nats_server
 from ._demo_report import render
 from ._demo_run import POLICIES, DemoOptions, run_demo
 from ._display import EXIT_FAILED, EXIT_OK, EXIT_USAGE, error
@@ -79,6 +81,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         " load (the fleet then serves gateway streams); default 1",
     )
     p.add_argument(
+        "--jetstream",
+        action="store_true",
+        help="with --replicas N: one relay follows the engines and the N replicas follow its NATS JetStream log"
+        " (starts a nats-server; docs/replicas.md)",
+    )
+    p.add_argument(
         "--overlap-weight",
         type=float,
         default=1.0,
@@ -114,8 +122,14 @@ def _main(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         return error("demo", exc, EXIT_USAGE)
+    if args.jetstream and args.replicas < 2:
+        return error("demo", "--jetstream needs --replicas N (N >= 2)", EXIT_USAGE)
     try:
-        result = anyio.run(lambda: run_demo(options, progress=not args.json))
+        with contextlib.ExitStack() as stack:
+            if args.jetstream:
+                ReplicaPolicy.nats = stack.enter_context(nats_server())
+                stack.callback(setattr, ReplicaPolicy, "nats", None)
+            result = anyio.run(lambda: run_demo(options, progress=not args.json))
     except (TraceError, KvRouteError, OSError, TimeoutError) as exc:
         return error("demo", exc, EXIT_FAILED)
     if args.json:

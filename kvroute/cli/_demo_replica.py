@@ -8,6 +8,10 @@ in front of router replicas does. With ``engine`` load each Router prices the en
 it routed itself, 1/N of the fleet's. At the end every replica reports a digest of its index (what it
 claims for each of the workload's prompts, and its block count per worker): at quiescence they agree.
 
+With ``kvroute demo --jetstream`` (`ReplicaPolicy.nats` set), the policy runs one `JetStreamRelay` following
+every engine instead, and each replica process is a `JetStreamReplica` of its stream (it never talks to the
+engines); the log carries no engine load, so both load modes then price the replica's own requests.
+
 The replica speaks JSON lines on stdin / stdout: ``{"op": "route", "id", "tokens"}`` -> ``{"id",
 "worker", "rank"}``; ``{"op": "prefill" | "finish", "id"}`` (no answer); ``{"op": "digest", "prompts"}``
 -> ``{"digest", "blocks"}``. It prints ``{"ready": true}`` once every source is synced, and exits when
@@ -18,10 +22,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
+import socket
 import subprocess
 import sys
-from collections.abc import Hashable, Sequence
-from typing import Any
+import tempfile
+import time
+import uuid
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any, ClassVar
 
 import anyio
 import anyio.abc
@@ -32,6 +41,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from kvroute import (
     CostModel,
     EngineLoads,
+    JetStreamRelay,
+    JetStreamReplica,
     KvEventClient,
     KvRouteError,
     LoadPolicy,
@@ -41,7 +52,7 @@ from kvroute import (
     WorkerKey,
 )
 
-__all__ = ["LOAD_MODES", "ReplicaPolicy", "index_digest"]
+__all__ = ["LOAD_MODES", "ReplicaPolicy", "index_digest", "nats_server"]
 
 #: How replicas learn load: their own in-flight requests only, or the engines' reports blended in.
 LOAD_MODES = ("router", "engine")
@@ -73,7 +84,9 @@ class _Route(msgspec.Struct, kw_only=True):
     prompts: list[list[int]] = msgspec.field(default_factory=list)
 
 
-async def _serve(targets: list[str], load: str, block_size: int, overlap_weight: float, seed: int) -> None:
+async def _serve(
+    targets: list[str], load: str, block_size: int, overlap_weight: float, seed: int, nats: str | None, stream: str
+) -> None:
     config = SubscriberConfig(quiet_interval=0.5, events_buffer=100_000)
     out = sys.stdout.buffer
     encoder = msgspec.json.Encoder()
@@ -83,9 +96,15 @@ async def _serve(targets: list[str], load: str, block_size: int, overlap_weight:
         out.write(encoder.encode(obj) + b"\n")
         out.flush()
 
-    async with KvEventClient(targets=targets, config=config) as client:
+    follower: KvEventClient | JetStreamReplica = (
+        JetStreamReplica(nats, stream=stream) if nats is not None else KvEventClient(targets=targets, config=config)
+    )
+    async with follower as client:
         await client.wait_synced(30)
-        loads = client.engine_loads if load == "engine" else EngineLoads(LoadPolicy(mode="router"))
+        if load == "engine" and isinstance(client, KvEventClient):
+            loads = client.engine_loads
+        else:
+            loads = EngineLoads(LoadPolicy(mode="router"))
         router = Router(
             client.index,
             states=client,
@@ -162,8 +181,13 @@ class ReplicaPolicy:
     """The demo's policy for ``--replicas``: each request routed by the next replica process in turn.
 
     Use as ``async with ReplicaPolicy(...) as policy``: the processes start (and have synced every
-    source) on entry and stop on exit. ``digests`` asks each replica for its `index_digest`.
+    source) on entry and stop on exit. ``digests`` asks each replica for its `index_digest`. With
+    `nats` set, a `JetStreamRelay` (in this process) follows the engines and the replicas its stream.
     """
+
+    #: A NATS server with JetStream (``kvroute demo --jetstream`` starts one and sets this; the demo's
+    #: options, `kvroute.cli._demo_run.DemoOptions`, do not carry it).
+    nats: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -191,6 +215,7 @@ class ReplicaPolicy:
             str(seed),
             *targets,
         ]
+        self._targets = list(targets)
         self._count = replicas
         self._replicas: list[_Replica] = []
         self._next = 0
@@ -198,11 +223,27 @@ class ReplicaPolicy:
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> ReplicaPolicy:
+        argv = self._argv
         try:
             tg = await self._stack.enter_async_context(anyio.create_task_group())
             self._stack.callback(tg.cancel_scope.cancel)
+            if self.nats is not None:
+                # One relay for this fleet (a stream of its own: every policy run starts new engines).
+                stream = f"DEMO{uuid.uuid4().hex[:8].upper()}"
+                relay = await self._stack.enter_async_context(
+                    JetStreamRelay(
+                        self.nats,
+                        targets=self._targets,
+                        stream=stream,
+                        config=SubscriberConfig(quiet_interval=0.5, events_buffer=100_000),
+                        snapshot_interval=1.0,
+                        storage="memory",
+                    )
+                )
+                await relay.wait_synced(30)
+                argv = [*argv, "--nats", self.nats, "--stream", stream]
             for _ in range(self._count):
-                process = await anyio.open_process(self._argv, stderr=subprocess.DEVNULL)
+                process = await anyio.open_process(argv, stderr=None)
                 self._stack.push_async_callback(self._stop, process)
                 replica = _Replica(process)
                 line = await replica.reader.receive_until(b"\n", _MAX_LINE)
@@ -271,9 +312,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--overlap-weight", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nats", default=None, help="follow this NATS server's JetStream log instead of the engines")
+    p.add_argument("--stream", default="KVROUTE")
     args = p.parse_args(argv)
-    anyio.run(_serve, args.targets, args.load, args.block_size, args.overlap_weight, args.seed)
+    anyio.run(
+        _serve, args.targets, args.load, args.block_size, args.overlap_weight, args.seed, args.nats, args.stream
+    )
     return 0
+
+
+@contextlib.contextmanager
+def nats_server() -> Iterator[str]:
+    """A ``nats-server -js`` on a free loopback port with a temporary store, for the demo; its URL.
+
+    Raises `KvRouteError` when ``nats-server`` is not on PATH or does not start.
+    """
+    binary = shutil.which("nats-server")
+    if binary is None:
+        raise KvRouteError("--jetstream needs nats-server on PATH (apt-get install nats-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with tempfile.TemporaryDirectory(prefix="kvroute-demo-js-") as store:
+        proc = subprocess.Popen(
+            [binary, "-js", "-sd", store, "-a", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise KvRouteError("nats-server did not start")
+                time.sleep(0.02)
+            yield f"nats://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 if __name__ == "__main__":
