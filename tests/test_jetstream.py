@@ -8,6 +8,7 @@ Each test starts its own server on a free loopback port with a temporary storage
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import shutil
 import socket
@@ -26,7 +27,7 @@ from _publisher_helpers import FAST, Workload, wait_for
 from anyio.streams.text import TextReceiveStream
 
 from kvroute import JetStreamRelay, JetStreamReplica, KvEventClient, PrefixIndex, WorkerKey
-from kvroute._jetstream import _Batches, _Partial, _Removed, _Reset, decode_record, encode_record
+from kvroute._jetstream import _Batches, _Partial, _Present, _Removed, _Reset, decode_record, encode_record
 from kvroute._snapshot import read_snapshot
 from kvroute._wire import BlockStored, EventBatch, encode_batch
 from kvroute.sim import EventPublisher, SimConfig, SimEngine
@@ -244,6 +245,10 @@ def test_runs_of_batches_overlap_and_bad_payloads() -> None:
     assert r.stats().undecodable == 2 and r.index.num_blocks(w) == 1
     rec, at = decode_record(good)
     assert isinstance(rec, _Batches) and at + rec.items[0][2] == len(good)
+    # A worker the relay follows before any batch of it (an idle engine) is live, with nothing held.
+    idle = WorkerKey("idle", 1)
+    r.apply_record(5, encode_record(_Present("idle", 1)))
+    assert idle in r.live_workers() and r.index.num_blocks(idle) == 0 and idle not in r.partial_workers()
 
 
 # --- end to end ---------------------------------------------------------------------------------------
@@ -454,3 +459,22 @@ def test_relay_command_exit_codes() -> None:
     assert main(["relay", "127.0.0.1:1", "--lease-ttl", "0"]) == 2
     # No NATS server there: the first connect is bounded and reported, not retried forever.
     assert main(["relay", "127.0.0.1:1", "--nats", f"nats://127.0.0.1:{_free_port()}", "--duration", "1"]) == 1
+
+
+def test_demo_replicas_follow_one_relay_over_jetstream(capsys: pytest.CaptureFixture[str]) -> None:
+    if NATS is None:
+        pytest.skip("nats-server is not installed (apt-get install nats-server)")
+    from kvroute.cli import main
+
+    args = ["demo", "--json", "--engines", "2", "--requests", "40", "--replicas", "2", "--jetstream"]
+    code = main([*args, "--policies", "kvroute"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    result = json.loads(out.splitlines()[-1])
+    assert list(result) == ["kvroute_x2_router_load", "kvroute_x2_engine_load"]
+    for r in result.values():
+        assert r["completed"] == 40 and r["failed"] == 0
+        # Two replicas of the relay's log and the demo's own client following the engines: one digest.
+        assert len(r["index_digests"]) == 3 and len(set(r["index_digests"])) == 1, r["index_digests"]
+        assert r["index_blocks"] == r["engine_blocks"] > 0
+    assert main(["demo", "--jetstream", "--replicas", "1"]) == 2

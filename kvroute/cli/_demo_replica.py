@@ -243,7 +243,7 @@ class ReplicaPolicy:
                 await relay.wait_synced(30)
                 argv = [*argv, "--nats", self.nats, "--stream", stream]
             for _ in range(self._count):
-                process = await anyio.open_process(argv, stderr=None)
+                process = await anyio.open_process(argv, stderr=subprocess.DEVNULL)
                 self._stack.push_async_callback(self._stop, process)
                 replica = _Replica(process)
                 line = await replica.reader.receive_until(b"\n", _MAX_LINE)
