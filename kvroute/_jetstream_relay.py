@@ -9,11 +9,7 @@ positions the log holds (`KvEventClient` warm restart: identity check, replay si
 batch is lost (the engines' replay buffers cover the handover) and none is doubled (message ids,
 and the replicas' seq rule).
 
-Publishing: the relay's client hands its applied events to an `events()` iterator; each engine
-batch's events are encoded back into one msgpack payload, and each worker's consecutive batches
-taken in one turn go out as one record (a run). Records are published without waiting for each
-ack (`_Outbox`: in order, at most `_WINDOW` unacknowledged, the first failure restarts the session
-from what the log holds).
+Publishing (the relay client's `events()` → records, async acks) is `kvroute._jetstream_publish`.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, Final
 
 import anyio
 import anyio.abc
@@ -34,33 +29,23 @@ import msgspec
 from ._client import KvEventClient
 from ._discovery import DiscoveryOptions
 from ._errors import ConfigError
-from ._events import Envelope, Overflow, Partial, Removed, Reset, Synced
 from ._index import PrefixIndex
 from ._jetstream import (
     LEASE_KEY,
     SNAPSHOT_KEY,
     SNAPSHOTS_KEPT,
-    _Batches,
-    _Partial,
-    _Present,
-    _Record,
-    _Removed,
-    _Reset,
     check_stream_name,
-    encode_record,
     ensure_stream,
     log,
     meta_bucket,
     nats_module,
     object_store,
-    run_msg_id,
-    worker_subject,
 )
 from ._jetstream_nats import NatsLoop
+from ._jetstream_publish import _Publisher, _Restart
 from ._jetstream_replica import JetStreamReplica
 from ._models import EventSource, WorkerKey
 from ._subscriber import SubscriberConfig
-from ._wire import EventBatch, encode_batch
 
 __all__ = ["JetStreamRelay", "RelayStats"]
 
@@ -72,8 +57,9 @@ class RelayStats(msgspec.Struct, frozen=True, kw_only=True):
     """A `JetStreamRelay`'s counters.
 
     ``active``: it holds the lease; ``sessions``: times it started following the engines (a
-    takeover, or a restart after a publish failure or an events overflow); ``batches`` and
-    ``records``: published (``duplicates`` of them dropped by the server's dedup window);
+    takeover, or a restart after a publish failure or an events overflow); ``batches`` (storing
+    ``blocks``) and ``records`` (a run of batches or a lifecycle fact each): published
+    (``duplicates`` of the records dropped by the server's dedup window);
     ``snapshots``: written to the object store, the newest covering ``snapshot_seq``;
     ``resets`` / ``partials`` / ``removals``: lifecycle records published.
     """
@@ -97,10 +83,6 @@ def _leaf(exc: BaseException) -> BaseException:
     while getattr(exc, "exceptions", None):
         exc = exc.exceptions[0]  # type: ignore[attr-defined]
     return exc
-
-
-class _Restart(Exception):
-    """The session must start over from what the log holds (publish failure, overflow)."""
 
 
 class _LeaseLost(Exception):
@@ -373,8 +355,8 @@ class JetStreamRelay:
     async def _session(self) -> None:
         """Follow the engines from where the log stands, publishing until something forces a restart."""
         await self._caught_up()
-        mirror = self._mirror
-        assert mirror is not None
+        nl, mirror = self._nats, self._mirror
+        assert nl is not None and mirror is not None
         cursors = mirror.cursors()
         known = mirror.live_workers()
         index = PrefixIndex()
@@ -382,7 +364,15 @@ class JetStreamRelay:
         interval, grace, options = self._discovery
         self._counts["sessions"] += 1
         session = uuid.uuid4().hex[:12]
-        pub = _Publisher(self, session, {k: c.seq for k, c in cursors.items()}, known)
+        pub = _Publisher(
+            nl,
+            self.stream,
+            self._counts,
+            session,
+            {k: c.seq for k, c in cursors.items()},
+            known,
+            publish_timeout=self._publish_timeout,
+        )
         async with KvEventClient(
             self._sources,
             targets=self._targets,
@@ -458,233 +448,3 @@ class JetStreamRelay:
         self._counts["snapshot_seq"] = info.stream_seq
         log.info("relay %s: snapshot at %d (%d bytes)", self.name, info.stream_seq, len(data))
         return info.stream_seq
-
-
-#: A run's payload bytes at most: it is then published and the next batch starts another (NATS's
-#: default max_payload is 1 MB).
-_RUN_BYTES: Final = 256 * 1024
-
-
-class _Run:
-    """One worker's batches taken in one turn, not yet published: one `_Batches` record."""
-
-    __slots__ = ("items", "payloads", "prev", "size")
-
-    def __init__(self, prev: int | None) -> None:
-        self.prev = prev
-        self.items: list[tuple[int, float, int]] = []
-        self.payloads: list[bytes] = []
-        self.size = 0
-
-
-class _Publisher:
-    """One session's ordered publishing: envelopes → log records (runs of batches, lifecycle facts), in order."""
-
-    def __init__(
-        self, relay: JetStreamRelay, session: str, prev: dict[WorkerKey, int], named: set[WorkerKey]
-    ) -> None:
-        self.relay = relay
-        self.session = session
-        self.prev: dict[WorkerKey, int | None] = dict(prev)
-        #: The workers the log names (a `_Present` is published for a synced one it does not).
-        self.named = set(named)
-        self.out: list[tuple[str, bytes, str]] = []
-        self._serial = 0
-        self._group: list[Envelope] = []
-        self._runs: dict[WorkerKey, _Run] = {}
-        self._kicked = False
-
-    def kick(self) -> None:
-        """Records were queued from outside the pump: flush them with the next round."""
-        self._kicked = True
-
-    def _lifecycle(self, key: WorkerKey, rec: _Record) -> None:
-        self._close_run(key)  # the worker's batches before the fact go first
-        self._serial += 1
-        msg_id = f"{key.worker_id}/{key.dp_rank}:{rec.__struct_config__.tag}:{self.session}:{self._serial}"
-        self.out.append((worker_subject(self.relay.stream, key), encode_record(rec), msg_id))
-        self.relay._counts["records"] += 1
-
-    def removed(self, key: WorkerKey, reason: str) -> None:
-        """Publish that ``key`` is gone (its state removed from every replica)."""
-        self.prev.pop(key, None)
-        self.named.discard(key)
-        self.relay._counts["removals"] += 1
-        self._lifecycle(key, _Removed(key.worker_id, key.dp_rank, reason))
-
-    def _close_run(self, key: WorkerKey) -> None:
-        run = self._runs.pop(key, None)
-        if run is None:
-            return
-        rec = _Batches(key.worker_id, key.dp_rank, run.prev, run.items)
-        self.out.append(
-            (worker_subject(self.relay.stream, key), encode_record(rec, run.payloads), run_msg_id(key, run.items))
-        )
-        self.relay._counts["records"] += 1
-
-    def close_runs(self) -> None:
-        """Every pending run becomes a record (the end of a turn)."""
-        for key in list(self._runs):
-            self._close_run(key)
-
-    def _flush_group(self) -> None:
-        group = self._group
-        if not group:
-            return
-        self._group = []
-        first = group[0]
-        key = first.source.key
-        seq = first.seq
-        assert seq is not None
-        events = [env.event for env in group]
-        payload = encode_batch(EventBatch(ts=first.ts, events=events))  # type: ignore[arg-type]
-        run = self._runs.get(key)
-        if run is None:
-            run = self._runs[key] = _Run(self.prev.get(key))
-            self.named.add(key)
-        self.prev[key] = seq
-        run.items.append((seq, first.ts, len(payload)))
-        run.payloads.append(payload)
-        run.size += len(payload)
-        if run.size >= _RUN_BYTES:
-            self._close_run(key)
-        counts = self.relay._counts
-        counts["batches"] += 1
-        counts["blocks"] += sum(len(getattr(ev, "block_hashes", ())) for ev in events)
-
-    def take(self, env: Envelope) -> None:
-        """Turn one envelope into records (a batch is closed by the next envelope of another batch)."""
-        ev = env.event
-        if env.seq is not None:
-            group = self._group
-            if group and (group[0].source.key != env.source.key or group[0].seq != env.seq):
-                self._flush_group()
-            self._group.append(env)
-            return
-        self._flush_group()
-        key = env.source.key
-        if isinstance(ev, Overflow):
-            raise _Restart(f"events buffer overflowed ({ev.dropped} dropped)")
-        if isinstance(ev, Reset):
-            self.prev[key] = None
-            self.relay._counts["resets"] += 1
-            self._lifecycle(key, _Reset(key.worker_id, key.dp_rank, ev.reason, ev.detail))
-        elif isinstance(ev, Partial):
-            self.relay._counts["partials"] += 1
-            self._lifecycle(key, _Partial(key.worker_id, key.dp_rank, ev.reason, ev.first_seq))
-        elif isinstance(ev, Removed):
-            self.removed(key, ev.reason)
-        elif isinstance(ev, Synced) and key not in self.named:
-            self.named.add(key)
-            self._lifecycle(key, _Present(key.worker_id, key.dp_rank))
-
-    async def pump(self, stream: Any) -> None:
-        """Read envelopes, publish them in order; raises `_Restart` when the log may have missed one."""
-        relay = self.relay
-        nl = relay._nats
-        assert nl is not None
-        outbox = _Outbox(nl, relay._publish_timeout)
-        duplicates_before = relay._counts["duplicates"]
-        try:
-            while True:
-                if self._group or self._runs or self.out or self._kicked:
-                    # Take what is buffered without waiting (a batch ends where the buffer does).
-                    taken = 0
-                    while stream.pending and taken < _TURN:
-                        self.take(await stream.__anext__())
-                        taken += 1
-                else:
-                    with anyio.move_on_after(0.5):
-                        self.take(await stream.__anext__())
-                    continue
-                self._flush_group()
-                self.close_runs()
-                self._kicked = False
-                if outbox.failed is not None:
-                    raise _Restart(f"publish failed: {outbox.failed!r}")
-                if self.out:
-                    out, self.out = self.out, []
-                    outbox.post(out)
-                # Back-pressure: at most `_WINDOW` records await their acks.
-                while outbox.unacked > _WINDOW and outbox.failed is None:  # noqa: ASYNC110 (a thread's counter)
-                    await anyio.sleep(0.001)
-                relay._counts["duplicates"] = duplicates_before + outbox.duplicates
-        finally:
-            # Whatever is still in flight lands (or fails) before the next session reads the log.
-            with anyio.CancelScope(shield=True), anyio.move_on_after(relay._publish_timeout + 1):
-                await nl.call(outbox.drain())
-
-
-#: Records published but not yet acknowledged, at most (the relay's publish pipeline depth; a
-#: record is one batch when the relay keeps up, a run of up to `_RUN_BYTES` when it does not).
-_WINDOW: Final = 4_000
-#: Envelopes taken from the events buffer in one turn, at most, before what they make is published.
-_TURN: Final = 50_000
-
-
-class _Outbox:
-    """The relay's publisher on the NATS loop: records posted without waiting, published in order, acks checked.
-
-    ``failed`` is set by the first record not acknowledged within ``timeout`` (or refused): the
-    session must then start over from what the log holds.
-    """
-
-    def __init__(self, nl: NatsLoop, timeout: float) -> None:
-        self.nl = nl
-        self.timeout = timeout
-        self.posted = 0
-        self.acked = 0
-        self.duplicates = 0
-        self.failed: BaseException | None = None
-        self._tail_sent: asyncio.Event | None = None
-        self._acks: set[asyncio.Task[None]] = set()
-
-    @property
-    def unacked(self) -> int:
-        """Records posted and not yet acknowledged."""
-        return self.posted - self.acked
-
-    def post(self, msgs: list[tuple[str, bytes, str]]) -> None:
-        """Queue ``msgs`` for publishing after everything posted before (returns at once; any thread)."""
-        self.posted += len(msgs)
-        self.nl.post(self._start, msgs)
-
-    def _start(self, msgs: list[tuple[str, bytes, str]]) -> None:
-        # Chained: a job hands its records to the connection only after the previous job did.
-        prev, sent = self._tail_sent, asyncio.Event()
-        self._tail_sent = sent
-        task = asyncio.get_running_loop().create_task(self._publish(prev, sent, msgs))
-        self._acks.add(task)
-        task.add_done_callback(self._acks.discard)
-
-    async def _publish(
-        self, prev: asyncio.Event | None, sent: asyncio.Event, msgs: list[tuple[str, bytes, str]]
-    ) -> None:
-        js = self.nl.js
-        futures = []
-        try:
-            if prev is not None:
-                await prev.wait()
-            for subject, data, msg_id in msgs:
-                if self.failed is not None:
-                    return  # the session restarts: publish nothing after a failure
-                futures.append(
-                    await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id}, wait_stall=self.timeout)
-                )
-            sent.set()
-            acks = await asyncio.wait_for(asyncio.gather(*futures), self.timeout)
-        except Exception as exc:
-            for f in futures:
-                f.cancel()
-            if self.failed is None:
-                self.failed = exc
-            return
-        finally:
-            sent.set()
-        self.duplicates += sum(1 for a in acks if a.duplicate)
-        self.acked += len(msgs)
-
-    async def drain(self) -> None:
-        """Wait for every posted job to be acknowledged or failed."""
-        while self._acks:
-            await asyncio.gather(*list(self._acks), return_exceptions=True)

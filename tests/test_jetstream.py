@@ -300,11 +300,14 @@ async def test_nats_server_restart_loses_and_doubles_nothing(nats_server: NatsSe
                 lease_ttl=1.0,
                 publish_timeout=1.0,
             ) as relay,
-            JetStreamReplica(nats_server.url, stream="R") as replica,
+            JetStreamReplica(nats_server.url, stream="R") as r1,
+            JetStreamReplica(nats_server.url, stream="R") as r2,
+            JetStreamReplica(nats_server.url, stream="R") as r3,
         ):
             await relay.wait_synced(10)
             await _steady(fleet, 10)
-            await replica_at(replica, fleet.last())
+            for replica in (r1, r2, r3):
+                await replica_at(replica, fleet.last())
             # The server goes away (file storage) while the engines keep publishing; their replay
             # buffers hold what the relay could not publish meanwhile.
             await anyio.to_thread.run_sync(nats_server.stop)
@@ -314,18 +317,20 @@ async def test_nats_server_restart_loses_and_doubles_nothing(nats_server: NatsSe
             await _steady(fleet, 10)
             last = fleet.last()
             await client_at(direct, last)
-            await replica_at(replica, last, timeout=40)
-            st = replica.stats()
-            assert_same(replica.index, direct.index, fleet.queries(), note=(st, relay.stats()))
-            assert (st.gaps, st.stream_gaps, st.undecodable, st.duplicates) == (0, 0, 0, 0)
-            assert not replica.partial_workers()
+            # Three replicas and the direct client, identical at quiescence through the outage.
+            for replica in (r1, r2, r3):
+                await replica_at(replica, last, timeout=40)
+                st = replica.stats()
+                assert_same(replica.index, direct.index, fleet.queries(), note=(st, relay.stats()))
+                assert (st.gaps, st.stream_gaps, st.undecodable, st.duplicates) == (0, 0, 0, 0)
+                assert not replica.partial_workers()
             assert relay.stats().sessions >= 2  # the relay resumed from the log after the outage
             # A replica started after the restart reads the same from the persisted snapshot + log.
             async with JetStreamReplica(nats_server.url, stream="R") as late:
                 try:
                     await late.wait_synced(20)
                 except TimeoutError:
-                    print("late replica not synced:", late.stats(), relay.stats(), replica.stats())
+                    print("late replica not synced:", late.stats(), relay.stats(), r1.stats())
                     raise
                 assert_same(late.index, direct.index, fleet.queries())
 
@@ -416,6 +421,7 @@ async def test_standby_relay_takes_over_when_the_active_one_is_killed(nats_serve
                     KvEventClient(targets=targets, config=FAST) as direct,
                     JetStreamReplica(nats_server.url, stream="H") as r1,
                     JetStreamReplica(nats_server.url, stream="H") as r2,
+                    JetStreamReplica(nats_server.url, stream="H") as r3,
                 ):
                     with anyio.fail_after(30):
                         while active() is None:  # noqa: ASYNC110 (a subprocess's output, polled)
@@ -437,7 +443,7 @@ async def test_standby_relay_takes_over_when_the_active_one_is_killed(nats_serve
                     assert active() != first
                     assert takeover < 10.0
                     await traffic([ea, eb], 30)
-                    for r in (r1, r2):
+                    for r in (r1, r2, r3):
                         await converged(r, direct)
                         assert_same(r.index, direct.index, prompts)
                         st = r.stats()
