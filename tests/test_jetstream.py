@@ -27,7 +27,18 @@ from _publisher_helpers import FAST, Workload, wait_for
 from anyio.streams.text import TextReceiveStream
 
 from kvroute import JetStreamRelay, JetStreamReplica, KvEventClient, PrefixIndex, WorkerKey
-from kvroute._jetstream import _Batches, _Partial, _Present, _Removed, _Reset, decode_record, encode_record
+from kvroute._jetstream import (
+    _Batches,
+    _Partial,
+    _Present,
+    _Removed,
+    _Reset,
+    decode_record,
+    encode_record,
+    ensure_stream,
+    fetch_object,
+    object_store,
+)
 from kvroute._snapshot import read_snapshot
 from kvroute._wire import BlockStored, EventBatch, encode_batch
 from kvroute.sim import EventPublisher, SimConfig, SimEngine
@@ -249,6 +260,29 @@ def test_runs_of_batches_overlap_and_bad_payloads() -> None:
     idle = WorkerKey("idle", 1)
     r.apply_record(5, encode_record(_Present("idle", 1)))
     assert idle in r.live_workers() and r.index.num_blocks(idle) == 0 and idle not in r.partial_workers()
+
+
+def test_snapshot_objects_are_read_whole_and_checked(nats_server: NatsServer) -> None:
+    import asyncio
+
+    import nats
+
+    async def main() -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            assert await fetch_object(js, "O", "index-1") is None  # no store yet
+            await ensure_stream(js, "O", "file", 0.0, 120.0)
+            assert await fetch_object(js, "O", "index-1") is None  # no such object
+            store = await object_store(js, "O", create=False)
+            data = random.Random(3).randbytes(3_000_000)  # ~23 chunks of 128 KiB
+            meta = nats.js.api.ObjectMeta(name="index-1", description="d")
+            await store.put("index-1", data, meta=meta)
+            assert await fetch_object(js, "O", "index-1") == (data, "d")
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
 
 
 # --- end to end ---------------------------------------------------------------------------------------
