@@ -11,7 +11,8 @@ One run, every figure with its baseline beside it (the machine is shared and noi
   (file storage); three `JetStreamReplica` processes apply the log. Figure: blocks per second from
   the first send to the last replica holding the last batch;
 - apply lag: the same at a paced rate; lag = replica apply time - publisher send time, per batch,
-  p50 / p99 over the three replicas;
+  p50 / p90 / p99 over the three replicas, beside the part up to the relay's own client (an
+  ``events()`` listener beside the relay's: engines -> client, no NATS);
 - cold start: a fresh replica process from the relay's snapshot (the whole index, >= 1M entries
   in a full run) plus the log after it, until synced.
 """
@@ -190,10 +191,20 @@ async def run(args: argparse.Namespace) -> None:
                     await anyio.sleep(0.01)
             await anyio.sleep(0.3)  # subscriptions travel after the handshake
 
-            async def round_(lo: int, hi: int, rate: float) -> tuple[float, list[float]]:
+            # When the relay's own client applied each batch (an events() listener beside the relay's):
+            # the engines -> client part of the lag, without NATS, in the same run.
+            at_relay: dict[tuple[int, int], float] = {}
+
+            async def tap() -> None:
+                async for env in client.events(buffer=1_000_000):
+                    if env.seq is not None:
+                        at_relay.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
+
+            async def round_(lo: int, hi: int, rate: float) -> tuple[float, list[float], list[float]]:
                 want = {s: hi - 1 for s in range(n_sources)}
                 for _, conn in replicas:
                     conn.send(want)
+                at_relay.clear()
                 t0 = time.time()
                 parent.send((lo, hi, rate))
                 sent = await anyio.to_thread.run_sync(parent.recv)
@@ -203,9 +214,10 @@ async def run(args: argparse.Namespace) -> None:
                     end, applied = await anyio.to_thread.run_sync(conn.recv)
                     done = max(done, end)
                     lags += [applied[k] - sent_at[k] for k in applied if k in sent_at]
-                return done - t0, lags
+                relay_lags = [at_relay[k] - sent_at[k] for k in sent_at if k in at_relay]
+                return done - t0, lags, relay_lags
 
-            elapsed, lags = await round_(0, n_batches, 0)
+            elapsed, lags, _ = await round_(0, n_batches, 0)
             print(
                 f"throughput: {blocks:,} blocks ({n_batches * n_sources:,} batches) engines -> relay -> NATS ->"
                 f" 3 replicas in {elapsed:.2f} s: {blocks / elapsed:,.0f} blocks/s"
@@ -216,12 +228,18 @@ async def run(args: argparse.Namespace) -> None:
             seq = await relay.write_snapshot()
             snap_s = time.perf_counter() - t0
             rate = 0.25 * n_batches * n_sources / elapsed  # batches/s: a quarter of the measured maximum
-            _, lags = await round_(n_batches, n_batches + paced, rate)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(tap)
+                _, lags, relay_lags = await round_(n_batches, n_batches + paced, rate)
+                tg.cancel_scope.cancel()
             print(
                 f"apply lag at {rate:,.0f} batches/s (~{rate * blocks / (n_batches * n_sources):,.0f} blocks/s):"
-                f" p50 {_pct(lags, 0.5) * 1e3:.1f} ms, p99 {_pct(lags, 0.99) * 1e3:.1f} ms,"
+                f" p50 {_pct(lags, 0.5) * 1e3:.1f} ms, p90 {_pct(lags, 0.9) * 1e3:.1f} ms,"
+                f" p99 {_pct(lags, 0.99) * 1e3:.1f} ms,"
                 f" max {max(lags) * 1e3:.1f} ms"
-                f" over {len(lags):,} applies"
+                f" over {len(lags):,} applies; of which engines -> the relay's client (no NATS):"
+                f" p50 {_pct(relay_lags, 0.5) * 1e3:.1f} ms, p90 {_pct(relay_lags, 0.9) * 1e3:.1f} ms,"
+                f" p99 {_pct(relay_lags, 0.99) * 1e3:.1f} ms"
             )
             for proc, conn in replicas:
                 conn.send(None)
