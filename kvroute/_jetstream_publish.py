@@ -10,9 +10,11 @@ session (`_Restart`), which starts over from what the log holds.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Final
 
 import anyio
+import anyio.lowlevel
 
 from ._events import Envelope, Overflow, Partial, Removed, Reset, Synced
 from ._jetstream import (
@@ -176,8 +178,9 @@ class _Publisher:
             while True:
                 if self._group or self._runs or self.out or self._kicked:
                     # Take what is buffered without waiting (a batch ends where the buffer does).
-                    taken = 0
-                    while stream.pending and taken < _TURN:
+                    # Bounded by count and time: the loop's other tasks (the lease renewal) run between turns.
+                    taken, deadline = 0, time.monotonic() + _SLICE
+                    while stream.pending and taken < _TURN and time.monotonic() < deadline:
                         self.take(await stream.__anext__())
                         taken += 1
                 else:
@@ -192,9 +195,13 @@ class _Publisher:
                 if self.out:
                     out, self.out = self.out, []
                     outbox.post(out)
-                # Back-pressure: at most `_WINDOW` records await their acks.
-                while outbox.unacked > _WINDOW and outbox.failed is None:  # noqa: ASYNC110 (a thread's counter)
+                # Back-pressure: at most `_WINDOW` records (`_WINDOW_BYTES` bytes) await their acks, so a
+                # request on the same connection (the lease renewal) never queues behind much more.
+                while (  # noqa: ASYNC110 (counters the NATS loop moves)
+                    outbox.unacked > _WINDOW or outbox.unacked_bytes > _WINDOW_BYTES
+                ) and outbox.failed is None:
                     await anyio.sleep(0.001)
+                await anyio.lowlevel.checkpoint()
                 counts["duplicates"] = duplicates_before + outbox.duplicates
         finally:
             # Whatever is still in flight lands (or fails) before the next session reads the log.
@@ -205,8 +212,12 @@ class _Publisher:
 #: Records published but not yet acknowledged, at most (the relay's publish pipeline depth; a
 #: record is one batch when the relay keeps up, a run of up to `_RUN_BYTES` when it does not).
 _WINDOW: Final = 4_000
-#: Envelopes taken from the events buffer in one turn, at most, before what they make is published.
+#: Record bytes published but not yet acknowledged, at most.
+_WINDOW_BYTES: Final = 8 * 1024 * 1024
+#: Envelopes taken from the events buffer in one turn, at most, before what they make is published,
+#: and seconds one turn may take.
 _TURN: Final = 50_000
+_SLICE: Final = 0.02
 
 
 class _Outbox:
@@ -221,6 +232,8 @@ class _Outbox:
         self.timeout = timeout
         self.posted = 0
         self.acked = 0
+        self.posted_bytes = 0
+        self.acked_bytes = 0
         self.duplicates = 0
         self.failed: BaseException | None = None
         self._tail_sent: asyncio.Event | None = None
@@ -231,9 +244,15 @@ class _Outbox:
         """Records posted and not yet acknowledged."""
         return self.posted - self.acked
 
+    @property
+    def unacked_bytes(self) -> int:
+        """Bytes of the records posted and not yet acknowledged."""
+        return self.posted_bytes - self.acked_bytes
+
     def post(self, msgs: list[tuple[str, bytes, str]]) -> None:
         """Queue ``msgs`` for publishing after everything posted before (returns at once; any thread)."""
         self.posted += len(msgs)
+        self.posted_bytes += sum(len(data) for _, data, _ in msgs)
         self.nl.post(self._start, msgs)
 
     def _start(self, msgs: list[tuple[str, bytes, str]]) -> None:
@@ -270,6 +289,7 @@ class _Outbox:
             sent.set()
         self.duplicates += sum(1 for a in acks if a.duplicate)
         self.acked += len(msgs)
+        self.acked_bytes += sum(len(data) for _, data, _ in msgs)
 
     async def drain(self) -> None:
         """Wait for every posted job to be acknowledged or failed."""

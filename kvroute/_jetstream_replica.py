@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,6 +47,9 @@ from ._snapshot import Cursor
 from ._wire import Limits
 
 __all__ = ["JetStreamReplica", "ReplicaStats"]
+
+#: Seconds of applying records before the apply loop yields to the event loop's other tasks.
+_SLICE = 0.02
 
 
 class _Follower:
@@ -318,26 +322,25 @@ class JetStreamReplica:
 
     # --- applying -------------------------------------------------------------------------------
 
-    async def _take(self) -> list[tuple[int, bytes]]:
+    async def _wait_records(self) -> None:
         queue, ready = self._queue, self._ready
-        while True:
-            if queue:
-                out = []
-                pop = queue.popleft
-                for _ in range(min(len(queue), 20_000)):
-                    out.append(pop())
-                return out
+        while not queue:
             ready.clear()
             if queue:
-                continue
+                return
             await ready.wait(0.5)
 
     async def _apply_loop(self) -> None:
         if self.synced:
             self._wake()
+        queue = self._queue
+        pop = queue.popleft
         while True:
-            for sseq, data in await self._take():
-                self.apply_record(sseq, data)
+            await self._wait_records()
+            # A slice at a time: the loop's other tasks (a relay's lease renewal, a router) run in between.
+            deadline = time.monotonic() + _SLICE
+            while queue and time.monotonic() < deadline:
+                self.apply_record(*pop())
             self._wake()
             await anyio.lowlevel.checkpoint()
 
