@@ -187,7 +187,10 @@ class _Publisher:
                     with anyio.move_on_after(0.5):
                         self.take(await stream.__anext__())
                     continue
-                self._flush_group()
+                if not stream.pending:
+                    # The buffer is empty: the batch being grouped is whole (a client publishes a batch's
+                    # events at once). A turn cut short keeps it open: its other events come next turn.
+                    self._flush_group()
                 self.close_runs()
                 self._kicked = False
                 if outbox.failed is not None:
