@@ -30,7 +30,7 @@ from pathlib import Path
 from kvroute import BlockStored, CostModel, PrefixIndex, Router, WorkerKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import make_stream  # noqa: E402  (vLLM-style payloads for the ingest threads)
+from bench_core import make_stream  # vLLM-style payloads for the ingest threads
 
 BS = 16
 VOCAB = 150_000

@@ -159,7 +159,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         return self.overlap_weight * prefill_blocks + load_blocks
 
 
-class CandidateScore(msgspec.Struct, frozen=True):
+class CandidateScore(msgspec.Struct, frozen=True, gc=False):
     """What the router weighed for one candidate.
 
     ``claimed_blocks``: leading blocks the index (or the approximate store) says the worker holds;
@@ -185,7 +185,7 @@ class CandidateScore(msgspec.Struct, frozen=True):
 _core.set_candidate_type(CandidateScore)
 
 
-class RoutingDecision(msgspec.Struct, frozen=True, kw_only=True):
+class RoutingDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The chosen worker and the figures it was chosen from.
 
     ``candidates`` lists every candidate that had a claim, an overlap or load, and the chosen

@@ -27,7 +27,14 @@ impl CostParams {
     /// Cached blocks as GPU-hit equivalents (`CostModel.credited_blocks`): each block of the run
     /// at the best credit among the tiers whose own leading run covers it, the rest at the
     /// lowest off-GPU credit.
-    pub fn credited_blocks(&self, overlap: i64, gpu: i64, cpu: i64, disk: i64, external: i64) -> f64 {
+    pub fn credited_blocks(
+        &self,
+        overlap: i64,
+        gpu: i64,
+        cpu: i64,
+        disk: i64,
+        external: i64,
+    ) -> f64 {
         let mut runs = [
             (1.0, gpu),
             (self.cpu_credit, cpu),
@@ -46,7 +53,10 @@ impl CostParams {
             }
         }
         if covered < overlap {
-            let low = self.cpu_credit.min(self.disk_credit).min(self.external_credit);
+            let low = self
+                .cpu_credit
+                .min(self.disk_credit)
+                .min(self.external_credit);
             credited += (overlap - covered) as f64 * low;
         }
         credited
@@ -146,7 +156,10 @@ mod tests {
     #[test]
     fn credit_takes_the_best_tier_covering_each_block() {
         // 10 blocks: 4 on GPU, 8 on CPU, all 10 on DISK: 4 + 4 * 0.8 + 2 * 0.5
-        assert_eq!(STOCK.credited_blocks(10, 4, 8, 10, 0), 4.0 + 4.0 * 0.8 + 2.0 * 0.5);
+        assert_eq!(
+            STOCK.credited_blocks(10, 4, 8, 10, 0),
+            4.0 + 4.0 * 0.8 + 2.0 * 0.5
+        );
         // a run on no single tier gets the lowest off-GPU credit
         assert_eq!(STOCK.credited_blocks(6, 2, 0, 0, 0), 2.0 + 4.0 * 0.5);
     }

@@ -70,7 +70,9 @@ class _Index:
 
 
 @pytest.mark.parametrize(
-    "odd", [True, _Tok.A, np.uint32(7), np.int64(7), _Index(7)], ids=["bool", "IntEnum", "np.uint32", "np.int64", "index"]
+    "odd",
+    [True, _Tok.A, np.uint32(7), np.int64(7), _Index(7)],
+    ids=["bool", "IntEnum", "np.uint32", "np.int64", "index"],
 )
 def test_int_like_tokens_take_the_checked_path(odd: Any) -> None:
     v = int(odd)

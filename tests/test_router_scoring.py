@@ -112,7 +112,6 @@ def test_compiled_scoring_picks_what_the_python_path_picks(
             if not supplied_load and spec["load"]:
                 r.on_start(("busy", i), w, prompt[: spec["load"] % PROMPT_LEN])
         routers.append(r)
-    compiled, python = routers
     query = prompt[:prompt_len]
     for _ in range(3):  # several draws: the random state must advance alike
         kwargs = {"load": load} if supplied_load else {}

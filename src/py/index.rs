@@ -293,7 +293,8 @@ impl PyIndex {
 
     /// Workers holding at least one block.
     fn workers<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyAny>> {
-        let keys = self.with_read(py, |idx| idx.workers());
+        // `Router.select` asks on every call: keep the GIL (see `with_query`)
+        let keys = self.with_query(py, 0, |idx| idx.workers());
         keys.iter().map(|k| k.obj(py)).collect()
     }
 

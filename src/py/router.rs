@@ -7,7 +7,7 @@
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyList, PySet, PyString, PyType};
 use rustc_hash::FxHashMap;
 
 use super::index::{convert, PyIndex, PyKey};
@@ -43,16 +43,35 @@ fn load_of(loads: &Bound<'_, PyAny>, w: &Bound<'_, PyAny>, scale: f64) -> PyResu
 }
 
 /// Whether the router believes `w`'s index claim (`Router._scored`'s rule).
-fn trusted(states: Option<&Bound<'_, PyAny>>, w: &Bound<'_, PyAny>, trust_partial: bool) -> PyResult<bool> {
+fn trusted(
+    states: Option<&Bound<'_, PyAny>>,
+    w: &Bound<'_, PyAny>,
+    trust_partial: bool,
+) -> PyResult<bool> {
     let Some(states) = states else {
         return Ok(true); // no states provider: the index is trusted for every worker
     };
     let py = w.py();
     let status = states.call_method1(intern!(py, "worker_status"), (w,))?;
-    if status.is_none() || !status.getattr(intern!(py, "state"))?.eq(intern!(py, "synced"))? {
+    if status.is_none()
+        || !status
+            .getattr(intern!(py, "state"))?
+            .eq(intern!(py, "synced"))?
+    {
         return Ok(false);
     }
     Ok(trust_partial || !status.getattr(intern!(py, "partial"))?.is_truthy()?)
+}
+
+// In the limited API from 3.12, but exported by every CPython since 3.9 (the wheel is abi3 for
+// 3.10 and up): a call without a tuple per candidate (up to a fleet's worth per `select`).
+extern "C" {
+    fn PyObject_Vectorcall(
+        callable: *mut pyo3::ffi::PyObject,
+        args: *const *mut pyo3::ffi::PyObject,
+        nargsf: usize,
+        kwnames: *mut pyo3::ffi::PyObject,
+    ) -> *mut pyo3::ffi::PyObject;
 }
 
 /// One `CandidateScore` (positional: the class's field order).
@@ -69,21 +88,29 @@ fn candidate<'py>(
     overlap_tokens: i64,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = cls.py();
-    let args = PyTuple::new(
-        py,
-        [
-            worker,
-            intern!(py, "index").clone().into_any(),
-            claimed.into_pyobject(py)?.into_any(),
-            overlap.into_pyobject(py)?.into_any(),
-            block_size.into_pyobject(py)?.into_any(),
-            prefill.into_pyobject(py)?.into_any(),
-            load.into_pyobject(py)?.into_any(),
-            cost.into_pyobject(py)?.into_any(),
-            overlap_tokens.into_pyobject(py)?.into_any(),
-        ],
-    )?;
-    cls.call1(args)
+    let args = [
+        worker,
+        intern!(py, "index").clone().into_any(),
+        claimed.into_pyobject(py)?.into_any(),
+        overlap.into_pyobject(py)?.into_any(),
+        block_size.into_pyobject(py)?.into_any(),
+        prefill.into_pyobject(py)?.into_any(),
+        load.into_pyobject(py)?.into_any(),
+        cost.into_pyobject(py)?.into_any(),
+        overlap_tokens.into_pyobject(py)?.into_any(),
+    ];
+    let ptrs = args.each_ref().map(|a| a.as_ptr());
+    // SAFETY: the GIL is held; `ptrs` borrows the live objects of `args` (alive until the call
+    // returns) and the call returns a new reference or NULL with an error set.
+    unsafe {
+        let out = PyObject_Vectorcall(
+            cls.as_ptr(),
+            ptrs.as_ptr(),
+            ptrs.len(),
+            std::ptr::null_mut(),
+        );
+        Bound::from_owned_ptr_or_err(py, out)
+    }
 }
 
 /// Match ``token_ids`` (checked as `find_matches` checks them) and price the candidates for
@@ -152,7 +179,9 @@ fn select<'py>(
     let idle_prefill = ntok_i as f64 / unit_f;
     let entries = PyList::empty(py);
     let mut costs: Vec<f64> = Vec::new();
-    let seen = PySet::empty(py)?;
+    // the scored workers, for the load-only pass to skip (only kept when there is one)
+    let seen = busy.map(|_| PySet::empty(py)).transpose()?;
+    let loaded = loads.len()? > 0;
     let gpu_of: Option<FxHashMap<u32, i64>> = result
         .gpu
         .as_ref()
@@ -162,7 +191,11 @@ fn select<'py>(
         if !universe.contains(&w)? {
             continue;
         }
-        let load = load_of(loads, &w, scale)?;
+        let load = if loaded {
+            load_of(loads, &w, scale)?
+        } else {
+            0.0
+        };
         let claim = Claim {
             claimed: s.blocks,
             block_size: s.block_size,
@@ -176,7 +209,9 @@ fn select<'py>(
             trusted: trusted(states, &w, trust_partial)?,
         };
         let p = scoring::price(&params, &claim, ntok_i, unit, load);
-        seen.add(&w)?;
+        if let Some(seen) = &seen {
+            seen.add(&w)?;
+        }
         costs.push(p.cost);
         entries.append(candidate(
             cls,
@@ -193,7 +228,7 @@ fn select<'py>(
 
     // Load-only workers: nothing claimed, the whole prompt to prefill.
     let idle_cost = params.cost(idle_prefill, 0.0);
-    if let Some(busy) = busy {
+    if let (Some(busy), Some(seen)) = (busy, &seen) {
         for w in busy.iter() {
             if seen.contains(&w)? {
                 continue;

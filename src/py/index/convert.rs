@@ -367,8 +367,14 @@ fn layouts(py: Python<'_>) -> &'static Layouts {
         let detect = || -> PyResult<Option<IntLayout>> {
             let sys = py.import("sys")?;
             let name: String = sys.getattr("implementation")?.getattr("name")?.extract()?;
-            let (major, minor): (u32, u32) = sys.getattr("version_info")?.extract::<(u32, u32, u32, String, u32)>().map(|v| (v.0, v.1))?;
-            let bits: u32 = sys.getattr("int_info")?.getattr("bits_per_digit")?.extract()?;
+            let (major, minor): (u32, u32) = sys
+                .getattr("version_info")?
+                .extract::<(u32, u32, u32, String, u32)>()
+                .map(|v| (v.0, v.1))?;
+            let bits: u32 = sys
+                .getattr("int_info")?
+                .getattr("bits_per_digit")?
+                .extract()?;
             let layout = match (name.as_str(), major, minor, bits) {
                 ("cpython", 3, 10..=11, 30) => IntLayout::Size,
                 ("cpython", 3, 12..=14, 30) => IntLayout::Tag,
@@ -455,7 +461,11 @@ fn u32_buffer(obj: &Bound<'_, PyAny>) -> Option<Vec<u32>> {
     // `buf` holds `len` bytes, contiguous, until the view is released below.
     let out = unsafe {
         let format = std::ffi::CStr::from_ptr(view.format).to_bytes();
-        let native: &[u8] = if cfg!(target_endian = "little") { b"<" } else { b">" };
+        let native: &[u8] = if cfg!(target_endian = "little") {
+            b"<"
+        } else {
+            b">"
+        };
         let code = format
             .strip_prefix(b"@")
             .or_else(|| format.strip_prefix(b"="))
