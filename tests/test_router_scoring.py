@@ -9,6 +9,7 @@ the same ties, the same random draws.
 
 from __future__ import annotations
 
+import time
 from array import array
 
 import pytest
@@ -167,3 +168,54 @@ def test_select_checks_every_token_whatever_the_index_holds(tokens: object, wher
                 router.select(tokens)  # type: ignore[arg-type]
             with pytest.raises(RouterError, match=where):
                 router.select(tokens, candidates=[])  # type: ignore[arg-type]
+
+
+def test_select_on_threads_while_other_threads_ingest() -> None:
+    """The compiled select keeps the GIL for short queries: threads selecting and threads applying
+    payloads all make progress (no deadlock between the GIL and the index lock), every answer right."""
+    import threading
+
+    from kvroute._wire import EventBatch, encode_batch
+
+    index = PrefixIndex()
+    a = WorkerKey("a", 0)
+    prompt = list(range(64))
+    index.apply(a, BlockStored(block_hashes=list(range(1, 17)), token_ids=prompt, block_size=4))
+    stop = threading.Event()
+    wrong: list[object] = []
+    done = [0, 0, 0, 0]
+
+    def ingest(t: int) -> None:
+        w = WorkerKey(f"ingest{t}", 0)
+        n = 0
+        while not stop.is_set():
+            n += 1
+            ev = BlockStored(block_hashes=[n], token_ids=[n % 1000, 1, 2, 3], block_size=4)
+            report = index.apply_payload(w, encode_batch(EventBatch(ts=float(n), events=[ev])))
+            if not report.ok:
+                wrong.append(report)
+            if n % 50 == 0:
+                index.remove_worker(w)
+            done[t] += 1
+
+    def query(t: int) -> None:
+        router = Router(index, seed=t)  # one Router per thread; the index is shared
+        while not stop.is_set():
+            d = router.select(prompt, candidates=[a])
+            if d.worker != a or d.overlap_blocks != 16:
+                wrong.append(d)
+            done[t] += 1
+
+    threads = [threading.Thread(target=ingest, args=(t,)) for t in (0, 1)]
+    threads += [threading.Thread(target=query, args=(t,)) for t in (2, 3)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + 30
+    while min(done) < 50 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    for th in threads:
+        th.join(timeout=30)
+    assert not any(th.is_alive() for th in threads)
+    assert not wrong
+    assert min(done) >= 50, done
