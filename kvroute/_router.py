@@ -23,9 +23,11 @@ holding nothing. Workers the discovery layer removed are never chosen. *Approxim
 (engines with events off) are assumed to hold what was routed to them for ``approximate_ttl``
 seconds; the index is not consulted for them.
 
-Hot path: one ``find_matches``; per-worker Python work only for workers with overlap, load or an
-approximate store. Every other candidate is *idle*: nothing cached, no load, one shared cost —
-they are counted, and one is drawn at random only if the idle group wins.
+Hot path: with the built-in `CostModel` and no approximate worker, one call into the compiled core
+(`kvroute._core.select`) matches the prompt and prices every candidate with overlap or load;
+otherwise one ``find_matches`` and per-worker Python work for workers with overlap, load or an
+approximate store (the reference path). Every other candidate is *idle*: nothing cached, no load,
+one shared cost — they are counted, and one is drawn at random only if the idle group wins.
 """
 
 from __future__ import annotations
@@ -110,7 +112,9 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     probability ∝ exp(-cost / temperature), cost in blocks of the router's ``block_size``.
 
     Overrides must be pure functions of their arguments: the router evaluates the cost of all
-    idle workers once.
+    idle workers once. The built-in model is priced in the compiled core (its weights read off
+    the instance on every call); a subclass is priced in Python, the slower path, with the same
+    rules and tie-breaks.
     """
 
     overlap_weight: float = 1.0
