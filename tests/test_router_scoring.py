@@ -64,6 +64,7 @@ _worker = st.fixed_dictionaries(
     supplied_load=st.booleans(),
     prompt_len=st.integers(0, PROMPT_LEN),
     seed=st.integers(0, 3),
+    restrict=st.booleans(),
 )
 def test_compiled_scoring_picks_what_the_python_path_picks(
     fleet: list[dict],
@@ -76,6 +77,7 @@ def test_compiled_scoring_picks_what_the_python_path_picks(
     supplied_load: bool,
     prompt_len: int,
     seed: int,
+    restrict: bool,
 ) -> None:
     prompt = [(i * 7919) % 50_000 for i in range(PROMPT_LEN)]
     index = PrefixIndex()
@@ -115,7 +117,9 @@ def test_compiled_scoring_picks_what_the_python_path_picks(
         routers.append(r)
     query = prompt[:prompt_len]
     for _ in range(3):  # several draws: the random state must advance alike
-        kwargs = {"load": load} if supplied_load else {}
+        kwargs: dict = {"load": load} if supplied_load else {}
+        if restrict:  # a candidates restriction: every other worker, and one unknown to all
+            kwargs["candidates"] = [WorkerKey(f"w{i}", i % 2) for i in range(0, len(fleet), 2)] + [WorkerKey("x", 9)]
         got = [_decide(r, query, kwargs) for r in routers]
         assert got[0] == got[1]
 
