@@ -88,15 +88,29 @@ fn candidate<'py>(
     overlap_tokens: i64,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = cls.py();
+    // Equal figures share one object (immutable): a trusted claim's overlap is the claim, and an
+    // unloaded candidate at weight 1 costs its prefill.
+    let claimed_obj = claimed.into_pyobject(py)?.into_any();
+    let overlap_obj = if overlap == claimed {
+        claimed_obj.clone()
+    } else {
+        overlap.into_pyobject(py)?.into_any()
+    };
+    let prefill_obj = prefill.into_pyobject(py)?.into_any();
+    let cost_obj = if cost.to_bits() == prefill.to_bits() {
+        prefill_obj.clone()
+    } else {
+        cost.into_pyobject(py)?.into_any()
+    };
     let args = [
         worker,
         intern!(py, "index").clone().into_any(),
-        claimed.into_pyobject(py)?.into_any(),
-        overlap.into_pyobject(py)?.into_any(),
+        claimed_obj,
+        overlap_obj,
         block_size.into_pyobject(py)?.into_any(),
-        prefill.into_pyobject(py)?.into_any(),
+        prefill_obj,
         load.into_pyobject(py)?.into_any(),
-        cost.into_pyobject(py)?.into_any(),
+        cost_obj,
         overlap_tokens.into_pyobject(py)?.into_any(),
     ];
     let ptrs = args.each_ref().map(|a| a.as_ptr());
