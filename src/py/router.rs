@@ -7,7 +7,7 @@
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PySet, PyString, PyType};
+use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple, PyType};
 use rustc_hash::FxHashMap;
 
 use super::index::{convert, PyIndex, PyKey};
@@ -63,17 +63,6 @@ fn trusted(
     Ok(trust_partial || !status.getattr(intern!(py, "partial"))?.is_truthy()?)
 }
 
-// In the limited API from 3.12, but exported by every CPython since 3.9 (the wheel is abi3 for
-// 3.10 and up): a call without a tuple per candidate (up to a fleet's worth per `select`).
-extern "C" {
-    fn PyObject_Vectorcall(
-        callable: *mut pyo3::ffi::PyObject,
-        args: *const *mut pyo3::ffi::PyObject,
-        nargsf: usize,
-        kwnames: *mut pyo3::ffi::PyObject,
-    ) -> *mut pyo3::ffi::PyObject;
-}
-
 /// One `CandidateScore` (positional: the class's field order).
 #[allow(clippy::too_many_arguments)]
 fn candidate<'py>(
@@ -113,18 +102,9 @@ fn candidate<'py>(
         cost_obj,
         overlap_tokens.into_pyobject(py)?.into_any(),
     ];
-    let ptrs = args.each_ref().map(|a| a.as_ptr());
-    // SAFETY: the GIL is held; `ptrs` borrows the live objects of `args` (alive until the call
-    // returns) and the call returns a new reference or NULL with an error set.
-    unsafe {
-        let out = PyObject_Vectorcall(
-            cls.as_ptr(),
-            ptrs.as_ptr(),
-            ptrs.len(),
-            std::ptr::null_mut(),
-        );
-        Bound::from_owned_ptr_or_err(py, out)
-    }
+    // A tuple call: `PyObject_Vectorcall` would spare the tuple, but CPython 3.10 (the abi3
+    // wheel's floor) does not export it.
+    cls.call1(PyTuple::new(py, args)?)
 }
 
 /// Match ``token_ids`` (checked as `find_matches` checks them) and price the candidates for
