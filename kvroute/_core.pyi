@@ -1,6 +1,6 @@
 """Type stubs of the compiled extension `kvroute._core` (the Rust crate at the repository root)."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ._hashing import MultimodalItem
@@ -66,6 +66,27 @@ class Index:
     def import_worker(self, worker: WorkerKey, sw: SnapWorker) -> str | None: ...
 
 def set_query_error(cls: type[Exception]) -> None: ...
+
+# --- the router's compiled scoring (src/scoring.rs, src/py/router.rs) -------------------------
+
+def set_candidate_type(cls: type[Any]) -> None: ...
+def select(
+    index: Index,
+    token_ids: Sequence[int],
+    lora_name: str | None,
+    cache_salt: str | None,
+    mm_items: Sequence[MultimodalItem],
+    extra_keys: Sequence[Sequence[Any] | None] | None,
+    model: Any,
+    unit: int,
+    universe: set[WorkerKey],
+    states: Any,
+    trust_partial: bool,
+    loads: Mapping[WorkerKey, float],
+    scale: float,
+    busy: set[WorkerKey] | None,
+) -> tuple[list[Any], int, float, list[int], int, int]:
+    """Match and price for `Router.select`: ``(entries, idle_count, idle_cost, tied, idle_tied, query_tokens)``."""
 def block_keys(
     parent: bytes,
     tokens: Sequence[int],

@@ -23,9 +23,11 @@ holding nothing. Workers the discovery layer removed are never chosen. *Approxim
 (engines with events off) are assumed to hold what was routed to them for ``approximate_ttl``
 seconds; the index is not consulted for them.
 
-Hot path: one ``find_matches``; per-worker Python work only for workers with overlap, load or an
-approximate store. Every other candidate is *idle*: nothing cached, no load, one shared cost —
-they are counted, and one is drawn at random only if the idle group wins.
+Hot path: with the built-in `CostModel` and no approximate worker, one call into the compiled core
+(`kvroute._core.select`) matches the prompt and prices every candidate with overlap or load;
+otherwise one ``find_matches`` and per-worker Python work for workers with overlap, load or an
+approximate store (the reference path). Every other candidate is *idle*: nothing cached, no load,
+one shared cost — they are counted, and one is drawn at random only if the idle group wins.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ import logging
 import math
 import random
 import time
+import warnings
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from itertools import accumulate, islice
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
+
+import kvroute._core as _core
 
 from ._errors import NoWorkersError, RouterError
 from ._hashing import MultimodalItem, chain_keys
@@ -107,7 +112,9 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     probability ∝ exp(-cost / temperature), cost in blocks of the router's ``block_size``.
 
     Overrides must be pure functions of their arguments: the router evaluates the cost of all
-    idle workers once.
+    idle workers once. The built-in model is priced in the compiled core (its weights read off
+    the instance on every call); a subclass is priced in Python, the slower path, with the same
+    rules and tie-breaks.
     """
 
     overlap_weight: float = 1.0
@@ -156,7 +163,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         return self.overlap_weight * prefill_blocks + load_blocks
 
 
-class CandidateScore(msgspec.Struct, frozen=True, kw_only=True):
+class CandidateScore(msgspec.Struct, frozen=True, gc=False):
     """What the router weighed for one candidate.
 
     ``claimed_blocks``: leading blocks the index (or the approximate store) says the worker holds;
@@ -178,7 +185,11 @@ class CandidateScore(msgspec.Struct, frozen=True, kw_only=True):
     overlap_tokens: int = 0
 
 
-class RoutingDecision(msgspec.Struct, frozen=True, kw_only=True):
+# The compiled select builds candidates positionally, in the field order above.
+_core.set_candidate_type(CandidateScore)
+
+
+class RoutingDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The chosen worker and the figures it was chosen from.
 
     ``candidates`` lists every candidate that had a claim, an overlap or load, and the chosen
@@ -536,6 +547,11 @@ class Router:
         candidate is left, `RouterError` on bad input.
         """
         started = time.perf_counter()
+        model = self.cost_model
+        if type(model) is CostModel and type(self.index) is PrefixIndex and not self._approx:
+            return self._select_compiled(
+                started, token_ids, lora_name, cache_salt, mm_items, candidates, load, request_id, extra_keys
+            )
         try:
             ntok = len(token_ids)
             if extra_keys is None:
@@ -555,32 +571,11 @@ class Router:
             raise NoWorkersError("none of the given candidates is a live or registered worker")
         query = _Query(token_ids, lora_name, extra_keys, cache_salt, mm_items) if self._approx else None
         unit = self.block_size
-        model = self.cost_model
         cost_of = model.cost
         idle_prefill = ntok / unit
         entries: list[CandidateScore] = []
         seen: set[WorkerKey] = set()  # listed by the approximate or the index pass
-
-        # Load per worker, and the factor that turns it into cost blocks: tracked load is kept
-        # in tokens (valid by construction); supplied load is in blocks, checked once here.
-        loads: Mapping[WorkerKey, float]
-        if load is None and self.engine_loads is not None and self.engine_loads.reporting:
-            # Engines report load: blend it in (a fleet without reports keeps the plain path).
-            in_flight = {w: len(active) for w, active in self._active.items()}
-            loads, vetoed = self.engine_loads.blend(self._load, unit, in_flight)
-            scale = 1.0
-            if vetoed and universe - vetoed:
-                universe = universe - vetoed
-        elif load is None:
-            loads, scale = self._load, 1.0 / unit
-        else:
-            try:
-                bad = [(w, v) for w, v in load.items() if not (0.0 <= v < math.inf)]
-            except TypeError:
-                raise RouterError("load must map workers to numbers") from None
-            if bad:
-                raise RouterError(f"load must be finite and >= 0; got {bad[0][1]!r} for {bad[0][0]}")
-            loads, scale = load, 1.0
+        loads, scale, universe = self._loads(load, universe)
         load_get = loads.get
 
         approx = self._approx
@@ -663,6 +658,20 @@ class Router:
         chosen_store = approx.get(worker)
         if chosen_store is not None and query is not None:
             chosen_store.note(query.keys(chosen_store.block_size), self._clock() + self.approximate_ttl)
+        return self._decide(started, chosen, entries, idle_count, idle_cost, ntok, request_id)
+
+    def _decide(
+        self,
+        started: float,
+        chosen: CandidateScore,
+        entries: list[CandidateScore],
+        idle_count: int,
+        idle_cost: float,
+        ntok: int,
+        request_id: Hashable | None,
+    ) -> RoutingDecision:
+        """Record the chosen worker's request and the call's time; the decision."""
+        worker = chosen.worker
         if request_id is not None:
             self._start(request_id, worker, ntok - chosen.overlap_tokens)
         self._selections += 1
@@ -680,6 +689,122 @@ class Router:
             block_size=chosen.block_size,
             overlap_tokens=chosen.overlap_tokens,
         )
+
+    def _loads(
+        self, load: Mapping[WorkerKey, float] | None, universe: set[WorkerKey]
+    ) -> tuple[Mapping[WorkerKey, float], float, set[WorkerKey]]:
+        """Load per worker, the factor that turns it into cost blocks, and the universe left.
+
+        Tracked load is kept in tokens (valid by construction); supplied load is in blocks,
+        checked once here; engine-reported load is blended in and may veto wedged workers.
+        """
+        unit = self.block_size
+        if load is None and self.engine_loads is not None and self.engine_loads.reporting:
+            # Engines report load: blend it in (a fleet without reports keeps the plain path).
+            in_flight = {w: len(active) for w, active in self._active.items()}
+            loads, vetoed = self.engine_loads.blend(self._load, unit, in_flight)
+            if vetoed and universe - vetoed:
+                universe = universe - vetoed
+            return loads, 1.0, universe
+        if load is None:
+            return self._load, 1.0 / unit, universe
+        try:
+            bad = [(w, v) for w, v in load.items() if not (0.0 <= v < math.inf)]
+        except TypeError:
+            raise RouterError("load must map workers to numbers") from None
+        if bad:
+            raise RouterError(f"load must be finite and >= 0; got {bad[0][1]!r} for {bad[0][0]}")
+        return load, 1.0, universe
+
+    def _select_compiled(
+        self,
+        started: float,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+        cache_salt: str | None,
+        mm_items: Sequence[MultimodalItem],
+        candidates: Iterable[WorkerKey] | None,
+        load: Mapping[WorkerKey, float] | None,
+        request_id: Hashable | None,
+        extra_keys: Sequence[Sequence[Any] | None] | None,
+    ) -> RoutingDecision:
+        """`select` for the built-in `CostModel` and no approximate worker: one call into the core
+        matches, prices every candidate and finds the least-cost ties (src/py/router.rs); the
+        Python path (`_scored`, `_pick`) is its reference and serves `CostModel` subclasses."""
+        if extra_keys is not None:
+            warnings.warn(
+                "find_matches(extra_keys=...) is deprecated: pass cache_salt= and mm_items=",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        try:
+            ntok = len(token_ids)
+        except TypeError as exc:
+            raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
+        universe = self._universe(candidates)
+        if not universe:
+            # bad input is reported before the fleet's state
+            self._check_query(token_ids, lora_name, cache_salt, mm_items, extra_keys)
+            if candidates is None:
+                raise NoWorkersError("no live or registered worker to route to")
+            raise NoWorkersError("none of the given candidates is a live or registered worker")
+        loads, scale, universe = self._loads(load, universe)
+        busy = loads.keys() & universe if loads else None
+        model = self.cost_model
+        try:
+            entries, idle_count, idle_cost, tied, idle_tied, _ = _core.select(
+                self.index._core,
+                token_ids,
+                lora_name,
+                cache_salt,
+                mm_items,
+                extra_keys,
+                model,
+                self.block_size,
+                universe,
+                self.states,
+                self.trust_partial,
+                loads,
+                scale,
+                busy,
+            )
+        except (TypeError, AttributeError, msgspec.EncodeError) as exc:
+            raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
+        if model.temperature > 0.0:
+            pick = self._pick(entries, idle_count, idle_cost, model.temperature)
+        else:
+            r = self._rng.randrange(len(tied) + idle_tied)  # as `_pick` draws
+            pick = entries[tied[r]] if r < len(tied) else None
+        if pick is None:
+            idle = universe.difference([e.worker for e in entries])
+            chosen_w = next(islice(iter(idle), self._rng.randrange(len(idle)), None))
+            pick = CandidateScore(
+                worker=chosen_w,
+                source="index",
+                claimed_blocks=0,
+                overlap_blocks=0,
+                block_size=None,
+                prefill_blocks=ntok / self.block_size,
+                load_blocks=0.0,
+                cost=idle_cost,
+            )
+            entries.append(pick)
+            idle_count -= 1
+        return self._decide(started, pick, entries, idle_count, idle_cost, ntok, request_id)
+
+    def _check_query(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+        cache_salt: str | None,
+        mm_items: Sequence[MultimodalItem],
+        extra_keys: Sequence[Sequence[Any] | None] | None,
+    ) -> None:
+        """Raise `RouterError` when the query's arguments are bad (the index checks them)."""
+        try:
+            self.index._core.find_matches(token_ids, lora_name, cache_salt, mm_items, extra_keys)
+        except (TypeError, AttributeError, msgspec.EncodeError) as exc:
+            raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
 
     def _scored(
         self,

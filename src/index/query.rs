@@ -177,22 +177,16 @@ impl Alive {
         }
     }
 
-    /// Keep the workers whose holder word on this key passes `ok`; record the others at `at`
-    /// blocks (when > 0), lowest slot first (as the Python index records bits).
-    fn step(
-        &mut self,
-        holders: &[u32],
-        ok: impl Fn(u8) -> bool,
-        at: i64,
-        bs: i64,
-        out: &mut Scores,
-    ) {
+    /// Keep the workers whose holder word on this key has `flags & need == want`; record the
+    /// others at `at` blocks (when > 0), lowest slot first (as the Python index records bits).
+    /// The holder loop is branch-free: it runs once per (block, holder) pair of the match, the
+    /// bulk of a query against a large fleet (bench/bench_select.py, 1,024 workers).
+    fn step(&mut self, holders: &[u32], need: u8, want: u8, at: i64, bs: i64, out: &mut Scores) {
         self.mask.fill(0);
         for &h in holders {
-            if ok(flags_of(h)) {
-                let s = slot_of(h) as usize;
-                self.mask[s / 64] |= 1 << (s % 64);
-            }
+            let keep = u64::from(flags_of(h) & need == want);
+            let s = slot_of(h) as usize;
+            self.mask[s / 64] |= keep << (s % 64);
         }
         for (wi, (a, m)) in self.words.iter_mut().zip(&self.mask).enumerate() {
             let mut dropped = *a & !*m;
@@ -262,15 +256,10 @@ impl<K: WorkerName> Index<K> {
                         .table
                         .id(&ks[i])
                         .map_or(no_h, |id| self.table.holders(id));
-                    alive.step(holders, |f| f & H != 0, i as i64, bs, &mut scores);
+                    alive.step(holders, H, H, i as i64, bs, &mut scores);
                     if alive_gpu.count > 0 {
-                        alive_gpu.step(
-                            holders,
-                            |f| f & H != 0 && f & G == 0,
-                            i as i64,
-                            bs,
-                            &mut gpu,
-                        );
+                        // held, and not missing on GPU
+                        alive_gpu.step(holders, H | G, H, i as i64, bs, &mut gpu);
                     }
                     i += 1;
                 }

@@ -6,10 +6,11 @@
 //! in parallel and ingest does not stall Python threads. The lock is never held while the GIL is
 //! re-acquired: Python objects are converted before and built after the locked section.
 
-mod convert;
+pub(crate) mod convert;
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 use pyo3::exceptions::PyTypeError;
@@ -72,12 +73,20 @@ impl PyKey {
         })))
     }
 
-    fn obj<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
+    pub(crate) fn obj<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
         self.0.obj.bind(py).clone()
     }
 }
 
 type Shared = Arc<RwLock<Index<PyKey>>>;
+
+/// Queries of at most this many tokens run with the GIL held (`PyIndex::with_query`): an 8k-token
+/// prompt matched against 1,024 workers takes tens of microseconds; 32k tokens still under ~0.2 ms.
+const HOLD_GIL_TOKENS: usize = 32_768;
+
+/// How long a short query waits, the GIL held, for an apply in progress before it releases the
+/// GIL and waits without it (one `apply_payload` of a large batch takes about this long).
+const HOLD_GIL_WAIT: Duration = Duration::from_micros(200);
 
 /// The compiled prefix index (`kvroute.PrefixIndex` wraps it; see kvroute/_index.py).
 #[pyclass(frozen, module = "kvroute._core", name = "Index")]
@@ -132,6 +141,27 @@ impl PyIndex {
 
     fn with_read<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Index<PyKey>) -> R + Send) -> R {
         py.detach(|| f(&self.inner.read()))
+    }
+
+    /// Run query `f` (a prompt of `tokens` tokens) under the read lock. A short query keeps the
+    /// GIL: releasing it for microseconds of work costs a wait of up to the interpreter's switch
+    /// interval to get it back whenever other threads (ingest between its payloads) want it — a
+    /// convoy that multiplied `select`'s p99 while two threads ingest (bench/bench_select.py). So
+    /// below `HOLD_GIL_TOKENS` the lock is taken with the GIL held, waiting at most
+    /// `HOLD_GIL_WAIT` for an apply in progress (writers never take the GIL under the lock, so
+    /// this cannot deadlock); a long prompt, or a lock not free in time, releases the GIL.
+    pub(crate) fn with_query<R: Send>(
+        &self,
+        py: Python<'_>,
+        tokens: usize,
+        f: impl FnOnce(&Index<PyKey>) -> R + Send,
+    ) -> R {
+        if tokens <= HOLD_GIL_TOKENS {
+            if let Some(idx) = self.inner.try_read_for(HOLD_GIL_WAIT) {
+                return f(&idx);
+            }
+        }
+        self.with_read(py, f)
     }
 }
 
@@ -263,7 +293,8 @@ impl PyIndex {
 
     /// Workers holding at least one block.
     fn workers<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyAny>> {
-        let keys = self.with_read(py, |idx| idx.workers());
+        // `Router.select` asks on every call: keep the GIL (see `with_query`)
+        let keys = self.with_query(py, 0, |idx| idx.workers());
         keys.iter().map(|k| k.obj(py)).collect()
     }
 
@@ -348,7 +379,7 @@ impl PyIndex {
         Bound<'py, PyMatch>,
     )> {
         let input = convert::query_input(token_ids, lora_name, cache_salt, mm_items, extra_keys)?;
-        let (query, result) = self.with_read(py, move |idx| {
+        let (query, result) = self.with_query(py, input.tokens.len(), move |idx| {
             let mut q = idx.query(input);
             let r = idx.find_matches(&mut q);
             (q, r)

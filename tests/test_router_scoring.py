@@ -1,0 +1,225 @@
+"""The compiled scoring (src/scoring.rs, src/py/router.rs) against the Python reference path.
+
+`Router.select` prices candidates in the core when its model is exactly `CostModel`; a subclass
+of `CostModel` (here one that overrides nothing) goes through `Router._scored` / `Router._pick`
+in Python. Fed the same index, fleet, states, loads and seed, both must return the same
+decisions: the same candidates in the same order with the same figures (floats bit for bit),
+the same ties, the same random draws.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute._index import PrefixIndex
+from kvroute._models import WorkerKey, WorkerStatus
+from kvroute._router import CostModel, Router, RouterError
+from kvroute._wire import BlockRemoved, BlockStored
+
+PROMPT_LEN = 200
+
+
+class _PythonModel(CostModel, frozen=True, kw_only=True):
+    """The stock model through the Python path (any subclass of CostModel takes it)."""
+
+
+class _States:
+    def __init__(self, statuses: dict[WorkerKey, WorkerStatus | None], live: set[WorkerKey]) -> None:
+        self.statuses = statuses
+        self.live = live
+
+    def worker_status(self, worker: WorkerKey) -> WorkerStatus | None:
+        return self.statuses.get(worker)
+
+    def live_workers(self) -> set[WorkerKey]:
+        return set(self.live)
+
+
+_worker = st.fixed_dictionaries(
+    {
+        "block_size": st.sampled_from([4, 8, 16]),
+        "held": st.integers(0, 40),  # leading blocks of the prompt stored
+        "tiers": st.lists(st.sampled_from([None, "GPU", "CPU", "DISK", "EXTERNAL"]), min_size=1, max_size=3),
+        "evict": st.integers(0, 6),  # GPU copies of the last blocks removed (the run moves off GPU)
+        "state": st.sampled_from(["synced", "synced", "partial", "syncing", "unknown", "gone"]),
+        "load": st.one_of(st.none(), st.integers(0, 300)),
+    }
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fleet=st.lists(_worker, min_size=1, max_size=7),
+    unit=st.sampled_from([4, 8, 16, 32]),
+    weight=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    credits=st.tuples(*[st.sampled_from([0.0, 0.5, 0.8, 1.0])] * 3),
+    temperature=st.sampled_from([0.0, 0.0, 0.7]),
+    use_states=st.booleans(),
+    trust_partial=st.booleans(),
+    supplied_load=st.booleans(),
+    prompt_len=st.integers(0, PROMPT_LEN),
+    seed=st.integers(0, 3),
+    restrict=st.booleans(),
+)
+def test_compiled_scoring_picks_what_the_python_path_picks(
+    fleet: list[dict],
+    unit: int,
+    weight: float,
+    credits: tuple[float, float, float],
+    temperature: float,
+    use_states: bool,
+    trust_partial: bool,
+    supplied_load: bool,
+    prompt_len: int,
+    seed: int,
+    restrict: bool,
+) -> None:
+    prompt = [(i * 7919) % 50_000 for i in range(PROMPT_LEN)]
+    index = PrefixIndex()
+    statuses: dict[WorkerKey, WorkerStatus | None] = {}
+    live: set[WorkerKey] = set()
+    load: dict[WorkerKey, float] = {}
+    for i, spec in enumerate(fleet):
+        w = WorkerKey(f"w{i}", i % 2)
+        bs, held = spec["block_size"], spec["held"]
+        held = min(held, PROMPT_LEN // bs)
+        if held:
+            hashes = [i * 1000 + j for j in range(held)]
+            for medium in spec["tiers"]:
+                index.apply(
+                    w, BlockStored(block_hashes=hashes, token_ids=prompt[: held * bs], block_size=bs, medium=medium)
+                )
+            evict = min(spec["evict"], held)
+            if evict and len(spec["tiers"]) > 1:
+                index.apply(w, BlockRemoved(block_hashes=hashes[held - evict :], medium="GPU"))
+        state = spec["state"]
+        if state != "unknown":
+            statuses[w] = WorkerStatus(state="syncing" if state == "syncing" else "synced", partial=state == "partial")
+        if state != "gone":
+            live.add(w)
+        if spec["load"] is not None:
+            load[w] = spec["load"] / 4
+    cpu, disk, external = credits
+    params = dict(overlap_weight=weight, cpu_credit=cpu, disk_credit=disk, external_credit=external)
+    routers = []
+    for model in (CostModel(**params, temperature=temperature), _PythonModel(**params, temperature=temperature)):
+        states = _States(statuses, live) if use_states else None
+        r = Router(index, states=states, cost=model, block_size=unit, seed=seed, trust_partial=trust_partial)
+        for i, spec in enumerate(fleet):
+            w = WorkerKey(f"w{i}", i % 2)
+            if not supplied_load and spec["load"]:
+                r.on_start(("busy", i), w, prompt[: spec["load"] % PROMPT_LEN])
+        routers.append(r)
+    query = prompt[:prompt_len]
+    for _ in range(3):  # several draws: the random state must advance alike
+        kwargs: dict = {"load": load} if supplied_load else {}
+        if restrict:  # a candidates restriction: every other worker, and one unknown to all
+            kwargs["candidates"] = [WorkerKey(f"w{i}", i % 2) for i in range(0, len(fleet), 2)] + [WorkerKey("x", 9)]
+        got = [_decide(r, query, kwargs) for r in routers]
+        assert got[0] == got[1]
+
+
+def _decide(router: Router, query: list[int], kwargs: dict) -> object:
+    try:
+        d = router.select(query, **kwargs)
+    except Exception as exc:  # both paths must fail alike too
+        return (type(exc), str(exc))
+    # Candidates in the same order with the same figures; the decision itself likewise.
+    return d
+
+
+def test_the_compiled_path_reads_the_models_weights() -> None:
+    index = PrefixIndex()
+    a, b = WorkerKey("a", 0), WorkerKey("b", 0)
+    prompt = list(range(64))
+    index.apply(a, BlockStored(block_hashes=[1, 2, 3, 4], token_ids=prompt, block_size=16))
+    # A's cached prefix outweighs B's lighter load at weight 1, not at weight 0.
+    for weight, want in ((1.0, a), (0.0, b)):
+        router = Router(index, cost=CostModel(overlap_weight=weight), seed=0)
+        d = router.select(prompt, load={a: 2.0, b: 1.0}, candidates=[a, b])
+        assert d.worker == want
+        assert d.cost == weight * (0 if want == a else 4.0) + (2.0 if want == a else 1.0)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "where"),
+    [
+        ("hello world", "str"),
+        (b"\x01\x02", "bytes"),
+        ([1, 2, 3.0], r"token_ids\[2\]"),
+        ([1, -1], r"token_ids\[1\]"),
+        ([0, 1, 2**32], r"token_ids\[2\]"),
+        ([1, "2"], r"token_ids\[1\]"),
+        (array("q", [1, -5]), r"token_ids\[1\]"),
+    ],
+)
+@pytest.mark.parametrize("held", [0, 4])
+def test_select_checks_every_token_whatever_the_index_holds(tokens: object, where: str, held: int) -> None:
+    index = PrefixIndex()
+    a = WorkerKey("a", 0)
+    if held:
+        index.apply(a, BlockStored(block_hashes=list(range(held)), token_ids=list(range(16 * held)), block_size=16))
+    for model in (CostModel(), _PythonModel()):
+        router = Router(index, cost=model)
+        router.add_worker(a)
+        for _ in range(2):  # every time, not only while nothing is cached
+            with pytest.raises(RouterError, match=where):
+                router.select(tokens)  # type: ignore[arg-type]
+            with pytest.raises(RouterError, match=where):
+                router.select(tokens, candidates=[])  # type: ignore[arg-type]
+
+
+def test_select_on_threads_while_other_threads_ingest() -> None:
+    """The compiled select keeps the GIL for short queries: threads selecting and threads applying
+    payloads all make progress (no deadlock between the GIL and the index lock), every answer right."""
+    import threading
+
+    from kvroute._wire import EventBatch, encode_batch
+
+    index = PrefixIndex()
+    a = WorkerKey("a", 0)
+    prompt = list(range(64))
+    index.apply(a, BlockStored(block_hashes=list(range(1, 17)), token_ids=prompt, block_size=4))
+    stop = threading.Event()
+    wrong: list[object] = []
+    done = [0, 0, 0, 0]
+
+    def ingest(t: int) -> None:
+        w = WorkerKey(f"ingest{t}", 0)
+        n = 0
+        while not stop.is_set():
+            n += 1
+            ev = BlockStored(block_hashes=[n], token_ids=[n % 1000, 1, 2, 3], block_size=4)
+            report = index.apply_payload(w, encode_batch(EventBatch(ts=float(n), events=[ev])))
+            if not report.ok:
+                wrong.append(report)
+            if n % 50 == 0:
+                index.remove_worker(w)
+            done[t] += 1
+
+    def query(t: int) -> None:
+        router = Router(index, seed=t)  # one Router per thread; the index is shared
+        while not stop.is_set():
+            d = router.select(prompt, candidates=[a])
+            if d.worker != a or d.overlap_blocks != 16:
+                wrong.append(d)
+            done[t] += 1
+
+    threads = [threading.Thread(target=ingest, args=(t,)) for t in (0, 1)]
+    threads += [threading.Thread(target=query, args=(t,)) for t in (2, 3)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + 30
+    while min(done) < 50 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    for th in threads:
+        th.join(timeout=30)
+    assert not any(th.is_alive() for th in threads)
+    assert not wrong
+    assert min(done) >= 50, done
