@@ -8,7 +8,7 @@ from collections import Counter
 import anyio
 import pytest
 
-from kvroute import KvEventClient, SubscriberConfig, WorkerKey
+from kvroute import CostModel, KvEventClient, SubscriberConfig, WorkerKey
 from kvroute.cli._demo_policies import (
     POLICIES,
     LeastLoadPolicy,
@@ -65,9 +65,10 @@ async def test_the_oracle_never_picks_a_worker_holding_fewer_blocks_at_equal_loa
         contested += len(set(d.blocks.values())) > 1
     # The check above is not vacuous: most decisions saw workers holding different prefixes.
     assert contested >= 20, contested
-    # Every decision's pick is the cheapest by the Router's cost (blocks of 16 tokens, weight 1).
+    # Every decision's pick is the cheapest by the Router's cost (blocks of 16 tokens, the default weight).
+    weight = CostModel().overlap_weight
     for d in oracle.decisions:
-        costs = {w: -held + d.load.get(w, 0) / 16 for w, held in d.blocks.items()}
+        costs = {w: -weight * held + d.load.get(w, 0) / 16 for w, held in d.blocks.items()}
         assert costs[d.chosen] == min(costs.values())
 
 

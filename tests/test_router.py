@@ -32,6 +32,8 @@ BS = 16
 A, B, C, D, E = (WorkerKey(n, 0) for n in "abcde")
 # Five full blocks and a partial one: 88 tokens.
 PROMPT = list(range(1000, 1088))
+# Dynamo's weight, which the cost arithmetic of some tests below is written in (the default is 2.0).
+W1 = CostModel(overlap_weight=1.0)
 SYNCED = WorkerStatus(state="synced")
 
 
@@ -82,7 +84,7 @@ def test_cost_is_prefill_still_to_do_and_the_breakdown_is_reported() -> None:
     index = PrefixIndex()
     _store(index, A, 4)
     _store(index, B, 1)
-    router = Router(index, seed=1)
+    router = Router(index, seed=1, cost=W1)
     router.add_worker(C)
     d = router.select(PROMPT)
     assert d.worker == A and d.overlap_blocks == 4 and d.query_tokens == 88
@@ -221,7 +223,7 @@ def test_temperature_samples_the_softmax_of_negative_costs() -> None:
     index = PrefixIndex()
     _store(index, A, 4)  # cost 1.5
     _store(index, B, 3)  # cost 2.5
-    router = Router(index, cost=CostModel(temperature=1.0), seed=11)
+    router = Router(index, cost=CostModel(overlap_weight=1.0, temperature=1.0), seed=11)
     router.add_worker(C)
     router.add_worker(D)  # c, d idle: cost 5.5
     n = 3000
@@ -284,13 +286,13 @@ def test_only_synced_complete_workers_may_use_their_overlap() -> None:
         D: None,  # live but with no status yet
         E: SYNCED,
     }
-    router = Router(index, states=_States(statuses))
+    router = Router(index, states=_States(statuses), cost=W1)
     d = router.select(PROMPT)
     assert d.worker == E and d.overlap_blocks == 1
     for w in (A, B, C, D):
         held_back = _entry(d, w)
         assert (held_back.claimed_blocks, held_back.overlap_blocks, held_back.cost) == (4, 0, 5.5)
-    d = Router(index, states=_States(statuses), trust_partial=True).select(PROMPT)
+    d = Router(index, states=_States(statuses), trust_partial=True, cost=W1).select(PROMPT)
     assert d.worker == B and d.overlap_blocks == 4
 
 
@@ -365,7 +367,7 @@ def test_on_start_moves_a_restarted_request_and_remove_worker_drops_load() -> No
 def test_supplied_load_replaces_the_tracked_one() -> None:
     index = PrefixIndex()
     _store(index, A, 4)
-    router = Router(index)
+    router = Router(index, cost=W1)
     router.add_worker(B)
     router.on_start("big", A, [7] * 1600)
     assert router.select(PROMPT).worker == B

@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -254,6 +255,22 @@ async def test_cache_hits_cut_time_to_first_token() -> None:
     assert cold.ttft >= 400 * 5e-4
     assert warm.ttft < cold.ttft / 3
     assert warm.output_token_ids == cold.output_token_ids  # a greedy model: same prompt, same output
+
+
+async def test_a_stalled_host_does_not_show_in_the_simulated_times() -> None:
+    # The event loop is blocked for 0.2 s mid-request (a busy host waking the rank late): the rank
+    # catches up on its own timeline, so TTFT and latency are the model's, exactly.
+    async with engine(prefill_time_per_token=1e-5, decode_time_per_step=0.01, block_size=16) as eng:
+        running = eng.submit(list(range(400)), 20, stream=True)
+        first = True
+        async for _ in running.tokens():
+            if first:
+                first = False
+                time.sleep(0.2)  # noqa: ASYNC251  (on purpose: the loop is blocked, every step due meanwhile is late)
+        done = await running.result()
+    assert done.ttft == pytest.approx(0.01 + 400 * 1e-5)
+    assert done.latency == pytest.approx(0.01 + 400 * 1e-5 + 19 * 0.01)
+    assert done.queue_time == 0.0
 
 
 async def test_requests_queue_when_the_cache_is_full() -> None:

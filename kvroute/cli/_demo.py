@@ -9,7 +9,7 @@ import sys
 import anyio
 import msgspec
 
-from kvroute import KvRouteError
+from kvroute import CostModel, KvRouteError
 
 from . import _demo_run
 from ._demo_plot import plot
@@ -89,8 +89,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--overlap-weight",
         type=float,
-        default=1.0,
-        help="CostModel.overlap_weight of kvroute and the oracle: prefill saved against load (default 1.0)",
+        default=CostModel().overlap_weight,
+        help="CostModel.overlap_weight of kvroute and the oracle: prefill saved against load"
+        f" (default {CostModel().overlap_weight:g}, the SDK's)",
     )
     p.add_argument(
         "--policies",

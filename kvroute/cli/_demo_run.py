@@ -106,7 +106,7 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     over them (`ReplicaPolicy`), twice: pricing only their own requests, then the engines' reported
     load too; the fleet serves gateway streams (the engines' load records) for both.
     ``overlap_weight``: `CostModel.overlap_weight` of the kvroute and oracle policies (prefill
-    saved against load; above 1 keeps a conversation on its cache through more load).
+    saved against load; default the SDK's; higher keeps a conversation on its cache through more load).
     ``gateway_stream``: the engines serve the gateway servicer's ``SubscribeKvEvents`` stream
     (`SimConfig.gateway`) and the routers subscribe to it instead of ZMQ (not with ``faults``,
     whose drops and restarts are ZMQ faults). ``quiet_interval``: the subscriber's probe
@@ -127,7 +127,7 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     rate: float = WorkloadConfig().rate
     max_tokens: int = 16
     block_size: int = 16
-    overlap_weight: float = 1.0
+    overlap_weight: float = CostModel().overlap_weight
     capacity_blocks: int | None = None
     quiet_interval: float = 0.5
     sync_timeout: float = 20.0

@@ -14,7 +14,10 @@ served while their blocks fit (up to ``max_batch`` running), every running reque
 token, and prefills share ``max_batched_tokens`` (chunked prefill). A step lasts
 ``decode_time_per_step + prefill_time_per_token * uncached tokens prefilled`` (real sleeping,
 so routing quality shows in latency); its cache events are published as one batch at its end.
-An idle rank sleeps on an event: no polling.
+Each rank keeps its own timeline: a step starts when the previous one ended (or at the latest
+arrival it admits), so when a busy host wakes the rank late the overrun is caught up, not carried
+into every later step, and the reported queue time, TTFT and latency are the model's, not the
+host's scheduling noise. An idle rank sleeps on an event: no polling.
 
 Outputs are deterministic: token i of a completion is a hash of the prompt and i (a greedy
 "model"), and cache hashes derive from ``seed``, ``name``, rank and restart count.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import socket
 import time
 from array import array
@@ -63,7 +67,7 @@ _PORT_ATTEMPTS = 64
 
 
 class _Rank:
-    __slots__ = ("cache", "index", "running", "waiting", "wake")
+    __slots__ = ("cache", "clock", "index", "running", "waiting", "wake")
 
     def __init__(self, index: int, cache: PrefixCache) -> None:
         self.index = index
@@ -71,6 +75,8 @@ class _Rank:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.wake = anyio.Event()
+        #: When the rank's last step ended on its own timeline (`SimEngine._schedule`).
+        self.clock = -math.inf
 
 
 def _tcp(host: str, port: int) -> str:
@@ -570,22 +576,31 @@ class SimEngine(AsyncService):
         cfg = self.config
         while True:
             generation = self._generation
-            plan = self._plan(rank)
+            plan, start = self._plan(rank)
             if not plan:
                 await rank.wake.wait()
                 rank.wake = anyio.Event()
                 continue
             prefill = sum(chunk for _, chunk in plan)
-            await anyio.sleep(cfg.decode_time_per_step + cfg.prefill_time_per_token * prefill)
+            end = start + cfg.decode_time_per_step + cfg.prefill_time_per_token * prefill
+            await anyio.sleep_until(end)
             if generation != self._generation:
                 continue  # the engine restarted during the step: its work died with the process
-            self._finish_step(rank, plan, anyio.current_time())
+            rank.clock = end
+            self._finish_step(rank, plan, end)
 
-    def _plan(self, rank: _Rank) -> list[tuple[SimRequest, int]]:
-        """Admit what fits, then give each running request its share of the step: (request, prefill tokens)."""
+    def _plan(self, rank: _Rank) -> tuple[list[tuple[SimRequest, int]], float]:
+        """Admit what fits, then give each running request its share of the step: (request, prefill tokens).
+
+        Also returns when the step starts on the rank's own timeline: where the last step ended, or
+        the latest arrival it admits if later (an idle rank starts with the request that woke it). A
+        step overrun by a busy host (the event loop late to wake the rank) is not carried into the next
+        one: the rank catches up, as a GPU would not have waited, and reported times are the model's.
+        """
         cfg = self.config
         cache = rank.cache
-        now = anyio.current_time()
+        start = rank.clock if rank.running else -math.inf
+        admitted = []
         while rank.waiting and len(rank.running) < cfg.max_batch:
             req = rank.waiting[0]
             hits = cache.admit(req.request_id, req.prompt, max_tokens=req.max_tokens, lora_name=req.lora_name)
@@ -594,8 +609,12 @@ class SimEngine(AsyncService):
             rank.waiting.popleft()
             req.cached_tokens = req.prefilled = hits * cfg.block_size
             req.stored_blocks = hits
-            req.admitted_at = now
+            admitted.append(req)
             rank.running.append(req)
+        if admitted:
+            start = max(rank.clock, *(req.arrival for req in admitted))
+            for req in admitted:
+                req.admitted_at = start
         budget = cfg.max_batched_tokens
         plan = []
         # Decodes first, then prefills in arrival order with what is left (vLLM V1's order).
@@ -608,7 +627,7 @@ class SimEngine(AsyncService):
                 chunk = min(len(req.prompt) - req.prefilled, budget)
                 budget -= chunk
                 plan.append((req, chunk))
-        return plan
+        return plan, start
 
     def _finish_step(self, rank: _Rank, plan: list[tuple[SimRequest, int]], now: float) -> None:
         cfg = self.config

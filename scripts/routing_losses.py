@@ -1,0 +1,185 @@
+"""Where a demo policy's prefix-cache hits went: each request's infinite-cache hits against what it got.
+
+    python scripts/routing_losses.py conversation --seed 0 --policies kvroute,session_affinity [--overlap-weight 2]
+
+Runs ``kvroute demo --trace-shape SHAPE`` in-process with every policy wrapped: at each decision it records
+what each worker's engine truly holds of the prompt, what the index claims, and the longest prefix the
+prompt shares with a request the policy has in flight on that worker. After the run each request's shortfall
+(its infinite-cache hits, `reachable_hits`, minus the tokens the engine found cached) is split into:
+
+- ``nowhere``: no worker held the prefix nor had it in flight (eviction, or never routed together);
+- ``placement: index knew (load/weight)``: the best worker held it, the index said so, and the cost model
+  sent the request elsewhere (the overlap-vs-load weight);
+- ``placement: index lag``: the best worker held it but the index did not claim it yet;
+- ``placement: only in flight``: no cache held it yet, but a request the policy had in flight was
+  prefilling it on another worker (invisible to an index fed by the engines' events);
+- ``engine-side``: the chosen worker had it (or had it in flight) and the engine still recomputed it
+  (admitted before the in-flight request's blocks were computed).
+
+``--inflight-credit`` prototypes a Router change for the last two: kvroute's candidates are re-priced with
+their overlap raised to the prefix of the router's own in-flight requests there (a diagnostic, not the SDK).
+Figures are shares of the run's prompt tokens. Concurrency makes runs differ by a few tenths of a point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from array import array
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import anyio
+import xxhash
+
+from kvroute import CostModel, KvEventClient, WorkerKey
+from kvroute.cli import _demo_run
+from kvroute.cli._demo_policies import KvRoutePolicy, Policy
+from kvroute.cli._demo_policies import make_policy as _make_policy
+from kvroute.cli._workload import TRACE_SHAPES, WorkloadRequest
+from kvroute.sim import SimEngine
+
+BS = 16
+
+
+def _lcp_blocks(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b)) // BS
+    i = 0
+    while i < n and a[i * BS : (i + 1) * BS] == b[i * BS : (i + 1) * BS]:
+        i += 1
+    return i
+
+
+class _Recorder:
+    """A policy wrapper recording, per decision, each worker's true, claimed and in-flight overlap (tokens)."""
+
+    def __init__(self, inner: Policy, client: KvEventClient, engines: Sequence[SimEngine], credit: bool) -> None:
+        self.inner = inner
+        self.client = client
+        self.by_target = {e.grpc_target: e for e in engines}
+        self.credit = credit and isinstance(inner, KvRoutePolicy)
+        self.active: dict[Hashable, tuple[WorkerKey, Sequence[int]]] = {}
+        self.log: dict[int, dict[str, Any]] = {}
+
+    def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
+        n = len(token_ids)
+        truth: dict[WorkerKey, int] = {}
+        flight: dict[WorkerKey, int] = {}
+        for w in self.client.live_workers():
+            truth[w] = self.by_target[w.worker_id].cache(w.dp_rank).match_blocks(token_ids) * BS
+            held = [_lcp_blocks(token_ids, t) for w2, t in self.active.values() if w2 == w]
+            flight[w] = max(held, default=0) * BS
+        claimed = {w: min(n, c * BS) for w, c in self.client.index.find_matches(token_ids).items()}
+        if self.credit:
+            assert isinstance(self.inner, KvRoutePolicy)
+            router = self.inner.router
+            d = router.select(token_ids)  # figures only: no request recorded
+            weight = router.cost_model.overlap_weight
+            best = (d.idle_cost, d.worker, 0) if d.idle_workers else None
+            for c in d.candidates:
+                overlap = max(c.overlap_tokens, min(n, flight.get(c.worker, 0)))
+                cost = weight * (n - overlap) / router.block_size + c.load_blocks
+                if best is None or cost < best[0]:
+                    best = (cost, c.worker, overlap)
+            assert best is not None
+            worker = best[1]
+            router.on_start(request_id, worker, token_ids, cached_tokens=best[2])
+        else:
+            worker = self.inner.choose(request_id, token_ids)
+        self.active[request_id] = (worker, token_ids)
+        assert isinstance(request_id, tuple)  # the demo's ids: (request id, attempt)
+        self.log[request_id[0]] = {"n": n, "truth": truth, "flight": flight, "claimed": claimed, "chosen": worker}
+        return worker
+
+    def prefill_done(self, request_id: Hashable) -> None:
+        self.inner.prefill_done(request_id)
+
+    def finished(self, request_id: Hashable) -> None:
+        self.active.pop(request_id, None)
+        self.inner.finished(request_id)
+
+
+def _reach(workload: Sequence[WorkloadRequest]) -> dict[int, int]:
+    """Each request's hits in an infinite cache that saw every earlier request (as `reachable_hits` counts)."""
+    stored: set[bytes] = set()
+    out = {}
+    for req in sorted(workload, key=lambda r: r.arrival):
+        t, key, hits, matching = req.token_ids, b"", 0, True
+        for s in range(0, len(t) - BS + 1, BS):
+            key = xxhash.xxh3_128_digest(key + array("I", t[s : s + BS]).tobytes())
+            if matching and s + BS <= len(t) - 1 and key in stored:
+                hits += 1
+            else:
+                matching = False
+            stored.add(key)
+        out[req.id] = hits * BS
+    return out
+
+
+def main() -> None:
+    """Parse the flags, run the demo with every policy recorded, print each policy's shortfall by cause."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("shape", choices=TRACE_SHAPES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", default="kvroute,session_affinity")
+    p.add_argument("--overlap-weight", type=float, default=CostModel().overlap_weight)
+    p.add_argument("--inflight-credit", action="store_true", help="prototype: kvroute credits its in-flight prefixes")
+    args = p.parse_args()
+    recorders: dict[str, _Recorder] = {}
+
+    def make_policy(name: str, client: KvEventClient, engines: Sequence[SimEngine], **kw: Any) -> _Recorder:
+        kw["cost"] = CostModel(overlap_weight=args.overlap_weight)
+        rec = recorders[name] = _Recorder(
+            _make_policy(name, client, engines, **kw), client, engines, args.inflight_credit
+        )
+        return rec
+
+    _demo_run.make_policy = make_policy  # type: ignore[attr-defined]  # the demo builds its policies through this name
+    options = _demo_run.DemoOptions(
+        trace_shape=args.shape,
+        seed=args.seed,
+        policies=tuple(args.policies.split(",")),
+        overlap_weight=args.overlap_weight,
+    )
+    workload, _, _ = _demo_run._workload(options)
+    reach = _reach(workload)
+    result = anyio.run(lambda: _demo_run.run_demo(options))
+    for name, records in result.records.items():
+        log = recorders[name].log
+        total = sum(r.prompt_tokens for r in records)
+        lost: collections.Counter[str] = collections.Counter()
+        moves = 0
+        for r in records:
+            d = log[r.id]
+            n = d["n"]
+
+            def cap(v: int, n: int = n) -> int:
+                return min(v, n - 1) // BS * BS  # engines never count the last prompt token as cached
+
+            def anywhere(w: WorkerKey, d: dict[str, Any] = d) -> int:
+                return cap(max(d["truth"][w], d["flight"][w]))
+
+            best = max(d["truth"], key=anywhere)
+            chosen = d["chosen"]
+            lost["nowhere"] += max(0, reach[r.id] - anywhere(best))
+            gap = anywhere(best) - anywhere(chosen)
+            if gap > 0:
+                if cap(d["truth"][best]) < anywhere(best):
+                    lost["placement: only in flight"] += gap
+                elif d["claimed"].get(best, 0) >= cap(d["truth"][best]) - BS:
+                    lost["placement: index knew (load/weight)"] += gap
+                    moves += 1
+                else:
+                    lost["placement: index lag"] += gap
+            lost["engine-side"] += anywhere(chosen) - r.cached_tokens
+        res = result.policies[name]
+        print(
+            f"{name}: hit rate {res.hit_rate:.1%}, infinite cache {res.reachable_hit_rate:.1%}, TTFT p50 "
+            f"{res.ttft_p50 * 1e3:.1f} ms; {moves} requests moved off a worker the index knew held more"
+        )
+        for cause, tokens in sorted(lost.items()):
+            print(f"  {cause:<40} {tokens / total:7.2%}")
+
+
+if __name__ == "__main__":
+    main()
