@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 
 import anyio
@@ -52,6 +52,16 @@ def _check_target(target: str) -> None:
         parse_target(target)
     except DiscoveryError as exc:
         raise ConfigError(f"target {target!r}: {exc.cause}") from None
+
+
+def _check_http_url(target: str, url: str | None) -> str | None:
+    """A target's configured HTTP base URL, without a trailing slash; `ConfigError` unless ``http(s)://host[:port]``."""
+    if url is None:
+        return None
+    scheme, sep, rest = url.partition("://") if isinstance(url, str) else ("", "", "")
+    if scheme not in ("http", "https") or not sep or not rest.split("/", 1)[0]:
+        raise ConfigError(f"target {target!r}: HTTP URL {url!r} is not http(s)://host[:port][/path]")
+    return url.rstrip("/")
 
 
 def _first_leaf(exc: BaseException) -> BaseException:
@@ -92,12 +102,15 @@ class ClientStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Subscription:
-    __slots__ = ("driver", "origin", "scope")
+    __slots__ = ("driver", "http_url", "origin", "scope")
 
     def __init__(self, driver: Driver, origin: str | None, scope: anyio.CancelScope) -> None:
         self.driver = driver
         self.origin = origin
         self.scope = scope
+        # Where this worker's requests go: the source's, updated by each discovery round
+        # (an engine's HTTP server may move without its publishers moving).
+        self.http_url = driver.source.http_url
 
 
 class KvEventClient:
@@ -106,7 +119,9 @@ class KvEventClient:
     ``sources`` are static `EventSource`s; ``targets`` are engine gRPC addresses
     (``host:port``) followed by discovery every ``discovery_interval`` seconds (a target
     failing for longer than ``discovery_grace`` has its workers removed until it answers
-    again). ``index`` defaults to a new `PrefixIndex`; ``context`` to a zmq Context the
+    again). ``targets`` may map each address to the engine's HTTP base URL (None: learn it
+    from discovery where the engine says it, SGLang); `http_url` then answers, per worker,
+    where to send its requests. ``index`` defaults to a new `PrefixIndex`; ``context`` to a zmq Context the
     client creates and terminates. The client is also the router's `WorkerStates`.
 
     Sources and targets can be added and removed while the client runs (inside ``async
@@ -134,7 +149,7 @@ class KvEventClient:
         self,
         sources: Iterable[EventSource] = (),
         *,
-        targets: Iterable[str] = (),
+        targets: Iterable[str] | Mapping[str, str | None] = (),
         index: PrefixIndex | None = None,
         config: SubscriberConfig | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
@@ -151,8 +166,13 @@ class KvEventClient:
         self._index = index if index is not None else PrefixIndex()
         self._initial_sources = list(sources)
         self._initial_targets = list(targets)
+        # Each target's configured HTTP base URL: it wins over what discovery learns.
+        self._target_urls: dict[str, str] = {}
         for target in self._initial_targets:
             _check_target(target)
+            url = _check_http_url(target, targets.get(target) if isinstance(targets, Mapping) else None)
+            if url is not None:
+                self._target_urls[target] = url
         self._ctx = context
         self._own_ctx = context is None
         self._discovery_interval = discovery_interval
@@ -379,15 +399,20 @@ class KvEventClient:
         """Every target currently followed."""
         return list(self._targets)
 
-    def add_target(self, target: str) -> None:
+    def add_target(self, target: str, *, http_url: str | None = None) -> None:
         """Follow one more engine (``host:port`` of its gRPC server); no-op if already followed.
 
-        A malformed target (no port, a scheme) raises `ConfigError`.
+        ``http_url``: the engine's HTTP base URL, where its workers' requests go (`http_url`);
+        None learns it from discovery where the engine says it. A malformed target (no port, a
+        scheme) or URL raises `ConfigError`.
         """
         _check_target(target)
+        url = _check_http_url(target, http_url)
         tg = self._task_group()
         if target in self._targets:
             return
+        if url is not None:
+            self._target_urls[target] = url
         scope = anyio.CancelScope()
         self._targets[target] = scope
         self._targets_pending.add(target)
@@ -401,6 +426,7 @@ class KvEventClient:
         scope.cancel()
         self._targets_pending.discard(target)
         self._discovery_errors.pop(target, None)
+        self._target_urls.pop(target, None)
         for key in self._keys_of(target):
             self._remove(key, reason)
         self._drop_unclaimed()
@@ -452,8 +478,15 @@ class KvEventClient:
             # Leaving `async with` (cancellation has not reached this task yet), or the target
             # was removed while the answer was on its way.
             return
+        url = self._target_urls.get(target)
+        if url is not None:
+            sources = [msgspec.structs.replace(s, http_url=url) for s in sources]
         current = [self._subs[k].driver.source for k in self._keys_of(target)]
         diff = diff_sources(current, list(sources))
+        for src in sources:
+            sub = self._subs.get(src.key)
+            if sub is not None and sub.origin == target:
+                sub.http_url = src.http_url  # the connection is the same; where requests go may move
         for src in diff.removed:
             # A rank a live stream carries exists, whatever the engine's rank count says.
             if not self._subs[src.key].driver.vouched():
@@ -578,6 +611,17 @@ class KvEventClient:
         """The worker's sync state, or None when no current source feeds it."""
         sub = self._subs.get(worker)
         return sub.driver.status() if sub is not None else None
+
+    def http_url(self, worker: WorkerKey) -> str | None:
+        """Where to send ``worker``'s requests: its engine's HTTP base URL, or None when unknown.
+
+        The target's configured URL, else the one discovery learnt (SGLang names its HTTP
+        server; vLLM does not), else a static source's own ``http_url``. The worker's rank
+        goes with each request (README "Where to send it": the ``X-data-parallel-rank``
+        header, which vLLM and SGLang both read).
+        """
+        sub = self._subs.get(worker)
+        return sub.http_url if sub is not None else None
 
     def live_workers(self) -> set[WorkerKey]:
         """Every worker with a current source."""
