@@ -1,7 +1,8 @@
 """`KvEventClient`: subscribe to every source (static or discovered), keep the index current, fan events out.
 
-One anyio task group owns everything the client runs: a `SourceDriver` per source (each in its
-own cancel scope, so a source can leave at runtime) and a discovery follower per target.
+One anyio task group owns everything the client runs: a driver per source (each in its own
+cancel scope, so a source can leave at runtime; the transports come from
+`kvroute._transports._registry`) and a discovery follower per target.
 Leaving ``async with`` cancels them all; each closes its own sockets on the way out, and the
 zmq Context is terminated if the client created it.
 
@@ -11,13 +12,13 @@ slows indexing down).
 
 Warm restart: `KvEventClient.snapshot` writes the index with each source's position; a client
 given ``index=PrefixIndex.restore(path)`` resumes every source whose worker has a saved
-position (identity check first, docs/recovery.md rule 7) and drops the restored state of the others.
+position (identity check first, docs/recovery.md rule 7) and drops the restored state of the others
+(the bookkeeping is `kvroute._restore.Restored`). `stats` is assembled by `kvroute._stats`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -34,11 +35,12 @@ from ._fanout import EventStream, Hub
 from ._index import PrefixIndex
 from ._load import EngineLoads
 from ._models import EventSource, WorkerKey, WorkerStatus
+from ._restore import Restored
 from ._snapshot import Cursor
+from ._stats import ClientStats, TotalStats, client_stats
 from ._subscriber import ReplaySlots, SubscriberConfig
-from ._transports._base import COUNTER_FIELDS, Driver, RateLimitedLog, SourceCounters, SourceStats, Transport
+from ._transports._base import Driver, RateLimitedLog, SourceStats, Transport
 from ._transports._registry import client_transports
-from ._transports.gateway import GatewayStream
 from ._zmq import DEFAULT_MAX_SOURCES, fit_sources
 
 __all__ = ["ClientStats", "EventStream", "KvEventClient", "SourceStats", "SubscriberConfig", "TotalStats"]
@@ -71,34 +73,6 @@ def _first_leaf(exc: BaseException) -> BaseException:
         if not inner:
             return exc
         exc = inner[0]
-
-
-class TotalStats(SourceCounters, frozen=True, kw_only=True):  # type: ignore[misc]  # see SourceStats
-    """Every `SourceCounters` field summed over the current sources, and how many are connected / synced / partial."""
-
-    sources: int = 0
-    connected: int = 0
-    synced: int = 0
-    partial: int = 0
-
-
-class ClientStats(msgspec.Struct, frozen=True, kw_only=True):
-    """A snapshot of `KvEventClient` counters.
-
-    ``sources``: per current source; ``totals``: their sum; ``refused_sources``: times a
-    source was refused (see `KvEventClient.add_source`; discovery offers one again each round); ``removed_sources``:
-    sources removed so far; ``failed_sources``: sources removed because their driver failed;
-    ``adopted_sources``: ranks a gateway stream carried that discovery had not announced, followed
-    from their first batch on; ``events_dropped``: envelopes dropped by full `events()` buffers.
-    """
-
-    sources: dict[WorkerKey, SourceStats]
-    totals: TotalStats
-    refused_sources: int = 0
-    removed_sources: int = 0
-    failed_sources: int = 0
-    adopted_sources: int = 0
-    events_dropped: int = 0
 
 
 class _Subscription:
@@ -180,16 +154,7 @@ class KvEventClient:
         self._discovery_options = discovery_options or DiscoveryOptions()
         # Warm restart: positions not yet handed to a source, and the restored workers no
         # source has claimed yet (removed once discovery has had its first say).
-        self._resume: dict[WorkerKey, Cursor] = {}
-        for key, cursor in self._index.restored_cursors.items():
-            if isinstance(cursor.seq, int) and 0 <= cursor.seq < 2**64 - 1 and math.isfinite(cursor.ts):
-                self._resume[key] = cursor
-            else:
-                # One bad position costs that worker its restored state, never the fleet's.
-                log.warning("%s: restored state dropped: invalid position seq %r, ts %r", key, cursor.seq, cursor.ts)
-                self._index.remove_worker(key)
-        self._index.restored_cursors = {}
-        self._unclaimed: set[WorkerKey] = self._index.workers() | set(self._resume)
+        self._restored = Restored(self._index)
         self._subs: dict[WorkerKey, _Subscription] = {}
         self._targets: dict[str, anyio.CancelScope] = {}
         # Targets whose first discovery has not answered yet: not synced (see wait_synced).
@@ -236,16 +201,13 @@ class KvEventClient:
         await tg.__aenter__()
         self._tg = tg
 
-        def spawn(stream: GatewayStream) -> None:
-            tg.start_soon(stream.run)
-
         self._transports = client_transports(
             context=self._ctx,
             config=self._config,
             replay_slots=self._limiter,
             channel_options=self._discovery_options,
             loads=self.engine_loads,
-            spawn=spawn,
+            spawn=tg.start_soon,
             adopt=self._adopt,
         )
         try:
@@ -270,8 +232,7 @@ class KvEventClient:
         finally:
             # Where the sources stopped stays resumable: a snapshot taken after the block, or
             # entering it again, resumes from there (every driver is done: nothing moves now).
-            self._resume = self._positions()
-            self._unclaimed = self._index.workers() | set(self._resume)
+            self._restored.restart_from(self._positions())
             self._subs.clear()
             self._targets.clear()
             self._targets_pending.clear()
@@ -328,15 +289,8 @@ class KvEventClient:
         problem = transport.problem(source)
         if problem is not None:
             return self._refuse(source, problem)
-        self._unclaimed.discard(source.key)
         self._refused_keys.pop(source.key, None)
-        cursor = self._resume.pop(source.key, None)
-        if cursor is not None and source.replay_endpoint is None:
-            log.info("%s: restored state dropped: no replay endpoint to check it against", source.key)
-            cursor = None
-        if cursor is None and self._index.num_blocks(source.key):
-            # Restored without a position: RecoveryMachine.start() assumes an empty slate.
-            self._index.remove_worker(source.key)
+        cursor = self._restored.take(source)
         driver = transport.driver(source, index=self._index, sink=self._hub, on_change=self._wake, resume=cursor)
         scope = anyio.CancelScope()
         self._subs[source.key] = _Subscription(driver, origin, scope)
@@ -503,14 +457,8 @@ class KvEventClient:
 
     def _drop_unclaimed(self) -> None:
         """Once every target has answered (or been given up on): forget restored workers no source feeds."""
-        if self._targets_pending or not self._unclaimed:
-            return
-        for key in self._unclaimed:
-            if key not in self._subs:
-                log.info("%s: restored state dropped: no configured or discovered source feeds it", key)
-                self._index.remove_worker(key)
-                self._resume.pop(key, None)
-        self._unclaimed.clear()
+        if not self._targets_pending and self._restored.pending:
+            self._restored.drop_unclaimed(self._subs)
 
     # --- warm restart ---------------------------------------------------------------------------------
 
@@ -544,10 +492,9 @@ class KvEventClient:
 
     def _positions(self) -> dict[WorkerKey, Cursor]:
         """The positions a snapshot saves: every non-partial source's, and restored ones not yet taken."""
-        out = {k: c for k, c in self.cursors().items() if not self._subs[k].driver.machine.partial}
-        for key, cursor in self._resume.items():
-            out.setdefault(key, cursor)
-        return out
+        return self._restored.saved(
+            {k: c for k, c in self.cursors().items() if not self._subs[k].driver.machine.partial}
+        )
 
     # --- state --------------------------------------------------------------------------------------
 
@@ -644,20 +591,11 @@ class KvEventClient:
         # A copy first (one C call): a scrape from another thread must not iterate a dict
         # the event loop resizes under it.
         per = {k: s.driver.stats() for k, s in self._subs.copy().items()}
-        sums = {name: sum(getattr(st, name) for st in per.values()) for name, _ in COUNTER_FIELDS}
-        totals = TotalStats(
-            sources=len(per),
-            connected=sum(st.connected for st in per.values()),
-            synced=sum(st.state == "synced" for st in per.values()),
-            partial=sum(st.partial for st in per.values()),
-            **sums,
-        )
-        return ClientStats(
-            sources=per,
-            totals=totals,
-            refused_sources=self._refused,
-            removed_sources=self._removed,
-            failed_sources=self._failed,
-            adopted_sources=self._adopted,
+        return client_stats(
+            per,
+            refused=self._refused,
+            removed=self._removed,
+            failed=self._failed,
+            adopted=self._adopted,
             events_dropped=self._hub.dropped,
         )
