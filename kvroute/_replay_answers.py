@@ -21,10 +21,7 @@ from ._recovery import (
     Action,
     Apply,
     Emit,
-    History,
-    Holding,
     Identity,
-    Link,
     RecoveryStats,
     Reply,
     RequestReplay,
@@ -56,11 +53,8 @@ class ReplayAnswers:
     _anchor_ts: float | None
     _identity_failures: int
     _first_reason: ResetReason
-    _history: History
-    _link: Link
     _identity: Identity
     _reply: Reply
-    _holding: Holding
 
     if TYPE_CHECKING:
         # The machine's methods this half calls (defined in kvroute._source.RecoveryMachine).
