@@ -16,8 +16,14 @@ The router (`build_app`) serves ``POST /v1/completions`` and ``POST /v1/chat/com
 4. tells the router when the first bytes came (`Router.on_prefill_done`: the prompt is prefilled)
    and when the answer ended (`Router.on_finish`), whatever happened.
 
-Where to send it: kvroute names workers by their engine's gRPC target; this router is given a table
-from that target to the engine's HTTP base URL (you configure both for each engine anyway).
+Where to send it: kvroute names workers by their engine's gRPC target and rank; each target is given
+with its engine's HTTP base URL (``KvEventClient(targets={grpc_target: http_url})``; SGLang names its
+HTTP server in its discovery answer, vLLM does not), and `KvEventClient.http_url(worker)` answers where
+a worker's requests go, so the router keeps no table of its own.
+
+Caught up: before the next turn, the example waits until the index holds each routed prompt on its
+worker (`PrefixIndex.find_matches`, what a router reads anyway); a real router never waits, it routes
+on what the index holds at that moment.
 
 `main` starts three simulated engines, runs the router under uvicorn on a free loopback port and plays
 client with the ``openai`` package: six users' chat conversations (three turns each, half of them
@@ -31,7 +37,7 @@ import asyncio
 import contextlib
 import itertools
 import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -52,22 +58,21 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length",
 class KvRouter:
     """The routing step of each request: token ids, the `Router`'s choice, the forwarded call."""
 
-    def __init__(self, router: Router, backends: Mapping[str, str], http: httpx.AsyncClient) -> None:
+    def __init__(self, router: Router, client: KvEventClient, http: httpx.AsyncClient) -> None:
         self.router = router
-        self.backends = dict(backends)  # worker_id (the engine's gRPC target) -> HTTP base URL
+        self.client = client  # where each worker's requests go: client.http_url(worker)
         self.http = http
         self.ids = itertools.count()
         self.routed: dict[str, int] = {}
         self.recent: list[tuple[list[int], WorkerKey]] = []  # what to wait for in `settled`
 
-    async def token_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
-        """The prompt's token ids as the engine will see them (its /tokenize, unless ids were sent)."""
+    async def token_ids(self, body: dict[str, Any], chat: bool, engine: str) -> list[int]:
+        """The prompt's token ids as the engine will see them (``engine``'s /tokenize, unless ids were sent)."""
         prompt = body.get("prompt")
         if not chat and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
         query = {"messages": body["messages"]} if chat else {"prompt": prompt}
-        # Any engine of the fleet: they serve the same model, so the same tokenizer and template.
-        answer = await self.http.post(f"{next(iter(self.backends.values()))}/tokenize", json=query)
+        answer = await self.http.post(f"{engine}/tokenize", json=query)
         answer.raise_for_status()
         tokens: list[int] = answer.json()["tokens"]
         return tokens
@@ -75,13 +80,20 @@ class KvRouter:
     async def forward(self, request: Request) -> Response:
         """Route one OpenAI-style request and pass the engine's answer (streamed or not) through."""
         chat = request.url.path.endswith("/chat/completions")
+        # Any engine of the fleet tokenizes: they serve the same model, so the same tokenizer and template.
+        engines = sorted(u for w in self.client.live_workers() if (u := self.client.http_url(w)) is not None)
+        if not engines:
+            return JSONResponse({"error": {"message": "no engine with a known HTTP URL"}}, status_code=503)
         try:
             body = await request.json()
-            tokens = await self.token_ids(body, chat)
+            tokens = await self.token_ids(body, chat, engines[0])
         except (ValueError, KeyError, httpx.HTTPError) as exc:
             return JSONResponse({"error": {"message": f"bad request: {exc}"}}, status_code=400)
         decision = self.router.select(tokens)
         worker = decision.worker
+        base = self.client.http_url(worker)
+        if base is None:
+            return JSONResponse({"error": {"message": f"no HTTP URL known for {worker}"}}, status_code=502)
         rid = next(self.ids)
         self.router.on_start(rid, worker, tokens, cached_tokens=decision.overlap_tokens)
         name = f"{worker.worker_id}/rank{worker.dp_rank}"
@@ -89,7 +101,7 @@ class KvRouter:
         self.recent.append((tokens, worker))
         upstream = self.http.build_request(
             "POST",
-            f"{self.backends[worker.worker_id]}{request.url.path}",
+            f"{base}{request.url.path}",
             json=body,
             headers={"X-data-parallel-rank": str(worker.dp_rank)},
         )
@@ -147,11 +159,12 @@ async def main() -> None:
     ]
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(SimEngine(cfg)) for cfg in configs]
-        backends = {e.grpc_target: e.http_url for e in engines if e.grpc_target and e.http_url}
-        client = await stack.enter_async_context(KvEventClient(targets=list(backends)))
+        # Each engine's gRPC target (discovery, events) with its HTTP base URL (requests).
+        targets = {e.grpc_target: e.http_url for e in engines if e.grpc_target and e.http_url}
+        client = await stack.enter_async_context(KvEventClient(targets=targets))
         await client.wait_synced(timeout=15)
         http = await stack.enter_async_context(httpx.AsyncClient(timeout=30))
-        kv = KvRouter(Router(client.index, states=client), backends, http)
+        kv = KvRouter(Router(client.index, states=client), client, http)
 
         sock = socket.create_server(("127.0.0.1", 0))
         port = sock.getsockname()[1]

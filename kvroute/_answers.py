@@ -3,6 +3,11 @@
 `_vllm_sources` reads ``GetKvEventSources``, `_sglang_sources` SGLang's ``GetServerInfo``
 ``kv_events`` JSON; every endpoint goes through the endpoint policy (`kvroute._endpoints`), and
 what cannot be used is a typed `DiscoveryError` naming the ranks and why.
+
+Where to send requests: SGLang's answer also names its HTTP server (``host``, ``port`` and
+``ssl_certfile`` of its ``ServerArgs``, 0.5.23 ``build_server_info``), so its sources carry
+``http_url``; vLLM's ``Control`` service says nothing of its HTTP port (its ``GetServerInfo`` is
+versions, parallelism and sizes), so a vLLM target's URL is given to the client.
 """
 
 from __future__ import annotations
@@ -112,6 +117,31 @@ class _SglangInfo(msgspec.Struct):
     kv_events: _SglangKvEvents | None
     # A JSON string or object when present; decoded leniently (see _sglang_tuning).
     kv_events_config: msgspec.Raw = msgspec.Raw()
+    # The HTTP server's bind host and port, and its TLS certificate (None: plain HTTP). Read
+    # leniently (see _sglang_http_url): where requests go is a convenience, never a reason to
+    # refuse the event sources.
+    host: object = None
+    port: object = None
+    ssl_certfile: object = None
+
+
+def _sglang_http_url(target: str, resolver: _Resolver, info: _SglangInfo) -> str | None:
+    """The engine's HTTP base URL from ``host`` / ``port``, judged like an endpoint; None when unusable.
+
+    A wildcard bind host is the host that was dialled; SGLang's default bind, 127.0.0.1, is
+    reachable only when the target is this machine (the endpoint policy's loopback rule).
+    """
+    host, port = info.host, info.port
+    if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
+        return None
+    scheme = "https" if isinstance(info.ssl_certfile, str) and info.ssl_certfile else "http"
+    bound = "*" if not host.strip("[]") else _fmt_host(host.strip("[]"))
+    try:
+        connectable = resolver.endpoint(f"tcp://{bound}:{port}")
+    except _Unusable as exc:
+        log.debug("%s: SGLang's HTTP server is not reachable from here: %s", target, exc)
+        return None
+    return f"{scheme}://{connectable.removeprefix('tcp://')}"
 
 
 class _SglangTuning(msgspec.Struct):
@@ -162,6 +192,7 @@ def _sglang_sources(target: str, resolver: _Resolver, options: Policy, json_info
             target, replay_base, replay_base + kv.dp_size - 1, kv_ports.start, kv_ports.stop - 1, kv.dp_size,
         )  # fmt: skip
     tuning = _sglang_tuning(target, info.kv_events_config)
+    http_url = _sglang_http_url(target, resolver, info)
     host = _fmt_host(kv.endpoint_host.strip("[]"))
     worker_id = options.worker_id or target
     sources: list[EventSource] = []
@@ -186,6 +217,7 @@ def _sglang_sources(target: str, resolver: _Resolver, options: Policy, json_info
                 block_size=kv.block_size,
                 engine="sglang",
                 target=target,
+                http_url=http_url,
             )
         )
     _raise_unusable(target, problems)

@@ -1,7 +1,8 @@
 """`KvEventClient`: subscribe to every source (static or discovered), keep the index current, fan events out.
 
-One anyio task group owns everything the client runs: a `SourceDriver` per source (each in its
-own cancel scope, so a source can leave at runtime) and a discovery follower per target.
+One anyio task group owns everything the client runs: a driver per source (each in its own
+cancel scope, so a source can leave at runtime; the transports come from
+`kvroute._transports._registry`) and a discovery follower per target.
 Leaving ``async with`` cancels them all; each closes its own sockets on the way out, and the
 zmq Context is terminated if the client created it.
 
@@ -11,16 +12,16 @@ slows indexing down).
 
 Warm restart: `KvEventClient.snapshot` writes the index with each source's position; a client
 given ``index=PrefixIndex.restore(path)`` resumes every source whose worker has a saved
-position (identity check first, docs/recovery.md rule 7) and drops the restored state of the others.
+position (identity check first, docs/recovery.md rule 7) and drops the restored state of the others
+(the bookkeeping is `kvroute._restore.Restored`). `stats` is assembled by `kvroute._stats`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 
 import anyio
@@ -34,11 +35,12 @@ from ._fanout import EventStream, Hub
 from ._index import PrefixIndex
 from ._load import EngineLoads
 from ._models import EventSource, WorkerKey, WorkerStatus
+from ._restore import Restored
 from ._snapshot import Cursor
+from ._stats import ClientStats, TotalStats, client_stats
 from ._subscriber import ReplaySlots, SubscriberConfig
-from ._transports._base import COUNTER_FIELDS, Driver, RateLimitedLog, SourceCounters, SourceStats, Transport
+from ._transports._base import Driver, RateLimitedLog, SourceStats, Transport
 from ._transports._registry import client_transports
-from ._transports.gateway import GatewayStream
 from ._zmq import DEFAULT_MAX_SOURCES, fit_sources
 
 __all__ = ["ClientStats", "EventStream", "KvEventClient", "SourceStats", "SubscriberConfig", "TotalStats"]
@@ -54,6 +56,16 @@ def _check_target(target: str) -> None:
         raise ConfigError(f"target {target!r}: {exc.cause}") from None
 
 
+def _check_http_url(target: str, url: str | None) -> str | None:
+    """A target's configured HTTP base URL, without a trailing slash; `ConfigError` unless ``http(s)://host[:port]``."""
+    if url is None:
+        return None
+    scheme, sep, rest = url.partition("://") if isinstance(url, str) else ("", "", "")
+    if scheme not in ("http", "https") or not sep or not rest.split("/", 1)[0]:
+        raise ConfigError(f"target {target!r}: HTTP URL {url!r} is not http(s)://host[:port][/path]")
+    return url.rstrip("/")
+
+
 def _first_leaf(exc: BaseException) -> BaseException:
     """The first non-group exception inside ``exc`` (task groups wrap what their tasks raise)."""
     while True:
@@ -63,41 +75,16 @@ def _first_leaf(exc: BaseException) -> BaseException:
         exc = inner[0]
 
 
-class TotalStats(SourceCounters, frozen=True, kw_only=True):  # type: ignore[misc]  # see SourceStats
-    """Every `SourceCounters` field summed over the current sources, and how many are connected / synced / partial."""
-
-    sources: int = 0
-    connected: int = 0
-    synced: int = 0
-    partial: int = 0
-
-
-class ClientStats(msgspec.Struct, frozen=True, kw_only=True):
-    """A snapshot of `KvEventClient` counters.
-
-    ``sources``: per current source; ``totals``: their sum; ``refused_sources``: times a
-    source was refused (see `KvEventClient.add_source`; discovery offers one again each round); ``removed_sources``:
-    sources removed so far; ``failed_sources``: sources removed because their driver failed;
-    ``adopted_sources``: ranks a gateway stream carried that discovery had not announced, followed
-    from their first batch on; ``events_dropped``: envelopes dropped by full `events()` buffers.
-    """
-
-    sources: dict[WorkerKey, SourceStats]
-    totals: TotalStats
-    refused_sources: int = 0
-    removed_sources: int = 0
-    failed_sources: int = 0
-    adopted_sources: int = 0
-    events_dropped: int = 0
-
-
 class _Subscription:
-    __slots__ = ("driver", "origin", "scope")
+    __slots__ = ("driver", "http_url", "origin", "scope")
 
     def __init__(self, driver: Driver, origin: str | None, scope: anyio.CancelScope) -> None:
         self.driver = driver
         self.origin = origin
         self.scope = scope
+        # Where this worker's requests go: the source's, updated by each discovery round
+        # (an engine's HTTP server may move without its publishers moving).
+        self.http_url = driver.source.http_url
 
 
 class KvEventClient:
@@ -106,7 +93,9 @@ class KvEventClient:
     ``sources`` are static `EventSource`s; ``targets`` are engine gRPC addresses
     (``host:port``) followed by discovery every ``discovery_interval`` seconds (a target
     failing for longer than ``discovery_grace`` has its workers removed until it answers
-    again). ``index`` defaults to a new `PrefixIndex`; ``context`` to a zmq Context the
+    again). ``targets`` may map each address to the engine's HTTP base URL (None: learn it
+    from discovery where the engine says it, SGLang); `http_url` then answers, per worker,
+    where to send its requests. ``index`` defaults to a new `PrefixIndex`; ``context`` to a zmq Context the
     client creates and terminates. The client is also the router's `WorkerStates`.
 
     Sources and targets can be added and removed while the client runs (inside ``async
@@ -134,7 +123,7 @@ class KvEventClient:
         self,
         sources: Iterable[EventSource] = (),
         *,
-        targets: Iterable[str] = (),
+        targets: Iterable[str] | Mapping[str, str | None] = (),
         index: PrefixIndex | None = None,
         config: SubscriberConfig | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
@@ -151,8 +140,13 @@ class KvEventClient:
         self._index = index if index is not None else PrefixIndex()
         self._initial_sources = list(sources)
         self._initial_targets = list(targets)
+        # Each target's configured HTTP base URL: it wins over what discovery learns.
+        self._target_urls: dict[str, str] = {}
         for target in self._initial_targets:
             _check_target(target)
+            url = _check_http_url(target, targets.get(target) if isinstance(targets, Mapping) else None)
+            if url is not None:
+                self._target_urls[target] = url
         self._ctx = context
         self._own_ctx = context is None
         self._discovery_interval = discovery_interval
@@ -160,16 +154,7 @@ class KvEventClient:
         self._discovery_options = discovery_options or DiscoveryOptions()
         # Warm restart: positions not yet handed to a source, and the restored workers no
         # source has claimed yet (removed once discovery has had its first say).
-        self._resume: dict[WorkerKey, Cursor] = {}
-        for key, cursor in self._index.restored_cursors.items():
-            if isinstance(cursor.seq, int) and 0 <= cursor.seq < 2**64 - 1 and math.isfinite(cursor.ts):
-                self._resume[key] = cursor
-            else:
-                # One bad position costs that worker its restored state, never the fleet's.
-                log.warning("%s: restored state dropped: invalid position seq %r, ts %r", key, cursor.seq, cursor.ts)
-                self._index.remove_worker(key)
-        self._index.restored_cursors = {}
-        self._unclaimed: set[WorkerKey] = self._index.workers() | set(self._resume)
+        self._restored = Restored(self._index)
         self._subs: dict[WorkerKey, _Subscription] = {}
         self._targets: dict[str, anyio.CancelScope] = {}
         # Targets whose first discovery has not answered yet: not synced (see wait_synced).
@@ -216,16 +201,13 @@ class KvEventClient:
         await tg.__aenter__()
         self._tg = tg
 
-        def spawn(stream: GatewayStream) -> None:
-            tg.start_soon(stream.run)
-
         self._transports = client_transports(
             context=self._ctx,
             config=self._config,
             replay_slots=self._limiter,
             channel_options=self._discovery_options,
             loads=self.engine_loads,
-            spawn=spawn,
+            spawn=tg.start_soon,
             adopt=self._adopt,
         )
         try:
@@ -250,8 +232,7 @@ class KvEventClient:
         finally:
             # Where the sources stopped stays resumable: a snapshot taken after the block, or
             # entering it again, resumes from there (every driver is done: nothing moves now).
-            self._resume = self._positions()
-            self._unclaimed = self._index.workers() | set(self._resume)
+            self._restored.restart_from(self._positions())
             self._subs.clear()
             self._targets.clear()
             self._targets_pending.clear()
@@ -308,15 +289,8 @@ class KvEventClient:
         problem = transport.problem(source)
         if problem is not None:
             return self._refuse(source, problem)
-        self._unclaimed.discard(source.key)
         self._refused_keys.pop(source.key, None)
-        cursor = self._resume.pop(source.key, None)
-        if cursor is not None and source.replay_endpoint is None:
-            log.info("%s: restored state dropped: no replay endpoint to check it against", source.key)
-            cursor = None
-        if cursor is None and self._index.num_blocks(source.key):
-            # Restored without a position: RecoveryMachine.start() assumes an empty slate.
-            self._index.remove_worker(source.key)
+        cursor = self._restored.take(source)
         driver = transport.driver(source, index=self._index, sink=self._hub, on_change=self._wake, resume=cursor)
         scope = anyio.CancelScope()
         self._subs[source.key] = _Subscription(driver, origin, scope)
@@ -379,15 +353,20 @@ class KvEventClient:
         """Every target currently followed."""
         return list(self._targets)
 
-    def add_target(self, target: str) -> None:
+    def add_target(self, target: str, *, http_url: str | None = None) -> None:
         """Follow one more engine (``host:port`` of its gRPC server); no-op if already followed.
 
-        A malformed target (no port, a scheme) raises `ConfigError`.
+        ``http_url``: the engine's HTTP base URL, where its workers' requests go (`http_url`);
+        None learns it from discovery where the engine says it. A malformed target (no port, a
+        scheme) or URL raises `ConfigError`.
         """
         _check_target(target)
+        url = _check_http_url(target, http_url)
         tg = self._task_group()
         if target in self._targets:
             return
+        if url is not None:
+            self._target_urls[target] = url
         scope = anyio.CancelScope()
         self._targets[target] = scope
         self._targets_pending.add(target)
@@ -401,6 +380,7 @@ class KvEventClient:
         scope.cancel()
         self._targets_pending.discard(target)
         self._discovery_errors.pop(target, None)
+        self._target_urls.pop(target, None)
         for key in self._keys_of(target):
             self._remove(key, reason)
         self._drop_unclaimed()
@@ -452,8 +432,15 @@ class KvEventClient:
             # Leaving `async with` (cancellation has not reached this task yet), or the target
             # was removed while the answer was on its way.
             return
+        url = self._target_urls.get(target)
+        if url is not None:
+            sources = [msgspec.structs.replace(s, http_url=url) for s in sources]
         current = [self._subs[k].driver.source for k in self._keys_of(target)]
         diff = diff_sources(current, list(sources))
+        for src in sources:
+            sub = self._subs.get(src.key)
+            if sub is not None and sub.origin == target:
+                sub.http_url = src.http_url  # the connection is the same; where requests go may move
         for src in diff.removed:
             # A rank a live stream carries exists, whatever the engine's rank count says.
             if not self._subs[src.key].driver.vouched():
@@ -470,14 +457,8 @@ class KvEventClient:
 
     def _drop_unclaimed(self) -> None:
         """Once every target has answered (or been given up on): forget restored workers no source feeds."""
-        if self._targets_pending or not self._unclaimed:
-            return
-        for key in self._unclaimed:
-            if key not in self._subs:
-                log.info("%s: restored state dropped: no configured or discovered source feeds it", key)
-                self._index.remove_worker(key)
-                self._resume.pop(key, None)
-        self._unclaimed.clear()
+        if not self._targets_pending and self._restored.pending:
+            self._restored.drop_unclaimed(self._subs)
 
     # --- warm restart ---------------------------------------------------------------------------------
 
@@ -511,10 +492,9 @@ class KvEventClient:
 
     def _positions(self) -> dict[WorkerKey, Cursor]:
         """The positions a snapshot saves: every non-partial source's, and restored ones not yet taken."""
-        out = {k: c for k, c in self.cursors().items() if not self._subs[k].driver.machine.partial}
-        for key, cursor in self._resume.items():
-            out.setdefault(key, cursor)
-        return out
+        return self._restored.saved(
+            {k: c for k, c in self.cursors().items() if not self._subs[k].driver.machine.partial}
+        )
 
     # --- state --------------------------------------------------------------------------------------
 
@@ -579,6 +559,17 @@ class KvEventClient:
         sub = self._subs.get(worker)
         return sub.driver.status() if sub is not None else None
 
+    def http_url(self, worker: WorkerKey) -> str | None:
+        """Where to send ``worker``'s requests: its engine's HTTP base URL, or None when unknown.
+
+        The target's configured URL, else the one discovery learnt (SGLang names its HTTP
+        server; vLLM does not), else a static source's own ``http_url``. The worker's rank
+        goes with each request (README "Where to send it": the ``X-data-parallel-rank``
+        header, which vLLM and SGLang both read).
+        """
+        sub = self._subs.get(worker)
+        return sub.http_url if sub is not None else None
+
     def live_workers(self) -> set[WorkerKey]:
         """Every worker with a current source."""
         return set(self._subs)
@@ -600,20 +591,11 @@ class KvEventClient:
         # A copy first (one C call): a scrape from another thread must not iterate a dict
         # the event loop resizes under it.
         per = {k: s.driver.stats() for k, s in self._subs.copy().items()}
-        sums = {name: sum(getattr(st, name) for st in per.values()) for name, _ in COUNTER_FIELDS}
-        totals = TotalStats(
-            sources=len(per),
-            connected=sum(st.connected for st in per.values()),
-            synced=sum(st.state == "synced" for st in per.values()),
-            partial=sum(st.partial for st in per.values()),
-            **sums,
-        )
-        return ClientStats(
-            sources=per,
-            totals=totals,
-            refused_sources=self._refused,
-            removed_sources=self._removed,
-            failed_sources=self._failed,
-            adopted_sources=self._adopted,
+        return client_stats(
+            per,
+            refused=self._refused,
+            removed=self._removed,
+            failed=self._failed,
+            adopted=self._adopted,
             events_dropped=self._hub.dropped,
         )

@@ -19,7 +19,9 @@ class EventSource(msgspec.Struct, frozen=True, kw_only=True):
 
     Built by `discover` or by hand for static configuration. ``endpoint`` is connectable
     (wildcard bind hosts already replaced); ``replay_endpoint`` is None when the engine
-    keeps no replay buffer.
+    keeps no replay buffer. ``http_url``: the base URL of the engine's OpenAI-compatible HTTP
+    server, where a router sends this worker's requests (the rank goes with each request:
+    README "Where to send it"); None when unknown.
     """
 
     worker_id: str
@@ -35,6 +37,8 @@ class EventSource(msgspec.Struct, frozen=True, kw_only=True):
     target: str | None = None
     #: Optional ZMQ CURVE server public key (z85, 40 chars) of the publisher.
     curve_server_key: str | None = None
+    #: The engine's HTTP base URL (``http://host:port``), given or learnt from discovery.
+    http_url: str | None = None
 
     @property
     def key(self) -> WorkerKey:

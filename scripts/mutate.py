@@ -27,7 +27,8 @@ break, its broken form, the tests to run, the socket-level tests that claim the 
 is broken where it is kept: the prefix index's and the wire decoder's in the Rust crate
 (src/index/, src/wire.rs; their broken form must compile, the copy's core is rebuilt), the
 receive path's in kvroute/_subscriber.py (the in-order fast path applies through
-``PrefixIndex.apply_payload``), the recovery rules in kvroute/_source.py.
+``PrefixIndex.apply_payload``), the recovery rules in kvroute/_source.py and its replay side,
+kvroute/_replay_answers.py.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "identity-by-ts",
         "rule 7: an identity check compares the replayed seq's ts with the applied one",
-        "kvroute/_source.py",
+        "kvroute/_replay_answers.py",
         "if seq != req.from_seq or batch is None or ts != anchor_ts:",
         "if seq != req.from_seq or batch is None:",
         ("tests/test_source.py", "tests/test_client.py", "tests/test_warm_restart.py", "tests/test_chaos.py"),

@@ -63,6 +63,23 @@ async def test_table_rows_match_the_engines() -> None:
 
 
 @pytest.mark.anyio
+async def test_an_idle_fleet_climbs_in_checks_not_replays() -> None:
+    # Probes of a quiet source are routine: shown apart, so an idle fleet does not look like trouble.
+    async with fleet() as (v, s):
+        assert v.grpc_target is not None and s.grpc_target is not None
+        await traffic(v, s)
+        out = io.StringIO()
+        rows = await watch([v.grpc_target, s.grpc_target], duration=2.0, interval=0.5, quiet_interval=0.2, out=out)
+        assert len(rows) == 3
+        for row in rows:
+            assert row.replays == 1, row  # the cold start's, nothing since
+            assert row.checks >= 2, row  # a probe per quiet interval, as the engine stays idle
+            assert row.gaps == 0 and row.resets == 0
+        shown = out.getvalue()
+        assert "checks" in shown and "indexed" in shown and "routine probes" in shown  # the legend
+
+
+@pytest.mark.anyio
 async def test_json_lines_stream_every_event() -> None:
     async with fleet() as (v, s):
         assert v.grpc_target is not None

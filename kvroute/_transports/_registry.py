@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import zmq
 
@@ -11,7 +12,7 @@ from .._models import EventSource
 from .._subscriber import ReplaySlots, SubscriberConfig
 from .._transport import ZmqTransport
 from ._base import Transport
-from .gateway import ChannelOptions, GatewayStream, GatewayTransport
+from .gateway import ChannelOptions, GatewayTransport
 
 __all__ = ["client_transports"]
 
@@ -23,15 +24,15 @@ def client_transports(
     replay_slots: ReplaySlots,
     channel_options: ChannelOptions,
     loads: EngineLoads,
-    spawn: Callable[[GatewayStream], None],
+    spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], object],
     adopt: Callable[[EventSource, EventSource], bool],
 ) -> list[Transport]:
     """Every transport a client uses; the first that `Transport.handles` a source carries it.
 
     The gateway stream claims ``grpc://`` endpoints; ZMQ (SUB + replay DEALER) takes every
-    other source. ``spawn`` starts a shared stream's task, ``loads`` receives engine load
-    records, ``adopt(source, like)`` follows a rank a stream carries unannounced the way
-    ``like`` is followed.
+    other source. ``spawn(run)`` starts a task in the client's task group (a shared stream's);
+    ``loads`` receives engine load records; ``adopt(source, like)`` follows a rank a stream
+    carries unannounced the way ``like`` is followed.
     """
     return [
         GatewayTransport(config.limits, channel_options, loads, spawn, adopt),

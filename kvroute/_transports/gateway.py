@@ -40,7 +40,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final, Protocol
 
 import anyio
@@ -420,7 +420,7 @@ class GatewayTransport:
         limits: Limits,
         options: ChannelOptions,
         loads: EngineLoads,
-        spawn: Callable[[GatewayStream], None],
+        spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], object],
         adopt: Callable[[EventSource, EventSource], bool],
     ) -> None:
         self.limits = limits
@@ -471,7 +471,7 @@ class GatewayTransport:
                 return self._adopt(msgspec.structs.replace(template, dp_rank=rank), template)
 
             stream = self.streams[parsed] = GatewayStream(parsed[0], parsed[1], self.options, adopt)
-            self._spawn(stream)
+            self._spawn(stream.run)
         stream.ranks[drv.source.dp_rank] = drv
         return stream
 

@@ -7,8 +7,13 @@ Usage::
 
 The table (rich when installed, plain text otherwise) has one row per worker (engine, rank):
 sync state, partial flag, blocks held per tier, blocks in the index, engine events per second,
-last applied seq, gaps, replays and resets; under the title, a line per target whose discovery
-is failing, with its last error. With ``--json`` every envelope of
+last applied seq, gaps, replays, checks and resets; under the title, a line per target whose
+discovery is failing, with its last error; under the table, what the columns mean (`LEGEND`).
+
+Replays and checks are told apart: a replay recovers something (the cold start's history, a
+gap, a retry), a check is routine — a quiet source is probed every ``--quiet-interval`` for a
+lost tail, and a reconnect asks whether the engine is still the same process — so an idle
+fleet's checks climb while its replays stay put. With ``--json`` every envelope of
 `KvEventClient.events()` (engine and lifecycle events) is written to stdout as one JSON line,
 ``{"source": {...}, "seq": N|null, "ts": T, "event": {"type": ..., ...}}``.
 
@@ -50,7 +55,7 @@ from kvroute._wire import BlockHash
 from . import _display
 from ._display import EXIT_FAILED, EXIT_OK, EXIT_USAGE, error
 
-__all__ = ["TierTally", "WatchRow", "plain_table", "register", "watch"]
+__all__ = ["LEGEND", "TierTally", "WatchRow", "plain_table", "register", "watch"]
 
 
 class WatchRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,8 +73,11 @@ class WatchRow(msgspec.Struct, frozen=True, kw_only=True):
     events_per_s: float
     last_seq: int
     gaps: int
+    #: Recovery replays: cold start, gap, retry (`SourceStats.replays` less probes and identity checks).
     replays: int
     resets: int
+    #: Routine replays that found nothing wrong or vouched for the engine: quiet probes and identity checks.
+    checks: int = 0
     #: The engine's reported load (gateway streams): "running/waiting qQUEUED_TOKENS", "-" without one.
     load: str = "-"
 
@@ -140,7 +148,8 @@ def rows(client: KvEventClient, tally: TierTally, rates: dict[WorkerKey, float])
                 events_per_s=round(rates.get(key, 0.0), 1),
                 last_seq=st.last_seq,
                 gaps=st.gaps,
-                replays=st.replays,
+                replays=st.replays - st.probes - st.identity_checks,
+                checks=st.probes + st.identity_checks,
                 resets=st.resets,
                 load=_load_cell(st.load),
             )
@@ -157,8 +166,17 @@ def _load_cell(load: EngineLoad | None) -> str:
 
 _HEADER = (
     *("worker", "rank", "engine", "state"),
-    *("GPU", "CPU", "DISK", "EXT", "index"),
-    *("ev/s", "seq", "gaps", "replays", "resets", "load"),
+    *("GPU", "CPU", "DISK", "EXT", "indexed"),
+    *("ev/s", "seq", "gaps", "replays", "checks", "resets", "load"),
+)
+
+#: What the columns mean, shown under the table.
+LEGEND = (
+    "GPU..EXT: blocks per tier tallied from the event stream (~: the stream overflowed, may be off); "
+    "indexed: blocks the index holds for the worker (exact); seq: last applied; "
+    "replays: recoveries (cold start, gap, retry); checks: routine probes of a quiet source and identity "
+    "checks after a reconnect, which climb while idle; load: the engine's running/waiting requests and "
+    "queued tokens (gateway streams)"
 )
 
 
@@ -176,6 +194,7 @@ def _cells(row: WatchRow) -> list[str]:
         str(row.last_seq),
         str(row.gaps),
         str(row.replays),
+        str(row.checks),
         str(row.resets),
         row.load,
     ]
@@ -194,7 +213,7 @@ class _PlainDisplay:
 
     def show(self, table_rows: list[WatchRow], title: str, final: bool = False) -> None:
         if final or self._out.isatty():
-            print(f"{title}\n{plain_table(table_rows)}\n", file=self._out, flush=True)
+            print(f"{title}\n{plain_table(table_rows)}\n{LEGEND}\n", file=self._out, flush=True)
 
     def close(self) -> None:
         return None
@@ -212,7 +231,7 @@ class _RichDisplay:
     def show(self, table_rows: list[WatchRow], title: str, final: bool = False) -> None:
         from rich.table import Table
 
-        table = Table(title=title)
+        table = Table(title=title, caption=LEGEND)
         for i, name in enumerate(_HEADER):
             table.add_column(name, justify="left" if i < 4 else "right")
         for row in table_rows:
@@ -314,7 +333,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "watch",
         help="follow engines' KV events: a live table per worker, or JSON lines",
         description="Discover the engines at TARGET (host:port of their gRPC servers), subscribe to every"
-        " rank's KV events, and show blocks per tier, events/s, last seq, gaps, replays and resets.",
+        " rank's KV events, and show blocks per tier, events/s, last seq, gaps, replays, checks and resets.",
+        epilog="Columns: " + LEGEND + ".",
     )
     p.add_argument("targets", nargs="+", metavar="TARGET", help="an engine's gRPC address, host:port")
     p.add_argument("--engine", choices=ENGINES, default="auto", help="discovery protocol (default auto)")
