@@ -528,6 +528,21 @@ fn hash_of(v: i128) -> BlockHash {
     BlockHash::Int(v as u64)
 }
 
+/// `UINT_WIDTH[marker]` when the marker is not a uint form a token id takes.
+const NOT_UINT: u8 = u8::MAX;
+
+/// Bytes after the marker for the uint forms token ids take (0: a positive fixint), by marker byte,
+/// as rmp's `Marker` classifies it; `NOT_UINT` for every other marker.
+static UINT_WIDTH: std::sync::LazyLock<[u8; 256]> = std::sync::LazyLock::new(|| {
+    std::array::from_fn(|b| match Marker::from_u8(b as u8) {
+        Marker::FixPos(_) => 0,
+        Marker::U8 => 1,
+        Marker::U16 => 2,
+        Marker::U32 => 4,
+        _ => NOT_UINT,
+    })
+});
+
 /// A decoded store before its checks: ints still wide, token cells (SGLang EAGLE) not yet folded.
 #[derive(Default)]
 struct RawStore {
@@ -1174,10 +1189,29 @@ impl<'a> Dec<'a> {
         } else {
             let mut out = Vec::with_capacity(self.reserve_for(n));
             s.wide_tokens.clear();
-            // The hot loop of a store: rmp's `read_int` straight over the payload. Anything it does
-            // not take as an i64 (an int past i64::MAX, another type, the end) goes through `tok`.
+            // The hot loop of a store. The int forms token ids take (fixint, uint 8/16/32), as
+            // rmp's `Marker` classifies them (`UINT_WIDTH`), are read without a branch on the form:
+            // the next 8 bytes big-endian, shifted down to the form's width (a data-dependent branch
+            // between uint 16 and uint 32 mispredicts on every other token of a real vocabulary).
+            // Anything else (wider or signed ints, another type, the payload's last 8 bytes) goes
+            // through rmp's `read_int`, then `tok`.
+            let widths: &[u8; 256] = &UINT_WIDTH;
             let mut r = Bytes::new(self.rest());
             for i in 0..n as usize {
+                let rest = r.remaining_slice();
+                if let (Some(&b), Some(next)) = (rest.first(), rest.get(1..9)) {
+                    let w = widths[usize::from(b)];
+                    if w != NOT_UINT {
+                        let mut be = [0u8; 8];
+                        be.copy_from_slice(next);
+                        let wide = u64::from_be_bytes(be) >> (64 - 8 * u32::from(w.max(1)));
+                        let v = if w == 0 { u64::from(b) } else { wide };
+                        // At most u32::MAX: the forms above hold nothing wider.
+                        out.push(v as i64);
+                        r = Bytes::new(&rest[1 + usize::from(w)..]);
+                        continue;
+                    }
+                }
                 let before = r;
                 if let Ok(v) = rd::read_int::<i64, _>(&mut r) {
                     out.push(v);
