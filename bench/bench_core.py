@@ -10,7 +10,8 @@ Figures, each printed with its absolute numbers and as a ratio within this run (
   (tests/reference, the index before the Rust core).
 - ``find_matches`` p50 / p99: a full 512-block match and 32 shared blocks of an 8k-token prompt (a list of ints
   and an ``array("I")``), 64 workers, compiled ÷ the reference index holding the same entries.
-- memory per (block, worker) entry at 1M entries: RSS growth ÷ entries (each entry a distinct block).
+- memory per (block, worker) entry at 1M entries: RSS growth ÷ entries (each entry a distinct block), beside
+  ``PrefixIndex.memory_bytes()`` (the tables' capacities) ÷ entries.
 - ``Router.select`` p99 while two threads ingest at full speed ÷ its p99 idle.
 """
 
@@ -181,7 +182,9 @@ def bench_memory(entries: int) -> None:
     gc.collect()
     used = rss() - before
     n = idx.num_blocks()
-    print(f"memory: {n:,} (block, worker) entries, RSS growth {used / 1e6:.1f} MB = {used / n:.1f} B per entry")
+    tables = idx.memory_bytes()
+    print(f"memory: {n:,} (block, worker) entries, RSS growth {used / 1e6:.1f} MB = {used / n:.1f} B per entry; "
+          f"the index's own figure (memory_bytes) {tables / 1e6:.1f} MB = {tables / n:.1f} B per entry")
 
 
 def bench_select_under_ingest(seconds: float) -> None:

@@ -249,6 +249,13 @@ class PrefixIndex:
         """A snapshot of the index's size and counters."""
         return IndexStats(**dict(zip(IndexStats.__struct_fields__, self._core.stats())))
 
+    def memory_bytes(self) -> int:
+        """Bytes the index's tables hold, computed from the compiled tables' capacities (the key
+        table, every worker's maps, the root cache). ``sys.getsizeof`` cannot see them; heap
+        bookkeeping and allocator slack are not included, so the process's RSS grows somewhat more.
+        """
+        return self._core.memory_bytes()
+
     def remove_worker(self, worker: WorkerKey) -> None:
         """Forget everything ``worker`` holds (a reset, a restart, a worker gone)."""
         self._core.remove_worker(worker)

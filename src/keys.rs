@@ -124,10 +124,18 @@ pub fn tokens_u32(tokens: &[i64]) -> Option<Vec<u32>> {
     tokens.iter().map(|&t| u32::try_from(t).ok()).collect()
 }
 
+/// Whether every token id fits uint32 (a block with one that does not is never claimed).
+pub fn all_u32(tokens: &[i64]) -> bool {
+    tokens
+        .iter()
+        .all(|&t| (0..=i64::from(u32::MAX)).contains(&t))
+}
+
 fn push_tokens(buf: &mut Vec<u8>, tokens: &[u32]) {
-    buf.reserve(tokens.len() * 4);
-    for t in tokens {
-        buf.extend_from_slice(&t.to_le_bytes());
+    let at = buf.len();
+    buf.resize(at + tokens.len() * 4, 0);
+    for (dst, t) in buf[at..].chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&t.to_le_bytes());
     }
 }
 
@@ -164,11 +172,28 @@ pub fn chain_into<'a>(
     }
 }
 
-/// Keys of `n` plain blocks (no extras, no lookahead) chained on `parent`.
-pub fn plain_keys(parent: &Key, tokens: &[u32], block_size: usize, n: usize) -> Vec<Key> {
-    let mut out = Vec::with_capacity(n);
-    chain_into(&mut out, parent, tokens, block_size, n, |_| None, |_| None);
-    out
+/// Keys of `n` plain blocks (no extras, no lookahead) chained on `parent`, appended to `out`:
+/// `chain_into` for token ids as decoded (i64), which the caller has checked with `all_u32`.
+pub fn plain_keys_into(
+    out: &mut Vec<Key>,
+    parent: &Key,
+    tokens: &[i64],
+    block_size: usize,
+    n: usize,
+) {
+    let mut buf = vec![0u8; 16 + 4 * block_size];
+    let mut key = *parent;
+    out.reserve(n);
+    for block in tokens.chunks_exact(block_size).take(n) {
+        buf[..16].copy_from_slice(&key);
+        for (dst, &t) in buf[16..].chunks_exact_mut(4).zip(block) {
+            // In range: `all_u32` checked every token before (a wrong cast would only
+            // mis-key, never crash; the differential tests hold it to `chain_into`).
+            dst.copy_from_slice(&(t as u32).to_le_bytes());
+        }
+        key = xxh128(&buf);
+        out.push(key);
+    }
 }
 
 /// One multimodal item of a query (`kvroute.MultimodalItem`).
@@ -286,7 +311,11 @@ mod tests {
     #[test]
     fn chained_keys_follow_the_definition() {
         let root = root_key(None, None);
-        let keys = plain_keys(&root, &[1, 2, 3, 4], 2, 2);
+        let mut keys = Vec::new();
+        plain_keys_into(&mut keys, &root, &[1, 2, 3, 4], 2, 2);
+        let mut chained = Vec::new();
+        chain_into(&mut chained, &root, &[1, 2, 3, 4], 2, 2, |_| None, |_| None);
+        assert_eq!(keys, chained);
         let mut first = root.to_vec();
         first.extend_from_slice(&[1, 0, 0, 0, 2, 0, 0, 0]);
         assert_eq!(keys[0], xxh128(&first));

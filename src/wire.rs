@@ -528,6 +528,25 @@ fn hash_of(v: i128) -> BlockHash {
     BlockHash::Int(v as u64)
 }
 
+/// `UINT_WIDTH[marker]` when the marker is not a uint form a token id takes.
+const NOT_UINT: u8 = u8::MAX;
+
+/// Bytes after the marker for the uint forms token ids take (0: a positive fixint), by marker
+/// byte; `NOT_UINT` for every other marker. msgpack's markers: 0x00-0x7f positive fixint, 0xcc
+/// uint 8, 0xcd uint 16, 0xce uint 32 (the tests hold the table to rmp's `Marker::from_u8`).
+const UINT_WIDTH: [u8; 256] = {
+    let mut t = [NOT_UINT; 256];
+    let mut b = 0;
+    while b < 0x80 {
+        t[b] = 0;
+        b += 1;
+    }
+    t[0xcc] = 1;
+    t[0xcd] = 2;
+    t[0xce] = 4;
+    t
+};
+
 /// A decoded store before its checks: ints still wide, token cells (SGLang EAGLE) not yet folded.
 #[derive(Default)]
 struct RawStore {
@@ -1174,16 +1193,37 @@ impl<'a> Dec<'a> {
         } else {
             let mut out = Vec::with_capacity(self.reserve_for(n));
             s.wide_tokens.clear();
-            // The hot loop of a store: rmp's `read_int` straight over the payload. Anything it does
-            // not take as an i64 (an int past i64::MAX, another type, the end) goes through `tok`.
-            let mut r = Bytes::new(self.rest());
+            // The hot loop of a store. The int forms token ids take (fixint, uint 8/16/32; the
+            // table is checked against rmp's `Marker` in the tests) are read without a branch on
+            // the form: the next 8 bytes big-endian, shifted down to the form's width (a branch
+            // between uint 16 and uint 32 mispredicts on every other token of a real vocabulary).
+            // Anything else (wider or signed ints, another type, the payload's last 8 bytes) goes
+            // through rmp's `read_int`, then `tok`.
+            let whole: &'a [u8] = self.buf;
+            let base = self.pos;
+            let buf = &whole[base..];
+            let mut p = 0usize;
             for i in 0..n as usize {
-                let before = r;
+                if let (Some(&b), Some(next)) = (buf.get(p), buf.get(p + 1..p + 9)) {
+                    let w = UINT_WIDTH[usize::from(b)];
+                    if w != NOT_UINT {
+                        let mut be = [0u8; 8];
+                        be.copy_from_slice(next);
+                        let wide = u64::from_be_bytes(be) >> (64 - 8 * u32::from(w.max(1)));
+                        let v = if w == 0 { u64::from(b) } else { wide };
+                        // At most u32::MAX: the forms above hold nothing wider.
+                        out.push(v as i64);
+                        p += 1 + usize::from(w);
+                        continue;
+                    }
+                }
+                let mut r = Bytes::new(&buf[p..]);
                 if let Ok(v) = rd::read_int::<i64, _>(&mut r) {
                     out.push(v);
+                    p = buf.len() - r.remaining_slice().len();
                     continue;
                 }
-                self.pos = self.buf.len() - before.remaining_slice().len();
+                self.pos = base + p;
                 match self.int_fast()? {
                     Some(v) => {
                         s.wide_tokens.push((i, v as u64));
@@ -1194,9 +1234,9 @@ impl<'a> Dec<'a> {
                         return Err(expected("int", &t)).at(Seg::Index(i));
                     }
                 }
-                r = Bytes::new(self.rest());
+                p = self.pos - base;
             }
-            self.pos = self.buf.len() - r.remaining_slice().len();
+            self.pos = base + p;
             s.tokens = out;
             s.cells = None;
         }
@@ -1710,6 +1750,20 @@ mod tests {
                 p[i] = v;
                 let _ = decode(&p, &Limits::default());
             }
+        }
+    }
+
+    #[test]
+    fn the_uint_width_table_is_rmps_classification() {
+        for b in 0..=255u8 {
+            let want = match Marker::from_u8(b) {
+                Marker::FixPos(_) => 0,
+                Marker::U8 => 1,
+                Marker::U16 => 2,
+                Marker::U32 => 4,
+                _ => NOT_UINT,
+            };
+            assert_eq!(UINT_WIDTH[usize::from(b)], want, "marker {b:#x}");
         }
     }
 

@@ -98,18 +98,27 @@ def test_queries_run_while_other_threads_apply_payloads() -> None:
     stores = [BlockStored(block_hashes=list(range(i, i + 64)), token_ids=toks, block_size=16) for i in range(99)]
     payloads = [encode_batch(EventBatch(float(i), [ev])) for i, ev in enumerate(stores)]
 
+    done = threading.Event()
+
     def ingest(w: WorkerKey) -> None:
-        for p in payloads:
-            assert index.apply_payload(w, p).ok
+        # Round after round until the queries are done: a fast core must not finish its ingest
+        # before the first query starts (the test would then prove nothing and fail).
+        while not done.is_set():
+            for p in payloads:
+                assert index.apply_payload(w, p).ok
 
     threads = [threading.Thread(target=ingest, args=(w,)) for w in W]
     for t in threads:
         t.start()
     answered = 0
-    while any(t.is_alive() for t in threads):
-        scores = index.find_matches([*toks, 0])
-        assert all(v in (0, 64) for v in scores.values())
-        answered += 1
-    for t in threads:
-        t.join()
+    try:
+        while answered < 50:
+            scores = index.find_matches([*toks, 0])
+            assert all(v in (0, 64) for v in scores.values())
+            assert all(t.is_alive() for t in threads)  # the ingest ran beside every query
+            answered += 1
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
     assert answered > 0 and dict(index.find_matches([*toks, 0])) == {W[0]: 64, W[1]: 64}

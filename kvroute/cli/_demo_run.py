@@ -24,10 +24,8 @@ rebuilt), and reports when kvroute noticed and when the worker was synced again.
 from __future__ import annotations
 
 import contextlib
-import gc
 import sys
 import time
-import types
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple, Protocol, TextIO
@@ -160,27 +158,6 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
         speedup = 1.0 if self.speedup is None else self.speedup
         if not (speedup > 0 and self.rate > 0 and self.quiet_interval > 0 and self.sync_timeout > 0):
             raise ValueError("speedup, rate, quiet_interval and sync_timeout must be > 0")
-
-
-# --- measuring ------------------------------------------------------------------------------------
-
-
-_SKIP_SIZE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
-
-
-def _deep_size(root: object) -> int:
-    """Bytes of every object reachable from ``root`` (each once), classes and functions excluded."""
-    seen: set[int] = set()
-    stack = [root]
-    total = 0
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, _SKIP_SIZE):
-            continue
-        seen.add(id(obj))
-        total += sys.getsizeof(obj)
-        stack.extend(gc.get_referents(obj))
-    return total
 
 
 class _Lifecycle(msgspec.Struct, frozen=True):
@@ -454,7 +431,8 @@ async def _run_policy(
                     digests = [d for d, _ in await replicas.digests(prompts)]
                     digests.append(index_digest(client.index, prompts)[0])
         stats = client.stats()
-        index_memory = _deep_size(client.index)
+        # The compiled index's own figure: sys.getsizeof cannot see its Rust tables.
+        index_memory = client.index.memory_bytes()
         index_blocks = client.index.num_blocks()
         engine_blocks = sum(e.cache(r).num_cached_blocks for e in engines for r in range(e.config.ranks))
         workers = len(client.live_workers())

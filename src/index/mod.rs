@@ -39,11 +39,12 @@ mod snapshot;
 mod store;
 mod table;
 
-use std::hash::Hash;
+use std::hash::{BuildHasher, Hash};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use hashbrown::HashTable;
 use parking_lot::Mutex;
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
 
 use crate::keys::Key;
 use crate::protocols::BlockHash;
@@ -116,51 +117,100 @@ pub struct Tables<K> {
 /// A (block size, lookahead tokens) pair: how a worker's content keys are chained.
 pub type Class = (i64, i64);
 
-/// A map keyed by engine block hashes, ints and bytes apart (a uint64 stays 8 bytes).
+/// A uint64 engine hash as two u32 halves: alignment 4, so an (engine hash, key id) entry of a
+/// worker's table packs into 12 bytes instead of 16 (the worker tables are most of the index).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct H64([u32; 2]);
+
+impl H64 {
+    #[inline]
+    fn new(h: u64) -> H64 {
+        H64([h as u32, (h >> 32) as u32])
+    }
+
+    #[inline]
+    fn get(self) -> u64 {
+        u64::from(self.0[0]) | u64::from(self.0[1]) << 32
+    }
+}
+
+#[inline]
+fn hash_u64(h: u64) -> u64 {
+    FxBuildHasher.hash_one(h)
+}
+
+/// A map keyed by engine block hashes, ints and bytes apart (a uint64 stays 8 bytes, packed).
 #[derive(Clone, Debug)]
 pub(crate) struct EMap<V> {
-    ints: FxHashMap<u64, V>,
+    ints: HashTable<(H64, V)>,
     bytes: FxHashMap<Box<[u8]>, V>,
 }
 
 impl<V> Default for EMap<V> {
     fn default() -> Self {
         EMap {
-            ints: FxHashMap::default(),
+            ints: HashTable::new(),
             bytes: FxHashMap::default(),
         }
     }
 }
 
 impl<V> EMap<V> {
+    #[inline]
     pub(crate) fn get(&self, h: &BlockHash) -> Option<&V> {
         match h {
-            BlockHash::Int(i) => self.ints.get(i),
+            BlockHash::Int(i) => self
+                .ints
+                .find(hash_u64(*i), |e| e.0.get() == *i)
+                .map(|e| &e.1),
             BlockHash::Bytes(b) => self.bytes.get(b.as_slice()),
         }
     }
 
+    #[inline]
     pub(crate) fn get_mut(&mut self, h: &BlockHash) -> Option<&mut V> {
         match h {
-            BlockHash::Int(i) => self.ints.get_mut(i),
+            BlockHash::Int(i) => self
+                .ints
+                .find_mut(hash_u64(*i), |e| e.0.get() == *i)
+                .map(|e| &mut e.1),
             BlockHash::Bytes(b) => self.bytes.get_mut(b.as_slice()),
         }
     }
 
+    #[inline]
     pub(crate) fn contains(&self, h: &BlockHash) -> bool {
         self.get(h).is_some()
     }
 
+    #[inline]
     pub(crate) fn insert(&mut self, h: &BlockHash, v: V) -> Option<V> {
         match h {
-            BlockHash::Int(i) => self.ints.insert(*i, v),
+            BlockHash::Int(i) => {
+                match self
+                    .ints
+                    .entry(hash_u64(*i), |e| e.0.get() == *i, |e| hash_u64(e.0.get()))
+                {
+                    hashbrown::hash_table::Entry::Occupied(mut o) => {
+                        Some(std::mem::replace(&mut o.get_mut().1, v))
+                    }
+                    hashbrown::hash_table::Entry::Vacant(slot) => {
+                        slot.insert((H64::new(*i), v));
+                        None
+                    }
+                }
+            }
             BlockHash::Bytes(b) => self.bytes.insert(b.clone().into_boxed_slice(), v),
         }
     }
 
     pub(crate) fn remove(&mut self, h: &BlockHash) -> Option<V> {
         match h {
-            BlockHash::Int(i) => self.ints.remove(i),
+            BlockHash::Int(i) => self
+                .ints
+                .find_entry(hash_u64(*i), |e| e.0.get() == *i)
+                .ok()
+                .map(|o| o.remove().0 .1),
             BlockHash::Bytes(b) => self.bytes.remove(b.as_slice()),
         }
     }
@@ -174,13 +224,13 @@ impl<V> EMap<V> {
     }
 
     pub(crate) fn values(&self) -> impl Iterator<Item = &V> {
-        self.ints.values().chain(self.bytes.values())
+        self.ints.iter().map(|e| &e.1).chain(self.bytes.values())
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = (BlockHash, &V)> {
         self.ints
             .iter()
-            .map(|(k, v)| (BlockHash::Int(*k), v))
+            .map(|e| (BlockHash::Int(e.0.get()), &e.1))
             .chain(
                 self.bytes
                     .iter()
@@ -189,8 +239,29 @@ impl<V> EMap<V> {
     }
 
     pub(crate) fn reserve(&mut self, n: usize) {
-        self.ints.reserve(n);
+        self.ints.reserve(n, |e| hash_u64(e.0.get()));
     }
+
+    /// Bytes the map has allocated (buckets and control bytes; a bytes key's own allocation too).
+    pub(crate) fn memory_bytes(&self) -> usize {
+        table_bytes::<(H64, V)>(self.ints.capacity())
+            + table_bytes::<(Box<[u8]>, V)>(self.bytes.capacity())
+            + self.bytes.keys().map(|k| k.len()).sum::<usize>()
+    }
+}
+
+/// Bytes a hashbrown table with room for `capacity` entries of `T` has allocated: its buckets
+/// (a power of two, 8/7 of the capacity past 8 entries) and one control byte each, plus a group.
+pub(crate) fn table_bytes<T>(capacity: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    let buckets = if capacity < 8 {
+        (capacity + 1).next_power_of_two()
+    } else {
+        (capacity * 8 / 7).next_power_of_two()
+    };
+    buckets * (std::mem::size_of::<T>() + 1) + 16
 }
 
 /// The hit rule of a non-primary KV-cache group (vLLM's single_type_kv_cache_manager).
@@ -302,7 +373,8 @@ pub(crate) struct Worker<K> {
     pub(crate) lookahead: i64,
     pub(crate) hybrid: bool,
     pub(crate) warned: FxHashSet<&'static str>,
-    pub(crate) fresh_root: FxHashSet<BlockHash>,
+    /// the engine hashes of the last parentless primary store that named a block not held yet
+    pub(crate) fresh_root: Vec<BlockHash>,
 }
 
 impl<K> Worker<K> {
@@ -323,7 +395,7 @@ impl<K> Worker<K> {
             lookahead: 0,
             hybrid: false,
             warned: FxHashSet::default(),
-            fresh_root: FxHashSet::default(),
+            fresh_root: Vec::new(),
         }
     }
 
@@ -338,6 +410,33 @@ impl<K> Worker<K> {
                 .iter()
                 .map(|(_, g)| g.blocks.len())
                 .sum::<usize>()
+    }
+
+    /// Bytes this worker's tables have allocated (see `Index::memory_bytes`).
+    fn memory_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let groups: usize = self
+            .groups
+            .iter()
+            .map(|(_, g)| {
+                g.blocks.memory_bytes()
+                    + table_bytes::<(Key, u32)>(g.held.capacity())
+                    + g.copies.memory_bytes()
+            })
+            .sum();
+        let pending = self.pending.as_ref().map_or(0, |(t, h)| {
+            t.capacity() * 8 + h.capacity() * size_of::<BlockHash>()
+        });
+        self.blocks.memory_bytes()
+            + self.special.memory_bytes()
+            + table_bytes::<(u32, [i32; 4])>(self.multi.capacity())
+            + self.copies.memory_bytes()
+            + pending
+            + self.classes.capacity() * size_of::<Class>()
+            + self.groups.capacity() * size_of::<(i64, Group)>()
+            + groups
+            + table_bytes::<&'static str>(self.warned.capacity())
+            + self.fresh_root.capacity() * size_of::<BlockHash>()
     }
 
     pub(crate) fn group(&self, g: i64) -> Option<usize> {
@@ -375,6 +474,16 @@ pub struct Index<K: WorkerName> {
     pub(crate) refused_entries: u64,
     /// warnings to log (drained by the caller: the core never logs itself)
     pub(crate) logs: Vec<String>,
+    /// buffers a store reuses (keys, ids, holder flags), so the hot path allocates nothing
+    pub(crate) scratch: Scratch,
+}
+
+/// Per-store working buffers, kept between stores (their capacity is the largest store's).
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub(crate) keys: Vec<Key>,
+    pub(crate) ids: Vec<u32>,
+    pub(crate) held: Vec<bool>,
 }
 
 impl<K: WorkerName> Index<K> {
@@ -401,6 +510,7 @@ impl<K: WorkerName> Index<K> {
             refused_bs: 0,
             refused_entries: 0,
             logs: Vec::new(),
+            scratch: Scratch::default(),
         }
     }
 
@@ -469,6 +579,40 @@ impl<K: WorkerName> Index<K> {
             refused_entries: self.refused_entries,
             uncached_roots: self.uncached_roots.load(Ordering::Relaxed),
         }
+    }
+
+    /// Bytes the index's tables have allocated, from their capacities (the shared key table, each
+    /// worker's maps, the root cache): an honest figure for "how much memory is the index", which
+    /// Python's `sys.getsizeof` cannot see. Heap bookkeeping and allocator slack are not included.
+    pub fn memory_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let workers: usize = self
+            .workers
+            .iter()
+            .flatten()
+            .map(Worker::memory_bytes)
+            .sum();
+        let members: usize = self.bs_members.iter().map(|(_, m)| m.capacity() * 4).sum();
+        let roots = self.roots.lock();
+        let root_strings: usize = roots
+            .keys()
+            .map(|(l, s)| {
+                l.as_ref().map_or(0, String::capacity) + s.as_ref().map_or(0, String::capacity)
+            })
+            .sum();
+        size_of::<Self>()
+            + self.table.memory_bytes()
+            + workers
+            + self.workers.capacity() * size_of::<Option<Worker<K>>>()
+            + table_bytes::<(K, u32)>(self.by_key.capacity())
+            + self.free_slots.capacity() * 4
+            + self.bs_members.capacity() * size_of::<(Class, Vec<u32>)>()
+            + members
+            + table_bytes::<((Option<String>, Option<String>), Key)>(roots.capacity())
+            + root_strings
+            + self.scratch.keys.capacity() * size_of::<Key>()
+            + self.scratch.ids.capacity() * 4
+            + self.scratch.held.capacity()
     }
 
     /// The root key of a namespace, through the bounded cache (`_root`). Safe under a read lock.

@@ -532,10 +532,17 @@ impl<K: WorkerName> Index<K> {
         let pos = tier_pos(ev.medium.as_deref());
         let bs = ev.block_size;
         let tokens = &ev.token_ids;
+        // How many of the hashes the worker holds already: one probe each, read by the three
+        // rules below (0 on the hot path: a store of new blocks).
+        let present = if tokens.is_empty() {
+            0
+        } else {
+            hashes.iter().filter(|h| w.blocks.contains(h)).count()
+        };
         if n == 1 && 0 < bs && bs < w.bs && !tokens.is_empty() {
             // vLLM's partial entry comes between the full group's store and the other groups'.
             w.pending = pending;
-        } else if ev.parent_block_hash.is_none() && pos == 0 && !tokens.is_empty() {
+        } else if ev.parent_block_hash.is_none() && pos == 0 && !tokens.is_empty() && present > 0 {
             let again: Vec<BlockHash> = hashes
                 .iter()
                 .filter(|h| w.blocks.contains(h) && w.special.get(h).is_none_or(|c| c[0] != 0))
@@ -558,11 +565,10 @@ impl<K: WorkerName> Index<K> {
             return;
         }
         if ev.parent_block_hash.is_none() {
-            w.fresh_root = if hashes.iter().all(|h| w.blocks.contains(h)) {
-                FxHashSet::default()
-            } else {
-                hashes.iter().cloned().collect()
-            };
+            w.fresh_root.clear();
+            if present < n {
+                w.fresh_root.extend_from_slice(hashes);
+            }
         }
         if bs <= 0 {
             // Never decoded (the wire refuses it); a hand-made event must not divide by zero.
@@ -588,7 +594,7 @@ impl<K: WorkerName> Index<K> {
         let full = tokens.len() / bsu;
         let mut lookahead: Option<Vec<Vec<u32>>> = None;
         if key.is_some() {
-            let toks_ok = keys::tokens_u32(&tokens[..full * bsu]).is_some();
+            let toks_ok = keys::all_u32(&tokens[..full * bsu]);
             let la_ok = match la {
                 Some(l) => {
                     lookahead = lookahead_u32(l);
@@ -616,7 +622,7 @@ impl<K: WorkerName> Index<K> {
                 && extras.is_none()
                 && ev.lookahead_token_ids.is_none()
                 && full == n
-                && !hashes.iter().any(|h| w.blocks.contains(h))
+                && present == 0
             {
                 self.store_fresh(w, hashes, &k, tokens, bsu);
                 return;
@@ -654,30 +660,39 @@ impl<K: WorkerName> Index<K> {
         bs: usize,
     ) {
         let n = hashes.len();
-        let toks = keys::tokens_u32(&tokens[..n * bs]).expect("checked by the caller");
-        let keys = keys::plain_keys(parent, &toks, bs, n);
-        let distinct: FxHashSet<&BlockHash> = hashes.iter().collect();
-        if distinct.len() != n {
-            // The same hash twice in one event (never from vLLM): store one by one.
-            for (ehash, k) in hashes.iter().zip(&keys) {
-                self.store_one(w, ehash, Some(*k), 0, false);
-            }
-            return;
-        }
         let slot = w.slot;
-        w.blocks.reserve(n);
-        let ids: Vec<u32> = keys.iter().map(|k| self.table.retain_key(k)).collect();
+        let mut sc = std::mem::take(&mut self.scratch);
+        sc.keys.clear();
+        keys::plain_keys_into(&mut sc.keys, parent, &tokens[..n * bs], bs, n);
+        sc.ids.clear();
+        sc.ids
+            .extend(sc.keys.iter().map(|k| self.table.retain_key(k)));
         // Whether the worker held each key before this store (read before any update, as the
         // Python index reads its holder sets once).
-        let held: Vec<bool> = ids
-            .iter()
-            .map(|&id| self.table.flags(id, slot) & H != 0)
-            .collect();
-        for (ehash, &id) in hashes.iter().zip(&ids) {
-            w.blocks.insert(ehash, id);
+        sc.held.clear();
+        sc.held
+            .extend(sc.ids.iter().map(|&id| self.table.flags(id, slot) & H != 0));
+        w.blocks.reserve(n);
+        for (i, (ehash, &id)) in hashes.iter().zip(&sc.ids).enumerate() {
+            if w.blocks.insert(ehash, id).is_some() {
+                // The same hash twice in one event (never from vLLM): undo, store one by one.
+                for h in &hashes[..i] {
+                    w.blocks.remove(h);
+                }
+                for &id in &sc.ids {
+                    self.table.release(id);
+                }
+                let ks = std::mem::take(&mut sc.keys);
+                self.scratch = sc;
+                for (ehash, k) in hashes.iter().zip(&ks) {
+                    self.store_one(w, ehash, Some(*k), 0, false);
+                }
+                self.scratch.keys = ks;
+                return;
+            }
         }
         self.entries += n as u64;
-        for ((ehash, &id), was) in hashes.iter().zip(&ids).zip(held) {
+        for ((ehash, &id), &was) in hashes.iter().zip(&sc.ids).zip(&sc.held) {
             if was {
                 // content it already holds under another engine hash
                 self.presence(w, ehash, id, 0, 1, true);
@@ -686,6 +701,7 @@ impl<K: WorkerName> Index<K> {
                 self.table.set_flags(id, slot, f | H);
             }
         }
+        self.scratch = sc;
     }
 
     fn store_one(
@@ -821,7 +837,10 @@ impl<K: WorkerName> Index<K> {
             && kind != GroupKind::Full
             && (n as i64).saturating_mul(ev.block_size) == tokens.len() as i64
             && hashes.iter().all(|h| w.blocks.contains(h))
-            && !hashes.iter().all(|h| w.fresh_root.contains(h))
+            && !{
+                let fresh: FxHashSet<&BlockHash> = w.fresh_root.iter().collect();
+                hashes.iter().all(|h| fresh.contains(h))
+            }
         {
             // Maybe a reuse report, maybe a real store of content the primary group holds: keep
             // only the blocks a hit used (the last `_hit_tail`), held either way.

@@ -336,6 +336,11 @@ impl PyIndex {
         ]
     }
 
+    /// Bytes the index's tables have allocated, from their capacities (`Index::memory_bytes`).
+    fn memory_bytes(&self, py: Python<'_>) -> usize {
+        self.with_read(py, |idx| idx.memory_bytes())
+    }
+
     /// Introspection for tests: the tables the pure-Python index kept, by its names
     /// (content keys per table, classes -> member slots, worker -> slot, cached roots).
     fn tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
