@@ -7,6 +7,7 @@ pub mod index;
 pub mod keys;
 pub mod protocols;
 mod py;
+pub mod recv;
 pub mod wire;
 
 use pyo3::prelude::*;

@@ -5,6 +5,7 @@ pub mod index;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+mod recv;
 mod wire;
 
 /// XXH3-128 of ``data`` as 16 big-endian bytes (the `xxhash.xxh3_128_digest` convention).
@@ -18,5 +19,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(xxh128, m)?)?;
     wire::register(m)?;
     index::register(m)?;
+    recv::register(m)?;
     Ok(())
 }

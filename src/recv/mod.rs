@@ -1,0 +1,681 @@
+//! The native receive loop (docs/architecture.md, "The native loop"): one thread owns every
+//! source's SUB socket and its monitor, applies in-order batches to the index itself, and hands
+//! everything else to the Python recovery machine.
+//!
+//! Rule 1 is mirrored per source: `next_seq` (the machine's `last_seq + 1`) and `open`, the
+//! fast path flag. Only Python opens it (`Command::Open`), and only once it has consumed every
+//! hand-over of that source (`consumed == handed`), so the mirror always matches the
+//! machine. Every hand-over closes it: a gap, an old seq, a payload that does not decode or is
+//! untrusted, a malformed message, a monitor event, a quiet tick, and while it is closed every
+//! message. The thread applies exactly what `SourceMachine.in_order` would have let the Python
+//! fast path apply, and records `(seq, ts)` for Python to feed `on_applied` in bulk.
+//!
+//! The hand-over is one `Outbox` per receiver plus one pipe Python's event loop waits on: the
+//! pipe is written when the outbox turns non-empty, so Python wakes per batch of hand-overs.
+//! Nothing here panics into Python: the thread body runs under `catch_unwind`, and a thread
+//! that stops for any reason leaves its reason in `Outbox::dead`.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::raw::c_void;
+use std::os::unix::io::RawFd;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
+use parking_lot::{Mutex, RwLock};
+
+use crate::index::{Index, WorkerName};
+use crate::wire;
+
+/// Monitor events the Python driver acts on (the same mask as kvroute/_subscriber.py).
+pub const MONITOR_EVENTS: i32 = (zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED
+    | zmq_sys::ZMQ_EVENT_DISCONNECTED
+    | zmq_sys::ZMQ_EVENT_CONNECT_RETRIED
+    | zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) as i32;
+
+/// Seqs kept per source between two drains: the machine's ts ring holds 4,096, so older
+/// records would only be overwritten there; they are counted (`Applied::elided`) instead.
+const KEEP_RECORDS: usize = 4096;
+/// How often the thread looks for quiet sources (and wakes when nothing arrives).
+const QUIET_SCAN: Duration = Duration::from_millis(250);
+const WAKER: Token = Token(usize::MAX);
+static MONITOR_IDS: AtomicU64 = AtomicU64::new(0);
+
+/// The receive loop's settings (from `SubscriberConfig`).
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Messages taken from one socket per visit before the next ready socket's turn.
+    pub visit: usize,
+    /// Payload bytes taken from one socket per visit (at least one message).
+    pub wakeup_bytes: usize,
+    /// A source whose SUB had nothing to read this long gets a quiet tick.
+    pub quiet: Duration,
+    /// Bytes of hand-overs waiting for Python past which sources with a closed fast path are
+    /// not read (their messages wait in libzmq's queue, bounded by its high-water mark).
+    pub outbox_bytes: usize,
+    /// Decode caps per batch.
+    pub limits: wire::Limits,
+}
+
+/// Socket options of one SUB (intervals in ms, as libzmq takes them).
+#[derive(Clone, Debug)]
+pub struct SubOptions {
+    pub rcvhwm: i32,
+    pub max_message_size: i64,
+    pub reconnect_ivl: i32,
+    pub reconnect_ivl_max: i32,
+    pub tcp_keepalive: bool,
+}
+
+/// What the thread hands to Python, in the order it happened per source.
+pub enum Handover {
+    /// A live message the fast path did not take, as it came (its frames).
+    Message { token: u64, frames: Vec<Vec<u8>> },
+    /// A monitor notification of the source's SUB.
+    Monitor {
+        token: u64,
+        event: u16,
+        value: u32,
+        endpoint: String,
+    },
+    /// The SUB had nothing to read for the quiet interval.
+    Quiet { token: u64 },
+}
+
+/// The batches the thread applied for one source since the last drain.
+#[derive(Default)]
+pub struct Applied {
+    /// (seq, ts, apply lag in s: wall clock at apply minus ts), oldest first; at most 4,096.
+    pub records: VecDeque<(u64, f64, f64)>,
+    /// Applied batches older than `records` (counted, not listed).
+    pub elided: u64,
+    /// Blocks the index stored for them.
+    pub blocks: u64,
+    /// Events left out of decoded batches, per reason.
+    pub skipped: HashMap<String, u64>,
+}
+
+/// Everything waiting for Python.
+#[derive(Default)]
+pub struct Outbox {
+    pub applied: HashMap<u64, Applied>,
+    pub handovers: Vec<Handover>,
+    /// The index's refusal warnings (logged on "kvroute.index").
+    pub logs: Vec<String>,
+    /// Why the thread stopped, when it did other than by `Command::Stop`.
+    pub dead: Option<String>,
+    bytes: usize,
+    signaled: bool,
+    /// The thread skipped closed sources for lack of room: wake it once Python drained.
+    stalled: bool,
+}
+
+/// What Python asks of the thread.
+pub enum Command<K> {
+    /// Watch a SUB (connected, with its monitor) for the source `token`, applying to `key`.
+    Add {
+        token: u64,
+        key: K,
+        sub: zmq::Socket,
+        mon: zmq::Socket,
+        alive: Arc<AtomicBool>,
+    },
+    /// Stop watching the source and close its sockets.
+    Remove { token: u64 },
+    /// Open the fast path at `next_seq`, if Python consumed all `consumed` hand-overs.
+    Open {
+        token: u64,
+        next_seq: u64,
+        consumed: u64,
+    },
+    /// Close the fast path (a listener wants every batch as an event).
+    Close { token: u64 },
+    /// End the thread, closing every socket.
+    Stop,
+}
+
+/// A libzmq context of our own (the vendored libzmq, not pyzmq's), with room for the fleet.
+pub struct Context(*mut c_void);
+
+// SAFETY: a libzmq context is thread-safe (zmq_ctx_new(3)).
+unsafe impl Send for Context {}
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// A context allowing `max_sockets` sockets.
+    pub fn new(max_sockets: i32) -> Result<Context, String> {
+        // SAFETY: plain libzmq calls on a context this function owns.
+        unsafe {
+            let ctx = zmq_sys::zmq_ctx_new();
+            if ctx.is_null() {
+                return Err(zmq_error());
+            }
+            zmq_sys::zmq_ctx_set(ctx, zmq_sys::ZMQ_BLOCKY as i32, 0);
+            if zmq_sys::zmq_ctx_set(ctx, zmq_sys::ZMQ_MAX_SOCKETS as i32, max_sockets) != 0 {
+                let e = zmq_error();
+                zmq_sys::zmq_ctx_term(ctx);
+                return Err(e);
+            }
+            Ok(Context(ctx))
+        }
+    }
+
+    fn socket(&self, kind: i32) -> Result<zmq::Socket, String> {
+        // SAFETY: the context outlives every socket (the receiver closes them before `Drop`).
+        let raw = unsafe { zmq_sys::zmq_socket(self.0, kind) };
+        if raw.is_null() {
+            return Err(zmq_error());
+        }
+        // SAFETY: a fresh socket pointer, owned by the returned Socket from here on.
+        let sock = unsafe { zmq::Socket::from_raw(raw) };
+        sock.set_linger(0).map_err(|e| e.to_string())?;
+        Ok(sock)
+    }
+
+    /// A SUB with `opts`, monitored, connected to `endpoint`; returns (sub, monitor PAIR).
+    pub fn subscribe(
+        &self,
+        endpoint: &str,
+        topic: &[u8],
+        opts: &SubOptions,
+    ) -> Result<(zmq::Socket, zmq::Socket), String> {
+        let err = |e: zmq::Error| e.to_string();
+        let sub = self.socket(zmq_sys::ZMQ_SUB as i32)?;
+        sub.set_rcvhwm(opts.rcvhwm).map_err(err)?;
+        sub.set_maxmsgsize(opts.max_message_size).map_err(err)?;
+        sub.set_reconnect_ivl(opts.reconnect_ivl).map_err(err)?;
+        sub.set_reconnect_ivl_max(opts.reconnect_ivl_max)
+            .map_err(err)?;
+        if opts.tcp_keepalive {
+            sub.set_tcp_keepalive(1).map_err(err)?;
+        }
+        sub.set_subscribe(topic).map_err(err)?;
+        // Monitor before connecting: a loopback handshake can complete at once.
+        let addr = format!(
+            "inproc://kvroute-native-monitor-{}",
+            MONITOR_IDS.fetch_add(1, Ordering::Relaxed)
+        );
+        sub.monitor(&addr, MONITOR_EVENTS).map_err(err)?;
+        let mon = self.socket(zmq_sys::ZMQ_PAIR as i32)?;
+        mon.connect(&addr).map_err(err)?;
+        sub.connect(endpoint)
+            .map_err(|e| format!("cannot connect to {endpoint:?}: {e}"))?;
+        Ok((sub, mon))
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: every socket of this context is closed by now (the thread drops them first).
+        unsafe {
+            zmq_sys::zmq_ctx_term(self.0);
+        }
+    }
+}
+
+fn zmq_error() -> String {
+    // SAFETY: zmq_errno/zmq_strerror are always callable; strerror returns a static string.
+    unsafe {
+        let e = zmq_sys::zmq_errno();
+        std::ffi::CStr::from_ptr(zmq_sys::zmq_strerror(e))
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// What Python and the thread share.
+pub struct Shared<K> {
+    pub outbox: Mutex<Outbox>,
+    commands: Mutex<Vec<Command<K>>>,
+    waker: Waker,
+    /// The pipe's write end: one byte when the outbox turns non-empty.
+    notify_w: RawFd,
+    /// The pipe's read end, which Python's event loop waits on.
+    pub notify_r: RawFd,
+}
+
+impl<K> Shared<K> {
+    /// Queue a command and wake the thread.
+    pub fn command(&self, cmd: Command<K>) {
+        self.commands.lock().push(cmd);
+        // A failed wake means the thread is gone; its `dead` says why.
+        let _ = self.waker.wake();
+    }
+
+    /// Take everything waiting; empties the notify pipe first, so a later push signals again.
+    pub fn drain(&self) -> Outbox {
+        let mut buf = [0u8; 64];
+        // SAFETY: reading a non-blocking pipe this struct owns into a local buffer.
+        while unsafe { libc::read(self.notify_r, buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
+        let mut out = self.outbox.lock();
+        let stalled = out.stalled;
+        let taken = std::mem::take(&mut *out);
+        out.dead.clone_from(&taken.dead);
+        drop(out);
+        if stalled {
+            let _ = self.waker.wake();
+        }
+        taken
+    }
+
+    fn signal(&self, out: &mut Outbox) {
+        if !out.signaled {
+            out.signaled = true;
+            let b = 1u8;
+            // SAFETY: a one-byte write to our own non-blocking pipe; a full pipe is already signaled.
+            unsafe {
+                libc::write(self.notify_w, (&b as *const u8).cast(), 1);
+            }
+        }
+    }
+}
+
+impl<K> Drop for Shared<K> {
+    fn drop(&mut self) {
+        // SAFETY: the pipe's two ends are ours and closed once.
+        unsafe {
+            libc::close(self.notify_r);
+            libc::close(self.notify_w);
+        }
+    }
+}
+
+fn pipe() -> Result<(RawFd, RawFd), String> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: pipe(2) into a local array, then fcntl on the two descriptors it returned.
+    unsafe {
+        if libc::pipe(fds.as_mut_ptr()) != 0 {
+            return Err(std::io::Error::last_os_error().to_string());
+        }
+        for fd in fds {
+            libc::fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK);
+            libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        }
+    }
+    Ok((fds[0], fds[1]))
+}
+
+struct Source<K> {
+    key: K,
+    /// Cleared by Python (synchronously, before it removes the worker from the index): checked
+    /// under the index's write lock, so nothing is applied for a source once it is stopped.
+    alive: Arc<AtomicBool>,
+    sub: zmq::Socket,
+    mon: zmq::Socket,
+    sub_fd: RawFd,
+    mon_fd: RawFd,
+    next_seq: u64,
+    open: bool,
+    /// Hand-overs of this source so far (Python opens the fast path only when it consumed all).
+    handed: u64,
+    last_read: Instant,
+}
+
+/// Start the receive thread; returns what Python shares with it.
+pub fn start<K: WorkerName + 'static>(
+    index: Arc<RwLock<Index<K>>>,
+    settings: Settings,
+    ctx: Arc<Context>,
+) -> Result<Arc<Shared<K>>, String> {
+    let poll = Poll::new().map_err(|e| e.to_string())?;
+    let waker = Waker::new(poll.registry(), WAKER).map_err(|e| e.to_string())?;
+    let (notify_r, notify_w) = pipe()?;
+    let shared = Arc::new(Shared {
+        outbox: Mutex::new(Outbox::default()),
+        commands: Mutex::new(Vec::new()),
+        waker,
+        notify_w,
+        notify_r,
+    });
+    let thread_shared = shared.clone();
+    std::thread::Builder::new()
+        .name("kvroute-recv".into())
+        .spawn(move || {
+            let sh = thread_shared.clone();
+            let result = catch_unwind(AssertUnwindSafe(move || {
+                Loop {
+                    poll,
+                    index,
+                    settings,
+                    shared: thread_shared,
+                    sources: HashMap::new(),
+                    backlog: VecDeque::new(),
+                    in_backlog: HashMap::new(),
+                    _ctx: ctx,
+                }
+                .run()
+            }));
+            let why = match result {
+                Ok(Ok(())) => return,
+                Ok(Err(e)) => e,
+                Err(panic) => panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".into()),
+            };
+            let mut out = sh.outbox.lock();
+            out.dead = Some(why);
+            sh.signal(&mut out);
+        })
+        .map_err(|e| e.to_string())?;
+    Ok(shared)
+}
+
+struct Loop<K: WorkerName> {
+    poll: Poll,
+    index: Arc<RwLock<Index<K>>>,
+    settings: Settings,
+    shared: Arc<Shared<K>>,
+    sources: HashMap<u64, Source<K>>,
+    /// Sources whose SUB (or monitor) may have something to read, oldest first.
+    backlog: VecDeque<u64>,
+    in_backlog: HashMap<u64, ()>,
+    // Last: dropped after `sources`, so the context terminates once its sockets are closed.
+    _ctx: Arc<Context>,
+}
+
+fn now_wall() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+impl<K: WorkerName> Loop<K> {
+    fn run(mut self) -> Result<(), String> {
+        let mut events = Events::with_capacity(4096);
+        let mut next_scan = Instant::now() + QUIET_SCAN;
+        loop {
+            let timeout = if self.backlog.is_empty() {
+                next_scan.saturating_duration_since(Instant::now())
+            } else {
+                Duration::ZERO
+            };
+            if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(format!("poll failed: {e}"));
+                }
+            }
+            for ev in events.iter() {
+                let t = ev.token();
+                if t != WAKER {
+                    self.mark(t.0 as u64 >> 1);
+                }
+            }
+            if !self.commands()? {
+                return Ok(());
+            }
+            self.round();
+            let now = Instant::now();
+            if now >= next_scan {
+                next_scan = now + QUIET_SCAN;
+                self.scan(now);
+            }
+        }
+    }
+
+    fn mark(&mut self, token: u64) {
+        if self.sources.contains_key(&token) && self.in_backlog.insert(token, ()).is_none() {
+            self.backlog.push_back(token);
+        }
+    }
+
+    /// Carry out Python's commands; false on `Stop`.
+    fn commands(&mut self) -> Result<bool, String> {
+        let cmds = std::mem::take(&mut *self.shared.commands.lock());
+        for cmd in cmds {
+            match cmd {
+                Command::Add {
+                    token,
+                    key,
+                    sub,
+                    mon,
+                    alive,
+                } => {
+                    let sub_fd = sub.get_fd().map_err(|e| e.to_string())?;
+                    let mon_fd = mon.get_fd().map_err(|e| e.to_string())?;
+                    let reg = self.poll.registry();
+                    reg.register(
+                        &mut SourceFd(&sub_fd),
+                        Token((token << 1) as usize),
+                        Interest::READABLE,
+                    )
+                    .map_err(|e| format!("cannot watch a SUB: {e}"))?;
+                    reg.register(
+                        &mut SourceFd(&mon_fd),
+                        Token(((token << 1) | 1) as usize),
+                        Interest::READABLE,
+                    )
+                    .map_err(|e| format!("cannot watch a monitor: {e}"))?;
+                    self.sources.insert(
+                        token,
+                        Source {
+                            key,
+                            alive,
+                            sub,
+                            mon,
+                            sub_fd,
+                            mon_fd,
+                            next_seq: 0,
+                            open: false,
+                            handed: 0,
+                            last_read: Instant::now(),
+                        },
+                    );
+                    // Something may be queued already: an edge comes only after a read found none.
+                    self.mark(token);
+                }
+                Command::Remove { token } => {
+                    if let Some(src) = self.sources.remove(&token) {
+                        let reg = self.poll.registry();
+                        // Before the sockets close: their descriptor numbers are reused at once.
+                        let _ = reg.deregister(&mut SourceFd(&src.sub_fd));
+                        let _ = reg.deregister(&mut SourceFd(&src.mon_fd));
+                        drop(src);
+                    }
+                    self.in_backlog.remove(&token);
+                    self.backlog.retain(|t| *t != token);
+                }
+                Command::Open {
+                    token,
+                    next_seq,
+                    consumed,
+                } => {
+                    if let Some(src) = self.sources.get_mut(&token) {
+                        // A stale open (hand-overs Python has not seen yet) is ignored: Python
+                        // opens again once it has.
+                        if consumed == src.handed && next_seq != u64::MAX {
+                            src.open = true;
+                            src.next_seq = next_seq;
+                        }
+                    }
+                }
+                Command::Close { token } => {
+                    if let Some(src) = self.sources.get_mut(&token) {
+                        src.open = false;
+                    }
+                }
+                // The commands after it are dropped with this loop's iterator (their sockets close).
+                Command::Stop => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
+
+    /// One round: a visit to every source in the backlog, in turn.
+    fn round(&mut self) {
+        let n = self.backlog.len();
+        for _ in 0..n {
+            let Some(token) = self.backlog.pop_front() else {
+                break;
+            };
+            self.in_backlog.remove(&token);
+            let more = self.visit(token);
+            if more {
+                self.in_backlog.insert(token, ());
+                self.backlog.push_back(token);
+            }
+        }
+    }
+
+    /// Read `token`'s monitor, then up to one visit's worth of its messages; true when more may
+    /// be queued (or it was skipped for lack of room in the outbox).
+    fn visit(&mut self, token: u64) -> bool {
+        let Some(src) = self.sources.get_mut(&token) else {
+            return false;
+        };
+        let shared = &*self.shared;
+        // The monitor first: a disconnect must reach Python before any message read after it
+        // (a restarted engine's first seqs must not pass for the old one's).
+        let mut mon_events = Vec::new();
+        loop {
+            match src.mon.recv_multipart(zmq::DONTWAIT) {
+                Ok(frames) => mon_events.push(frames),
+                Err(_) => break,
+            }
+        }
+        let mut out_pending: Vec<Handover> = Vec::new();
+        for frames in mon_events {
+            if frames.len() != 2 || frames[0].len() != 6 {
+                continue;
+            }
+            let event = u16::from_ne_bytes([frames[0][0], frames[0][1]]);
+            let value =
+                u32::from_ne_bytes([frames[0][2], frames[0][3], frames[0][4], frames[0][5]]);
+            src.open = false;
+            src.handed += 1;
+            out_pending.push(Handover::Monitor {
+                token,
+                event,
+                value,
+                endpoint: String::from_utf8_lossy(&frames[1]).into_owned(),
+            });
+        }
+        if !src.open && shared.outbox.lock().bytes >= self.settings.outbox_bytes {
+            // No room for more hand-overs: leave this source's messages in libzmq's queue.
+            let mut out = shared.outbox.lock();
+            out.stalled = true;
+            if !out_pending.is_empty() {
+                out.handovers.append(&mut out_pending);
+                shared.signal(&mut out);
+            }
+            return false;
+        }
+        let wall = now_wall();
+        let mut taken = 0usize;
+        let mut bytes = 0usize;
+        let mut more = false;
+        let mut applied: Vec<(u64, f64, u64, Vec<(String, u64)>)> = Vec::new();
+        let mut logs = Vec::new();
+        let mut msg = zmq::Message::new();
+        while taken < self.settings.visit && bytes < self.settings.wakeup_bytes {
+            if src.sub.recv(&mut msg, zmq::DONTWAIT).is_err() {
+                break;
+            }
+            taken += 1;
+            src.last_read = Instant::now();
+            // [topic, seq8, payload]: read the rest of the message's frames.
+            let mut frames: Vec<zmq::Message> = Vec::with_capacity(3);
+            let mut has_more = msg.get_more();
+            frames.push(std::mem::replace(&mut msg, zmq::Message::new()));
+            while has_more {
+                let mut part = zmq::Message::new();
+                if src.sub.recv(&mut part, zmq::DONTWAIT).is_err() {
+                    break;
+                }
+                has_more = part.get_more();
+                frames.push(part);
+            }
+            bytes += frames.iter().map(|f| f.len()).sum::<usize>();
+            let seq = if frames.len() == 3 && frames[1].len() == 8 {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(&frames[1]);
+                Some(u64::from_be_bytes(b))
+            } else {
+                None
+            };
+            if let Some(seq) = seq {
+                if src.open && seq == src.next_seq && seq != u64::MAX {
+                    if let Ok(batch) = wire::decode(&frames[2], &self.settings.limits) {
+                        if batch.ts.is_finite() && batch.untrusted.is_none() {
+                            let stored = {
+                                let mut idx = self.index.write();
+                                if !src.alive.load(Ordering::SeqCst) {
+                                    src.open = false;
+                                    return false;
+                                }
+                                let counts = idx.apply_batch(&src.key, &batch);
+                                logs.extend(idx.take_logs());
+                                counts.stored_blocks
+                            };
+                            src.next_seq = seq + 1;
+                            applied.push((seq, batch.ts, stored, batch.skipped));
+                            continue;
+                        }
+                    }
+                }
+            }
+            src.open = false;
+            src.handed += 1;
+            out_pending.push(Handover::Message {
+                token,
+                frames: frames.iter().map(|f| f.to_vec()).collect(),
+            });
+        }
+        if taken == self.settings.visit || bytes >= self.settings.wakeup_bytes {
+            more = true;
+        }
+        if applied.is_empty() && out_pending.is_empty() && logs.is_empty() {
+            return more;
+        }
+        let mut out = shared.outbox.lock();
+        if !applied.is_empty() {
+            let entry = out.applied.entry(token).or_default();
+            for (seq, ts, stored, skipped) in applied {
+                if entry.records.len() == KEEP_RECORDS {
+                    entry.records.pop_front();
+                    entry.elided += 1;
+                }
+                entry.records.push_back((seq, ts, wall - ts));
+                entry.blocks += stored;
+                for (why, n) in skipped {
+                    *entry.skipped.entry(why).or_default() += n;
+                }
+            }
+        }
+        for h in &out_pending {
+            if let Handover::Message { frames, .. } = h {
+                out.bytes += frames.iter().map(Vec::len).sum::<usize>();
+            }
+        }
+        out.handovers.append(&mut out_pending);
+        out.logs.append(&mut logs);
+        shared.signal(&mut out);
+        more
+    }
+
+    /// Quiet ticks for sources whose SUB had nothing to read for the quiet interval.
+    fn scan(&mut self, now: Instant) {
+        let quiet = self.settings.quiet;
+        let mut ticks = Vec::new();
+        for (token, src) in self.sources.iter_mut() {
+            if self.in_backlog.contains_key(token) || now.duration_since(src.last_read) < quiet {
+                continue;
+            }
+            src.last_read = now;
+            src.open = false;
+            src.handed += 1;
+            ticks.push(Handover::Quiet { token: *token });
+        }
+        if !ticks.is_empty() {
+            let mut out = self.shared.outbox.lock();
+            out.handovers.append(&mut ticks);
+            self.shared.signal(&mut out);
+        }
+    }
+}
