@@ -346,6 +346,7 @@ pub fn start<K: WorkerName + 'static>(
                     sources: HashMap::new(),
                     backlog: VecDeque::new(),
                     in_backlog: HashMap::new(),
+                    stalled: Vec::new(),
                     _ctx: ctx,
                 }
                 .run()
@@ -367,6 +368,16 @@ pub fn start<K: WorkerName + 'static>(
     Ok(shared)
 }
 
+/// How a visit to a source ended.
+enum Visit {
+    /// Read to EAGAIN: its descriptor signals the next arrival.
+    Done,
+    /// Stopped at the visit's cap: read again next round without waiting.
+    More,
+    /// Not read for lack of room in the outbox: read again once Python drained it.
+    Stalled,
+}
+
 struct Loop<K: WorkerName> {
     poll: Poll,
     index: Arc<RwLock<Index<K>>>,
@@ -376,6 +387,8 @@ struct Loop<K: WorkerName> {
     /// Sources whose SUB (or monitor) may have something to read, oldest first.
     backlog: VecDeque<u64>,
     in_backlog: HashMap<u64, ()>,
+    /// Sources with messages waiting for room in the outbox (`Visit::Stalled`).
+    stalled: Vec<u64>,
     // Last: dropped after `sources`, so the context terminates once its sockets are closed.
     _ctx: Arc<Context>,
 }
@@ -409,6 +422,18 @@ impl<K: WorkerName> Loop<K> {
             }
             if !self.commands()? {
                 return Ok(());
+            }
+            if !self.stalled.is_empty()
+                && self.shared.outbox.lock().bytes < self.settings.outbox_bytes
+            {
+                // Python drained (its drain woke us): the stalled sources' turn again.
+                for token in std::mem::take(&mut self.stalled) {
+                    if self.sources.contains_key(&token) {
+                        self.backlog.push_back(token);
+                    } else {
+                        self.in_backlog.remove(&token);
+                    }
+                }
             }
             self.round();
             let now = Instant::now();
@@ -515,19 +540,25 @@ impl<K: WorkerName> Loop<K> {
                 break;
             };
             self.in_backlog.remove(&token);
-            let more = self.visit(token);
-            if more {
-                self.in_backlog.insert(token, ());
-                self.backlog.push_back(token);
+            match self.visit(token) {
+                Visit::Done => {}
+                Visit::More => {
+                    self.in_backlog.insert(token, ());
+                    self.backlog.push_back(token);
+                }
+                Visit::Stalled => {
+                    // Still counted as in the backlog: not quiet, and not marked twice.
+                    self.in_backlog.insert(token, ());
+                    self.stalled.push(token);
+                }
             }
         }
     }
 
-    /// Read `token`'s monitor, then up to one visit's worth of its messages; true when more may
-    /// be queued (or it was skipped for lack of room in the outbox).
-    fn visit(&mut self, token: u64) -> bool {
+    /// Read `token`'s monitor, then up to one visit's worth of its messages.
+    fn visit(&mut self, token: u64) -> Visit {
         let Some(src) = self.sources.get_mut(&token) else {
-            return false;
+            return Visit::Done;
         };
         let shared = &*self.shared;
         // The monitor first: a disconnect must reach Python before any message read after it
@@ -557,14 +588,16 @@ impl<K: WorkerName> Loop<K> {
             });
         }
         if !src.open && shared.outbox.lock().bytes >= self.settings.outbox_bytes {
-            // No room for more hand-overs: leave this source's messages in libzmq's queue.
+            // No room for more hand-overs: leave this source's messages in libzmq's queue
+            // until Python drains. It has something, so it is not quiet (kvroute is slow).
+            src.last_read = Instant::now();
             let mut out = shared.outbox.lock();
             out.stalled = true;
             if !out_pending.is_empty() {
                 out.handovers.append(&mut out_pending);
                 shared.signal(&mut out);
             }
-            return false;
+            return Visit::Stalled;
         }
         let wall = now_wall();
         let mut taken = 0usize;
@@ -607,7 +640,7 @@ impl<K: WorkerName> Loop<K> {
                                 let mut idx = self.index.write();
                                 if !src.alive.load(Ordering::SeqCst) {
                                     src.open = false;
-                                    return false;
+                                    return Visit::Done;
                                 }
                                 let counts = idx.apply_batch(&src.key, &batch);
                                 logs.extend(idx.take_logs());
@@ -630,6 +663,7 @@ impl<K: WorkerName> Loop<K> {
         if taken == self.settings.visit || bytes >= self.settings.wakeup_bytes {
             more = true;
         }
+        let more = if more { Visit::More } else { Visit::Done };
         if applied.is_empty() && out_pending.is_empty() && logs.is_empty() {
             return more;
         }
