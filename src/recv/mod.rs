@@ -713,3 +713,165 @@ impl<K: WorkerName> Loop<K> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rmp::encode as en;
+
+    #[derive(Clone, PartialEq, Eq, Hash, Debug)]
+    struct W(&'static str);
+
+    impl WorkerName for W {
+        fn label(&self) -> String {
+            format!("{}/0", self.0)
+        }
+    }
+
+    /// A map-form batch with ts `ts` storing one block (hash `h`) of 4 tokens.
+    fn payload(ts: f64, h: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        en::write_array_len(&mut out, 2).unwrap();
+        en::write_f64(&mut out, ts).unwrap();
+        en::write_array_len(&mut out, 1).unwrap();
+        en::write_map_len(&mut out, 4).unwrap();
+        en::write_str(&mut out, "type").unwrap();
+        en::write_str(&mut out, "BlockStored").unwrap();
+        en::write_str(&mut out, "block_hashes").unwrap();
+        en::write_array_len(&mut out, 1).unwrap();
+        en::write_uint(&mut out, h).unwrap();
+        en::write_str(&mut out, "token_ids").unwrap();
+        en::write_array_len(&mut out, 4).unwrap();
+        for t in 0..4u64 {
+            en::write_uint(&mut out, h * 10 + t).unwrap();
+        }
+        en::write_str(&mut out, "block_size").unwrap();
+        en::write_uint(&mut out, 4).unwrap();
+        out
+    }
+
+    fn send(pub_: &zmq::Socket, seq: u64, body: &[u8]) {
+        let seq8 = seq.to_be_bytes();
+        pub_.send_multipart([&b"kv"[..], &seq8[..], body], 0).unwrap();
+    }
+
+    /// Drain until `done` holds on everything taken so far (at most 10 s).
+    fn wait(shared: &Shared<W>, done: impl Fn(&[Outbox]) -> bool) -> Vec<Outbox> {
+        let mut got = Vec::new();
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until {
+            got.push(shared.drain());
+            if done(&got) {
+                return got;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("timed out");
+    }
+
+    fn applied(got: &[Outbox]) -> Vec<u64> {
+        got.iter()
+            .flat_map(|o| o.applied.values().flat_map(|a| a.records.iter().map(|r| r.0)))
+            .collect()
+    }
+
+    fn handed(got: &[Outbox]) -> Vec<Option<u64>> {
+        got.iter()
+            .flat_map(|o| o.handovers.iter())
+            .filter_map(|h| match h {
+                Handover::Message { frames, .. } if frames.len() == 3 => {
+                    Some(Some(u64::from_be_bytes(frames[1][..].try_into().unwrap())))
+                }
+                Handover::Message { .. } => Some(None),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn applies_in_order_and_hands_over_the_rest_until_reopened() {
+        let ctx = Arc::new(Context::new(64).unwrap());
+        let index = Arc::new(RwLock::new(Index::<W>::new(crate::index::Limits::default())));
+        let settings = Settings {
+            visit: 64,
+            wakeup_bytes: 1 << 20,
+            quiet: Duration::from_secs(60),
+            outbox_bytes: 1 << 20,
+            limits: wire::Limits::default(),
+        };
+        let shared = start(index.clone(), settings, ctx.clone()).unwrap();
+        let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
+        pub_.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
+        let opts = SubOptions {
+            rcvhwm: 1000,
+            max_message_size: 1 << 20,
+            reconnect_ivl: 20,
+            reconnect_ivl_max: 100,
+            tcp_keepalive: false,
+        };
+        let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &opts).unwrap();
+        let alive = Arc::new(AtomicBool::new(true));
+        shared.command(Command::Add {
+            token: 7,
+            key: W("a"),
+            sub,
+            mon,
+            alive: alive.clone(),
+        });
+        // The handshake is handed over (a monitor event): the fast path is still closed.
+        let got = wait(&shared, |g| {
+            g.iter()
+                .flat_map(|o| &o.handovers)
+                .any(|h| matches!(h, Handover::Monitor { event, .. } if u32::from(*event) == zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED))
+        });
+        let consumed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
+        // A stale open (not every hand-over seen) is ignored; the right one opens at seq 0.
+        shared.command(Command::Open {
+            token: 7,
+            next_seq: 0,
+            consumed: consumed + 1,
+        });
+        shared.command(Command::Open {
+            token: 7,
+            next_seq: 0,
+            consumed,
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        for seq in 0..5 {
+            send(&pub_, seq, &payload(1.0 + seq as f64, seq + 1));
+        }
+        let got = wait(&shared, |g| applied(g).len() == 5);
+        assert_eq!(applied(&got), vec![0, 1, 2, 3, 4]);
+        assert_eq!(index.read().num_blocks(Some(&W("a"))), 5);
+        // A gap, then a bad payload and a malformed message: handed over, nothing applied.
+        send(&pub_, 7, &payload(8.0, 8));
+        send(&pub_, 5, &payload(6.0, 6));
+        send(&pub_, 6, b"\x90");
+        pub_.send_multipart([&b"kv"[..]], 0).unwrap();
+        let got = wait(&shared, |g| handed(g).len() == 4);
+        assert_eq!(handed(&got), vec![Some(7), Some(5), Some(6), None]);
+        assert!(applied(&got).is_empty());
+        assert_eq!(index.read().num_blocks(Some(&W("a"))), 5);
+        // Reopened at 8 with every hand-over taken: applied again; stopped: nothing more.
+        let consumed = consumed + 4;
+        shared.command(Command::Open {
+            token: 7,
+            next_seq: 8,
+            consumed,
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        send(&pub_, 8, &payload(9.0, 9));
+        let got = wait(&shared, |g| applied(g) == vec![8]);
+        assert_eq!(got.iter().map(|o| o.handovers.len()).sum::<usize>(), 0);
+        alive.store(false, Ordering::SeqCst);
+        send(&pub_, 9, &payload(10.0, 10));
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(applied(&[shared.drain()]).is_empty());
+        assert_eq!(index.read().num_blocks(Some(&W("a"))), 6);
+        shared.command(Command::Remove { token: 7 });
+        shared.command(Command::Stop);
+        drop(pub_);
+        assert!(shared.drain().dead.is_none());
+    }
+}
