@@ -368,6 +368,9 @@ pub fn start<K: WorkerName + 'static>(
     Ok(shared)
 }
 
+/// One applied batch before it reaches the outbox: (seq, ts, stored blocks, skipped events).
+type Record = (u64, f64, u64, Vec<(String, u64)>);
+
 /// How a visit to a source ended.
 enum Visit {
     /// Read to EAGAIN: its descriptor signals the next arrival.
@@ -564,11 +567,8 @@ impl<K: WorkerName> Loop<K> {
         // The monitor first: a disconnect must reach Python before any message read after it
         // (a restarted engine's first seqs must not pass for the old one's).
         let mut mon_events = Vec::new();
-        loop {
-            match src.mon.recv_multipart(zmq::DONTWAIT) {
-                Ok(frames) => mon_events.push(frames),
-                Err(_) => break,
-            }
+        while let Ok(frames) = src.mon.recv_multipart(zmq::DONTWAIT) {
+            mon_events.push(frames);
         }
         let mut out_pending: Vec<Handover> = Vec::new();
         for frames in mon_events {
@@ -603,7 +603,7 @@ impl<K: WorkerName> Loop<K> {
         let mut taken = 0usize;
         let mut bytes = 0usize;
         let mut more = false;
-        let mut applied: Vec<(u64, f64, u64, Vec<(String, u64)>)> = Vec::new();
+        let mut applied: Vec<Record> = Vec::new();
         let mut logs = Vec::new();
         let mut msg = zmq::Message::new();
         while taken < self.settings.visit && bytes < self.settings.wakeup_bytes {
@@ -752,7 +752,8 @@ mod tests {
 
     fn send(pub_: &zmq::Socket, seq: u64, body: &[u8]) {
         let seq8 = seq.to_be_bytes();
-        pub_.send_multipart([&b"kv"[..], &seq8[..], body], 0).unwrap();
+        pub_.send_multipart([&b"kv"[..], &seq8[..], body], 0)
+            .unwrap();
     }
 
     /// Drain until `done` holds on everything taken so far (at most 10 s).
@@ -771,7 +772,11 @@ mod tests {
 
     fn applied(got: &[Outbox]) -> Vec<u64> {
         got.iter()
-            .flat_map(|o| o.applied.values().flat_map(|a| a.records.iter().map(|r| r.0)))
+            .flat_map(|o| {
+                o.applied
+                    .values()
+                    .flat_map(|a| a.records.iter().map(|r| r.0))
+            })
             .collect()
     }
 
@@ -791,7 +796,9 @@ mod tests {
     #[test]
     fn applies_in_order_and_hands_over_the_rest_until_reopened() {
         let ctx = Arc::new(Context::new(64).unwrap());
-        let index = Arc::new(RwLock::new(Index::<W>::new(crate::index::Limits::default())));
+        let index = Arc::new(RwLock::new(
+            Index::<W>::new(crate::index::Limits::default()),
+        ));
         let settings = Settings {
             visit: 64,
             wakeup_bytes: 1 << 20,
