@@ -59,7 +59,6 @@ from kvroute import (
     WorkerKey,
     encode_batch,
 )
-from kvroute._subscriber import SourceDriver
 
 BLOCKS = 16
 _END = b"\xff" * 8
@@ -239,11 +238,14 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             await anyio.sleep(0.25)
 
     config = SubscriberConfig(native_receive=args.native)
-    if args.native:
-        native_applied = SourceDriver._native_applied
+
+    def count_native(client: KvEventClient) -> None:
+        """Count what the native thread applied (and its lags): it bypasses the index's Python methods."""
+        driver_type: Any = type(next(iter(client._subs.values())).driver)  # the ZMQ driver class
+        native_applied = driver_type._native_applied
 
         def counted(
-            driver: SourceDriver,
+            driver: Any,
             seqs: list[int],
             tss: list[float],
             lags: list[float],
@@ -257,8 +259,11 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                 index.lags.extend(lags)
             native_applied(driver, seqs, tss, lags, elided, blocks, skipped)
 
-        SourceDriver._native_applied = counted  # type: ignore[method-assign]
+        driver_type._native_applied = counted
+
     async with KvEventClient(sources, index=index, config=config) as client, anyio.create_task_group() as tg:
+        if args.native:
+            count_native(client)
         tg.start_soon(ticker)
         tg.start_soon(rss_sampler)
         t_start = time.perf_counter()
