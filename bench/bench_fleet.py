@@ -24,6 +24,10 @@ the machine is loaded), or nothing (it kept up). ``--then 50000:20`` adds a phas
 rate (each measured the same way, with the apply lag p99 per second), e.g. 4x the ceiling for
 20 s then 0.5x to see the client recover.
 
+``--native`` runs the client with ``SubscriberConfig(native_receive=True)``: the compiled core's
+receive thread applies in-order batches itself (its lags are taken from the (seq, ts, lag) records
+it hands back, `SourceDriver._native_applied`). The thread shares the client's core.
+
 Each line is one row of the README's fleet table.
 """
 
@@ -233,8 +237,33 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             peak_rss[0] = max(peak_rss[0], _rss())
             await anyio.sleep(0.25)
 
-    config = SubscriberConfig()
+    config = SubscriberConfig(native_receive=args.native)
+
+    def count_native(client: KvEventClient) -> None:
+        """Count what the native thread applied (and its lags): it bypasses the index's Python methods."""
+        driver_type: Any = type(next(iter(client._subs.values())).driver)  # the ZMQ driver class
+        native_applied = driver_type._native_applied
+
+        def counted(
+            driver: Any,
+            seqs: list[int],
+            tss: list[float],
+            lags: list[float],
+            elided: int,
+            blocks: int,
+            skipped: dict[str, int],
+        ) -> None:
+            # The thread applied these to the index itself: count them and their lags here.
+            index.applied_blocks += BLOCKS * (len(seqs) + elided)
+            if index.recording:
+                index.lags.extend(lags)
+            native_applied(driver, seqs, tss, lags, elided, blocks, skipped)
+
+        driver_type._native_applied = counted
+
     async with KvEventClient(sources, index=index, config=config) as client, anyio.create_task_group() as tg:
+        if args.native:
+            count_native(client)
         tg.start_soon(ticker)
         tg.start_soon(rss_sampler)
         t_start = time.perf_counter()
@@ -317,6 +346,7 @@ def main() -> None:
     ap.add_argument("--sync-timeout", type=float, default=60.0)
     ap.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     ap.add_argument("--header", action="store_true", help="print the table header first")
+    ap.add_argument("--native", action="store_true", help="SubscriberConfig(native_receive=True)")
     args = ap.parse_args()
 
     cores = sorted(os.sched_getaffinity(0))
@@ -354,7 +384,8 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     print(
         f"# {args.ranks} ranks, {args.procs} publisher processes, fd limit {soft}/{hard}, "
-        f"load average {os.getloadavg()[0]:.1f}, Python {sys.version.split()[0]}"
+        f"load average {os.getloadavg()[0]:.1f}, Python {sys.version.split()[0]}, "
+        f"receiver {'native' if args.native else 'python'}"
     )
     try:
         anyio.run(_run, args, sources, rate, published, backend=args.backend)

@@ -106,3 +106,45 @@ def decode_count(
     payload: Any, max_events_per_batch: int, max_blocks_per_event: int, max_block_size: int
 ) -> tuple[float, int, int, int, int, str | None, dict[str, int]]:
     """Decode one payload to ``(ts, events, stored_blocks, removed_blocks, clears, untrusted, skipped)``."""
+
+# --- the native receive loop (src/recv, src/py/recv.rs) -----------------------------------------
+
+class NativeReceiver:
+    def __init__(
+        self,
+        index: Index,
+        visit: int,
+        wakeup_bytes: int,
+        quiet: float,
+        outbox_bytes: int,
+        max_sockets: int,
+        max_events_per_batch: int,
+        max_blocks_per_event: int,
+        max_block_size: int,
+    ) -> None: ...
+    def fileno(self) -> int: ...
+    def add(
+        self,
+        token: int,
+        worker: WorkerKey,
+        endpoint: str,
+        topic: bytes,
+        rcvhwm: int,
+        max_message_size: int,
+        reconnect_ivl_ms: int,
+        reconnect_ivl_max_ms: int,
+        tcp_keepalive: bool,
+    ) -> None: ...
+    def stop(self, token: int) -> None: ...
+    def remove(self, token: int) -> None: ...
+    def open(self, token: int, next_seq: int, consumed: int) -> None: ...
+    def close_fast(self, token: int) -> None: ...
+    def drain(
+        self,
+    ) -> tuple[
+        list[tuple[int, list[int], list[float], list[float], int, int, dict[str, int]]],
+        list[tuple[Any, ...]],
+        list[str],
+        str | None,
+    ]: ...
+    def close(self) -> None: ...

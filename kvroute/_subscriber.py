@@ -9,6 +9,7 @@ skipped, with a rate-limited log line: bad input never stops the pump.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import selectors
@@ -21,8 +22,10 @@ import anyio.lowlevel
 import msgspec
 import zmq
 
+import kvroute._core as _core
+
 from . import _zmq
-from ._errors import ConfigError, DecodeError
+from ._errors import ClientStateError, ConfigError, DecodeError
 from ._index import ApplyReport, PrefixIndex
 from ._models import EventSource, WorkerKey
 from ._snapshot import Cursor
@@ -42,6 +45,7 @@ from ._wire import BatchDecoder, EventBatch, Limits
 
 __all__ = [
     "EventSink",
+    "NativeReceiver",
     "RateLimitedLog",
     "Receiver",
     "ReplaySlots",
@@ -179,6 +183,7 @@ _MiB = 1 << 20
 _KIND = {
     "limits": "a kvroute.Limits",
     "tcp_keepalive": "a bool",
+    "native_receive": "a bool",
     "curve_public_key": "a z85 str or None",
     "curve_secret_key": "a z85 str or None",
     "rcvhwm": "an int or None",
@@ -247,6 +252,11 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     - ``curve_public_key`` / ``curve_secret_key``: the client's CURVE key pair (z85); used
       for every source that names a ``curve_server_key``. Never shown by ``repr``.
     - ``limits``: decode caps per batch (`Limits`).
+    - ``native_receive`` False: read every plaintext tcp:// and ipc:// source's SUB on the
+      compiled core's receive thread (`NativeReceiver`), which applies in-order batches itself
+      and hands the rest to the recovery machine (docs/architecture.md, "The native loop");
+      CURVE and inproc:// sources stay on the Python receiver. ``held_bytes`` then also bounds
+      the messages the thread has handed over and Python has not taken yet, client-wide.
 
     Memory, per source, at most: ``queue_bytes`` queued in libzmq (SUB), ``held_bytes`` of
     payload held behind an outstanding replay (about 7x that decoded), and its index state;
@@ -279,6 +289,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     curve_public_key: str | None = None
     curve_secret_key: str | None = None
     limits: Limits = msgspec.field(default_factory=Limits)
+    native_receive: bool = False
 
     def __post_init__(self) -> None:
         # msgspec checks types when decoding, not when a Struct is built by hand: check here,
@@ -287,7 +298,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, f.name)
             if f.name == "limits":
                 ok = isinstance(value, Limits)
-            elif f.name == "tcp_keepalive":
+            elif f.name in ("tcp_keepalive", "native_receive"):
                 ok = isinstance(value, bool)
             elif f.name.startswith("curve_"):
                 ok = value is None or isinstance(value, str)
@@ -585,6 +596,174 @@ def _waitable(selector: selectors.BaseSelector) -> int | None:
     return fd
 
 
+_tokens = itertools.count(1)
+_index_log = logging.getLogger("kvroute.index")
+
+
+class NativeReceiver:
+    """The receive loop on the compiled core's own thread (`kvroute._core.NativeReceiver`), for every eligible source.
+
+    The thread owns each source's SUB and monitor (the core's vendored libzmq, its own context),
+    checks rule 1 against a mirror of the machine's state (``last_seq + 1`` and a fast-path
+    flag only this side opens) and applies in-order batches to the index itself, the GIL
+    released. It hands everything else over as it came: messages while the flag is closed
+    (gaps, old seqs, undecodable or untrusted payloads, held batches, identity checks),
+    monitor events and quiet ticks; each hand-over closes the flag. One pipe wakes the event
+    loop once per batch of hand-overs: `serve` drains it, feeds ``on_applied`` with the
+    thread's (seq, ts) records, passes each hand-over to its driver as the Python receiver
+    would (`SourceDriver._on_messages`, `_on_monitor_event`, `_on_quiet`), and opens the flag
+    again where `SourceMachine.in_order` holds. The thread opens it only once this side has
+    taken every hand-over of that source, so it never applies what the machine would not have.
+
+    Like `Receiver`, the loop runs inside one driver's session (`serve`). The thread starts with
+    the first source and stops with the last. A thread that stops on its own is an error every
+    serving session raises (`ClientStateError`), not a silent stall.
+    """
+
+    def __init__(self, config: SubscriberConfig, max_sources: int) -> None:
+        self._cfg = config
+        self._max_sockets = max_sources * _zmq.SOCKETS_PER_SOURCE + 1024
+        self._core: _core.NativeReceiver | None = None
+        self._fd = -1
+        self._drivers: dict[int, SourceDriver] = {}
+        self._leading = False
+        self._vacant = anyio.Event()
+        self._dead: str | None = None
+        # Set while `_drain` feeds drivers: they open their fast paths at its end, not per action.
+        self.draining = False
+
+    @staticmethod
+    def eligible(source: EventSource) -> bool:
+        """Sources the thread can follow: plaintext tcp:// and ipc:// (its libzmq has no CURVE, and
+        inproc:// endpoints live in pyzmq's context)."""
+        return source.curve_server_key is None and source.endpoint.startswith(("tcp://", "ipc://"))
+
+    def add(self, driver: SourceDriver) -> int:
+        """Subscribe ``driver``'s source on the thread (a new SUB); returns its token (OSError: libzmq refused)."""
+        if self._dead is not None:
+            raise ClientStateError(f"the native receive thread stopped: {self._dead}")
+        core = self._core
+        if core is None:
+            cfg, lim = self._cfg, self._cfg.limits
+            core = _core.NativeReceiver(
+                driver._index._core,
+                max(1, min(cfg.recv_batch, _VISIT)),
+                cfg.wakeup_bytes,
+                cfg.quiet_interval,
+                cfg.held_bytes,
+                self._max_sockets,
+                lim.max_events_per_batch,
+                lim.max_blocks_per_event,
+                lim.max_block_size,
+            )
+            self._core, self._fd = core, core.fileno()
+        src, cfg = driver.source, self._cfg
+        token = next(_tokens)
+        core.add(
+            token,
+            driver.key,
+            src.endpoint,
+            src.topic.encode("utf-8"),
+            cfg.sub_rcvhwm(src.hwm),
+            cfg.max_message_size,
+            max(1, round(cfg.reconnect_ivl * 1000)),
+            max(0, round(cfg.reconnect_ivl_max * 1000)),
+            cfg.tcp_keepalive,
+        )
+        self._drivers[token] = driver
+        return token
+
+    def remove(self, token: int) -> None:
+        """Stop following ``token`` (its sockets close on the thread; its later hand-overs are dropped)."""
+        core = self._core
+        if self._drivers.pop(token, None) is None or core is None:
+            return
+        core.remove(token)
+        if not self._drivers:
+            # The client may be leaving: no thread, no sockets while no source runs.
+            anyio.notify_closing(self._fd)
+            core.close()
+            self._core, self._fd = None, -1
+
+    def stop(self, token: int) -> None:
+        """Apply nothing more for ``token`` from now on (synchronous: before its worker leaves the index)."""
+        if self._core is not None and token in self._drivers:
+            self._core.stop(token)
+
+    def open(self, token: int, next_seq: int, consumed: int) -> None:
+        """Let the thread apply ``token``'s batches from ``next_seq`` (see `kvroute._core.NativeReceiver.open`)."""
+        if self._core is not None and token in self._drivers:
+            self._core.open(token, next_seq, consumed)
+
+    def close_fast(self, token: int) -> None:
+        """Hand every message of ``token`` over until it is opened again."""
+        if self._core is not None and token in self._drivers:
+            self._core.close_fast(token)
+
+    async def serve(self) -> None:
+        """Run the loop, or wait while another session runs it and take over when it ends; never returns."""
+        while True:
+            if self._leading:
+                await self._vacant.wait()
+                continue
+            self._leading = True
+            try:
+                await self._loop()
+            finally:
+                self._leading = False
+                vacant, self._vacant = self._vacant, anyio.Event()
+                vacant.set()
+
+    async def _loop(self) -> None:
+        while True:
+            if self._dead is not None:
+                raise ClientStateError(f"the native receive thread stopped: {self._dead}")
+            if self._core is None:
+                return  # every source left (the leader is leaving too)
+            try:
+                await anyio.wait_readable(self._fd)
+            except anyio.ClosedResourceError:
+                return
+            self._drain()
+
+    def _drain(self) -> None:
+        core = self._core
+        if core is None:
+            return
+        applied, handovers, logs, dead = core.drain()
+        drivers = self._drivers
+        for token, seqs, tss, lags, elided, blocks, skipped in applied:
+            d = drivers.get(token)
+            if d is not None:
+                d._native_applied(seqs, tss, lags, elided, blocks, skipped)
+        for msg in logs:
+            _index_log.warning("%s", msg)
+        touched: dict[SourceDriver, None] = {}
+        wall = time.time()
+        self.draining = True
+        try:
+            for h in handovers:
+                d = drivers.get(h[1])
+                if d is None or d._recreate:
+                    continue  # a removed source's, or a SUB's being recreated (a dead engine's stream)
+                d._native_consumed += 1
+                kind = h[0]
+                if kind == 0:
+                    d._on_messages([h[2]], wall)
+                elif kind == 1:
+                    d._on_monitor_event(_zmq.MonitorEvent(h[2], h[3], h[4]))
+                else:
+                    d._on_quiet()
+                touched[d] = None
+        finally:
+            self.draining = False
+        for d in touched:
+            d._sync_fast()
+        if dead is not None:
+            log.error("the native receive thread stopped: %s", dead)
+            self._dead = dead
+
+
 class SourceDriver(DriverBase):
     """Subscribes to one `EventSource` and keeps its worker's index state per the recovery rules.
 
@@ -607,6 +786,7 @@ class SourceDriver(DriverBase):
         on_change: Callable[[], None],
         resume: Cursor | None = None,
         receiver: Receiver | None = None,
+        native: NativeReceiver | None = None,
     ) -> None:
         super().__init__(
             source,
@@ -633,8 +813,22 @@ class SourceDriver(DriverBase):
         self._recreate = False
         # The client's transport shares one receiver among its drivers; a lone driver has its own.
         self._receiver = receiver if receiver is not None else Receiver(config)
+        # The client's native receive thread, when configured and this source is one it can follow.
+        self._native = native if native is not None and NativeReceiver.eligible(source) else None
+        # This SUB's token on the thread, the hand-overs taken for it, and the last fast-path open sent.
+        self._native_token: int | None = None
+        self._native_consumed = 0
+        self._native_opened: tuple[int, int] | None = None
+        #: Batches the native thread applied for this source.
+        self.native_batches = 0
         #: Seconds from the newest applied live batch's ts (the engine's clock) to its apply.
         self.apply_lag = 0.0
+
+    def stop(self) -> None:
+        """`DriverBase.stop`, and the native thread applies nothing more for this source from now on."""
+        super().stop()
+        if self._native is not None and self._native_token is not None:
+            self._native.stop(self._native_token)
 
     def refresh_counters(self) -> None:
         """The decoder counts unknown event types itself."""
@@ -661,6 +855,9 @@ class SourceDriver(DriverBase):
             self.connected = False
 
     async def _run_session(self) -> None:
+        if self._native is not None:
+            await self._run_native_session(self._native)
+            return
         # One SUB socket's life: recreated on the machine's request (a restarted engine's
         # dead messages are still queued in the old one, docs/recovery.md rule 2). The
         # client's `Receiver` reads it (and its monitor) with every other source's.
@@ -710,6 +907,71 @@ class SourceDriver(DriverBase):
             if self.connected:
                 self.connected = False
                 self._on_change()
+
+    async def _run_native_session(self, native: NativeReceiver) -> None:
+        # As `_run_session`, with the SUB and its monitor on the native thread.
+        self._recreate = False
+        self._native_consumed = 0
+        self._native_opened = None
+        token: int | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                self._session = tg.cancel_scope
+                self._session_tg = tg
+                token = self._native_token = native.add(self)
+                self._sync_fast()
+                if not self._recreate:
+                    await native.serve()
+                tg.cancel_scope.cancel()
+        finally:
+            self._session = None
+            self._session_tg = None
+            self._awaiting_retry = False
+            self._native_token = None
+            if token is not None:
+                native.remove(token)
+            if self.connected:
+                self.connected = False
+                self._on_change()
+
+    def _native_applied(
+        self, seqs: list[int], tss: list[float], lags: list[float], elided: int, blocks: int, skipped: dict[str, int]
+    ) -> None:
+        """What the native thread applied for this source since the last drain: rule 1's bookkeeping, in bulk.
+
+        ``seqs``/``tss``: the newest applied batches in order (at most the ts ring's worth);
+        ``elided`` older ones only counted; ``lags``: wall clock at apply minus ts.
+        """
+        if self._stopped:
+            return
+        self.native_batches += len(seqs) + elided
+        on_applied = self.machine.on_applied
+        for seq, ts in zip(seqs, tss):
+            on_applied(seq, ts)
+        self.counters.batches += elided
+        self.counters.messages += len(seqs) + elided
+        self.counters.blocks += blocks
+        if skipped:
+            self._decoder.count_skipped(skipped)
+        if lags:
+            self.apply_lag = max(0.0, lags[-1])
+        if self._sink.active and self._native is not None and self._native_token is not None:
+            # A listener wants every batch as an event: the general path from here on.
+            self._native.close_fast(self._native_token)
+            self._native_opened = None
+
+    def _sync_fast(self) -> None:
+        """Open the native fast path where rule 1 holds now (the thread closes it itself at each hand-over)."""
+        native, token = self._native, self._native_token
+        if native is None or token is None:
+            return
+        m = self.machine
+        if self._stopped or self._recreate or self._sink.active or not m.in_order(m.last_seq + 1):
+            return
+        want = (m.last_seq + 1, self._native_consumed)
+        if want != self._native_opened:
+            self._native_opened = want
+            native.open(token, *want)
 
     def _on_messages(self, msgs: list[list[bytes]], wall: float) -> None:
         """Live messages the receiver read from the SUB, in order; ``wall``: time.time() when read.
@@ -797,8 +1059,10 @@ class SourceDriver(DriverBase):
 
     def _on_monitor(self, frames: list[bytes]) -> None:
         ev = _zmq.read_monitor(frames)
-        if ev is None:
-            return
+        if ev is not None:
+            self._on_monitor_event(ev)
+
+    def _on_monitor_event(self, ev: _zmq.MonitorEvent) -> None:
         if ev.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._set_connected()
         elif ev.event == zmq.EVENT_DISCONNECTED:
@@ -1008,6 +1272,10 @@ class SourceDriver(DriverBase):
                 self._session.cancel()
 
     def after_actions(self) -> None:
-        """Stop waiting for a replay the machine abandoned (restart, disconnect)."""
+        """Stop waiting for a replay the machine abandoned (restart, disconnect); reopen the native fast path."""
         if self._replay_scope is not None and self.machine.replay_abandoned:
             self._replay_scope.cancel()
+        if self._native is not None and not self._native.draining:
+            # A replay answer (or a timer) moved the machine outside a drain: the thread may
+            # take over again (within a drain, `NativeReceiver._drain` opens at its end).
+            self._sync_fast()

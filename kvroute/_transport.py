@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import zmq
 
+from . import _zmq
 from ._index import PrefixIndex
 from ._models import EventSource
 from ._snapshot import Cursor
-from ._subscriber import Receiver, ReplaySlots, SourceDriver, SubscriberConfig, source_problem
+from ._subscriber import NativeReceiver, Receiver, ReplaySlots, SourceDriver, SubscriberConfig, source_problem
 from ._transports._base import Driver, EventSink, Transport
 
 __all__ = ["Driver", "Transport", "ZmqTransport"]
@@ -31,6 +32,11 @@ class ZmqTransport:
         self._limiter = limiter
         # One receive loop reads every source's SUB (`kvroute._subscriber.Receiver`).
         self._receiver = Receiver(config)
+        # With ``native_receive``, the compiled core's thread reads the sources it can
+        # (`kvroute._subscriber.NativeReceiver`); the others stay on the Python receiver.
+        self._native = (
+            NativeReceiver(config, config.max_sources or _zmq.DEFAULT_MAX_SOURCES) if config.native_receive else None
+        )
 
     def handles(self, source: EventSource) -> bool:
         """Every source: ZMQ is the default transport."""
@@ -60,4 +66,5 @@ class ZmqTransport:
             on_change=on_change,
             resume=resume,
             receiver=self._receiver,
+            native=self._native,
         )

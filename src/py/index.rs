@@ -123,6 +123,12 @@ fn score_dicts<'py>(
 }
 
 impl PyIndex {
+    /// The locked index itself, for the native receive loop (`crate::py::recv`), which applies
+    /// to it from its own thread.
+    pub(crate) fn shared(&self) -> Shared {
+        self.inner.clone()
+    }
+
     /// Run `f` on the index under the write lock with the GIL released, then log its warnings.
     /// The integrator's `apply_payload` is `wire::decode` + `Index::apply_batch` inside `f`.
     pub fn with_write<R: Send>(

@@ -5,6 +5,7 @@ pub mod index;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+mod recv;
 mod router;
 mod wire;
 
@@ -20,5 +21,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     wire::register(m)?;
     index::register(m)?;
     router::register(m)?;
+    recv::register(m)?;
     Ok(())
 }

@@ -1,0 +1,231 @@
+//! `kvroute._core.NativeReceiver`: the Python face of the native receive loop (`crate::recv`).
+//!
+//! Python (kvroute/_subscriber.py, `NativeReceiver`) adds and removes sources, opens the fast
+//! path as its recovery machine allows, waits on `fileno()` and `drain()`s what the thread
+//! applied and handed over. Every failure is a Python exception or a reason in `drain()`'s
+//! ``dead``: nothing here panics into Python.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use pyo3::exceptions::{PyOSError, PyRuntimeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+
+use super::index::{PyIndex, PyKey};
+use crate::recv::{self, Command, Context, Handover, Settings, Shared, SubOptions};
+
+/// One receive thread over every SUB socket of a client.
+#[pyclass(frozen, module = "kvroute._core", name = "NativeReceiver")]
+pub struct PyNativeReceiver {
+    // `shared` before `ctx`: queued sockets close before the context terminates.
+    shared: Arc<Shared<PyKey>>,
+    ctx: Arc<Context>,
+    closed: AtomicBool,
+    /// Each source's "alive" flag (see `crate::recv`), cleared by `stop`.
+    alive: Mutex<HashMap<u64, Arc<AtomicBool>>>,
+}
+
+#[pymethods]
+impl PyNativeReceiver {
+    /// Start the thread applying to ``index``; ``quiet`` in seconds, the caps as in
+    /// `SubscriberConfig` and `Limits`; ``max_sockets`` sizes the thread's libzmq context.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        index: &Bound<'_, PyIndex>,
+        visit: usize,
+        wakeup_bytes: usize,
+        quiet: f64,
+        outbox_bytes: usize,
+        max_sockets: i32,
+        max_events_per_batch: &Bound<'_, PyAny>,
+        max_blocks_per_event: &Bound<'_, PyAny>,
+        max_block_size: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let limits =
+            super::wire::limits(max_events_per_batch, max_blocks_per_event, max_block_size)?;
+        if !(quiet.is_finite() && quiet > 0.0) {
+            return Err(PyRuntimeError::new_err(format!(
+                "quiet must be > 0, not {quiet}"
+            )));
+        }
+        let settings = Settings {
+            visit: visit.max(1),
+            wakeup_bytes: wakeup_bytes.max(1),
+            quiet: Duration::from_secs_f64(quiet),
+            outbox_bytes: outbox_bytes.max(1),
+            limits,
+        };
+        let ctx = Arc::new(Context::new(max_sockets).map_err(PyOSError::new_err)?);
+        let shared =
+            recv::start(index.get().shared(), settings, ctx.clone()).map_err(PyOSError::new_err)?;
+        Ok(PyNativeReceiver {
+            shared,
+            ctx,
+            closed: AtomicBool::new(false),
+            alive: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The descriptor that turns readable when `drain` has something.
+    fn fileno(&self) -> i32 {
+        self.shared.notify_r
+    }
+
+    /// Subscribe ``worker``'s source ``token`` at ``endpoint`` (a SUB with its monitor, created
+    /// and connected here, the GIL released); raises OSError when libzmq refuses.
+    #[allow(clippy::too_many_arguments)]
+    fn add(
+        &self,
+        py: Python<'_>,
+        token: u64,
+        worker: &Bound<'_, PyAny>,
+        endpoint: &str,
+        topic: &[u8],
+        rcvhwm: i32,
+        max_message_size: i64,
+        reconnect_ivl_ms: i32,
+        reconnect_ivl_max_ms: i32,
+        tcp_keepalive: bool,
+    ) -> PyResult<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(PyRuntimeError::new_err("the native receiver is closed"));
+        }
+        if token >= 1 << 62 {
+            return Err(PyRuntimeError::new_err("source token out of range"));
+        }
+        let key = PyKey::extract(worker)?;
+        let opts = SubOptions {
+            rcvhwm,
+            max_message_size,
+            reconnect_ivl: reconnect_ivl_ms,
+            reconnect_ivl_max: reconnect_ivl_max_ms,
+            tcp_keepalive,
+        };
+        let ctx = &self.ctx;
+        let (sub, mon) = py
+            .detach(|| ctx.subscribe(endpoint, topic, &opts))
+            .map_err(PyOSError::new_err)?;
+        let alive = Arc::new(AtomicBool::new(true));
+        self.alive.lock().insert(token, alive.clone());
+        self.shared.command(Command::Add {
+            token,
+            key,
+            sub,
+            mon,
+            alive,
+        });
+        Ok(())
+    }
+
+    /// Nothing more is applied for ``token`` once this returns (before its worker leaves the
+    /// index: the thread checks under the index's lock); its sockets stay until `remove`.
+    fn stop(&self, token: u64) {
+        if let Some(alive) = self.alive.lock().get(&token) {
+            alive.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// Stop following ``token`` and close its sockets (its later hand-overs never come).
+    fn remove(&self, token: u64) {
+        self.stop(token);
+        self.alive.lock().remove(&token);
+        self.shared.command(Command::Remove { token });
+    }
+
+    /// Let the thread apply ``token``'s batches from ``next_seq`` on, if ``consumed`` (the
+    /// hand-overs Python has taken for it) is all it handed over.
+    fn open(&self, token: u64, next_seq: u64, consumed: u64) {
+        self.shared.command(Command::Open {
+            token,
+            next_seq,
+            consumed,
+        });
+    }
+
+    /// Hand every message of ``token`` over until the next `open`.
+    fn close_fast(&self, token: u64) {
+        self.shared.command(Command::Close { token });
+    }
+
+    /// Everything waiting: ``(applied, handovers, logs, dead)``. ``applied``: per source
+    /// ``(token, seqs, ts, lags, elided, blocks, skipped)``; ``handovers`` in order: ``(0,
+    /// token, frames)`` a message, ``(1, token, event, value, endpoint)`` a monitor event,
+    /// ``(2, token)`` a quiet tick; ``dead``: why the thread stopped, or None.
+    #[allow(clippy::type_complexity)]
+    fn drain<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(
+        Bound<'py, PyList>,
+        Bound<'py, PyList>,
+        Vec<String>,
+        Option<String>,
+    )> {
+        let out = py.detach(|| self.shared.drain());
+        let applied = PyList::empty(py);
+        for (token, a) in out.applied {
+            let n = a.records.len();
+            let mut seqs = Vec::with_capacity(n);
+            let mut ts = Vec::with_capacity(n);
+            let mut lags = Vec::with_capacity(n);
+            for (s, t, l) in a.records {
+                seqs.push(s);
+                ts.push(t);
+                lags.push(l);
+            }
+            let skipped = PyDict::new(py);
+            for (why, k) in a.skipped {
+                skipped.set_item(why, k)?;
+            }
+            applied.append((token, seqs, ts, lags, a.elided, a.blocks, skipped))?;
+        }
+        let handovers = PyList::empty(py);
+        for h in out.handovers {
+            let item = match h {
+                Handover::Message { token, frames } => {
+                    let frames = PyList::new(py, frames.iter().map(|f| PyBytes::new(py, f)))?;
+                    PyTuple::new(
+                        py,
+                        [
+                            0u64.into_pyobject(py)?.into_any(),
+                            token.into_pyobject(py)?.into_any(),
+                            frames.into_any(),
+                        ],
+                    )?
+                }
+                Handover::Monitor {
+                    token,
+                    event,
+                    value,
+                    endpoint,
+                } => (1u64, token, event, value, endpoint).into_pyobject(py)?,
+                Handover::Quiet { token } => (2u64, token).into_pyobject(py)?,
+            };
+            handovers.append(item)?;
+        }
+        Ok((applied, handovers, out.logs, out.dead))
+    }
+
+    /// End the thread and close every socket (idempotent).
+    fn close(&self) {
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            self.shared.command(Command::Stop);
+        }
+    }
+}
+
+impl Drop for PyNativeReceiver {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyNativeReceiver>()?;
+    Ok(())
+}

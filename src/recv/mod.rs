@@ -1,0 +1,884 @@
+//! The native receive loop (docs/architecture.md, "The native loop"): one thread owns every
+//! source's SUB socket and its monitor, applies in-order batches to the index itself, and hands
+//! everything else to the Python recovery machine.
+//!
+//! Rule 1 is mirrored per source: `next_seq` (the machine's `last_seq + 1`) and `open`, the
+//! fast path flag. Only Python opens it (`Command::Open`), and only once it has consumed every
+//! hand-over of that source (`consumed == handed`), so the mirror always matches the
+//! machine. Every hand-over closes it: a gap, an old seq, a payload that does not decode or is
+//! untrusted, a malformed message, a monitor event, a quiet tick, and while it is closed every
+//! message. The thread applies exactly what `SourceMachine.in_order` would have let the Python
+//! fast path apply, and records `(seq, ts)` for Python to feed `on_applied` in bulk.
+//!
+//! The hand-over is one `Outbox` per receiver plus one pipe Python's event loop waits on: the
+//! pipe is written when the outbox turns non-empty, so Python wakes per batch of hand-overs.
+//! Nothing here panics into Python: the thread body runs under `catch_unwind`, and a thread
+//! that stops for any reason leaves its reason in `Outbox::dead`.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::raw::c_void;
+use std::os::unix::io::RawFd;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
+use parking_lot::{Mutex, RwLock};
+
+use crate::index::{Index, WorkerName};
+use crate::wire;
+
+/// Monitor events the Python driver acts on (the same mask as kvroute/_subscriber.py).
+pub const MONITOR_EVENTS: i32 = (zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED
+    | zmq_sys::ZMQ_EVENT_DISCONNECTED
+    | zmq_sys::ZMQ_EVENT_CONNECT_RETRIED
+    | zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) as i32;
+
+/// Seqs kept per source between two drains: the machine's ts ring holds 4,096, so older
+/// records would only be overwritten there; they are counted (`Applied::elided`) instead.
+const KEEP_RECORDS: usize = 4096;
+/// How often the thread looks for quiet sources (and wakes when nothing arrives).
+const QUIET_SCAN: Duration = Duration::from_millis(250);
+const WAKER: Token = Token(usize::MAX);
+static MONITOR_IDS: AtomicU64 = AtomicU64::new(0);
+
+/// The receive loop's settings (from `SubscriberConfig`).
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Messages taken from one socket per visit before the next ready socket's turn.
+    pub visit: usize,
+    /// Payload bytes taken from one socket per visit (at least one message).
+    pub wakeup_bytes: usize,
+    /// A source whose SUB had nothing to read this long gets a quiet tick.
+    pub quiet: Duration,
+    /// Bytes of hand-overs waiting for Python past which sources with a closed fast path are
+    /// not read (their messages wait in libzmq's queue, bounded by its high-water mark).
+    pub outbox_bytes: usize,
+    /// Decode caps per batch.
+    pub limits: wire::Limits,
+}
+
+/// Socket options of one SUB (intervals in ms, as libzmq takes them).
+#[derive(Clone, Debug)]
+pub struct SubOptions {
+    pub rcvhwm: i32,
+    pub max_message_size: i64,
+    pub reconnect_ivl: i32,
+    pub reconnect_ivl_max: i32,
+    pub tcp_keepalive: bool,
+}
+
+/// What the thread hands to Python, in the order it happened per source.
+pub enum Handover {
+    /// A live message the fast path did not take, as it came (its frames).
+    Message { token: u64, frames: Vec<Vec<u8>> },
+    /// A monitor notification of the source's SUB.
+    Monitor {
+        token: u64,
+        event: u16,
+        value: u32,
+        endpoint: String,
+    },
+    /// The SUB had nothing to read for the quiet interval.
+    Quiet { token: u64 },
+}
+
+/// The batches the thread applied for one source since the last drain.
+#[derive(Default)]
+pub struct Applied {
+    /// (seq, ts, apply lag in s: wall clock at apply minus ts), oldest first; at most 4,096.
+    pub records: VecDeque<(u64, f64, f64)>,
+    /// Applied batches older than `records` (counted, not listed).
+    pub elided: u64,
+    /// Blocks the index stored for them.
+    pub blocks: u64,
+    /// Events left out of decoded batches, per reason.
+    pub skipped: HashMap<String, u64>,
+}
+
+/// Everything waiting for Python.
+#[derive(Default)]
+pub struct Outbox {
+    pub applied: HashMap<u64, Applied>,
+    pub handovers: Vec<Handover>,
+    /// The index's refusal warnings (logged on "kvroute.index").
+    pub logs: Vec<String>,
+    /// Why the thread stopped, when it did other than by `Command::Stop`.
+    pub dead: Option<String>,
+    bytes: usize,
+    signaled: bool,
+    /// The thread skipped closed sources for lack of room: wake it once Python drained.
+    stalled: bool,
+}
+
+/// What Python asks of the thread.
+pub enum Command<K> {
+    /// Watch a SUB (connected, with its monitor) for the source `token`, applying to `key`.
+    Add {
+        token: u64,
+        key: K,
+        sub: zmq::Socket,
+        mon: zmq::Socket,
+        alive: Arc<AtomicBool>,
+    },
+    /// Stop watching the source and close its sockets.
+    Remove { token: u64 },
+    /// Open the fast path at `next_seq`, if Python consumed all `consumed` hand-overs.
+    Open {
+        token: u64,
+        next_seq: u64,
+        consumed: u64,
+    },
+    /// Close the fast path (a listener wants every batch as an event).
+    Close { token: u64 },
+    /// End the thread, closing every socket.
+    Stop,
+}
+
+/// A libzmq context of our own (the vendored libzmq, not pyzmq's), with room for the fleet.
+pub struct Context(*mut c_void);
+
+// SAFETY: a libzmq context is thread-safe (zmq_ctx_new(3)).
+unsafe impl Send for Context {}
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// A context allowing `max_sockets` sockets.
+    pub fn new(max_sockets: i32) -> Result<Context, String> {
+        // SAFETY: plain libzmq calls on a context this function owns.
+        unsafe {
+            let ctx = zmq_sys::zmq_ctx_new();
+            if ctx.is_null() {
+                return Err(zmq_error());
+            }
+            zmq_sys::zmq_ctx_set(ctx, zmq_sys::ZMQ_BLOCKY as i32, 0);
+            if zmq_sys::zmq_ctx_set(ctx, zmq_sys::ZMQ_MAX_SOCKETS as i32, max_sockets) != 0 {
+                let e = zmq_error();
+                zmq_sys::zmq_ctx_term(ctx);
+                return Err(e);
+            }
+            Ok(Context(ctx))
+        }
+    }
+
+    fn socket(&self, kind: i32) -> Result<zmq::Socket, String> {
+        // SAFETY: the context outlives every socket (the receiver closes them before `Drop`).
+        let raw = unsafe { zmq_sys::zmq_socket(self.0, kind) };
+        if raw.is_null() {
+            return Err(zmq_error());
+        }
+        // SAFETY: a fresh socket pointer, owned by the returned Socket from here on.
+        let sock = unsafe { zmq::Socket::from_raw(raw) };
+        sock.set_linger(0).map_err(|e| e.to_string())?;
+        Ok(sock)
+    }
+
+    /// A SUB with `opts`, monitored, connected to `endpoint`; returns (sub, monitor PAIR).
+    pub fn subscribe(
+        &self,
+        endpoint: &str,
+        topic: &[u8],
+        opts: &SubOptions,
+    ) -> Result<(zmq::Socket, zmq::Socket), String> {
+        let err = |e: zmq::Error| e.to_string();
+        let sub = self.socket(zmq_sys::ZMQ_SUB as i32)?;
+        sub.set_rcvhwm(opts.rcvhwm).map_err(err)?;
+        sub.set_maxmsgsize(opts.max_message_size).map_err(err)?;
+        sub.set_reconnect_ivl(opts.reconnect_ivl).map_err(err)?;
+        sub.set_reconnect_ivl_max(opts.reconnect_ivl_max)
+            .map_err(err)?;
+        if opts.tcp_keepalive {
+            sub.set_tcp_keepalive(1).map_err(err)?;
+        }
+        sub.set_subscribe(topic).map_err(err)?;
+        // Monitor before connecting: a loopback handshake can complete at once.
+        let addr = format!(
+            "inproc://kvroute-native-monitor-{}",
+            MONITOR_IDS.fetch_add(1, Ordering::Relaxed)
+        );
+        sub.monitor(&addr, MONITOR_EVENTS).map_err(err)?;
+        let mon = self.socket(zmq_sys::ZMQ_PAIR as i32)?;
+        mon.connect(&addr).map_err(err)?;
+        sub.connect(endpoint)
+            .map_err(|e| format!("cannot connect to {endpoint:?}: {e}"))?;
+        Ok((sub, mon))
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: every socket of this context is closed by now (the thread drops them first).
+        unsafe {
+            zmq_sys::zmq_ctx_term(self.0);
+        }
+    }
+}
+
+fn zmq_error() -> String {
+    // SAFETY: zmq_errno/zmq_strerror are always callable; strerror returns a static string.
+    unsafe {
+        let e = zmq_sys::zmq_errno();
+        std::ffi::CStr::from_ptr(zmq_sys::zmq_strerror(e))
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// What Python and the thread share.
+pub struct Shared<K> {
+    pub outbox: Mutex<Outbox>,
+    commands: Mutex<Vec<Command<K>>>,
+    waker: Waker,
+    /// The pipe's write end: one byte when the outbox turns non-empty.
+    notify_w: RawFd,
+    /// The pipe's read end, which Python's event loop waits on.
+    pub notify_r: RawFd,
+}
+
+impl<K> Shared<K> {
+    /// Queue a command and wake the thread.
+    pub fn command(&self, cmd: Command<K>) {
+        self.commands.lock().push(cmd);
+        // A failed wake means the thread is gone; its `dead` says why.
+        let _ = self.waker.wake();
+    }
+
+    /// Take everything waiting; empties the notify pipe first, so a later push signals again.
+    pub fn drain(&self) -> Outbox {
+        let mut buf = [0u8; 64];
+        // SAFETY: reading a non-blocking pipe this struct owns into a local buffer.
+        while unsafe { libc::read(self.notify_r, buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
+        let mut out = self.outbox.lock();
+        let stalled = out.stalled;
+        let taken = std::mem::take(&mut *out);
+        out.dead.clone_from(&taken.dead);
+        drop(out);
+        if stalled {
+            let _ = self.waker.wake();
+        }
+        taken
+    }
+
+    fn signal(&self, out: &mut Outbox) {
+        if !out.signaled {
+            out.signaled = true;
+            let b = 1u8;
+            // SAFETY: a one-byte write to our own non-blocking pipe; a full pipe is already signaled.
+            unsafe {
+                libc::write(self.notify_w, (&b as *const u8).cast(), 1);
+            }
+        }
+    }
+}
+
+impl<K> Drop for Shared<K> {
+    fn drop(&mut self) {
+        // SAFETY: the pipe's two ends are ours and closed once.
+        unsafe {
+            libc::close(self.notify_r);
+            libc::close(self.notify_w);
+        }
+    }
+}
+
+fn pipe() -> Result<(RawFd, RawFd), String> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: pipe(2) into a local array, then fcntl on the two descriptors it returned.
+    unsafe {
+        if libc::pipe(fds.as_mut_ptr()) != 0 {
+            return Err(std::io::Error::last_os_error().to_string());
+        }
+        for fd in fds {
+            libc::fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK);
+            libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        }
+    }
+    Ok((fds[0], fds[1]))
+}
+
+struct Source<K> {
+    key: K,
+    /// Cleared by Python (synchronously, before it removes the worker from the index): checked
+    /// under the index's write lock, so nothing is applied for a source once it is stopped.
+    alive: Arc<AtomicBool>,
+    sub: zmq::Socket,
+    mon: zmq::Socket,
+    sub_fd: RawFd,
+    mon_fd: RawFd,
+    next_seq: u64,
+    open: bool,
+    /// Hand-overs of this source so far (Python opens the fast path only when it consumed all).
+    handed: u64,
+    last_read: Instant,
+}
+
+/// Start the receive thread; returns what Python shares with it.
+pub fn start<K: WorkerName + 'static>(
+    index: Arc<RwLock<Index<K>>>,
+    settings: Settings,
+    ctx: Arc<Context>,
+) -> Result<Arc<Shared<K>>, String> {
+    let poll = Poll::new().map_err(|e| e.to_string())?;
+    let waker = Waker::new(poll.registry(), WAKER).map_err(|e| e.to_string())?;
+    let (notify_r, notify_w) = pipe()?;
+    let shared = Arc::new(Shared {
+        outbox: Mutex::new(Outbox::default()),
+        commands: Mutex::new(Vec::new()),
+        waker,
+        notify_w,
+        notify_r,
+    });
+    let thread_shared = shared.clone();
+    std::thread::Builder::new()
+        .name("kvroute-recv".into())
+        .spawn(move || {
+            let sh = thread_shared.clone();
+            let result = catch_unwind(AssertUnwindSafe(move || {
+                Loop {
+                    poll,
+                    index,
+                    settings,
+                    shared: thread_shared,
+                    sources: HashMap::new(),
+                    backlog: VecDeque::new(),
+                    in_backlog: HashMap::new(),
+                    stalled: Vec::new(),
+                    _ctx: ctx,
+                }
+                .run()
+            }));
+            let why = match result {
+                Ok(Ok(())) => return,
+                Ok(Err(e)) => e,
+                Err(panic) => panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".into()),
+            };
+            let mut out = sh.outbox.lock();
+            out.dead = Some(why);
+            sh.signal(&mut out);
+        })
+        .map_err(|e| e.to_string())?;
+    Ok(shared)
+}
+
+/// One applied batch before it reaches the outbox: (seq, ts, stored blocks, skipped events).
+type Record = (u64, f64, u64, Vec<(String, u64)>);
+
+/// How a visit to a source ended.
+enum Visit {
+    /// Read to EAGAIN: its descriptor signals the next arrival.
+    Done,
+    /// Stopped at the visit's cap: read again next round without waiting.
+    More,
+    /// Not read for lack of room in the outbox: read again once Python drained it.
+    Stalled,
+}
+
+struct Loop<K: WorkerName> {
+    poll: Poll,
+    index: Arc<RwLock<Index<K>>>,
+    settings: Settings,
+    shared: Arc<Shared<K>>,
+    sources: HashMap<u64, Source<K>>,
+    /// Sources whose SUB (or monitor) may have something to read, oldest first.
+    backlog: VecDeque<u64>,
+    in_backlog: HashMap<u64, ()>,
+    /// Sources with messages waiting for room in the outbox (`Visit::Stalled`).
+    stalled: Vec<u64>,
+    // Last: dropped after `sources`, so the context terminates once its sockets are closed.
+    _ctx: Arc<Context>,
+}
+
+fn now_wall() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+impl<K: WorkerName> Loop<K> {
+    fn run(mut self) -> Result<(), String> {
+        let mut events = Events::with_capacity(4096);
+        let mut next_scan = Instant::now() + QUIET_SCAN;
+        loop {
+            let timeout = if self.backlog.is_empty() {
+                next_scan.saturating_duration_since(Instant::now())
+            } else {
+                Duration::ZERO
+            };
+            if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(format!("poll failed: {e}"));
+                }
+            }
+            for ev in events.iter() {
+                let t = ev.token();
+                if t != WAKER {
+                    self.mark(t.0 as u64 >> 1);
+                }
+            }
+            if !self.commands()? {
+                return Ok(());
+            }
+            if !self.stalled.is_empty()
+                && self.shared.outbox.lock().bytes < self.settings.outbox_bytes
+            {
+                // Python drained (its drain woke us): the stalled sources' turn again.
+                for token in std::mem::take(&mut self.stalled) {
+                    if self.sources.contains_key(&token) {
+                        self.backlog.push_back(token);
+                    } else {
+                        self.in_backlog.remove(&token);
+                    }
+                }
+            }
+            self.round();
+            let now = Instant::now();
+            if now >= next_scan {
+                next_scan = now + QUIET_SCAN;
+                self.scan(now);
+            }
+        }
+    }
+
+    fn mark(&mut self, token: u64) {
+        if self.sources.contains_key(&token) && self.in_backlog.insert(token, ()).is_none() {
+            self.backlog.push_back(token);
+        }
+    }
+
+    /// Carry out Python's commands; false on `Stop`.
+    fn commands(&mut self) -> Result<bool, String> {
+        let cmds = std::mem::take(&mut *self.shared.commands.lock());
+        for cmd in cmds {
+            match cmd {
+                Command::Add {
+                    token,
+                    key,
+                    sub,
+                    mon,
+                    alive,
+                } => {
+                    let sub_fd = sub.get_fd().map_err(|e| e.to_string())?;
+                    let mon_fd = mon.get_fd().map_err(|e| e.to_string())?;
+                    let reg = self.poll.registry();
+                    reg.register(
+                        &mut SourceFd(&sub_fd),
+                        Token((token << 1) as usize),
+                        Interest::READABLE,
+                    )
+                    .map_err(|e| format!("cannot watch a SUB: {e}"))?;
+                    reg.register(
+                        &mut SourceFd(&mon_fd),
+                        Token(((token << 1) | 1) as usize),
+                        Interest::READABLE,
+                    )
+                    .map_err(|e| format!("cannot watch a monitor: {e}"))?;
+                    self.sources.insert(
+                        token,
+                        Source {
+                            key,
+                            alive,
+                            sub,
+                            mon,
+                            sub_fd,
+                            mon_fd,
+                            next_seq: 0,
+                            open: false,
+                            handed: 0,
+                            last_read: Instant::now(),
+                        },
+                    );
+                    // Something may be queued already: an edge comes only after a read found none.
+                    self.mark(token);
+                }
+                Command::Remove { token } => {
+                    if let Some(src) = self.sources.remove(&token) {
+                        let reg = self.poll.registry();
+                        // Before the sockets close: their descriptor numbers are reused at once.
+                        let _ = reg.deregister(&mut SourceFd(&src.sub_fd));
+                        let _ = reg.deregister(&mut SourceFd(&src.mon_fd));
+                        drop(src);
+                    }
+                    self.in_backlog.remove(&token);
+                    self.backlog.retain(|t| *t != token);
+                }
+                Command::Open {
+                    token,
+                    next_seq,
+                    consumed,
+                } => {
+                    if let Some(src) = self.sources.get_mut(&token) {
+                        // A stale open (hand-overs Python has not seen yet) is ignored: Python
+                        // opens again once it has.
+                        if consumed == src.handed && next_seq != u64::MAX {
+                            src.open = true;
+                            src.next_seq = next_seq;
+                        }
+                    }
+                }
+                Command::Close { token } => {
+                    if let Some(src) = self.sources.get_mut(&token) {
+                        src.open = false;
+                    }
+                }
+                // The commands after it are dropped with this loop's iterator (their sockets close).
+                Command::Stop => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
+
+    /// One round: a visit to every source in the backlog, in turn.
+    fn round(&mut self) {
+        let n = self.backlog.len();
+        for _ in 0..n {
+            let Some(token) = self.backlog.pop_front() else {
+                break;
+            };
+            self.in_backlog.remove(&token);
+            match self.visit(token) {
+                Visit::Done => {}
+                Visit::More => {
+                    self.in_backlog.insert(token, ());
+                    self.backlog.push_back(token);
+                }
+                Visit::Stalled => {
+                    // Still counted as in the backlog: not quiet, and not marked twice.
+                    self.in_backlog.insert(token, ());
+                    self.stalled.push(token);
+                }
+            }
+        }
+    }
+
+    /// Read `token`'s monitor, then up to one visit's worth of its messages.
+    fn visit(&mut self, token: u64) -> Visit {
+        let Some(src) = self.sources.get_mut(&token) else {
+            return Visit::Done;
+        };
+        let shared = &*self.shared;
+        // The monitor first: a disconnect must reach Python before any message read after it
+        // (a restarted engine's first seqs must not pass for the old one's).
+        let mut mon_events = Vec::new();
+        while let Ok(frames) = src.mon.recv_multipart(zmq::DONTWAIT) {
+            mon_events.push(frames);
+        }
+        let mut out_pending: Vec<Handover> = Vec::new();
+        for frames in mon_events {
+            if frames.len() != 2 || frames[0].len() != 6 {
+                continue;
+            }
+            let event = u16::from_ne_bytes([frames[0][0], frames[0][1]]);
+            let value =
+                u32::from_ne_bytes([frames[0][2], frames[0][3], frames[0][4], frames[0][5]]);
+            src.open = false;
+            src.handed += 1;
+            out_pending.push(Handover::Monitor {
+                token,
+                event,
+                value,
+                endpoint: String::from_utf8_lossy(&frames[1]).into_owned(),
+            });
+        }
+        if !src.open && shared.outbox.lock().bytes >= self.settings.outbox_bytes {
+            // No room for more hand-overs: leave this source's messages in libzmq's queue
+            // until Python drains. It has something, so it is not quiet (kvroute is slow).
+            src.last_read = Instant::now();
+            let mut out = shared.outbox.lock();
+            out.stalled = true;
+            if !out_pending.is_empty() {
+                out.handovers.append(&mut out_pending);
+                shared.signal(&mut out);
+            }
+            return Visit::Stalled;
+        }
+        let wall = now_wall();
+        let mut taken = 0usize;
+        let mut bytes = 0usize;
+        let mut more = false;
+        let mut applied: Vec<Record> = Vec::new();
+        let mut logs = Vec::new();
+        let mut msg = zmq::Message::new();
+        while taken < self.settings.visit && bytes < self.settings.wakeup_bytes {
+            if src.sub.recv(&mut msg, zmq::DONTWAIT).is_err() {
+                break;
+            }
+            taken += 1;
+            src.last_read = Instant::now();
+            // [topic, seq8, payload]: read the rest of the message's frames.
+            let mut frames: Vec<zmq::Message> = Vec::with_capacity(3);
+            let mut has_more = msg.get_more();
+            frames.push(std::mem::replace(&mut msg, zmq::Message::new()));
+            while has_more {
+                let mut part = zmq::Message::new();
+                if src.sub.recv(&mut part, zmq::DONTWAIT).is_err() {
+                    break;
+                }
+                has_more = part.get_more();
+                frames.push(part);
+            }
+            bytes += frames.iter().map(|f| f.len()).sum::<usize>();
+            let seq = if frames.len() == 3 && frames[1].len() == 8 {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(&frames[1]);
+                Some(u64::from_be_bytes(b))
+            } else {
+                None
+            };
+            if let Some(seq) = seq {
+                if src.open && seq == src.next_seq && seq != u64::MAX {
+                    if let Ok(batch) = wire::decode(&frames[2], &self.settings.limits) {
+                        if batch.ts.is_finite() && batch.untrusted.is_none() {
+                            let stored = {
+                                let mut idx = self.index.write();
+                                if !src.alive.load(Ordering::SeqCst) {
+                                    src.open = false;
+                                    return Visit::Done;
+                                }
+                                let counts = idx.apply_batch(&src.key, &batch);
+                                logs.extend(idx.take_logs());
+                                counts.stored_blocks
+                            };
+                            src.next_seq = seq + 1;
+                            applied.push((seq, batch.ts, stored, batch.skipped));
+                            continue;
+                        }
+                    }
+                }
+            }
+            src.open = false;
+            src.handed += 1;
+            out_pending.push(Handover::Message {
+                token,
+                frames: frames.iter().map(|f| f.to_vec()).collect(),
+            });
+        }
+        if taken == self.settings.visit || bytes >= self.settings.wakeup_bytes {
+            more = true;
+        }
+        let more = if more { Visit::More } else { Visit::Done };
+        if applied.is_empty() && out_pending.is_empty() && logs.is_empty() {
+            return more;
+        }
+        let mut out = shared.outbox.lock();
+        if !applied.is_empty() {
+            let entry = out.applied.entry(token).or_default();
+            for (seq, ts, stored, skipped) in applied {
+                if entry.records.len() == KEEP_RECORDS {
+                    entry.records.pop_front();
+                    entry.elided += 1;
+                }
+                entry.records.push_back((seq, ts, wall - ts));
+                entry.blocks += stored;
+                for (why, n) in skipped {
+                    *entry.skipped.entry(why).or_default() += n;
+                }
+            }
+        }
+        for h in &out_pending {
+            if let Handover::Message { frames, .. } = h {
+                out.bytes += frames.iter().map(Vec::len).sum::<usize>();
+            }
+        }
+        out.handovers.append(&mut out_pending);
+        out.logs.append(&mut logs);
+        shared.signal(&mut out);
+        more
+    }
+
+    /// Quiet ticks for sources whose SUB had nothing to read for the quiet interval.
+    fn scan(&mut self, now: Instant) {
+        let quiet = self.settings.quiet;
+        let mut ticks = Vec::new();
+        for (token, src) in self.sources.iter_mut() {
+            if self.in_backlog.contains_key(token) || now.duration_since(src.last_read) < quiet {
+                continue;
+            }
+            src.last_read = now;
+            src.open = false;
+            src.handed += 1;
+            ticks.push(Handover::Quiet { token: *token });
+        }
+        if !ticks.is_empty() {
+            let mut out = self.shared.outbox.lock();
+            out.handovers.append(&mut ticks);
+            self.shared.signal(&mut out);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rmp::encode as en;
+
+    #[derive(Clone, PartialEq, Eq, Hash, Debug)]
+    struct W(&'static str);
+
+    impl WorkerName for W {
+        fn label(&self) -> String {
+            format!("{}/0", self.0)
+        }
+    }
+
+    /// A map-form batch with ts `ts` storing one block (hash `h`) of 4 tokens.
+    fn payload(ts: f64, h: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        en::write_array_len(&mut out, 2).unwrap();
+        en::write_f64(&mut out, ts).unwrap();
+        en::write_array_len(&mut out, 1).unwrap();
+        en::write_map_len(&mut out, 4).unwrap();
+        en::write_str(&mut out, "type").unwrap();
+        en::write_str(&mut out, "BlockStored").unwrap();
+        en::write_str(&mut out, "block_hashes").unwrap();
+        en::write_array_len(&mut out, 1).unwrap();
+        en::write_uint(&mut out, h).unwrap();
+        en::write_str(&mut out, "token_ids").unwrap();
+        en::write_array_len(&mut out, 4).unwrap();
+        for t in 0..4u64 {
+            en::write_uint(&mut out, h * 10 + t).unwrap();
+        }
+        en::write_str(&mut out, "block_size").unwrap();
+        en::write_uint(&mut out, 4).unwrap();
+        out
+    }
+
+    fn send(pub_: &zmq::Socket, seq: u64, body: &[u8]) {
+        let seq8 = seq.to_be_bytes();
+        pub_.send_multipart([&b"kv"[..], &seq8[..], body], 0)
+            .unwrap();
+    }
+
+    /// Drain until `done` holds on everything taken so far (at most 10 s).
+    fn wait(shared: &Shared<W>, done: impl Fn(&[Outbox]) -> bool) -> Vec<Outbox> {
+        let mut got = Vec::new();
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until {
+            got.push(shared.drain());
+            if done(&got) {
+                return got;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("timed out");
+    }
+
+    fn applied(got: &[Outbox]) -> Vec<u64> {
+        got.iter()
+            .flat_map(|o| {
+                o.applied
+                    .values()
+                    .flat_map(|a| a.records.iter().map(|r| r.0))
+            })
+            .collect()
+    }
+
+    fn handed(got: &[Outbox]) -> Vec<Option<u64>> {
+        got.iter()
+            .flat_map(|o| o.handovers.iter())
+            .filter_map(|h| match h {
+                Handover::Message { frames, .. } if frames.len() == 3 => {
+                    Some(Some(u64::from_be_bytes(frames[1][..].try_into().unwrap())))
+                }
+                Handover::Message { .. } => Some(None),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn applies_in_order_and_hands_over_the_rest_until_reopened() {
+        let ctx = Arc::new(Context::new(64).unwrap());
+        let index = Arc::new(RwLock::new(
+            Index::<W>::new(crate::index::Limits::default()),
+        ));
+        let settings = Settings {
+            visit: 64,
+            wakeup_bytes: 1 << 20,
+            quiet: Duration::from_secs(60),
+            outbox_bytes: 1 << 20,
+            limits: wire::Limits::default(),
+        };
+        let shared = start(index.clone(), settings, ctx.clone()).unwrap();
+        let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
+        pub_.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
+        let opts = SubOptions {
+            rcvhwm: 1000,
+            max_message_size: 1 << 20,
+            reconnect_ivl: 20,
+            reconnect_ivl_max: 100,
+            tcp_keepalive: false,
+        };
+        let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &opts).unwrap();
+        let alive = Arc::new(AtomicBool::new(true));
+        shared.command(Command::Add {
+            token: 7,
+            key: W("a"),
+            sub,
+            mon,
+            alive: alive.clone(),
+        });
+        // The handshake is handed over (a monitor event): the fast path is still closed.
+        let got = wait(&shared, |g| {
+            g.iter()
+                .flat_map(|o| &o.handovers)
+                .any(|h| matches!(h, Handover::Monitor { event, .. } if u32::from(*event) == zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED))
+        });
+        let consumed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
+        // A stale open (not every hand-over seen) is ignored; the right one opens at seq 0.
+        shared.command(Command::Open {
+            token: 7,
+            next_seq: 0,
+            consumed: consumed + 1,
+        });
+        shared.command(Command::Open {
+            token: 7,
+            next_seq: 0,
+            consumed,
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        for seq in 0..5 {
+            send(&pub_, seq, &payload(1.0 + seq as f64, seq + 1));
+        }
+        let got = wait(&shared, |g| applied(g).len() == 5);
+        assert_eq!(applied(&got), vec![0, 1, 2, 3, 4]);
+        assert_eq!(index.read().num_blocks(Some(&W("a"))), 5);
+        // A gap, then a bad payload and a malformed message: handed over, nothing applied.
+        send(&pub_, 7, &payload(8.0, 8));
+        send(&pub_, 5, &payload(6.0, 6));
+        send(&pub_, 6, b"\x90");
+        pub_.send_multipart([&b"kv"[..]], 0).unwrap();
+        let got = wait(&shared, |g| handed(g).len() == 4);
+        assert_eq!(handed(&got), vec![Some(7), Some(5), Some(6), None]);
+        assert!(applied(&got).is_empty());
+        assert_eq!(index.read().num_blocks(Some(&W("a"))), 5);
+        // Reopened at 8 with every hand-over taken: applied again; stopped: nothing more.
+        let consumed = consumed + 4;
+        shared.command(Command::Open {
+            token: 7,
+            next_seq: 8,
+            consumed,
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        send(&pub_, 8, &payload(9.0, 9));
+        let got = wait(&shared, |g| applied(g) == vec![8]);
+        assert_eq!(got.iter().map(|o| o.handovers.len()).sum::<usize>(), 0);
+        alive.store(false, Ordering::SeqCst);
+        send(&pub_, 9, &payload(10.0, 10));
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(applied(&[shared.drain()]).is_empty());
+        assert_eq!(index.read().num_blocks(Some(&W("a"))), 6);
+        shared.command(Command::Remove { token: 7 });
+        shared.command(Command::Stop);
+        drop(pub_);
+        assert!(shared.drain().dead.is_none());
+    }
+}

@@ -1,0 +1,211 @@
+"""The native receive loop (``SubscriberConfig(native_receive=True)``) end to end over loopback sockets.
+
+The compiled core's thread owns the SUBs and applies in-order batches itself; every other case
+(gaps, restarts, undecodable payloads, malformed messages, quiet ticks, listeners) is handed to
+the Python recovery machine. Each test ends with the index checked against the engine's truth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import anyio
+import msgspec
+import pytest
+from _publisher_helpers import (
+    FAST,
+    Workload,
+    assert_index_equal,
+    assert_index_subset,
+    settle,
+    truth_index,
+    wait_for,
+)
+
+from kvroute._client import KvEventClient
+from kvroute._models import EventSource
+from kvroute._subscriber import NativeReceiver, SourceDriver, SubscriberConfig
+from kvroute.sim._publisher import EventPublisher
+
+pytestmark = pytest.mark.anyio
+
+NATIVE = msgspec.structs.replace(FAST, native_receive=True)
+
+
+def _driver(client: KvEventClient, src: EventSource) -> SourceDriver:
+    driver = client._subs[src.key].driver  # type: ignore[attr-defined]
+    assert isinstance(driver, SourceDriver)
+    return driver
+
+
+async def _caught_up(client: KvEventClient, src: EventSource, last: int) -> None:
+    def done() -> bool:
+        st = client.stats().sources.get(src.key)
+        return st is not None and st.last_seq == last and st.state == "synced"
+
+    await wait_for(done, f"{src.key} applied through seq {last}")
+
+
+def test_native_receive_is_a_bool_option() -> None:
+    assert SubscriberConfig().native_receive is False
+    with pytest.raises(ValueError, match="native_receive must be a bool"):
+        SubscriberConfig(native_receive=1)  # type: ignore[arg-type]
+
+
+def test_only_plaintext_tcp_and_ipc_sources_are_eligible() -> None:
+    assert NativeReceiver.eligible(EventSource(worker_id="w", endpoint="tcp://127.0.0.1:5557"))
+    assert NativeReceiver.eligible(EventSource(worker_id="w", endpoint="ipc:///tmp/kv.sock"))
+    assert not NativeReceiver.eligible(EventSource(worker_id="w", endpoint="inproc://kv"))
+    assert not NativeReceiver.eligible(
+        EventSource(worker_id="w", endpoint="tcp://127.0.0.1:5557", curve_server_key="x" * 40)
+    )
+
+
+async def test_the_thread_applies_in_order_batches_and_python_fills_the_gaps() -> None:
+    wl = Workload(2)
+    async with EventPublisher(drop_rate=0.2, seed=3) as pub:
+        src = pub.source("w")
+        async with KvEventClient([src], config=NATIVE) as client:
+            await client.wait_synced(10)
+            driver = _driver(client, src)
+            assert driver._native is not None
+            for _ in range(300):
+                pub.publish(wl.batch())
+            await _caught_up(client, src, pub.next_seq - 1)
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+            st = client.stats().sources[src.key]
+            assert pub.dropped > 0 and st.replayed_batches >= pub.dropped and st.resets == 0 and not st.partial
+            # Most batches came in order and the thread applied them; the rest Python did.
+            assert 0 < driver.native_batches < 300
+            assert st.batches >= 300 - pub.dropped
+
+
+async def test_a_restart_is_handed_to_the_machine() -> None:
+    wl = Workload(4)
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        async with KvEventClient([src], config=NATIVE) as client:
+            await client.wait_synced(10)
+            for _ in range(20):
+                pub.publish(wl.batch())
+            await _caught_up(client, src, 19)
+            pub.restart()
+            wl = Workload(40)  # the new process's cache starts empty
+            for _ in range(10):
+                pub.publish(wl.batch())
+            await wait_for(lambda: client.stats().sources[src.key].resets >= 1, "the restart is seen")
+            await _caught_up(client, src, 9)
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+
+
+async def test_bad_payloads_and_frames_are_counted_and_the_rest_applied() -> None:
+    wl = Workload(10)
+    async with EventPublisher(corrupt_rate=0.2, seed=4, topic="kv") as pub:
+        src = pub.source("w")
+        async with KvEventClient([src], config=NATIVE) as client:
+            await client.wait_synced(10)
+            for i in range(60):
+                pub.publish(wl.batch())
+                if i % 20 == 0:
+                    pub.publish_raw([b"kv"])
+                    pub.publish_raw([b"kv", b"\x00\x01", b"\x90"])
+                    pub.publish_raw([b"kv", b"", b"", b""])
+            await _caught_up(client, src, pub.next_seq - 1)
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+            st = client.stats().sources[src.key]
+            assert st.decode_errors == pub.corrupted > 0
+            assert st.skipped_frames == 9
+            assert st.resets == 0
+
+
+async def test_a_lost_tail_is_found_by_the_threads_quiet_tick() -> None:
+    wl = Workload(8)
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        async with KvEventClient([src], config=NATIVE) as client:
+            await client.wait_synced(10)
+            for _ in range(5):
+                pub.publish(wl.batch())
+            await _caught_up(client, src, 4)
+            pub.drop_rate = 1.0
+            for _ in range(4):
+                pub.publish(wl.batch())
+            # No later message shows a gap: only the quiet tick's probe finds these.
+            await _caught_up(client, src, 8)
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+            st = client.stats().sources[src.key]
+            assert st.gaps == 0 and st.probes >= 1
+
+
+async def test_a_listener_gets_every_batch_and_the_thread_resumes_without_one() -> None:
+    wl = Workload(12)
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        async with KvEventClient([src], config=NATIVE) as client:
+            await client.wait_synced(10)
+            driver = _driver(client, src)
+            for _ in range(10):
+                pub.publish(wl.batch())
+            await _caught_up(client, src, 9)
+            stream = client.events()
+            # The listener is seen at the next drain: from then on, batches arrive as events.
+            pub.publish(wl.batch())
+            await _caught_up(client, src, 10)
+            for _ in range(10):
+                pub.publish(wl.batch())
+            await settle(client, stream, {src.key: 20})
+            await stream.aclose()
+            # The next message is handed over (the fast path is closed); its drain reopens it.
+            pub.publish(wl.batch())
+            await _caught_up(client, src, 21)
+            before = driver.native_batches
+            for _ in range(10):
+                pub.publish(wl.batch())
+            await _caught_up(client, src, 31)
+            assert driver.native_batches > before
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+
+
+async def test_a_removed_source_touches_the_index_no_more() -> None:
+    wl = Workload(24)
+    async with EventPublisher() as pub, KvEventClient([], config=NATIVE) as client:
+        src = pub.source("w")
+        assert client.add_source(src)
+        await client.wait_synced(10)
+        for _ in range(5):
+            pub.publish(wl.batch())
+        await _caught_up(client, src, 4)
+        assert _driver(client, src).native_batches > 0
+        # A flood in flight while the source leaves: the thread stops applying at once.
+        for _ in range(500):
+            pub.publish(wl.batch())
+        assert client.remove_source(src)
+        await anyio.sleep(0.2)
+        assert client.index.workers() == set() and client.index.num_blocks() == 0
+
+
+async def test_many_sources_on_one_thread_and_drops_past_the_buffer() -> None:
+    workloads = [Workload(100 + i) for i in range(16)]
+    async with contextlib.AsyncExitStack() as stack:
+        lossy = await stack.enter_async_context(EventPublisher(buffer_steps=8))
+        pubs = [lossy] + [await stack.enter_async_context(EventPublisher()) for _ in range(15)]
+        sources = [p.source(f"w{i}") for i, p in enumerate(pubs)]
+        client = await stack.enter_async_context(KvEventClient(sources, config=NATIVE))
+        await client.wait_synced(10)
+        for _ in range(20):
+            for p, wl in zip(pubs, workloads):
+                p.publish(wl.batch())
+        lossy.drop_rate = 1.0
+        for _ in range(30):
+            lossy.publish(workloads[0].batch())
+        lossy.drop_rate = 0.0
+        for _ in range(5):
+            lossy.publish(workloads[0].batch())
+        for s, p in zip(sources, pubs):
+            await _caught_up(client, s, p.next_seq - 1)
+        truth = truth_index({s.key: p for s, p in zip(sources, pubs)})
+        assert_index_subset(client.index, truth, [q for wl in workloads for q in wl.probes])
+        assert client.stats().sources[sources[0].key].partial
+        for s in sources[1:]:
+            assert client.index.num_blocks(s.key) == truth.num_blocks(s.key)
+        assert all(_driver(client, s).native_batches > 0 for s in sources[1:])
