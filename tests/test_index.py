@@ -52,10 +52,11 @@ def held_idents(blocks: dict[int, MBlock], tier: str | None) -> set[tuple[object
 
 
 def model_score(blocks: dict[int, MBlock], bs: int, tokens: list[int], lora: str | None, tier: str | None) -> int:
-    """Leading full blocks of ``tokens`` whose whole prefix identity the worker holds."""
+    """Leading full blocks of ``tokens`` whose whole prefix identity the worker holds, within the
+    prompt minus its last token (which every engine computes, for its logits)."""
     held = held_idents(blocks, tier)
     n = 0
-    for i in range(len(tokens) // bs):
+    for i in range(max(0, len(tokens) - 1) // bs):
         if (lora, bs, tuple(tokens[: (i + 1) * bs])) not in held:
             break
         n += 1

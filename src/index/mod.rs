@@ -375,6 +375,8 @@ pub struct Index<K: WorkerName> {
     pub(crate) refused_entries: u64,
     /// warnings to log (drained by the caller: the core never logs itself)
     pub(crate) logs: Vec<String>,
+    /// Whether the engines may publish reuse reports (store.rs's reuse-report rule).
+    pub(crate) reuse_reports: bool,
 }
 
 impl<K: WorkerName> Index<K> {
@@ -401,7 +403,19 @@ impl<K: WorkerName> Index<K> {
             refused_bs: 0,
             refused_entries: 0,
             logs: Vec::new(),
+            reuse_reports: true,
         }
+    }
+
+    /// Say whether the engines may publish reuse reports (vLLM's `kv_cache_report_mode "full"`).
+    /// True (the default): a repeat store from block 0 counts once. False: every store is a new
+    /// engine cache entry, so a repeat from block 0 is one more GPU copy (store.rs).
+    pub fn set_reuse_reports(&mut self, on: bool) {
+        self.reuse_reports = on;
+    }
+
+    pub fn reuse_reports(&self) -> bool {
+        self.reuse_reports
     }
 
     pub fn limits(&self) -> Limits {
