@@ -249,9 +249,9 @@ def test_extra_keys_match_only_the_same_keys() -> None:
     idx = PrefixIndex()
     w = WorkerKey("w", 0)
     idx.apply(w, BlockStored(block_hashes=[1, 2], token_ids=[1, 2, 3, 4], block_size=2, extra_keys=[None, ["img1"]]))
-    assert idx.find_matches([1, 2, 3, 4])[w] == 1
-    assert idx.find_matches([1, 2, 3, 4], extra_keys=[None, ["img2"]])[w] == 1
-    assert idx.find_matches([1, 2, 3, 4], extra_keys=[None, ["img1"]])[w] == 2
+    assert idx.find_matches([1, 2, 3, 4, 5])[w] == 1
+    assert idx.find_matches([1, 2, 3, 4, 5], extra_keys=[None, ["img2"]])[w] == 1
+    assert idx.find_matches([1, 2, 3, 4, 5], extra_keys=[None, ["img1"]])[w] == 2
 
 
 def test_unknown_parent_never_claims_and_descendants_stay_unclaimable() -> None:
@@ -273,7 +273,7 @@ def test_a_second_store_of_a_held_block_is_no_second_copy() -> None:
     ev = BlockStored(block_hashes=[5], token_ids=[1, 2], block_size=2)
     idx.apply(w, ev)
     idx.apply(w, ev)
-    assert idx.find_matches([1, 2])[w] == 1
+    assert idx.find_matches([1, 2, 3])[w] == 1
     idx.apply(w, BlockRemoved(block_hashes=[5]))
     assert idx.find_matches([1, 2]) == {}
     idx.apply(w, BlockRemoved(block_hashes=[5]))
@@ -302,7 +302,7 @@ def test_block_sizes_and_hybrid_groups() -> None:
                              kv_cache_spec_kind="sliding_window"))
     idx.apply(b, BlockRemoved(block_hashes=[1], group_idx=1))
     assert idx.num_blocks(b) == 4  # the full-attention group kept every block
-    scores = idx.find_matches(toks)
+    scores = idx.find_matches([*toks, 0])
     # b is hybrid and its window group now holds nothing: its engine cannot serve the prefix.
     assert scores[a] == 2 and scores[b] == 0
     assert scores.query_blocks(a) == 2 and scores.query_blocks(b) == 8
@@ -381,4 +381,4 @@ def test_snapshot_errors(tmp_path: Path) -> None:
     with pytest.raises(SnapshotError):
         PrefixIndex.restore(tmp_path / "cut")
     restored = PrefixIndex.restore(tmp_path / "ok")
-    assert restored.find_matches([1, 2])[WorkerKey("w", 0)] == 1
+    assert restored.find_matches([1, 2, 3])[WorkerKey("w", 0)] == 1

@@ -79,7 +79,7 @@ SUITE = Suite(CONFIGS, vllm_driver.run, KNOWN, VERSION)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", [SUITE.case(n, "over") for n in CONFIGS])
 def test_no_over_claims(name: str) -> None:
-    """kvroute never claims more of a prompt than vLLM's own lookup finds cached."""
+    """kvroute never claims more of a prompt than vLLM serves from cache (`get_computed_blocks`)."""
     t = SUITE.tally(name)
     assert t.admissions > 0
     assert t.over == 0, t.line() + "\n" + "\n".join(t.examples)
