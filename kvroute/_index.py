@@ -99,10 +99,11 @@ class OverlapScores(Mapping[WorkerKey, int]):
     """Leading full blocks of one query held by each worker (any tier); absent workers read as 0.
 
     ``scores[w]`` is in ``w``'s own block size (`block_size`); `tokens` gives the same in
-    tokens, whatever the block size — compare workers by that. For a hybrid worker (several
-    KV-cache groups) both are the engine's own answer: the longest prefix every group can
-    serve, at most the prompt's length minus one token (the engine always computes the last
-    token). ``tier(name)`` gives the leading blocks all held on that tier ("GPU", "CPU",
+    tokens, whatever the block size — compare workers by that. Every worker is credited at most
+    the prompt's length minus one token, in whole blocks (vLLM and SGLang always compute the
+    last token, so a whole block-aligned prompt is served one block short). For a hybrid worker
+    (several KV-cache groups) both are the engine's own answer: the longest prefix every group
+    can serve. ``tier(name)`` gives the leading blocks all held on that tier ("GPU", "CPU",
     "DISK", "EXTERNAL"); off-GPU tiers are computed on first access, from the index as it is
     then.
     """
