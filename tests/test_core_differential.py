@@ -288,7 +288,9 @@ def _check(ref: Any, new: Any, queries: list[tuple[Any, ...]], *, ordered: bool 
         assert got == want, q
 
 
-def _run(prompts: list[list[int]], ops: list[tuple[Any, ...]], limits: dict[str, int], reuse_reports: bool = True) -> None:
+def _run(
+    prompts: list[list[int]], ops: list[tuple[Any, ...]], limits: dict[str, int], reuse_reports: bool = True
+) -> None:
     rr = reuse_reports
     ref = RefIndex(limits=RefLimits(**limits), reuse_reports=rr)
     new = PrefixIndex(limits=IndexLimits(**limits), reuse_reports=rr)

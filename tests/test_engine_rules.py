@@ -52,7 +52,7 @@ def test_the_cap_is_the_same_for_plain_and_hybrid_workers() -> None:
     idx.apply(hybrid, _full([1, 2, 3, 4], TOKS, 4))
     idx.apply(hybrid, _window([1, 2, 3, 4], TOKS, 4, window=4))
     for k in range(len(TOKS) + 2):
-        q = (TOKS + [7])[:k]
+        q = [*TOKS, 7][:k]
         scores = idx.find_matches(q)
         assert scores.get(plain) == scores.get(hybrid), k
 

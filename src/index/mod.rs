@@ -646,12 +646,40 @@ mod tests {
         let mut idx: Index<W> = Index::new(Limits::default());
         idx.apply(&W("a"), &stored(&[1, 2], None, &[1, 2, 3, 4], 2));
         idx.apply(&W("b"), &stored(&[7], None, &[1, 2], 2));
-        assert_eq!(matches(&idx, &[1, 2, 3, 4]), vec![("b", 1), ("a", 2)]);
+        assert_eq!(matches(&idx, &[1, 2, 3, 4, 5]), vec![("b", 1), ("a", 2)]);
         idx.apply(&W("a"), &Event::Cleared);
         idx.remove_worker(&W("b"));
-        assert_eq!(matches(&idx, &[1, 2, 3, 4]), vec![]);
+        assert_eq!(matches(&idx, &[1, 2, 3, 4, 5]), vec![]);
         assert_eq!(idx.table_sizes_for_tests(), [0; 5]);
         assert!(idx.workers().is_empty() && idx.bs_members.is_empty());
+    }
+
+    #[test]
+    fn a_whole_aligned_prompt_is_served_one_block_short() {
+        let mut idx: Index<W> = Index::new(Limits::default());
+        idx.apply(&W("a"), &stored(&[1, 2], None, &[1, 2, 3, 4], 2));
+        assert_eq!(matches(&idx, &[1, 2, 3, 4]), vec![("a", 1)]);
+        assert_eq!(matches(&idx, &[1, 2, 3]), vec![("a", 1)]);
+        assert_eq!(matches(&idx, &[1, 2]), vec![]);
+    }
+
+    #[test]
+    fn without_reuse_reports_a_repeat_from_block_0_is_a_copy() {
+        for (reports, left) in [(true, vec![]), (false, vec![("a", 2)])] {
+            let mut idx: Index<W> = Index::new(Limits::default());
+            idx.set_reuse_reports(reports);
+            let store = stored(&[1, 2], None, &[1, 2, 3, 4], 2);
+            idx.apply(&W("a"), &store);
+            idx.apply(&W("a"), &store);
+            idx.apply(
+                &W("a"),
+                &Event::Removed(BlockRemoved {
+                    block_hashes: vec![BlockHash::Int(1), BlockHash::Int(2)],
+                    ..BlockRemoved::default()
+                }),
+            );
+            assert_eq!(matches(&idx, &[1, 2, 3, 4, 5]), left, "reports {reports}");
+        }
     }
 
     #[test]

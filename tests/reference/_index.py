@@ -909,7 +909,8 @@ class PrefixIndex:
         bit = 1 << _TIER_POS[normalize_medium(ev.medium)]
         blocks = grp.blocks
         held = grp.held
-        copy = (ev.parent_block_hash is not None or sparse or self._root_repeat_is_copy()) and bit == 1  # a real copy (see _Worker.copies)
+        # a real copy (see _Worker.copies)
+        copy = (ev.parent_block_hash is not None or sparse or self._root_repeat_is_copy()) and bit == 1
         for ehash, k in zip(hashes[skip:], keys[skip:]):
             cur = blocks.get(ehash)
             if cur is not None:
