@@ -414,10 +414,6 @@ impl<K: WorkerName> Index<K> {
         self.reuse_reports = on;
     }
 
-    pub fn reuse_reports(&self) -> bool {
-        self.reuse_reports
-    }
-
     pub fn limits(&self) -> Limits {
         self.limits
     }
