@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import grpc
 import pytest
+from _publisher_helpers import served
 
 from kvroute import KvEventClient, WorkerKey
 from kvroute._proto import smg_common_pb2 as pb
@@ -47,7 +48,7 @@ def differences(client: KvEventClient, eng: SimEngine) -> list[str]:
         status = client.worker_status(src.key)
         assert status is not None
         for p in PROMPTS:
-            got, want = client.index.find_matches(p).get(src.key, 0), eng.cache(src.dp_rank).match_blocks(p)
+            got, want = client.index.find_matches(p).get(src.key, 0), served(eng.cache(src.dp_rank), p)
             if got > want or (got != want and not status.partial):
                 out.append(f"{src.key}: {got} != {want}")
     return out
