@@ -188,15 +188,15 @@ async def test_a_snapshot_mid_stream_replaces_what_the_worker_held(anyio_backend
             store(live, [11, 12], a_tokens)
             store(live, [21], b_tokens)
             servicer.queue.put(live.SerializeToString())
-            await until(lambda: client.index.find_matches(a_tokens).get(key, 0) == 2)
-            assert client.index.find_matches(b_tokens).get(key, 0) == 1
+            await until(lambda: client.index.find_matches([*a_tokens, 0]).get(key, 0) == 2)
+            assert client.index.find_matches([*b_tokens, 0]).get(key, 0) == 1
             snap = pb.KvEventBatch(sequence_number=1, timestamp=time.time(), dp_rank=0)
             snap.snapshot.CopyFrom(pb.KvSnapshotChunk(index=0, count=1, blocks=1, unknown_before=0))
             store(snap, [21], b_tokens)
             servicer.queue.put(snap.SerializeToString())
             await until(lambda: client.stats().sources[key].last_seq == 1)
-            assert client.index.find_matches(a_tokens).get(key, 0) == 0  # left out: no longer claimed
-            assert client.index.find_matches(b_tokens).get(key, 0) == 1
+            assert client.index.find_matches([*a_tokens, 0]).get(key, 0) == 0  # left out: no longer claimed
+            assert client.index.find_matches([*b_tokens, 0]).get(key, 0) == 1
             status = client.worker_status(key)
             assert status is not None and status.synced and not status.partial
             servicer.queue.put(None)
