@@ -128,9 +128,9 @@ def test_slower_tiers_get_partial_credit() -> None:
     assert math.isclose(_entry(d, B).prefill_blocks, 0.8 + 1 / 16)
     d = Router(index, cost=CostModel(cpu_credit=0.5)).select(query)
     assert d.worker == A
-    assert _entry(d, B).prefill_blocks == 2.0
+    assert _entry(d, B).prefill_blocks == 2.0 + 1 / 16
     d = Router(index, cost=CostModel(cpu_credit=1.0)).select(query)
-    assert d.worker == B and _entry(d, B).prefill_blocks == 0.0
+    assert d.worker == B and _entry(d, B).prefill_blocks == 1 / 16
 
 
 def test_credited_blocks_takes_the_best_tier_covering_each_block() -> None:
