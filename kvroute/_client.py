@@ -96,7 +96,11 @@ class KvEventClient:
     again). ``targets`` may map each address to the engine's HTTP base URL (None: learn it
     from discovery where the engine says it, SGLang); `http_url` then answers, per worker,
     where to send its requests. ``index`` defaults to a new `PrefixIndex`; ``context`` to a zmq Context the
-    client creates and terminates. The client is also the router's `WorkerStates`.
+    client creates and terminates. ``reuse_reports``, when given, sets the index's
+    `PrefixIndex.reuse_reports`: pass False when no request the engines serve asks for
+    prefix-cache reuse reports (vLLM's ``kv_cache_report_mode "full"``), so repeated stores
+    count as the GPU copies they then are; None leaves the index's own setting (True: reports
+    may come). The client is also the router's `WorkerStates`.
 
     Sources and targets can be added and removed while the client runs (inside ``async
     with``); a source whose driver fails is removed (a `Removed` event, reason
@@ -130,6 +134,7 @@ class KvEventClient:
         discovery_interval: float = 10.0,
         discovery_grace: float = 30.0,
         discovery_options: DiscoveryOptions | None = None,
+        reuse_reports: bool | None = None,
     ) -> None:
         if not discovery_interval > 0 or not discovery_grace >= 0:
             raise ConfigError(
@@ -138,6 +143,8 @@ class KvEventClient:
             )
         self._config = config or SubscriberConfig()
         self._index = index if index is not None else PrefixIndex()
+        if reuse_reports is not None:
+            self._index.reuse_reports = reuse_reports
         self._initial_sources = list(sources)
         self._initial_targets = list(targets)
         # Each target's configured HTTP base URL: it wins over what discovery learns.

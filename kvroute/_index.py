@@ -24,7 +24,7 @@ import msgspec
 
 import kvroute._core as _core
 
-from ._errors import IndexLimitsError, QueryError
+from ._errors import ConfigError, IndexLimitsError, QueryError
 from ._hashing import MultimodalItem
 from ._models import GPU, TIERS, WorkerKey, normalize_medium
 from ._snapshot import Cursor, SnapGroup, SnapWorker, read_snapshot, write_snapshot
@@ -99,10 +99,11 @@ class OverlapScores(Mapping[WorkerKey, int]):
     """Leading full blocks of one query held by each worker (any tier); absent workers read as 0.
 
     ``scores[w]`` is in ``w``'s own block size (`block_size`); `tokens` gives the same in
-    tokens, whatever the block size — compare workers by that. For a hybrid worker (several
-    KV-cache groups) both are the engine's own answer: the longest prefix every group can
-    serve, at most the prompt's length minus one token (the engine always computes the last
-    token). ``tier(name)`` gives the leading blocks all held on that tier ("GPU", "CPU",
+    tokens, whatever the block size — compare workers by that. Every worker is credited at most
+    the prompt's length minus one token, in whole blocks (vLLM and SGLang always compute the
+    last token, so a whole block-aligned prompt is served one block short). For a hybrid worker
+    (several KV-cache groups) both are the engine's own answer: the longest prefix every group
+    can serve. ``tier(name)`` gives the leading blocks all held on that tier ("GPU", "CPU",
     "DISK", "EXTERNAL"); off-GPU tiers are computed on first access, from the index as it is
     then.
     """
@@ -214,18 +215,48 @@ class PrefixIndex:
     """The prefix-block index: apply engine events per worker, ask who holds a prompt's prefix.
 
     ``limits``: an `IndexLimits` (the defaults bound block sizes, entries and groups per
-    worker and the namespace-root cache). Thread-safe: applying and querying release the GIL;
-    queries run in parallel and wait only for an apply in progress.
+    worker and the namespace-root cache). ``reuse_reports``: whether the engines may publish
+    prefix-cache reuse reports (see `reuse_reports`). Thread-safe: applying and querying
+    release the GIL; queries run in parallel and wait only for an apply in progress.
     """
 
-    def __init__(self, *, limits: IndexLimits | None = None) -> None:
+    def __init__(self, *, limits: IndexLimits | None = None, reuse_reports: bool = True) -> None:
         self.limits = limits if limits is not None else IndexLimits()
         lim = self.limits
         self._core = _core.Index(
             lim.max_block_sizes, lim.max_entries_per_worker, lim.max_groups_per_worker, lim.max_cached_roots
         )
+        self._reuse_reports = True
+        self.reuse_reports = reuse_reports
         #: Cursors read by `restore` (empty otherwise): where each source stood at snapshot time.
         self.restored_cursors: dict[WorkerKey, Cursor] = {}
+
+    @property
+    def reuse_reports(self) -> bool:
+        """Whether the engines may publish prefix-cache reuse reports (True by default).
+
+        vLLM publishes a reuse report for a request sent with ``kv_cache_report_mode "full"``
+        (``SamplingParams.extra_args``; ``"vllm_xargs": {"kv_cache_report_mode": "full"}`` in
+        an OpenAI-API request body): at lookup, one ``BlockStored`` per KV-cache group from
+        block 0 with no parent, listing every block of the hit (a window group's null blocks
+        included), which adds no cache entry. Every other store is a new cache entry, which
+        the engine later removes with a ``BlockRemoved`` of its own. SGLang publishes no
+        reports. While reports may come, a repeat store from block 0 of blocks a worker holds
+        counts once: it may be a report, and counting it as a copy would keep the block
+        claimed after the engine's one removal. Set False when no request the engines serve
+        asks for reports (the router sets the request options): such a repeat is then a real
+        recompute, one more GPU copy, and the index stops under-claiming after its first
+        removal (hybrid models recompute blocks they hold often). False while some request
+        does ask for reports over-claims. Applies to stores from the moment it is set.
+        """
+        return self._reuse_reports
+
+    @reuse_reports.setter
+    def reuse_reports(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ConfigError(f"reuse_reports must be a bool, got {on!r}")
+        self._core.set_reuse_reports(on)
+        self._reuse_reports = on
 
     # --- workers -------------------------------------------------------------------------
 
@@ -376,16 +407,19 @@ class PrefixIndex:
         write_snapshot(path, workers, dict(cursors if cursors is not None else self.restored_cursors))
 
     @classmethod
-    def restore(cls, path: str | os.PathLike[str], *, limits: IndexLimits | None = None) -> PrefixIndex:
+    def restore(
+        cls, path: str | os.PathLike[str], *, limits: IndexLimits | None = None, reuse_reports: bool = True
+    ) -> PrefixIndex:
         """Load an index written by `snapshot`; its cursors are in ``restored_cursors``.
 
+        ``limits`` and ``reuse_reports`` as for a new index (settings are not in the file).
         Raises `SnapshotError` when the file is unreadable, of another format or content-hash
         version. Each worker's tables are checked on the way in: a worker whose state is
         inconsistent (block sizes < 1, malformed keys, duplicate or dangling entries, more than
         the limits allow) is dropped with its cursor and a warning — its source then starts
         cold — never the whole index.
         """
-        index = cls(limits=limits)
+        index = cls(limits=limits, reuse_reports=reuse_reports)
         workers, index.restored_cursors = read_snapshot(path)
         for sw in workers:
             key = WorkerKey(sw.worker_id, sw.dp_rank)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 import zmq
@@ -174,11 +174,18 @@ class EngineTruth:
             if prefixes is None:
                 prefixes = self._prefixes[w] = {p for p, _ in held.values() if p is not None}
             n = 0
-            while (n + 1) * bs <= len(query) and tuple(query[: (n + 1) * bs]) in prefixes:
+            # Within the prompt minus its last token, which the engine always computes.
+            while (n + 1) * bs <= len(query) - 1 and tuple(query[: (n + 1) * bs]) in prefixes:
                 n += 1
             if n:
                 out[w] = n
         return out
+
+
+def served(cache: Any, prompt: Sequence[int]) -> int:
+    """Leading blocks of ``prompt`` a simulated engine's ``cache`` would serve: what it holds, within the prompt
+    minus its last token (vLLM and SGLang always compute the last token), in whole blocks."""
+    return min(cache.match_blocks(prompt), max(0, len(prompt) - 1) // cache.block_size)
 
 
 def truth_index(publishers: Mapping[WorkerKey, EventPublisher]) -> EngineTruth:

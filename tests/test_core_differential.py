@@ -288,8 +288,12 @@ def _check(ref: Any, new: Any, queries: list[tuple[Any, ...]], *, ordered: bool 
         assert got == want, q
 
 
-def _run(prompts: list[list[int]], ops: list[tuple[Any, ...]], limits: dict[str, int]) -> None:
-    ref, new = RefIndex(limits=RefLimits(**limits)), PrefixIndex(limits=IndexLimits(**limits))
+def _run(
+    prompts: list[list[int]], ops: list[tuple[Any, ...]], limits: dict[str, int], reuse_reports: bool = True
+) -> None:
+    rr = reuse_reports
+    ref = RefIndex(limits=RefLimits(**limits), reuse_reports=rr)
+    new = PrefixIndex(limits=IndexLimits(**limits), reuse_reports=rr)
     queries = [(p, None, None, ()) for p in prompts]
     ordered = True
     with tempfile.TemporaryDirectory() as tmp:
@@ -308,12 +312,14 @@ def _run(prompts: list[list[int]], ops: list[tuple[Any, ...]], limits: dict[str,
                 ref.snapshot(Path(tmp) / "ref.kvs", cursors=cursors)
                 new.snapshot(Path(tmp) / "new.kvs", cursors=cursors)
                 # Each restores the other's file (the format is shared), and its own.
-                a = PrefixIndex.restore(Path(tmp) / "ref.kvs", limits=IndexLimits(**limits))
+                a = PrefixIndex.restore(Path(tmp) / "ref.kvs", limits=IndexLimits(**limits), reuse_reports=rr)
                 b = RefIndex.restore(Path(tmp) / "new.kvs", limits=RefLimits(**limits))
+                b.reuse_reports = rr
                 _check(b, a, queries, ordered=False)
                 assert a.restored_cursors == b.restored_cursors
                 ref = RefIndex.restore(Path(tmp) / "ref.kvs", limits=RefLimits(**limits))
-                new = PrefixIndex.restore(Path(tmp) / "ref.kvs", limits=IndexLimits(**limits))
+                ref.reuse_reports = rr
+                new = PrefixIndex.restore(Path(tmp) / "ref.kvs", limits=IndexLimits(**limits), reuse_reports=rr)
         _check(ref, new, queries, ordered=ordered)
 
 
@@ -333,6 +339,15 @@ def test_event_streams_give_identical_answers_and_stats(
     stream: tuple[list[list[int]], list[tuple[Any, ...]]], limits: dict[str, int]
 ) -> None:
     _run(*stream, limits)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(stream=_streams(), limits=_LIMITS)
+def test_event_streams_without_reuse_reports_give_identical_answers_and_stats(
+    stream: tuple[list[list[int]], list[tuple[Any, ...]]], limits: dict[str, int]
+) -> None:
+    """Told that no reuse reports come (every repeat from block 0 is a copy), both indexes agree too."""
+    _run(*stream, limits, reuse_reports=False)
 
 
 def _hybrid_session(bs_full: int, bs_window: int, window: int, repeats: int) -> list[BlockStored]:
@@ -368,8 +383,9 @@ def _hybrid_session(bs_full: int, bs_window: int, window: int, repeats: int) -> 
 
 
 @pytest.mark.parametrize(("bs_full", "bs_window", "window"), [(4, 4, 5), (8, 4, 9), (8, 2, 3), (4, 4, 128)])
-def test_hybrid_sessions_give_identical_answers(bs_full: int, bs_window: int, window: int) -> None:
-    ref, new = RefIndex(), PrefixIndex()
+@pytest.mark.parametrize("reuse_reports", [True, False])
+def test_hybrid_sessions_give_identical_answers(bs_full: int, bs_window: int, window: int, reuse_reports: bool) -> None:
+    ref, new = RefIndex(reuse_reports=reuse_reports), PrefixIndex(reuse_reports=reuse_reports)
     w = W[0]
     for ev in _hybrid_session(bs_full, bs_window, window, 5):
         ref.apply(w, ev)
@@ -379,9 +395,10 @@ def test_hybrid_sessions_give_identical_answers(bs_full: int, bs_window: int, wi
     _check(ref, new, queries)
 
 
-def test_copies_and_removals_give_identical_answers() -> None:
+@pytest.mark.parametrize("reuse_reports", [True, False])
+def test_copies_and_removals_give_identical_answers(reuse_reports: bool) -> None:
     """A store naming a parent is a new copy each time; each removal drops one copy."""
-    ref, new = RefIndex(), PrefixIndex()
+    ref, new = RefIndex(reuse_reports=reuse_reports), PrefixIndex(reuse_reports=reuse_reports)
     w = W[0]
     tokens = [1, 2, 3, 4, 5, 6]
     events: list[Any] = [BlockStored(block_hashes=[1, 2], token_ids=tokens[:4], block_size=2)]
@@ -420,8 +437,8 @@ def test_a_typed_buffer_answers_as_the_list_does() -> None:
 
     idx = PrefixIndex()
     idx.apply(W[0], BlockStored(block_hashes=[1, 2], token_ids=[5, 6, 7, 8], block_size=2))
-    assert idx.find_matches(array("I", [5, 6, 7, 8])) == idx.find_matches([5, 6, 7, 8]) == {W[0]: 2}
-    assert idx.find_matches(array("q", [5, 6, 7, 8])) == {W[0]: 2}  # other int buffers: checked one by one
+    assert idx.find_matches(array("I", [5, 6, 7, 8, 9])) == idx.find_matches([5, 6, 7, 8, 9]) == {W[0]: 2}
+    assert idx.find_matches(array("q", [5, 6, 7, 8, 9])) == {W[0]: 2}  # other int buffers: checked one by one
     with pytest.raises(QueryError, match=r"token_ids\[1\]"):
         idx.find_matches(array("q", [5, -6]))
 
@@ -445,7 +462,7 @@ def test_queries_on_threads_run_while_other_threads_ingest() -> None:
 
     def query() -> None:
         for _ in range(500):
-            s = idx.find_matches(prompt)
+            s = idx.find_matches([*prompt, 0])
             if s.get(W[0]) != 16 or s.tier("CPU"):
                 wrong.append(dict(s))
 

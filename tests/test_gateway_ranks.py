@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import grpc
 import pytest
+from _publisher_helpers import served
 
 from kvroute import KvEventClient, WorkerKey
 from kvroute._proto import smg_common_pb2 as pb
@@ -47,7 +48,7 @@ def differences(client: KvEventClient, eng: SimEngine) -> list[str]:
         status = client.worker_status(src.key)
         assert status is not None
         for p in PROMPTS:
-            got, want = client.index.find_matches(p).get(src.key, 0), eng.cache(src.dp_rank).match_blocks(p)
+            got, want = client.index.find_matches(p).get(src.key, 0), served(eng.cache(src.dp_rank), p)
             if got > want or (got != want and not status.partial):
                 out.append(f"{src.key}: {got} != {want}")
     return out
@@ -192,15 +193,15 @@ async def test_a_snapshot_mid_stream_replaces_what_the_worker_held(anyio_backend
             store(live, [11, 12], a_tokens)
             store(live, [21], b_tokens)
             servicer.queue.put(live.SerializeToString())
-            await until(lambda: client.index.find_matches(a_tokens).get(key, 0) == 2)
-            assert client.index.find_matches(b_tokens).get(key, 0) == 1
+            await until(lambda: client.index.find_matches([*a_tokens, 0]).get(key, 0) == 2)
+            assert client.index.find_matches([*b_tokens, 0]).get(key, 0) == 1
             snap = pb.KvEventBatch(sequence_number=1, timestamp=time.time(), dp_rank=0)
             snap.snapshot.CopyFrom(pb.KvSnapshotChunk(index=0, count=1, blocks=1, unknown_before=0))
             store(snap, [21], b_tokens)
             servicer.queue.put(snap.SerializeToString())
             await until(lambda: client.stats().sources[key].last_seq == 1)
-            assert client.index.find_matches(a_tokens).get(key, 0) == 0  # left out: no longer claimed
-            assert client.index.find_matches(b_tokens).get(key, 0) == 1
+            assert client.index.find_matches([*a_tokens, 0]).get(key, 0) == 0  # left out: no longer claimed
+            assert client.index.find_matches([*b_tokens, 0]).get(key, 0) == 1
             status = client.worker_status(key)
             assert status is not None and status.synced and not status.partial
             servicer.queue.put(None)

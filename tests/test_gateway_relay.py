@@ -21,6 +21,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 import pytest
+from _publisher_helpers import served
 
 from kvroute import KvEventClient
 from kvroute.sim import SimConfig, SimEngine
@@ -87,7 +88,7 @@ def problems(client: KvEventClient, eng: SimEngine) -> tuple[list[str], list[str
         status = client.worker_status(src.key)
         assert status is not None
         for p in PROMPTS:
-            got, want = client.index.find_matches(p).get(src.key, 0), eng.cache(src.dp_rank).match_blocks(p)
+            got, want = client.index.find_matches(p).get(src.key, 0), served(eng.cache(src.dp_rank), p)
             if got > want:
                 false.append(f"{src.key} claims {got} > {want}")
             elif got != want and not status.partial:

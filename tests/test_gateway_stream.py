@@ -16,6 +16,7 @@ import anyio
 import grpc
 import msgspec
 import pytest
+from _publisher_helpers import served
 
 from kvroute import (
     GATEWAY_SERVICES,
@@ -64,7 +65,7 @@ def mismatch(client: KvEventClient, eng: SimEngine) -> list[str]:
         assert status is not None
         cache = eng.cache(src.dp_rank)
         for p in PROMPTS:
-            got, want = client.index.find_matches(p).get(src.key, 0), cache.match_blocks(p)
+            got, want = client.index.find_matches(p).get(src.key, 0), served(cache, p)
             if got > want:
                 out.append(f"{src.key} claims {got} > {want} blocks (false claim)")
             elif got != want and not status.partial:
@@ -353,7 +354,7 @@ def test_a_relayed_salted_store_keys_like_the_msgpack_one() -> None:
     a, b, w = PrefixIndex(), PrefixIndex(), WorkerKey("w", 0)
     a.apply_batch(w, golden)
     b.apply_batch(w, batch)
-    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # 2 whole blocks and a last token
     for index in (a, b):
         assert index.find_matches(tokens, cache_salt="tenant-a").get(w) == 2
         assert index.find_matches(tokens).get(w, 0) == 0

@@ -278,7 +278,7 @@ async def test_hostile_content_costs_bounded_time_and_leaves_no_residue() -> Non
             big = BlockStored(block_hashes=list(range(1, n_max + 1)), token_ids=list(range(n_max)), block_size=1)
             t_big = await timed(pa, [[big]])
             assert index.num_blocks(a.key) == n_max
-            assert index.find_matches(list(range(n_max)))[a.key] == n_max
+            assert index.find_matches([*range(n_max), 0])[a.key] == n_max  # a last token: never served
             # Orphans: blocks naming parents nobody stored, 100 per batch. Held (so their
             # removals apply) but never claimable.
             orphan_batches = [
@@ -298,7 +298,7 @@ async def test_hostile_content_costs_bounded_time_and_leaves_no_residue() -> Non
             ]
             t_alias = await timed(pb, alias_batches)
             assert index.stats().distinct_keys == keys_before + 1
-            assert index.find_matches(same)[b.key] == 1
+            assert index.find_matches([*same, 0])[b.key] == 1
             # Reuse: one engine hash stored again and again with different content. The first
             # content is kept (the others are copies of "the same block"); no growth.
             reuse_batches = [
@@ -306,13 +306,13 @@ async def test_hostile_content_costs_bounded_time_and_leaves_no_residue() -> Non
                 for j in range(0, reuses, 100)
             ]
             t_reuse = await timed(pb, reuse_batches)
-            assert index.find_matches([0] * 4)[b.key] == 1 and not index.find_matches([7] * 4)
+            assert index.find_matches([0] * 5)[b.key] == 1 and not index.find_matches([7] * 5)
             # Worker b mimics a's engine hashes with other content: a's claims are untouched.
             mimic = BlockStored(block_hashes=list(range(1, 65)), token_ids=[9] * 64, block_size=1)
             t_mimic = await timed(pb, [[mimic]])
-            scores = index.find_matches(list(range(n_max)))
+            scores = index.find_matches([*range(n_max), 0])
             assert scores[a.key] == n_max and b.key not in scores
-            assert index.find_matches([9] * 64)[b.key] == 64 and a.key not in index.find_matches([9] * 64)
+            assert index.find_matches([9] * 65)[b.key] == 64 and a.key not in index.find_matches([9] * 65)
             # The end-to-end index holds what the publishers' history says, engine hash by engine hash
             # (a prefix-tuple truth model of a 65,536-block chain would need n^2/2 ints: counted here).
             assert index.workers() == {a.key, b.key}

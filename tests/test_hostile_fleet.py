@@ -27,6 +27,7 @@ import anyio.to_thread
 import msgspec
 import pytest
 import zmq
+from _publisher_helpers import served
 
 from kvroute import KvEventClient, PrefixIndex, SubscriberConfig, WorkerKey
 from kvroute._models import EventSource
@@ -86,7 +87,7 @@ class Honest:
         if index.num_blocks(key) != self.cache.num_cached_blocks:
             return False
         for prompt in self.prompts[-40:] + self.stems:
-            if index.find_matches(prompt).get(key, 0) != self.cache.match_blocks(prompt):
+            if index.find_matches(prompt).get(key, 0) != served(self.cache, prompt):
                 return False
         return True
 
@@ -101,7 +102,7 @@ class Honest:
     def assert_exact(self, index: PrefixIndex, key: WorkerKey) -> None:
         assert index.num_blocks(key) == self.cache.num_cached_blocks, key
         for prompt in self.prompts[-40:] + self.stems:
-            assert index.find_matches(prompt).get(key, 0) == self.cache.match_blocks(prompt), key
+            assert index.find_matches(prompt).get(key, 0) == served(self.cache, prompt), key
 
 
 async def until(check: Callable[[], bool], limit: float = 20.0) -> float:

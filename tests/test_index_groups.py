@@ -204,7 +204,7 @@ def test_a_forged_worker_is_dropped_not_the_index(tmp_path: Path, edit: str, cap
     idx.snapshot(path, cursors={good: Cursor(5, 1.0), bad: Cursor(7, 1.0)})
     _forge(path, edit)
     restored = PrefixIndex.restore(path)
-    assert restored.find_matches(TOKS[:8]) == {good: 2}
+    assert restored.find_matches([*TOKS[:8], 0]) == {good: 2}
     assert set(restored.restored_cursors) == {good}
     assert any("bad/0 dropped" in r.getMessage() for r in caplog.records)
 
@@ -243,7 +243,7 @@ async def test_an_unreadable_removal_resets_the_worker() -> None:
             await client.wait_synced(10)
             pub.publish([BlockStored(block_hashes=[1, 2], token_ids=TOKS[:8], block_size=4)])
             await settle(client, stream, {src.key: 0})
-            assert client.index.find_matches(TOKS[:8])[src.key] == 2
+            assert client.index.find_matches([*TOKS[:8], 0])[src.key] == 2
             # A float hash: the event cannot be read; the publisher replays the same bytes.
             bad = BlockRemoved(block_hashes=[1.5])  # type: ignore[list-item]
             pub.publish([BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=TOKS[8:12], block_size=4), bad])
@@ -253,14 +253,14 @@ async def test_an_unreadable_removal_resets_the_worker() -> None:
             assert st.resets == 1 and st.partial
             scores = client.index.find_matches(TOKS[:8])
             assert src.key not in scores  # what was held before the bad batch is gone
-            assert client.index.find_matches(TOKS[8:12])[src.key] == 1
+            assert client.index.find_matches([*TOKS[8:12], 0])[src.key] == 1
 
 
 def test_sink_full_attention_is_full_attention() -> None:
     idx = PrefixIndex()
     idx.apply(W, BlockStored(block_hashes=[1, 2], token_ids=TOKS[:8], block_size=4, group_idx=0,
                              kv_cache_spec_kind="sink_full_attention"))
-    assert idx.find_matches(TOKS[:8])[W] == 2
+    assert idx.find_matches([*TOKS[:8], 0])[W] == 2
 
 
 def test_multimodal_items_with_lookahead_key_the_window_past_the_block() -> None:
@@ -301,9 +301,9 @@ def test_a_store_with_a_parent_is_a_real_copy() -> None:
     idx.apply(W, _full([5], toks[16:20], 4, parent=4))  # the concurrent request's copy
     assert idx.num_blocks(W) == 5 and idx.stats().repeated_stores == 0
     idx.apply(W, BlockRemoved(block_hashes=[5], group_idx=0))
-    assert idx.find_matches(toks)[W] == 5  # one copy left in the engine
+    assert idx.find_matches([*toks, 0])[W] == 5  # one copy left in the engine
     idx.apply(W, BlockRemoved(block_hashes=[5], group_idx=0))
-    assert idx.find_matches(toks)[W] == 4
+    assert idx.find_matches([*toks, 0])[W] == 4
     # From block 0 (a report or a copy: the wire cannot tell), a repeat counts once.
     idx.apply(W, _full([1, 2], toks[:8], 4))
     idx.apply(W, BlockRemoved(block_hashes=[1], group_idx=0))

@@ -215,11 +215,13 @@ def model_score(m: MWorker, tokens: list[int], lora: str | None, salt: str | Non
     run = 0
     while run < len(full) and full[run]:
         run += 1
+    # Every engine serves at most num_tokens - 1 tokens from cache (the last is computed for its logits).
+    run = min(run, max(0, (len(tokens) - 1) // BS))
     if not m.hybrid or not run:
         return run
-    # vLLM: the hit is at most num_tokens - 1; the window group needs cdiv(WINDOW - 1, BS)
-    # held blocks just before the hit point, else the run of held blocks from block 0.
-    hit = min(run, (len(tokens) - 1) // BS)
+    # vLLM: the window group needs cdiv(WINDOW - 1, BS) held blocks just before the hit point,
+    # else the run of held blocks from block 0.
+    hit = run
     if tier is not None:
         hit = min(hit, model_score(m, tokens, lora, salt, None))
         return hit

@@ -125,7 +125,7 @@ def test_every_shape_decodes_whole(name: str) -> None:
 def test_vllm_lora_is_one_namespace() -> None:
     """vLLM sends the adapter in lora_name and first in every block's extra keys: one namespace."""
     idx = _index("vllm-lora")
-    scores = idx.find_matches(TOKS, lora_name="sql-lora")
+    scores = idx.find_matches([*TOKS, 0], lora_name="sql-lora")
     assert scores[W] == 2 and scores.tokens(W) == 8 and scores.block_size(W) == 4
     assert W not in idx.find_matches(TOKS)
     assert W not in idx.find_matches(TOKS, lora_name="other")
@@ -134,7 +134,7 @@ def test_vllm_lora_is_one_namespace() -> None:
 @pytest.mark.parametrize("name", ["vllm-salt", "sglang-salt"])
 def test_salted_blocks_only_for_the_salt(name: str) -> None:
     idx = _index(name)
-    assert idx.find_matches(TOKS, cache_salt="tenant-a")[W] == 2
+    assert idx.find_matches([*TOKS, 0], cache_salt="tenant-a")[W] == 2
     assert W not in idx.find_matches(TOKS)
     assert W not in idx.find_matches(TOKS, cache_salt="tenant-b")
 
@@ -145,7 +145,7 @@ def test_salt_is_the_same_key_on_both_engines() -> None:
     v, s = WorkerKey("vllm", 0), WorkerKey("sglang", 0)
     for w, name in ((v, "vllm-salt"), (s, "sglang-salt")):
         idx.apply_batch(w, BatchDecoder().decode(bytes.fromhex(GOLDEN[name])))
-    scores = idx.find_matches(TOKS, cache_salt="tenant-a")
+    scores = idx.find_matches([*TOKS, 0], cache_salt="tenant-a")
     assert scores[v] == scores[s] == 2
 
 
@@ -154,7 +154,7 @@ def test_lora_is_the_same_key_on_both_engines() -> None:
     v, s = WorkerKey("vllm", 0), WorkerKey("sglang", 0)
     for w, name in ((v, "vllm-lora"), (s, "sglang-lora")):
         idx.apply_batch(w, BatchDecoder().decode(bytes.fromhex(GOLDEN[name])))
-    scores = idx.find_matches(TOKS, lora_name="sql-lora")
+    scores = idx.find_matches([*TOKS, 0], lora_name="sql-lora")
     assert scores[v] == 2 and scores[s] == 1
 
 
@@ -164,7 +164,7 @@ def test_multimodal_blocks_need_the_item() -> None:
     request's item at token 2 gives block 0 that key; block 1 (start 4) would get -2, so no
     request can reach it and it is never claimed."""
     idx = _index("vllm-mm")
-    assert idx.find_matches(TOKS, mm_items=[MultimodalItem("img-sha-1", 2, 4)])[W] == 1
+    assert idx.find_matches([*TOKS, 0], mm_items=[MultimodalItem("img-sha-1", 2, 4)])[W] == 1
     assert W not in idx.find_matches(TOKS)
     assert W not in idx.find_matches(TOKS, mm_items=[MultimodalItem("img-sha-2", 2, 4)])
     assert W not in idx.find_matches(TOKS, mm_items=[MultimodalItem("img-sha-1", 1, 4)])
@@ -189,7 +189,7 @@ def test_hybrid_sparse_window_serves_nothing() -> None:
 
 def test_offload_placeholder_adds_a_tier() -> None:
     idx = _index("vllm-offload-placeholder")
-    scores = idx.find_matches(TOKS)
+    scores = idx.find_matches([*TOKS, 0])
     assert scores[W] == 2 and scores.tier("GPU")[W] == 2 and scores.tier("CPU")[W] == 1
 
 
@@ -236,5 +236,5 @@ def test_sglang_bigrams_fold_to_tokens_with_one_lookahead() -> None:
 
 def test_sglang_lora() -> None:
     idx = _index("sglang-lora")
-    assert idx.find_matches([1, 2, 3, 4], lora_name="sql-lora")[W] == 1
+    assert idx.find_matches([1, 2, 3, 4, 5], lora_name="sql-lora")[W] == 1
     assert W not in idx.find_matches([1, 2, 3, 4])

@@ -123,16 +123,16 @@ def test_slower_tiers_get_partial_credit() -> None:
     index = PrefixIndex()
     _store(index, A, 3)  # GPU
     _store(index, B, 4, medium="CPU_PINNED")
-    query = PROMPT[:64]
+    query = PROMPT[:65]  # 4 whole blocks and a last token (never served from cache)
     d = Router(index).select(query)
-    # b: 4 CPU blocks x 0.8 = 3.2 of 4 -> 0.8 to prefill; a: 3 of 4 -> 1.0.
+    # b: 4 CPU blocks x 0.8 = 3.2 of 4 -> 0.8 to prefill (+ the last token, 1/16); a: 3 of 4 -> 1.0 (+ 1/16).
     assert d.worker == B and d.overlap_blocks == 4
-    assert math.isclose(_entry(d, B).prefill_blocks, 0.8)
+    assert math.isclose(_entry(d, B).prefill_blocks, 0.8 + 1 / 16)
     d = Router(index, cost=CostModel(cpu_credit=0.5)).select(query)
     assert d.worker == A
-    assert _entry(d, B).prefill_blocks == 2.0
+    assert _entry(d, B).prefill_blocks == 2.0 + 1 / 16
     d = Router(index, cost=CostModel(cpu_credit=1.0)).select(query)
-    assert d.worker == B and _entry(d, B).prefill_blocks == 0.0
+    assert d.worker == B and _entry(d, B).prefill_blocks == 1 / 16
 
 
 def test_credited_blocks_takes_the_best_tier_covering_each_block() -> None:

@@ -7,7 +7,7 @@ instead of the worker's, and a wedge veto turned upside down.
 from __future__ import annotations
 
 import pytest
-from _publisher_helpers import wait_for
+from _publisher_helpers import served, wait_for
 
 from kvroute import EngineLoad, KvEventClient, PrefixIndex, Router, SubscriberConfig, WorkerKey
 from kvroute.sim import SimConfig, SimEngine
@@ -25,7 +25,7 @@ async def _settled(client: KvEventClient, engines: list[SimEngine], prompt: list
         scores = client.index.find_matches(prompt)
         for e in engines:
             for r in range(e.config.ranks):
-                want = e.cache(r).match_blocks(prompt)
+                want = served(e.cache(r), prompt)
                 if scores.get(WorkerKey(e.grpc_target or "", r), 0) != want:
                     return False
         return True

@@ -18,7 +18,7 @@ import anyio
 import msgspec
 import pytest
 import zmq
-from _publisher_helpers import wait_for
+from _publisher_helpers import served, wait_for
 
 from kvroute import _zmq
 from kvroute._discovery import discover
@@ -88,7 +88,7 @@ def assert_index_is_truth(
     cache = eng.cache(rank)
     assert index.num_blocks(worker) == cache.num_cached_blocks
     for q in queries:
-        assert index.find_matches(q).get(worker, 0) == cache.match_blocks(q), q
+        assert index.find_matches(q).get(worker, 0) == served(cache, q), q
 
 
 # --- events ------------------------------------------------------------------------------------

@@ -476,6 +476,8 @@ pub struct Index<K: WorkerName> {
     pub(crate) logs: Vec<String>,
     /// buffers a store reuses (keys, ids, holder flags), so the hot path allocates nothing
     pub(crate) scratch: Scratch,
+    /// Whether the engines may publish reuse reports (store.rs's reuse-report rule).
+    pub(crate) reuse_reports: bool,
 }
 
 /// Per-store working buffers, kept between stores (their capacity is the largest store's).
@@ -511,7 +513,15 @@ impl<K: WorkerName> Index<K> {
             refused_entries: 0,
             logs: Vec::new(),
             scratch: Scratch::default(),
+            reuse_reports: true,
         }
+    }
+
+    /// Say whether the engines may publish reuse reports (vLLM's `kv_cache_report_mode "full"`).
+    /// True (the default): a repeat store from block 0 counts once. False: every store is a new
+    /// engine cache entry, so a repeat from block 0 is one more GPU copy (store.rs).
+    pub fn set_reuse_reports(&mut self, on: bool) {
+        self.reuse_reports = on;
     }
 
     pub fn limits(&self) -> Limits {
@@ -776,12 +786,40 @@ mod tests {
         let mut idx: Index<W> = Index::new(Limits::default());
         idx.apply(&W("a"), &stored(&[1, 2], None, &[1, 2, 3, 4], 2));
         idx.apply(&W("b"), &stored(&[7], None, &[1, 2], 2));
-        assert_eq!(matches(&idx, &[1, 2, 3, 4]), vec![("b", 1), ("a", 2)]);
+        assert_eq!(matches(&idx, &[1, 2, 3, 4, 5]), vec![("b", 1), ("a", 2)]);
         idx.apply(&W("a"), &Event::Cleared);
         idx.remove_worker(&W("b"));
-        assert_eq!(matches(&idx, &[1, 2, 3, 4]), vec![]);
+        assert_eq!(matches(&idx, &[1, 2, 3, 4, 5]), vec![]);
         assert_eq!(idx.table_sizes_for_tests(), [0; 5]);
         assert!(idx.workers().is_empty() && idx.bs_members.is_empty());
+    }
+
+    #[test]
+    fn a_whole_aligned_prompt_is_served_one_block_short() {
+        let mut idx: Index<W> = Index::new(Limits::default());
+        idx.apply(&W("a"), &stored(&[1, 2], None, &[1, 2, 3, 4], 2));
+        assert_eq!(matches(&idx, &[1, 2, 3, 4]), vec![("a", 1)]);
+        assert_eq!(matches(&idx, &[1, 2, 3]), vec![("a", 1)]);
+        assert_eq!(matches(&idx, &[1, 2]), vec![]);
+    }
+
+    #[test]
+    fn without_reuse_reports_a_repeat_from_block_0_is_a_copy() {
+        for (reports, left) in [(true, vec![]), (false, vec![("a", 2)])] {
+            let mut idx: Index<W> = Index::new(Limits::default());
+            idx.set_reuse_reports(reports);
+            let store = stored(&[1, 2], None, &[1, 2, 3, 4], 2);
+            idx.apply(&W("a"), &store);
+            idx.apply(&W("a"), &store);
+            idx.apply(
+                &W("a"),
+                &Event::Removed(BlockRemoved {
+                    block_hashes: vec![BlockHash::Int(1), BlockHash::Int(2)],
+                    ..BlockRemoved::default()
+                }),
+            );
+            assert_eq!(matches(&idx, &[1, 2, 3, 4, 5]), left, "reports {reports}");
+        }
     }
 
     #[test]

@@ -239,7 +239,7 @@ impl<K: WorkerName> Index<K> {
         for (cls, members) in &self.bs_members {
             let cls = *cls;
             let bs = cls.0;
-            let n = q.n_blocks(cls);
+            let n = served_blocks(q, cls);
             let slots = self.workers.len();
             let mut alive = Alive::new(members, slots);
             let mut alive_gpu = Alive::new(if track_gpu { members } else { &[] }, slots);
@@ -280,7 +280,6 @@ impl<K: WorkerName> Index<K> {
 
     /// Cut each hybrid worker's run to what every KV-cache group serves (`_hybrid_rule`).
     fn hybrid_rule(&self, q: &mut Query, scores: &mut Scores, mut gpu: Option<&mut Scores>) {
-        let ntok = q.input.tokens.len() as i64;
         let hybrid: Vec<u32> = scores
             .order
             .iter()
@@ -296,7 +295,8 @@ impl<K: WorkerName> Index<K> {
                     align = lcm(align, grp.block_size);
                 }
             }
-            let mut hit = (value * bs).min((ntok - 1).max(0));
+            // `value` is already within the prompt minus one token (`served_blocks`).
+            let mut hit = value * bs;
             if align != 0 {
                 hit -= hit.rem_euclid(align);
             }
@@ -453,4 +453,20 @@ fn group_hit(
     }
     let t = count * bs;
     t - t.rem_euclid(align)
+}
+
+// --- the engines' last-token rule (issue 18) ---------------------------------------------------
+/// Leading blocks of class `cls` any worker can serve the query: the engine always computes the
+/// prompt's last token (for its logits), so it serves at most the prompt minus one token from
+/// cache, in whole blocks — vLLM's `Request.get_max_cache_hit_length` (`num_tokens - 1`, then
+/// `find_longest_cache_hit` takes whole blocks) and SGLang's `Req._compute_max_prefix_len`
+/// (`input_len - 1`, then `RadixKey.page_aligned`). A lookahead class's own bound (its last block
+/// needs `la` tokens after it) is the tighter one whenever `la` >= 1.
+fn served_blocks(q: &Query, cls: Class) -> usize {
+    let bs = cls.0;
+    if bs <= 0 {
+        return 0;
+    }
+    let cap = floor_div(q.input.tokens.len() as i64 - 1, bs).max(0) as usize;
+    q.n_blocks(cls).min(cap)
 }

@@ -542,7 +542,12 @@ impl<K: WorkerName> Index<K> {
         if n == 1 && 0 < bs && bs < w.bs && !tokens.is_empty() {
             // vLLM's partial entry comes between the full group's store and the other groups'.
             w.pending = pending;
-        } else if ev.parent_block_hash.is_none() && pos == 0 && !tokens.is_empty() && present > 0 {
+        } else if ev.parent_block_hash.is_none()
+            && pos == 0
+            && !tokens.is_empty()
+            && present > 0
+            && !self.root_repeat_is_copy()
+        {
             let again: Vec<BlockHash> = hashes
                 .iter()
                 .filter(|h| w.blocks.contains(h) && w.special.get(h).is_none_or(|c| c[0] != 0))
@@ -644,7 +649,7 @@ impl<K: WorkerName> Index<K> {
             },
             None => vec![None; n],
         };
-        let copy = parent.is_some() && pos == 0;
+        let copy = (parent.is_some() || self.root_repeat_is_copy()) && pos == 0;
         for (ehash, k) in hashes.iter().zip(keys) {
             self.store_one(w, ehash, k, pos, copy);
         }
@@ -834,6 +839,7 @@ impl<K: WorkerName> Index<K> {
         }
         let mut skip = 0;
         if ev.parent_block_hash.is_none()
+            && !self.root_repeat_is_copy()
             && kind != GroupKind::Full
             && (n as i64).saturating_mul(ev.block_size) == tokens.len() as i64
             && hashes.iter().all(|h| w.blocks.contains(h))
@@ -901,7 +907,8 @@ impl<K: WorkerName> Index<K> {
                 .collect(),
         };
         let bit = 1u8 << tier_pos(ev.medium.as_deref());
-        let copy = (ev.parent_block_hash.is_some() || sparse) && bit == 1;
+        let copy =
+            (ev.parent_block_hash.is_some() || sparse || self.root_repeat_is_copy()) && bit == 1;
         let grp = &mut w.groups[gi].1;
         let mut added = 0u64;
         for (ehash, k) in hashes.iter().zip(keys).skip(skip) {
@@ -1117,5 +1124,21 @@ impl<K: WorkerName> Index<K> {
                 }
             }
         }
+    }
+}
+
+// --- the reuse-report rule (issue 18) ----------------------------------------------------------
+// The one place that decides what a repeat store from block 0 is; its four call sites are
+// `store_in` (pending, copy) and `store_group` (skip, copy).
+impl<K: WorkerName> Index<K> {
+    /// Whether a store that names no parent, of blocks the worker already holds, is one more GPU
+    /// copy. vLLM publishes one store per new cache entry (`BlockPool.cache_full_blocks`: a block
+    /// it holds twice is removed twice), except a reuse report (`emit_cached_block_events`, for a
+    /// request sent with `kv_cache_report_mode "full"`), which lists a hit's blocks from block 0,
+    /// a window's null blocks included, and adds no entry. Where reports may come the two look
+    /// alike, so the repeat counts once (never claim more than the engine holds); where the router
+    /// says none come (`PrefixIndex(reuse_reports=False)`), it is a copy.
+    fn root_repeat_is_copy(&self) -> bool {
+        !self.reuse_reports
     }
 }

@@ -323,6 +323,11 @@ impl PyIndex {
         Ok(self.with_read(py, |idx| idx.classes_of(&key)))
     }
 
+    /// Whether the engines may publish reuse reports (`PrefixIndex(reuse_reports=...)`).
+    fn set_reuse_reports(&self, py: Python<'_>, on: bool) {
+        py.detach(|| self.inner.write().set_reuse_reports(on));
+    }
+
     /// The counters, in `IndexStats` field order.
     fn stats(&self, py: Python<'_>) -> [u64; 12] {
         let s = self.with_read(py, |idx| idx.stats());

@@ -39,6 +39,40 @@ def loopback_endpoints() -> tuple[str, str]:
     return f"tcp://[::1]:{free_port()}", f"tcp://[::1]:{free_port()}"
 
 
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive TCP ports on ::1 that nothing listens on right now."""
+    for _ in range(100):
+        base = free_port()
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("::1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports on ::1")
+
+
+def rank_endpoints(ranks: int) -> tuple[str, str]:
+    """(publish, replay) base endpoints for ``ranks`` data-parallel ranks on IPv6 loopback.
+
+    vLLM's publisher of rank r binds the base port + r (``ZmqEventPublisher.offset_endpoint_port``),
+    so each base has ``ranks`` free ports after it.
+    """
+    return f"tcp://[::1]:{free_ports(ranks)}", f"tcp://[::1]:{free_ports(ranks)}"
+
+
+def offset_port(endpoint: str, rank: int) -> str:
+    """``endpoint`` with its port moved up by ``rank`` (where rank r's publisher binds)."""
+    host, port = endpoint.rsplit(":", 1)
+    return f"{host}:{int(port) + rank}"
+
+
 def enable_ipv6(ctx: zmq.Context[Any]) -> None:
     """Sockets made from ``ctx`` accept IPv6 endpoints (libzmq refuses them by default)."""
     ctx.setsockopt(zmq.IPV6, 1)
@@ -145,18 +179,38 @@ class Judge:
 def judge(backend: str, endpoint: str, replay: str, *, worker_id: str, block_size: int,
           topic: str = "") -> Iterator[Judge]:
     """Start a real `KvEventClient` for one engine publisher, synced before the workload starts."""
+    with judges(backend, [(endpoint, replay)], worker_id=worker_id, block_size=block_size, topic=topic) as js:
+        yield js[0]
+
+
+@contextmanager
+def judges(backend: str, ranks: Sequence[tuple[str, str]], *, worker_id: str, block_size: int,
+           topic: str = "", reuse_reports: bool | None = None) -> Iterator[list[Judge]]:
+    """One real `KvEventClient` for an engine's data-parallel ranks (rank r publishes on ``ranks[r]``),
+    synced before the workload starts; a `Judge` per rank. ``reuse_reports``: the client's setting
+    (None: the index's default)."""
     ctx: zmq.Context[Any] = zmq.Context()
     enable_ipv6(ctx)
-    source = kvroute.EventSource(worker_id=worker_id, endpoint=endpoint, replay_endpoint=replay,
-                                 topic=topic, block_size=block_size, engine="static")
-    client = kvroute.KvEventClient([source], context=ctx)
+    sources = [kvroute.EventSource(worker_id=worker_id, dp_rank=r, endpoint=endpoint, replay_endpoint=replay,
+                                   topic=topic, block_size=block_size, engine="static")
+               for r, (endpoint, replay) in enumerate(ranks)]
+    client = kvroute.KvEventClient(sources, context=ctx, reuse_reports=reuse_reports)
     try:
         # The client's task group lives in one task of the portal's loop for the whole run.
         with start_blocking_portal(backend) as portal, portal.wrap_async_context_manager(client):
             portal.call(client.wait_synced, 30.0)
-            yield Judge(portal, client, source.key)
+            yield [Judge(portal, client, s.key) for s in sources]
     finally:
         ctx.term()
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A known gap of one configuration on one side: the measured count of admissions (its upper
+    bound from now on) and why."""
+
+    count: int
+    why: str
 
 
 # Every configuration run in this process, for the summary the suite prints at the end.
@@ -167,15 +221,16 @@ class Suite:
     """One engine's configurations: each run once (on first use) and recorded in `RESULTS`; its known gaps.
 
     ``run(config, backend)`` drives the engine and returns its `Tally`. ``known`` maps (engine version
-    or "*", configuration, "over" | "under") to the measured counts of a gap: that case becomes a
-    strict xfail, so a fix fails it until the entry is deleted.
+    or "*", configuration, "over" | "under") to a `Gap`: that case becomes a strict xfail, so a fix
+    fails it until the entry is deleted, and its measured count an upper bound (`bound`), so a change
+    that adds to the gap fails too.
     """
 
     def __init__(
         self,
         configs: dict[str, tuple[Any, str]],
         run: Callable[[Any, str], Tally],
-        known: dict[tuple[str, str, str], str],
+        known: dict[tuple[str, str, str], Gap],
         version: str,
     ) -> None:
         self.configs = configs
@@ -192,10 +247,19 @@ class Suite:
             RESULTS.append(self._results[name])
         return self._results[name]
 
+    def gap(self, name: str, side: str) -> Gap | None:
+        """The known gap of ``name`` on ``side`` ("over" | "under") for this engine version, if any."""
+        return self._known.get((self._version, name, side)) or self._known.get(("*", name, side))
+
+    def bound(self, name: str, side: str) -> int:
+        """The most admissions of ``name`` that may be off on ``side``: a known gap's measured count, else 0."""
+        gap = self.gap(name, side)
+        return 0 if gap is None else gap.count
+
     def case(self, name: str, side: str) -> object:
         """A pytest parameter for ``name``, a strict xfail where ``known`` names a gap on ``side``."""
-        reason = self._known.get((self._version, name, side)) or self._known.get(("*", name, side))
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        gap = self.gap(name, side)
+        marks = [pytest.mark.xfail(strict=True, reason=f"{gap.count} admissions: {gap.why}")] if gap else []
         return pytest.param(name, marks=marks, id=name)
 
 

@@ -106,8 +106,9 @@ class Engine:
             self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
             self.published += 1
 
-    def key(self, req: Req, tokens: list[int]) -> RadixKey:
-        """The request's radix key, as SGLang's Req builds it (the LoRA id closes ``extra_key``)."""
+    def key(self, req: Req, tokens: list[int], limit: int | None = None) -> RadixKey:
+        """The request's radix key, as SGLang's Req builds it (the LoRA id closes ``extra_key``);
+        ``limit``: the raw tokens a match may use (the scheduler's ``Req._compute_max_prefix_len``)."""
         extra_key = None
         if req.lora is not None:
             if req.lora not in self.lora_ids:
@@ -117,7 +118,7 @@ class Engine:
             # The scheduler registers each request's namespace with its adapter's public name.
             self.lora_names.register(types.SimpleNamespace(extra_key=extra_key, lora_id=lora_id),
                                      lora_name=req.lora)
-        return RadixKey(array("q", tokens), extra_key, is_bigram=self.cfg.eagle, cache_salt=req.salt)
+        return RadixKey(array("q", tokens), extra_key, is_bigram=self.cfg.eagle, limit=limit, cache_salt=req.salt)
 
     def close(self) -> None:
         self.publisher.shutdown()
@@ -157,7 +158,9 @@ def _drive(cfg: Config, engine: Engine, j: Judge, tally: Tally) -> None:
         engine.flush()
         j.wait_seq(engine.published)
         kv = j.tokens(req.prompt, lora_name=req.lora, cache_salt=req.salt, mm=req.mm)
-        key = engine.key(req, req.prompt)
+        # The engine's answer: what it serves, matched as its scheduler does (`match_kv_cache`): the
+        # prompt minus its last token, which is always computed (`Req._compute_max_prefix_len`).
+        key = engine.key(req, req.prompt, limit=len(req.prompt) - 1)
         hit = cache.match_prefix(MatchPrefixParams(key=key))
         tally.record(req.rid, kv, hit.device_prefix_len)
         # Run the request: hold its prefix, make room for the rest, cache prompt + output at the end.

@@ -3,7 +3,8 @@
 Shared system prompts, multi-turn sessions (each turn's prompt = the previous prompt + the engine's
 output + a new user turn), exact repeats, and per-configuration namespaces (LoRA adapters, cache salts,
 multimodal items whose placeholder tokens are identical across images, so only the item's identity
-tells two prompts apart).
+tells two prompts apart). With ``align`` every prompt is a whole number of ``align``-token blocks (the new
+user turn is lengthened to the boundary), the case where the engine's last-token rule costs a block.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Req:
     mm: list[Mm] = field(default_factory=list)
     session: int = -1
     report: bool = False  # vLLM: kv_cache_report_mode "full"
+    of: str | None = None  # an exact repeat: the request it repeats
 
 
 @dataclass
@@ -51,8 +53,9 @@ class _Session:
 class Workload:
     """Generates requests; `finish` feeds the engine's output back into the request's session."""
 
-    def __init__(self, seed: int, ns: Namespaces, *, n_system: int = 4, vocab: int = 5000) -> None:
+    def __init__(self, seed: int, ns: Namespaces, *, n_system: int = 4, vocab: int = 5000, align: int = 0) -> None:
         self._rng = random.Random(seed)
+        self._align = align
         self._ns = ns
         self._vocab = vocab
         self._systems = [self._tokens(self._rng.randint(48, 260)) for _ in range(n_system)]
@@ -63,6 +66,13 @@ class Workload:
     def _tokens(self, n: int) -> list[int]:
         return [self._rng.randint(100, self._vocab) for _ in range(n)]
 
+    def _turn(self, before: int, n: int) -> list[int]:
+        """A new user turn of about ``n`` tokens after ``before`` tokens (ending on a block boundary
+        when aligned)."""
+        if self._align:
+            n += -(before + n) % self._align
+        return self._tokens(n)
+
     def next(self) -> Req:
         """The next request: an exact repeat, a session's next turn, or a new session."""
         rng = self._rng
@@ -71,12 +81,12 @@ class Workload:
         roll = rng.random()
         if self._done and roll < 0.12:
             old = rng.choice(self._done)
-            return Req(rid, list(old.prompt), rng.randint(1, 24), old.lora, old.salt, list(old.mm), -1)
+            return Req(rid, list(old.prompt), rng.randint(1, 24), old.lora, old.salt, list(old.mm), -1, of=old.rid)
         if self._sessions and roll < 0.6:
             sid = rng.randrange(len(self._sessions))
             s = self._sessions[sid]
             if len(s.history) < 900:
-                prompt = s.history + self._tokens(rng.randint(4, 60))
+                prompt = s.history + self._turn(len(s.history), rng.randint(4, 60))
                 return Req(rid, prompt, rng.randint(1, 40), s.lora, s.salt, list(s.mm), sid)
         lora = rng.choice(self._ns.loras)
         salt = rng.choice(self._ns.salts)
@@ -89,7 +99,7 @@ class Workload:
             length = rng.randint(12, 40)
             mm.append(Mm(image, len(prompt), length))
             prompt += [IMAGE_TOKEN] * length
-        prompt += self._tokens(rng.randint(4, 60))
+        prompt += self._turn(len(prompt), rng.randint(4, 60))
         self._sessions.append(_Session([], lora, salt, mm))
         return Req(rid, prompt, rng.randint(1, 40), lora, salt, mm, len(self._sessions) - 1)
 

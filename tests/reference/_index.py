@@ -364,8 +364,10 @@ class PrefixIndex:
     (KvEventClient does) and query it from the same event loop.
     """
 
-    def __init__(self, *, limits: IndexLimits | None = None) -> None:
+    def __init__(self, *, limits: IndexLimits | None = None, reuse_reports: bool = True) -> None:
         self.limits = limits if limits is not None else IndexLimits()
+        #: Whether the engines may publish reuse reports (kvroute/_index.py: `PrefixIndex.reuse_reports`).
+        self.reuse_reports = reuse_reports
         self._workers: dict[WorkerKey, _Worker] = {}
         self._by_bit: dict[int, _Worker] = {}
         self._free_bits: list[int] = []
@@ -710,7 +712,7 @@ class PrefixIndex:
             # vLLM's partial entry (cache_partial_block) comes between the full group's store
             # and the other groups' stores of one cache_blocks call.
             w.pending = pending
-        elif ev.parent_block_hash is None and not pos and tokens:
+        elif ev.parent_block_hash is None and not pos and tokens and not self._root_repeat_is_copy():
             special = w.special
             again = [h for h in hashes if h in blocks and (h not in special or special[h][0])]
             if again:
@@ -786,7 +788,7 @@ class PrefixIndex:
                 keys.append(b"")
         else:
             keys = [b""] * n
-        copy = parent is not None and pos == 0
+        copy = (parent is not None or self._root_repeat_is_copy()) and pos == 0
         for ehash, k in zip(hashes, keys):
             self._store_one(w, ehash, k, pos, copy)
 
@@ -867,6 +869,7 @@ class PrefixIndex:
         skip = 0
         if (
             ev.parent_block_hash is None
+            and not self._root_repeat_is_copy()
             and grp.kind != "full"
             and n * ev.block_size == len(ev.token_ids)
             and all(h in w.blocks for h in hashes)
@@ -906,7 +909,8 @@ class PrefixIndex:
         bit = 1 << _TIER_POS[normalize_medium(ev.medium)]
         blocks = grp.blocks
         held = grp.held
-        copy = (ev.parent_block_hash is not None or sparse) and bit == 1  # a real copy (see _Worker.copies)
+        # a real copy (see _Worker.copies)
+        copy = (ev.parent_block_hash is not None or sparse or self._root_repeat_is_copy()) and bit == 1
         for ehash, k in zip(hashes[skip:], keys[skip:]):
             cur = blocks.get(ehash)
             if cur is not None:
@@ -921,6 +925,18 @@ class PrefixIndex:
             self._entries += 1
             if k:
                 held[k] = held.get(k, 0) + 1
+
+    # --- the reuse-report rule (issue 18; src/index/store.rs `root_repeat_is_copy`) -------------
+
+    def _root_repeat_is_copy(self) -> bool:
+        """Whether a store naming no parent, of blocks the worker holds, is one more GPU copy.
+
+        vLLM publishes one store per new cache entry, except a reuse report (a request sent with
+        ``kv_cache_report_mode "full"``): a hit's blocks from block 0, no new entry. Where
+        reports may come the two look alike and the repeat counts once; where the router says
+        none come, it is a copy.
+        """
+        return not self.reuse_reports
 
     def _add_copies(self, w: _Worker, hashes: list[BlockHash]) -> None:
         """One more GPU copy of each of ``hashes`` that the primary group still holds on GPU."""
@@ -1225,7 +1241,7 @@ class PrefixIndex:
         ntok = len(token_ids)
         for cls, members in self._bs_members.items():
             bs, la = cls
-            n = (ntok - la) // bs if ntok > la else 0
+            n = _served_blocks(ntok, bs, la)
             keys: list[bytes] = []
             qkeys[cls] = keys
             alive = alive_gpu = members
@@ -1256,13 +1272,12 @@ class PrefixIndex:
             if gpu is not None and alive_gpu and i:
                 _record(gpu, gpu_sizes, by_bit, alive_gpu, i, bs)
         if self._hybrid_bits and scores:
-            self._hybrid_rule(query, ntok, scores, sizes, gpu)
+            self._hybrid_rule(query, scores, sizes, gpu)
         return OverlapScores(scores, sizes, gpu, query, self)
 
     def _hybrid_rule(
         self,
         query: _Query,
-        ntok: int,
         scores: dict[WorkerKey, int],
         sizes: dict[WorkerKey, int],
         gpu: dict[WorkerKey, int] | None,
@@ -1276,9 +1291,9 @@ class PrefixIndex:
             for grp in w.groups.values():
                 if grp.block_size:
                     align = math.lcm(align, grp.block_size)
-            # The engine computes at least the prompt's last token, and hits land on
-            # boundaries every group shares.
-            hit = min(scores[wk] * bs, max(0, ntok - 1))
+            # Hits land on boundaries every group shares (the run is already within the
+            # prompt minus one token: `_served_blocks`).
+            hit = scores[wk] * bs
             hit -= hit % align
             while hit:
                 before = hit
@@ -1322,6 +1337,22 @@ class PrefixIndex:
             if wk in out:
                 out[wk] = min(out[wk], n)  # a hybrid worker's run is already cut to its groups
         return out
+
+
+# --- the engines' last-token rule (issue 18; src/index/query.rs `served_blocks`) -----------------
+
+
+def _served_blocks(ntok: int, bs: int, la: int) -> int:
+    """Leading blocks of size ``bs`` (lookahead ``la``) any worker can serve a prompt of ``ntok`` tokens.
+
+    The engine always computes the prompt's last token (for its logits), so it serves at most
+    the prompt minus one token from cache, in whole blocks: vLLM's
+    ``Request.get_max_cache_hit_length`` and SGLang's ``Req._compute_max_prefix_len``. A
+    lookahead class's own bound (its last block needs ``la`` tokens after it) is the tighter
+    one whenever ``la`` >= 1.
+    """
+    n = (ntok - la) // bs if ntok > la else 0
+    return min(n, max(0, (ntok - 1) // bs))
 
 
 def _hit_tail(grp: _Group) -> int:
