@@ -125,7 +125,9 @@ class RecoveryStats(msgspec.Struct, kw_only=True):
 History = Literal["cold", "first-live", "known"]
 #: The publisher connection: "idle" (not begun), "unconnected" (begun, not connected yet: live
 #: batches are taken), "held" (not connected yet, live batches held: resumed, or a disconnect came
-#: first), "up", "down" (was up: hold everything, ask nothing, until the reconnect).
+#: before `start`), "up", "down" (was up: hold everything, ask nothing, until the reconnect). A
+#: disconnect after `start` or `resume` whose connect has not been reported yet (the report may
+#: lag) leads to "down" too: a connection existed, and what it delivered may be a dead engine's.
 Link = Literal["idle", "unconnected", "held", "up", "down"]
 #: Whether the engine is the one whose state the index holds: "unknown" (nothing asked), "asking"
 #: (an identity check is due or in flight: nothing is trusted), "vouched" (an anchored replay
@@ -153,7 +155,10 @@ TRANSITIONS: Final[dict[str, dict[tuple[str, str], str]]] = {
         ("idle", "start"): "unconnected",
         ("idle", "resume"): "held",
         **{(link, "connect"): "up" for link in _LINKS},
-        **{(link, "disconnect"): "held" for link in ("idle", "unconnected", "held")},
+        ("idle", "disconnect"): "held",
+        # The connect of a SUB that disconnects was only not reported yet: the next connect
+        # is a reconnect (rule 7), not a first one.
+        **{(link, "disconnect"): "down" for link in ("unconnected", "held")},
         ("up", "disconnect"): "down",
         ("down", "disconnect"): "down",
         **{(link, "fresh-start"): "unconnected" for link in _LINKS},

@@ -639,6 +639,43 @@ def test_reconnect_with_nothing_applied_starts_over_on_a_fresh_sub() -> None:
     assert applied(out) == [0, 1]
 
 
+@pytest.mark.parametrize("decodable", [True, False])
+def test_a_disconnect_before_its_connect_was_reported_makes_the_next_connect_a_reconnect(decodable: bool) -> None:
+    # Found by tests/test_warm_restart.py's model: the monitor's connect report may lag, so the
+    # SUB can deliver, and then lose, a connection the machine was never told of. That
+    # disconnect used to leave the link "held", and the next connect counted as the first:
+    # the dead engine's queued seq 2 stayed held into its successor's history. Decodable, it
+    # was applied after a "no-progress" reset (blocks the worker does not hold); undecodable,
+    # it cost the successor's seq 0 (reset, nothing applied, yet "synced").
+    m = SourceMachine(has_replay=True)
+    assert requests(m.start()) == [RequestReplay(0, "cold")]
+    out = live(m, 2) if decodable else m.on_live(2, math.nan, None)
+    assert applied(out) == [] and m.held == 1
+    m.on_disconnected()
+    # The engine restarts; its successor publishes seq 0 before the SUB is back.
+    out = m.on_reconnected()
+    assert RecreateSubscriber() in out and resets(out) == [] and m.held == 0
+    m.on_reconnected()
+    assert requests(m.on_replay_failed("abandoned")) == [RequestReplay(0, "cold")]
+    out = m.on_replay(items([0], epoch=1), complete=True)
+    assert applied(out) == [0] and resets(out) == [] and requests(out) == []
+    assert m.state == "synced" and not m.partial and m.applied == (0, ts_of(0, epoch=1))
+
+
+def test_without_replay_a_disconnect_before_its_connect_was_reported_still_resets() -> None:
+    # Rule 7: without replay every reconnect resets, the first reported one included when a
+    # disconnect came before it (the connection it ends was real). It used to keep the run,
+    # and a successor's seq 3 continued the dead engine's 0..2 as an exact worker.
+    m = SourceMachine(has_replay=False)
+    m.start()
+    assert applied([a for seq in range(3) for a in live(m, seq)]) == [0, 1, 2]
+    m.on_disconnected()
+    out = m.on_reconnected()
+    assert resets(out) == ["reconnect"] and RecreateSubscriber() in out and m.applied is None
+    m.on_reconnected()
+    assert applied(live(m, 3, epoch=1)) == [3] and m.partial
+
+
 def test_live_batches_wait_while_disconnected_until_the_identity_check() -> None:
     m = synced_machine(10)
     m.on_disconnected()
