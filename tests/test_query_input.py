@@ -77,7 +77,8 @@ class _Index:
 def test_int_like_tokens_take_the_checked_path(odd: Any) -> None:
     v = int(odd)
     idx = _index([1, 2, v, 3])
-    assert idx.find_matches([1, 2, odd, 3]) == idx.find_matches([1, 2, v, 3]) == {W: 2}
+    # One token past the held blocks: the engines never serve a prompt's last token from cache.
+    assert idx.find_matches([1, 2, odd, 3, 0]) == idx.find_matches([1, 2, v, 3, 0]) == {W: 2}
 
 
 @pytest.mark.parametrize("bad", [1.0, "2", b"3", None, [4], np.float32(1), _Index(-1), _Index(2**32)])
@@ -100,8 +101,9 @@ def test_a_list_changed_while_it_is_read_is_still_checked() -> None:
 
 
 def test_typed_buffers() -> None:
-    toks = list(range(100, 164))
-    idx = _index(toks)
+    held = list(range(100, 164))
+    idx = _index(held)
+    toks = [*held, 0]  # one token past the held blocks (the last token is never served from cache)
     want = {W: 32}
     assert idx.find_matches(array("I", toks)) == want
     assert idx.find_matches(np.asarray(toks, dtype=np.uint32)) == want
@@ -110,7 +112,7 @@ def test_typed_buffers() -> None:
     strided = np.asarray([t for t in toks for _ in range(2)], dtype=np.uint32)[::2]
     assert idx.find_matches(strided) == want  # not contiguous: read item by item
     with pytest.raises(QueryError, match=re.escape("token_ids[0]")):
-        idx.find_matches(np.asarray(toks, dtype=np.uint32).reshape(8, 8))  # 2-D: its rows are not tokens
+        idx.find_matches(np.asarray(held, dtype=np.uint32).reshape(8, 8))  # 2-D: its rows are not tokens
     with pytest.raises(QueryError, match=re.escape("token_ids[1]")):
         idx.find_matches(np.asarray([5, -6], dtype=np.int32))
     with pytest.raises(QueryError, match="token_ids"):

@@ -136,14 +136,15 @@ def _decide(router: Router, query: list[int], kwargs: dict) -> object:
 def test_the_compiled_path_reads_the_models_weights() -> None:
     index = PrefixIndex()
     a, b = WorkerKey("a", 0), WorkerKey("b", 0)
-    prompt = list(range(64))
-    index.apply(a, BlockStored(block_hashes=[1, 2, 3, 4], token_ids=prompt, block_size=16))
+    prompt = list(range(65))  # one token past the 4 held blocks: all 4 are served
+    index.apply(a, BlockStored(block_hashes=[1, 2, 3, 4], token_ids=prompt[:64], block_size=16))
     # A's cached prefix outweighs B's lighter load at weight 1, not at weight 0.
     for weight, want in ((1.0, a), (0.0, b)):
         router = Router(index, cost=CostModel(overlap_weight=weight), seed=0)
         d = router.select(prompt, load={a: 2.0, b: 1.0}, candidates=[a, b])
         assert d.worker == want
-        assert d.cost == weight * (0 if want == a else 4.0) + (2.0 if want == a else 1.0)
+        # Prefill left, in blocks: A recomputes only the token past its 4 blocks; B all 65.
+        assert d.cost == weight * (1 / 16 if want == a else 65 / 16) + (2.0 if want == a else 1.0)
 
 
 @pytest.mark.parametrize(
@@ -183,8 +184,8 @@ def test_select_on_threads_while_other_threads_ingest() -> None:
 
     index = PrefixIndex()
     a = WorkerKey("a", 0)
-    prompt = list(range(64))
-    index.apply(a, BlockStored(block_hashes=list(range(1, 17)), token_ids=prompt, block_size=4))
+    prompt = list(range(65))  # one token past the 16 held blocks: all 16 are served
+    index.apply(a, BlockStored(block_hashes=list(range(1, 17)), token_ids=prompt[:64], block_size=4))
     stop = threading.Event()
     wrong: list[object] = []
     done = [0, 0, 0, 0]
