@@ -123,3 +123,11 @@ class NotSyncedError(KvRouteError, TimeoutError):
         parts += [f"source {k.worker_id}[{k.dp_rank}]: {why}" for k, why in self.sources.items()]
         shown = "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
         super().__init__(f"not synced after {timeout:g} s: {shown or 'nothing pending (stopped?)'}")
+
+
+class MetricsError(KvRouteError):
+    """An engine's ``/metrics`` could not be fetched or is not Prometheus text."""
+
+
+class JetStreamError(KvRouteError):
+    """The NATS server could not be reached or refused a JetStream request."""

@@ -47,7 +47,7 @@ from typing import Any, Final
 
 import msgspec
 
-from ._errors import ConfigError, KvRouteError
+from ._errors import ConfigError, JetStreamError
 from ._models import WorkerKey
 
 __all__ = [
@@ -79,10 +79,6 @@ SNAPSHOT_KEY: Final = "snapshot"
 SNAPSHOTS_KEPT: Final = 3
 LEASE_KEY: Final = "leader"
 SNAPSHOT_FORMAT: Final = 1
-
-
-class JetStreamError(KvRouteError):
-    """The NATS server could not be reached or refused a JetStream request."""
 
 
 # --- the log's records ------------------------------------------------------------------------------

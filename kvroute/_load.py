@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 import anyio
 import msgspec
 
-from ._errors import KvRouteError
+from ._errors import MetricsError
 from ._models import WorkerKey
 
 __all__ = [
@@ -53,10 +53,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("kvroute.load")
-
-
-class MetricsError(KvRouteError):
-    """An engine's ``/metrics`` could not be fetched or is not Prometheus text."""
 
 
 class EngineMetricNames(msgspec.Struct, frozen=True, kw_only=True):
