@@ -9,6 +9,7 @@ skipped, with a rate-limited log line: bad input never stops the pump.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import logging
 import math
@@ -436,7 +437,38 @@ class _Entry:
         self.last_read = now
 
 
-class Receiver:
+class _LoopLeader(abc.ABC):
+    """A receive loop that runs inside the drivers' session tasks: one leads, the others wait.
+
+    The first session to call `serve` runs `_loop`; the others wait, and one takes over when
+    the leader's session ends, so the loop lives exactly as long as some source does and needs
+    no task of its own.
+    """
+
+    def __init__(self) -> None:
+        self._leading = False
+        self._vacant = anyio.Event()
+
+    @abc.abstractmethod
+    async def _loop(self) -> None:
+        """The receive loop itself (`Receiver`: the OS selector; `NativeReceiver`: the core thread's pipe)."""
+
+    async def serve(self) -> None:
+        """Run the receive loop, or wait while another session runs it and take over when it ends; never returns."""
+        while True:
+            if self._leading:
+                await self._vacant.wait()
+                continue
+            self._leading = True
+            try:
+                await self._loop()
+            finally:
+                self._leading = False
+                vacant, self._vacant = self._vacant, anyio.Event()
+                vacant.set()
+
+
+class Receiver(_LoopLeader):
     """One receive loop over every source's SUB and monitor socket (instead of a task per socket).
 
     Each socket's descriptor is registered in one OS selector (epoll, kqueue) whose own
@@ -450,9 +482,7 @@ class Receiver:
     interval. A loop that is slow (overload) still visits every socket with messages each
     round, so it never probes a source for kvroute's own slowness.
 
-    The loop runs inside one of the drivers' session tasks (`serve`): the first to arrive
-    leads, the others wait and one takes over when the leader's session ends, so the loop
-    lives exactly as long as some source does and needs no task of its own. Where the OS
+    The loop runs inside one of the drivers' session tasks (`_LoopLeader.serve`). Where the OS
     selector has no descriptor to wait on, the loop looks every 2 ms instead.
     """
 
@@ -464,8 +494,7 @@ class Receiver:
         self._entries: dict[_Entry, None] = {}
         # Entries whose SUB has (or may have) messages queued, oldest first.
         self._backlog: dict[_Entry, None] = {}
-        self._leading = False
-        self._vacant = anyio.Event()
+        super().__init__()
         self._next_scan = 0.0
 
     def add(self, driver: SourceDriver, sub: zmq.Socket[bytes], mon: zmq.Socket[bytes]) -> _Entry:
@@ -501,20 +530,6 @@ class Receiver:
                 anyio.notify_closing(fd)
             self._selector.close()
             self._selector = None
-
-    async def serve(self) -> None:
-        """Run the receive loop, or wait while another session runs it and take over when it ends; never returns."""
-        while True:
-            if self._leading:
-                await self._vacant.wait()
-                continue
-            self._leading = True
-            try:
-                await self._loop()
-            finally:
-                self._leading = False
-                vacant, self._vacant = self._vacant, anyio.Event()
-                vacant.set()
 
     async def _loop(self) -> None:
         clock = time.perf_counter
@@ -600,7 +615,7 @@ _tokens = itertools.count(1)
 _index_log = logging.getLogger("kvroute.index")
 
 
-class NativeReceiver:
+class NativeReceiver(_LoopLeader):
     """The receive loop on the compiled core's own thread (`kvroute._core.NativeReceiver`), for every eligible source.
 
     The thread owns each source's SUB and monitor (the core's vendored libzmq, its own context),
@@ -626,8 +641,7 @@ class NativeReceiver:
         self._core: _core.NativeReceiver | None = None
         self._fd = -1
         self._drivers: dict[int, SourceDriver] = {}
-        self._leading = False
-        self._vacant = anyio.Event()
+        super().__init__()
         self._dead: str | None = None
         # Set while `_drain` feeds drivers: they open their fast paths at its end, not per action.
         self.draining = False
@@ -699,20 +713,6 @@ class NativeReceiver:
         """Hand every message of ``token`` over until it is opened again."""
         if self._core is not None and token in self._drivers:
             self._core.close_fast(token)
-
-    async def serve(self) -> None:
-        """Run the loop, or wait while another session runs it and take over when it ends; never returns."""
-        while True:
-            if self._leading:
-                await self._vacant.wait()
-                continue
-            self._leading = True
-            try:
-                await self._loop()
-            finally:
-                self._leading = False
-                vacant, self._vacant = self._vacant, anyio.Event()
-                vacant.set()
 
     async def _loop(self) -> None:
         while True:
