@@ -29,9 +29,10 @@ from pathlib import Path
 
 import msgspec
 
-from kvroute import BlockStored, EventBatch, PrefixIndex, Router, WorkerKey, decode_batch, encode_batch
+from kvroute import BlockStored, PrefixIndex, Router, WorkerKey, decode_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import bench_index
 from reference._index import PrefixIndex as ReferenceIndex
 
 BS = 16
@@ -50,31 +51,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def make_stream(n_blocks: int, n_workers: int, seed: int) -> list[tuple[WorkerKey, bytes, int]]:
-    """vLLM-style batches: 1-4 events a batch, 1-32 blocks an event, chained on earlier blocks."""
-    rng = random.Random(seed)
-    workers = [WorkerKey(f"engine-{i // 2}", i % 2) for i in range(n_workers)]
-    tails: dict[WorkerKey, list[int]] = {w: [] for w in workers}
-    out: list[tuple[WorkerKey, bytes, int]] = []
-    made = 0
-    h = rng.getrandbits(64)
-    while made < n_blocks:
-        w = rng.choice(workers)
-        events = []
-        in_batch = 0
-        for _ in range(rng.randint(1, 4)):
-            n = rng.randint(1, 32)
-            parent = rng.choice(tails[w]) if tails[w] and rng.random() < 0.7 else None
-            hashes = []
-            for _ in range(n):
-                h = (h * 6364136223846793005 + 1442695040888963407) % (1 << 64)
-                hashes.append(h)
-            tokens = [rng.randrange(VOCAB) for _ in range(n * BS)]
-            events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS))
-            tails[w] = [*tails[w][-63:], hashes[-1]]
-            in_batch += n
-        out.append((w, encode_batch(EventBatch(time.time(), events, w.dp_rank)), in_batch))
-        made += in_batch
-    return out
+    """bench_index's vLLM-style batches (1-4 events a batch, 1-32 blocks an event), without a medium."""
+    return bench_index.make_stream(n_blocks, n_workers, seed, medium=None)
 
 
 def bench_ingest(n_blocks: int) -> None:

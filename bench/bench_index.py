@@ -33,7 +33,9 @@ BS = 16
 VOCAB = 150_000
 
 
-def make_stream(n_blocks: int, n_workers: int, seed: int) -> list[tuple[WorkerKey, bytes, int]]:
+def make_stream(
+    n_blocks: int, n_workers: int, seed: int, medium: str | None = "GPU"
+) -> list[tuple[WorkerKey, bytes, int]]:
     """Realistic vLLM-style batches: 1-4 events a batch, 1-32 blocks an event, chained on earlier blocks."""
     rng = random.Random(seed)
     workers = [WorkerKey(f"engine-{i // 2}", i % 2) for i in range(n_workers)]
@@ -54,7 +56,7 @@ def make_stream(n_blocks: int, n_workers: int, seed: int) -> list[tuple[WorkerKe
                 hashes.append(next_hash)
             tokens = [rng.randrange(VOCAB) for _ in range(n * BS)]
             events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS,
-                                      medium="GPU"))
+                                      medium=medium))
             tails[w].append(hashes[-1])
             if len(tails[w]) > 64:
                 tails[w].pop(0)
