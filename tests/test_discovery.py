@@ -426,7 +426,9 @@ async def test_a_dead_port_fails_clearly_within_the_timeout() -> None:
         TargetUnreachableError, match=r"no answer within 0.4s \(\d+ attempts; last: UNAVAILABLE"
     ) as info:
         await discover(target, timeout=0.4)
-    assert time.monotonic() - started < 0.4 + 0.5
+    # Slack for a loaded 2-core CI machine (0.96 s was seen there): channel setup and teardown are
+    # outside the deadline, and a discovery that ignored its timeout would not stop at all.
+    assert time.monotonic() - started < 0.4 + 1.6
     assert info.value.target == target
 
 
