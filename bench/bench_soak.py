@@ -37,7 +37,8 @@ import anyio
 import msgspec
 import zmq
 
-from kvroute import Cursor, DiscoveryOptions, KvEventClient, PrefixIndex, SubscriberConfig, TotalStats, WorkerKey, _zmq
+from kvroute import Cursor, DiscoveryOptions, KvEventClient, PrefixIndex, SubscriberConfig, TotalStats, WorkerKey
+from kvroute._transports.zmq import sockets as _zmq
 from kvroute.sim import FAULT_KINDS, DiscoveryServer, FaultDriver, FaultKind, RequestAbortedError, SimConfig, SimEngine
 
 BS = 16

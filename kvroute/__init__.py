@@ -57,7 +57,7 @@ from ._metrics import KvRouteCollector
 from ._models import EventSource, WorkerKey, WorkerStatus
 from ._router import CostModel, Router, RoutingDecision
 from ._snapshot import Cursor
-from ._subscriber import SubscriberConfig
+from ._transports.zmq.config import SubscriberConfig
 from ._wire import (
     AllBlocksCleared,
     BlockRemoved,

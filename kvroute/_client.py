@@ -38,10 +38,11 @@ from ._models import EventSource, WorkerKey, WorkerStatus
 from ._restore import Restored
 from ._snapshot import Cursor
 from ._stats import ClientStats, TotalStats, client_stats
-from ._subscriber import ReplaySlots, SubscriberConfig
 from ._transports._base import Driver, RateLimitedLog, SourceStats, Transport
 from ._transports._registry import client_transports
-from ._zmq import DEFAULT_MAX_SOURCES, fit_sources
+from ._transports.zmq.config import SubscriberConfig
+from ._transports.zmq.replay import ReplaySlots
+from ._transports.zmq.sockets import DEFAULT_MAX_SOURCES, fit_sources
 
 __all__ = ["ClientStats", "EventStream", "KvEventClient", "SourceStats", "SubscriberConfig", "TotalStats"]
 

@@ -26,7 +26,7 @@ Adding a rule: append one `Mutation` to `MUTATIONS` (name, rule, file, the exact
 break, its broken form, the tests to run, the socket-level tests that claim the rule). A rule
 is broken where it is kept: the prefix index's and the wire decoder's in the Rust crate
 (src/index/, src/wire.rs; their broken form must compile, the copy's core is rebuilt), the
-receive path's in kvroute/_subscriber.py (the in-order fast path applies through
+receive path's in kvroute/_transports/zmq/ (the in-order fast path applies through
 ``PrefixIndex.apply_payload``), the recovery rules in kvroute/_source.py and its replay side,
 kvroute/_replay_answers.py.
 """
@@ -145,7 +145,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "stopped-driver",
         "a removed source's driver applies nothing more",
-        "kvroute/_subscriber.py",
+        "kvroute/_transports/zmq/driver.py",
         "        fast = not self._sink.active and not self._stopped\n",
         "        fast = not self._sink.active\n",
         ("tests/test_client.py",),
@@ -184,7 +184,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "no-apply",
         "the client applies what its sources publish (examples show it)",
-        "kvroute/_subscriber.py",
+        "kvroute/_transports/zmq/payloads.py",
         "    report = index.apply_payload(key, payload, decoder.limits)\n",
         "    report = PrefixIndex().apply_payload(key, payload, decoder.limits)\n",
         ("tests/test_examples.py",),
@@ -243,7 +243,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "untrusted-batch",
         "an unreadable removal or clear resets the worker instead of applying the rest",
-        "kvroute/_subscriber.py",
+        "kvroute/_transports/zmq/payloads.py",
         "    if batch.untrusted is not None:",
         "    if False:",
         ("tests/test_index_groups.py",),

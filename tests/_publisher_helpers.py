@@ -10,12 +10,12 @@ from typing import Any, Protocol
 import anyio
 import zmq
 
-from kvroute import _zmq
 from kvroute._client import EventStream, KvEventClient
 from kvroute._events import Envelope
 from kvroute._index import PrefixIndex
 from kvroute._models import WorkerKey
-from kvroute._subscriber import SubscriberConfig
+from kvroute._transports.zmq import sockets as _zmq
+from kvroute._transports.zmq.config import SubscriberConfig
 from kvroute._wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EventBatch
 from kvroute.sim._publisher import EventPublisher
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from test_wire_differential import SETTINGS, batch_frag, engine_event
 
 from kvroute import EventBatch, PrefixIndex, WorkerKey, decode_batch, encode_batch
-from kvroute._subscriber import _decode_checked
+from kvroute._transports.zmq.payloads import _decode_checked
 from kvroute._wire import BatchDecoder, BlockStored, Limits
 
 W = [WorkerKey("a", 0), WorkerKey("b", 1)]

@@ -47,7 +47,7 @@ from kvroute._discovery import DiscoveryOptions
 from kvroute._index import PrefixIndex
 from kvroute._models import WorkerKey
 from kvroute._snapshot import Cursor
-from kvroute._subscriber import SubscriberConfig
+from kvroute._transports.zmq.config import SubscriberConfig
 from kvroute.sim import (
     DiscoveryServer,
     EventPublisher,

@@ -23,12 +23,12 @@ from _publisher_helpers import (
     wait_for,
 )
 
-from kvroute import _zmq
 from kvroute._client import KvEventClient
 from kvroute._discovery import DiscoveryOptions
 from kvroute._events import Overflow, Removed, Reset
 from kvroute._index import PrefixIndex
 from kvroute._models import EventSource, WorkerKey
+from kvroute._transports.zmq import sockets as _zmq
 from kvroute._wire import BlockStored, EventBatch
 from kvroute.sim._grpc import VllmControlService, serve_grpc
 from kvroute.sim._publisher import EventPublisher

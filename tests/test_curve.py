@@ -9,10 +9,10 @@ import msgspec
 import pytest
 from _publisher_helpers import FAST, Workload, assert_index_equal, settle, truth_index
 
-from kvroute import _zmq
 from kvroute._client import KvEventClient
 from kvroute._models import WorkerKey
-from kvroute._subscriber import SubscriberConfig
+from kvroute._transports.zmq import sockets as _zmq
+from kvroute._transports.zmq.config import SubscriberConfig
 from kvroute.sim._publisher import EventPublisher
 
 pytestmark = pytest.mark.anyio

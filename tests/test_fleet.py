@@ -21,8 +21,8 @@ from _publisher_helpers import FAST
 
 from kvroute import BlockStored, EventBatch, EventSource, KvEventClient, encode_batch
 from kvroute._errors import ConfigError
-from kvroute._subscriber import SubscriberConfig
-from kvroute._zmq import FDS_PER_SOURCE
+from kvroute._transports.zmq.config import SubscriberConfig
+from kvroute._transports.zmq.sockets import FDS_PER_SOURCE
 from kvroute.sim._publisher import EventPublisher
 
 pytestmark = pytest.mark.anyio

@@ -157,7 +157,7 @@ class BadEngine:
         return EventSource(**fields)  # type: ignore[arg-type]
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        from kvroute import _zmq
+        from kvroute._transports.zmq import sockets as _zmq
 
         async with anyio.create_task_group() as tg:
             task_status.started()
@@ -592,7 +592,7 @@ async def test_three_hundred_sources_fit_the_context_and_the_descriptors() -> No
 
 async def test_max_sources_is_checked_against_the_context_at_start() -> None:
     from kvroute import ConfigError
-    from kvroute._zmq import SOCKETS_PER_SOURCE
+    from kvroute._transports.zmq.sockets import SOCKETS_PER_SOURCE
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 200)
@@ -708,7 +708,7 @@ async def test_config_mistakes_are_kvroute_errors_and_secrets_stay_hidden() -> N
     from kvroute import ClientStateError, ConfigError, KvRouteError
     from kvroute._discovery import DiscoveryOptions, InvalidOptionsError, TlsConfig, discover_with
     from kvroute._metrics import KvRouteCollector
-    from kvroute._zmq import curve_keypair
+    from kvroute._transports.zmq.sockets import curve_keypair
 
     bad_configs: list[dict[str, object]] = [
         {"replay_timeout": 0},
@@ -762,7 +762,7 @@ async def test_config_mistakes_are_kvroute_errors_and_secrets_stay_hidden() -> N
 
 async def test_curve_works_with_discovery_through_per_target_server_keys() -> None:
     from kvroute._discovery import DiscoveryOptions
-    from kvroute._zmq import curve_keypair
+    from kvroute._transports.zmq.sockets import curve_keypair
     from kvroute.sim._grpc import VllmControlService, serve_grpc
 
     server_keys, client_keys = curve_keypair(), curve_keypair()

@@ -31,7 +31,7 @@ from kvroute._metrics import (
 from kvroute._models import WorkerKey
 from kvroute._router import Router, RouterStats
 from kvroute._source import RecoveryStats
-from kvroute._subscriber import SourceCounters, SourceStats
+from kvroute._transports._base import SourceCounters, SourceStats
 from kvroute.sim._publisher import EventPublisher
 
 # No quiet-tick probes during a test: they bump `replays` between two reads of the stats.

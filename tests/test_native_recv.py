@@ -24,7 +24,9 @@ from _publisher_helpers import (
 
 from kvroute._client import KvEventClient
 from kvroute._models import EventSource
-from kvroute._subscriber import NativeReceiver, SourceDriver, SubscriberConfig
+from kvroute._transports.zmq.config import SubscriberConfig
+from kvroute._transports.zmq.driver import SourceDriver
+from kvroute._transports.zmq.native import NativeReceiver
 from kvroute.sim._publisher import EventPublisher
 
 pytestmark = pytest.mark.anyio

@@ -23,7 +23,7 @@ from kvroute._errors import KvRouteError, NoWorkersError
 from kvroute._index import PrefixIndex
 from kvroute._models import WorkerKey, WorkerStatus
 from kvroute._router import CandidateScore, CostModel, Router, RouterError, RoutingDecision
-from kvroute._subscriber import SubscriberConfig
+from kvroute._transports.zmq.config import SubscriberConfig
 from kvroute._wire import BlockStored, EventBatch
 from kvroute.sim._cache import PrefixCache
 from kvroute.sim._engine import SimConfig, SimEngine

@@ -20,10 +20,10 @@ import pytest
 import zmq
 from _publisher_helpers import served, wait_for
 
-from kvroute import _zmq
 from kvroute._discovery import discover
 from kvroute._index import PrefixIndex
 from kvroute._models import WorkerKey
+from kvroute._transports.zmq import sockets as _zmq
 from kvroute._wire import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from kvroute.sim._cache import CapacityError, InvalidRequestError
 from kvroute.sim._engine import RequestAbortedError, SimConfig, SimEngine
@@ -523,7 +523,7 @@ def test_cli_runs_until_interrupted() -> None:
 
 async def test_kvroute_client_index_converges_to_the_engines_ground_truth() -> None:
     from kvroute._client import KvEventClient
-    from kvroute._subscriber import SubscriberConfig
+    from kvroute._transports.zmq.config import SubscriberConfig
 
     config = SubscriberConfig(quiet_interval=0.1, replay_timeout=0.5)
     async with (
@@ -573,7 +573,7 @@ async def test_sglang_events_carry_the_engines_hashes() -> None:
     # The SGLang engine writes its hashes as int64; the client's events carry them in the
     # space the engine's cache names them (uint64), so removals and routers agree on ids.
     from kvroute._client import KvEventClient
-    from kvroute._subscriber import SubscriberConfig
+    from kvroute._transports.zmq.config import SubscriberConfig
 
     async with (
         engine(engine="sglang", capacity_blocks=40, seed=7) as s,

@@ -11,11 +11,14 @@ import pytest
 import zmq
 from _publisher_helpers import FAST, Workload, assert_index_equal, nothing_arrives, recv_frames
 
-from kvroute import _zmq
 from kvroute._events import Envelope
 from kvroute._index import PrefixIndex
 from kvroute._models import EventSource, WorkerStatus
-from kvroute._subscriber import ReplaySlots, SourceDriver, SubscriberConfig, source_problem
+from kvroute._transports.zmq import sockets as _zmq
+from kvroute._transports.zmq.config import SubscriberConfig
+from kvroute._transports.zmq.driver import SourceDriver
+from kvroute._transports.zmq.replay import ReplaySlots
+from kvroute._transports.zmq.transport import source_problem
 from kvroute._wire import decode_batch, encode_batch
 from kvroute.sim._publisher import END_SEQ, EventPublisher
 

@@ -51,7 +51,7 @@ def test_the_module_maps_show_every_module() -> None:
     package = ROOT / "kvroute"
     modules = sorted(
         p.relative_to(package).with_suffix("").as_posix()
-        for p in [*package.glob("_*.py"), *package.glob("_transports/*.py")]
+        for p in [*package.glob("_*.py"), *package.glob("_transports/*.py"), *package.glob("_transports/*/*.py")]
         if p.name != "__init__.py"
     )
     assert "_transports/gateway" in modules and "_client" in modules

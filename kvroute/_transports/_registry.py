@@ -9,10 +9,11 @@ import zmq
 
 from .._load import EngineLoads
 from .._models import EventSource
-from .._subscriber import ReplaySlots, SubscriberConfig
-from .._transport import ZmqTransport
 from ._base import Transport
 from .gateway import ChannelOptions, GatewayTransport
+from .zmq.config import SubscriberConfig
+from .zmq.replay import ReplaySlots
+from .zmq.transport import ZmqTransport
 
 __all__ = ["client_transports"]
 

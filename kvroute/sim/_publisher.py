@@ -24,9 +24,9 @@ import anyio
 import anyio.lowlevel
 import zmq
 
-from .. import _zmq
 from .._models import EventSource
 from .._recovery import REPLAY_END_MARKER
+from .._transports.zmq import sockets as _zmq
 from .._wire import EngineEvent, EventBatch, encode_batch
 from ._lifecycle import AsyncService
 

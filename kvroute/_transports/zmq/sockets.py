@@ -24,7 +24,7 @@ import anyio
 import anyio.lowlevel
 import zmq
 
-from ._errors import ConfigError
+from ..._errors import ConfigError
 
 __all__ = [
     "DEFAULT_MAX_SOURCES",

@@ -1,0 +1,610 @@
+"""The ZMQ driver: one SUB (and a DEALER for replay) per source, moving bytes and time for its `SourceMachine`.
+
+The recovery rules live in the sans-I/O `kvroute._source.SourceMachine`; this module only feeds it
+(live messages, replay results, socket monitor events, quiet ticks) and carries out what it
+returns (apply batches to the index, ask for a replay, reset the worker, recreate the SUB, emit
+lifecycle events). Every frame that is not what docs/protocol.md §2 and §4 describe is counted and
+skipped, with a rate-limited log line: bad input never stops the pump.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import anyio
+import msgspec
+import zmq
+
+from ..._index import PrefixIndex
+from ..._models import EventSource
+from ..._snapshot import Cursor
+from ..._source import Action, Apply, RecreateSubscriber, RequestReplay
+from ..._wire import BatchDecoder, EventBatch
+from .._base import DriverBase, EventSink, SourceStats
+from . import sockets as _zmq
+from .config import SubscriberConfig, curve_keys
+from .payloads import _decode_checked, _fast_apply
+from .receiver import Entry, Receiver
+from .replay import ReplayRun, ReplaySlots, Turn
+
+__all__ = ["NativeThread", "SourceDriver"]
+
+#: The replay end marker's seq (docs/protocol.md §4).
+_END_SEQ = b"\xff" * 8
+
+# Monitor events that change what the driver tells the machine. "Connected" is the completed
+# ZMTP handshake, not the TCP connect: only then does the publisher see the subscription (and,
+# with CURVE, only then is the peer known to hold the server key).
+_MONITOR_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+# libzmq schedules a reconnect (EVENT_CONNECT_RETRIED) within milliseconds of a disconnect,
+# except when it dropped the connection itself for a message over ZMQ_MAXMSGSIZE: then it
+# never reconnects. A disconnect with no retry scheduled this long after it gets a new SUB.
+_RETRY_GRACE = 1.0
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+# What one replay reply was (`SourceDriver._on_reply`).
+_END, _BATCH, _JUNK = object(), object(), object()
+
+
+class NativeThread(Protocol):
+    """What a driver asks of the native receive thread (`kvroute._transports.zmq.native.NativeReceiver`)."""
+
+    #: True while the thread's hand-overs are being fed to drivers (they open their fast paths after).
+    draining: bool
+
+    def eligible(self, source: EventSource) -> bool:
+        """Whether the thread can follow ``source``."""
+        ...
+
+    def add(self, driver: SourceDriver) -> int:
+        """Subscribe ``driver``'s source on the thread; its token."""
+        ...
+
+    def remove(self, token: int) -> None:
+        """Stop following ``token``."""
+        ...
+
+    def stop(self, token: int) -> None:
+        """Apply nothing more for ``token`` from now on."""
+        ...
+
+    def open(self, token: int, next_seq: int, consumed: int) -> None:
+        """Let the thread apply ``token``'s batches from ``next_seq``."""
+        ...
+
+    def close_fast(self, token: int) -> None:
+        """Hand every message of ``token`` over until it is opened again."""
+        ...
+
+    async def serve(self) -> None:
+        """Run the thread's hand-over loop, or wait while another session runs it."""
+        ...
+
+
+class SourceDriver(DriverBase):
+    """Subscribes to one `EventSource` and keeps its worker's index state per the recovery rules.
+
+    `run` owns every socket and task of the source and closes them all when cancelled.
+    ``limiter`` bounds replays across sources; ``on_change`` is called (synchronously)
+    whenever the source's sync state or connection changes. ``resume``: the index already
+    holds this worker's state through that position (a restored snapshot); the source
+    resumes from it (`SourceMachine.resume`) instead of starting cold.
+    """
+
+    def __init__(
+        self,
+        source: EventSource,
+        *,
+        context: zmq.Context[zmq.Socket[bytes]],
+        config: SubscriberConfig,
+        index: PrefixIndex,
+        sink: EventSink,
+        limiter: ReplaySlots,
+        on_change: Callable[[], None],
+        resume: Cursor | None = None,
+        receiver: Receiver | None = None,
+        native: NativeThread | None = None,
+    ) -> None:
+        super().__init__(
+            source,
+            index=index,
+            sink=sink,
+            on_change=on_change,
+            has_replay=source.replay_endpoint is not None,
+            max_held_bytes=config.held_bytes,
+            resume=resume,
+        )
+        self._ctx = context
+        self._cfg = config
+        self._limiter = limiter
+        self._decoder = BatchDecoder(config.limits)
+        self._curve = curve_keys(source, config)
+        self._dealer: zmq.Socket[bytes] | None = None
+        self._replay_request: RequestReplay | None = None
+        self._replay_wakeup: anyio.Event | None = None
+        self._session: anyio.CancelScope | None = None
+        self._session_tg: anyio.abc.TaskGroup | None = None
+        self._awaiting_retry = False
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._replay_scope: anyio.CancelScope | None = None
+        self._recreate = False
+        # The client's transport shares one receiver among its drivers; a lone driver has its own.
+        self._receiver = receiver if receiver is not None else Receiver(config)
+        # The client's native receive thread, when configured and this source is one it can follow.
+        self._native = native if native is not None and native.eligible(source) else None
+        # This SUB's token on the thread, the hand-overs taken for it, and the last fast-path open sent.
+        self._native_token: int | None = None
+        self._native_consumed = 0
+        self._native_opened: tuple[int, int] | None = None
+        #: Batches the native thread applied for this source.
+        self.native_batches = 0
+        #: Seconds from the newest applied live batch's ts (the engine's clock) to its apply.
+        self.apply_lag = 0.0
+
+    def stop(self) -> None:
+        """`DriverBase.stop`, and the native thread applies nothing more for this source from now on."""
+        super().stop()
+        if self._native is not None and self._native_token is not None:
+            self._native.stop(self._native_token)
+
+    def refresh_counters(self) -> None:
+        """The decoder counts unknown event types itself."""
+        self.counters.unknown_events = self._decoder.unknown_events
+
+    def stats(self) -> SourceStats:
+        """A snapshot of this source's counters and condition, with its apply lag."""
+        return msgspec.structs.replace(super().stats(), apply_lag=self.apply_lag)
+
+    # --- running ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Subscribe and follow the source until cancelled; every socket is closed on the way out."""
+        self._replay_wakeup = anyio.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+                if self.source.replay_endpoint is not None:
+                    tg.start_soon(self._replay_loop)
+                self.execute(self.first_actions())
+                while True:
+                    await self._run_session()
+        finally:
+            self._close_dealer()
+            self.connected = False
+
+    async def _run_session(self) -> None:
+        if self._native is not None:
+            await self._run_native_session(self._native)
+            return
+        # One SUB socket's life: recreated on the machine's request (a restarted engine's
+        # dead messages are still queued in the old one, docs/recovery.md rule 2). The
+        # client's `Receiver` reads it (and its monitor) with every other source's.
+        src, cfg = self.source, self._cfg
+        sub = _zmq.socket(
+            self._ctx,
+            zmq.SUB,
+            rcvhwm=cfg.sub_rcvhwm(src.hwm),
+            max_message_size=cfg.max_message_size,
+            reconnect_ivl=cfg.reconnect_ivl,
+            reconnect_ivl_max=cfg.reconnect_ivl_max,
+            tcp_keepalive=cfg.tcp_keepalive,
+            curve=self._curve,
+            curve_server_key=src.curve_server_key if self._curve is not None else None,
+            subscribe=src.topic.encode("utf-8"),
+        )
+        try:
+            mon = _zmq.open_monitor(sub, _MONITOR_EVENTS)
+        except BaseException:
+            _zmq.close(sub)
+            raise
+        self._recreate = False
+        entry: Entry | None = None
+        try:
+            sub.connect(src.endpoint)
+            async with anyio.create_task_group() as tg:
+                self._session = tg.cancel_scope
+                self._session_tg = tg
+                self._monitor = mon
+                entry = self._receiver.add(self, sub, mon)
+                if src.endpoint.startswith("inproc://"):
+                    # inproc has no connection handshake, so its monitor never reports one:
+                    # the pipe exists as soon as connect returns.
+                    self._set_connected()
+                if not self._recreate:
+                    # Returns never: cancelled when the source leaves or its SUB is recreated.
+                    await self._receiver.serve()
+                tg.cancel_scope.cancel()
+        finally:
+            self._session = None
+            self._session_tg = None
+            self._awaiting_retry = False
+            self._monitor = None
+            if entry is not None:
+                self._receiver.remove(entry)
+            _zmq.close(sub, monitor=mon)
+            if self.connected:
+                self.connected = False
+                self._on_change()
+
+    async def _run_native_session(self, native: NativeThread) -> None:
+        # As `_run_session`, with the SUB and its monitor on the native thread.
+        self._recreate = False
+        self._native_consumed = 0
+        self._native_opened = None
+        token: int | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                self._session = tg.cancel_scope
+                self._session_tg = tg
+                token = self._native_token = native.add(self)
+                self._sync_fast()
+                if not self._recreate:
+                    await native.serve()
+                tg.cancel_scope.cancel()
+        finally:
+            self._session = None
+            self._session_tg = None
+            self._awaiting_retry = False
+            self._native_token = None
+            if token is not None:
+                native.remove(token)
+            if self.connected:
+                self.connected = False
+                self._on_change()
+
+    def _native_applied(
+        self, seqs: list[int], tss: list[float], lags: list[float], elided: int, blocks: int, skipped: dict[str, int]
+    ) -> None:
+        """What the native thread applied for this source since the last drain: rule 1's bookkeeping, in bulk.
+
+        ``seqs``/``tss``: the newest applied batches in order (at most the ts ring's worth);
+        ``elided`` older ones only counted; ``lags``: wall clock at apply minus ts.
+        """
+        if self._stopped:
+            return
+        self.native_batches += len(seqs) + elided
+        on_applied = self.machine.on_applied
+        for seq, ts in zip(seqs, tss):
+            on_applied(seq, ts)
+        self.counters.batches += elided
+        self.counters.messages += len(seqs) + elided
+        self.counters.blocks += blocks
+        if skipped:
+            self._decoder.count_skipped(skipped)
+        if lags:
+            self.apply_lag = max(0.0, lags[-1])
+        if self._sink.active and self._native is not None and self._native_token is not None:
+            # A listener wants every batch as an event: the general path from here on.
+            self._native.close_fast(self._native_token)
+            self._native_opened = None
+
+    def _sync_fast(self) -> None:
+        """Open the native fast path where rule 1 holds now (the thread closes it itself at each hand-over)."""
+        native, token = self._native, self._native_token
+        if native is None or token is None:
+            return
+        m = self.machine
+        if self._stopped or self._recreate or self._sink.active or not m.in_order(m.last_seq + 1):
+            return
+        want = (m.last_seq + 1, self._native_consumed)
+        if want != self._native_opened:
+            self._native_opened = want
+            native.open(token, *want)
+
+    def _on_messages(self, msgs: list[list[bytes]], wall: float) -> None:
+        """Live messages the receiver read from the SUB, in order; ``wall``: time.time() when read.
+
+        The hot path (docs/recovery.md rule 1): a message the machine says is in order is
+        decoded and applied here, through `_fast_apply`, and reported with `on_applied`;
+        everything else (gaps, restarts, holes, held batches, events() listeners) goes
+        through `SourceMachine.on_live` and `execute`.
+        """
+        counters = self.counters
+        counters.messages += len(msgs)
+        # A disconnect must reach the machine before any message that came after it (a
+        # restarted engine's first seqs would pass for the old one's). libzmq emits the
+        # event before it reconnects, so whatever is queued in the monitor now is older
+        # than the newest message just read: report it first. Early is safe: the machine
+        # then holds the batch until the identity check answers.
+        self._poll_monitor()
+        if self._recreate:
+            return
+        machine = self.machine
+        in_order, on_applied, on_live = machine.in_order, machine.on_applied, machine.on_live
+        # The fast path builds no EventBatch for listeners: with an events() iterator (or
+        # once stopped) every message takes the general path.
+        fast = not self._sink.active and not self._stopped
+        index, key, decoder = self._index, self.key, self._decoder
+        nan = math.nan
+        newest_ts = nan
+        for frames in msgs:
+            if len(frames) != 3 or len(frames[1]) != 8:
+                counters.skipped_frames += 1
+                self._log.warn("skipped message", f"{len(frames)} frames, expected [topic, seq8, payload]")
+                continue
+            payload = frames[2]
+            seq = int.from_bytes(frames[1], "big")
+            if fast and in_order(seq):
+                report = _fast_apply(index, key, decoder, payload)
+                if report.ok:
+                    on_applied(seq, report.ts)
+                    counters.blocks += report.stored_blocks
+                    newest_ts = report.ts
+                    continue
+                self._bad_payload(report.error_kind, report.error)
+                actions = on_live(seq, nan, None, len(payload))
+            else:
+                batch = self._decode(payload)
+                actions = on_live(seq, batch.ts if batch is not None else nan, batch, len(payload))
+                if batch is not None:
+                    newest_ts = batch.ts
+            if len(actions) == 1 and type(actions[0]) is Apply:
+                self.apply(actions[0].items)
+            else:
+                self.execute(actions)
+                if self._recreate:
+                    break  # the rest came from the engine process that just died
+        if newest_ts == newest_ts:  # not NaN: something was read with a ts
+            self.apply_lag = max(0.0, wall - newest_ts)
+
+    def _bad_payload(self, kind: str, detail: str) -> None:
+        self.counters.decode_errors += 1
+        self._log.warn(kind, detail)
+
+    def _on_quiet(self) -> None:
+        """The receiver saw nothing on the SUB for the quiet interval (docs/recovery.md rules 7-8)."""
+        # A disconnected source has nothing new to tell, and a probe to a dead engine would
+        # hold a replay slot for the whole timeout; reconnecting checks it anyway. Quiet
+        # ticks only ever lead to a replay probe: no endpoint, no ticks.
+        if self.connected and self.source.replay_endpoint is not None:
+            self.execute(self.machine.on_quiet())
+
+    def _decode(self, payload: bytes) -> EventBatch | None:
+        batch, kind, detail = _decode_checked(self._decoder, payload)
+        if batch is None:
+            self._bad_payload(kind, detail)
+        return batch
+
+    def _poll_monitor(self) -> None:
+        # Drained to EAGAIN: only then does the monitor's descriptor signal the next event
+        # (the receiver waits on it).
+        while (mon := self._monitor) is not None:
+            events = _zmq.recv_nowait(mon, 64)
+            for frames in events:
+                self._on_monitor(frames)
+            if len(events) < 64:
+                return
+
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        ev = _zmq.read_monitor(frames)
+        if ev is not None:
+            self._on_monitor_event(ev)
+
+    def _on_monitor_event(self, ev: _zmq.MonitorEvent) -> None:
+        if ev.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._set_connected()
+        elif ev.event == zmq.EVENT_DISCONNECTED:
+            if not self._awaiting_retry and self._session_tg is not None:
+                self._awaiting_retry = True
+                self._session_tg.start_soon(self._expect_retry)
+            if self.connected:
+                self.connected = False
+                self.execute(self.machine.on_disconnected())
+                self._on_change()
+        elif ev.event == zmq.EVENT_CONNECT_RETRIED:
+            self._awaiting_retry = False
+        elif ev.event & _HANDSHAKE_FAILED:
+            self._log.warn("handshake failed", f"zmq event {ev.event} from {ev.endpoint} (CURVE keys?)")
+
+    async def _expect_retry(self) -> None:
+        await anyio.sleep(_RETRY_GRACE)
+        if self._awaiting_retry and self._session is not None:
+            self._log.warn(
+                "connection dropped for good", "libzmq scheduled no reconnect (a message over max_message_size?)"
+            )
+            self._recreate = True
+            self._session.cancel()
+
+    def _set_connected(self) -> None:
+        self._awaiting_retry = False
+        self.connected = True
+        self.execute(self.machine.on_reconnected())
+        self._on_change()
+
+    # --- replay -------------------------------------------------------------------------------
+
+    async def _replay_loop(self) -> None:
+        while True:
+            assert self._replay_wakeup is not None  # created by run()
+            await self._replay_wakeup.wait()
+            self._replay_wakeup = anyio.Event()
+            request, self._replay_request = self._replay_request, None
+            if request is None:
+                continue
+            with anyio.CancelScope() as scope:
+                self._replay_scope = scope
+                items, complete, failure = await self._replay(request.from_seq)
+            self._replay_scope = None
+            if scope.cancelled_caught:
+                # The machine abandoned this request (restart, disconnect): stop waiting for
+                # it; its late replies die with the DEALER.
+                self._close_dealer()
+                items, complete, failure = [], False, "abandoned"
+            self._poll_monitor()  # a disconnect first, as for live messages
+            if failure is not None:
+                self.execute(self.machine.on_replay_failed(failure))
+            else:
+                self.execute(self.machine.on_replay(items, complete=complete))
+
+    async def _replay(self, start: int) -> tuple[list[tuple[int, float, EventBatch | None]], bool, str | None]:
+        """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).
+
+        Fair and bounded (README "Security and limits"): the request is carried out in turns,
+        each holding one of the client's replay slots. A turn ends at the end marker; when
+        other sources wait for a slot and it has held its own for ``replay_slice`` (with
+        replies so far, the machine gets them and asks for the rest; with none, the request
+        goes to the back of the queue and is sent again); or when the request as a whole
+        passes ``replay_deadline``, ``replay_budget`` replies (malformed ones count), or
+        ``replay_timeout`` of slot time without a decodable reply (junk does not keep it open).
+        """
+        cfg = self._cfg
+        run = ReplayRun(anyio.current_time() + cfg.replay_deadline, cfg.replay_budget, cfg.replay_timeout)
+        while True:
+            async with self._limiter.turn() as turn:
+                yielded = await self._replay_turn(start, run, turn)
+            if not yielded:
+                break
+            # Gave the slot up with nothing to show: re-queue behind whoever waited (FIFO).
+            self.counters.replay_yields += 1
+        # The DEALER lives only while its request runs: 4,096 idle sources hold no replay
+        # socket (descriptors, `kvroute._transports.zmq.sockets.FDS_PER_SOURCE`), and late replies to this request
+        # cannot pass for answers to the next one (the engine answers each connection apart).
+        self._close_dealer()
+        if not run.complete:
+            if run.cut is not None:
+                self.counters.replay_cutoffs += 1
+                self._log.warn("replay cut short", run.cut)
+            if not run.items:
+                return run.items, False, run.cut or f"no reply within {cfg.replay_timeout:g} s"
+        return run.items, run.complete, None
+
+    async def _replay_turn(self, start: int, run: ReplayRun, turn: Turn) -> bool:
+        """One turn holding a replay slot; True when it yielded the slot with no reply to hand over."""
+        endpoint = self.source.replay_endpoint
+        assert endpoint is not None  # the replay task runs only for sources with one
+        cfg = self._cfg
+        if self._dealer is None:
+            try:
+                self._dealer = _zmq.connect(
+                    self._ctx,
+                    zmq.DEALER,
+                    endpoint,
+                    rcvhwm=cfg.sub_rcvhwm(None),
+                    max_message_size=cfg.max_message_size,
+                    reconnect_ivl=cfg.reconnect_ivl,
+                    reconnect_ivl_max=cfg.reconnect_ivl_max,
+                    tcp_keepalive=cfg.tcp_keepalive,
+                    curve=self._curve,
+                    curve_server_key=self.source.curve_server_key if self._curve is not None else None,
+                )
+            except zmq.ZMQError as exc:
+                # Out of sockets or descriptors for a moment (libzmq reaps closed sockets in
+                # its own thread, late on a starved machine): a failed replay, asked again
+                # by the machine's rules, not a failed source.
+                run.cut = f"cannot open the replay socket: {exc}"
+                return False
+        dealer = self._dealer
+        if not _zmq.send_nowait(dealer, [b"", start.to_bytes(8, "big")]):
+            self._close_dealer()
+            run.cut = "replay request refused (queue full)"
+            return False
+        clock = anyio.current_time
+        began = last = clock()
+        slots = self._limiter
+        # The machine holds at most max_held batches; reading more than that from one answer
+        # only buys memory a publisher that never sends the end marker could exhaust.
+        cap = self.machine.max_held
+        items = run.items
+        while len(items) < cap and run.item_bytes < cfg.held_bytes:
+            now = clock()
+            run.silent_left -= now - last
+            last = now
+            if now >= run.deadline:
+                run.cut = f"past the replay deadline ({cfg.replay_deadline:g} s)"
+                return False
+            if run.replies >= run.budget:
+                run.cut = f"past the reply budget ({run.budget} replies)"
+                return False
+            if run.silent_left <= 0:
+                return False
+            turn_limit = turn.limit(now, cfg.replay_slice)
+            past_slice = now - began >= turn_limit
+            if past_slice and slots.contended:
+                if items:
+                    return False  # the machine applies these and asks for the rest, in its turn
+                self._close_dealer()
+                return True
+            # Within the slice, wake at its end to look for waiters; past it, a waiter wakes us.
+            until = min(run.deadline, now + run.silent_left)
+            if not past_slice:
+                until = min(until, began + turn_limit)
+            msgs: list[list[bytes]] = []
+            with anyio.CancelScope(deadline=until) as scope:
+                turn.scope = scope
+                msgs, _ = await _zmq.recv_budget(
+                    dealer, min(cfg.recv_batch, run.budget - run.replies), cfg.wakeup_bytes
+                )
+            turn.scope = None
+            for frames in msgs:
+                run.replies += 1
+                run.item_bytes += len(frames[-1])
+                outcome = self._on_reply(frames, items)
+                if outcome is _END:
+                    run.complete = True
+                    return False
+                if outcome is _BATCH:
+                    turn.batches += 1
+                    run.silent_left = cfg.replay_timeout
+                    last = clock()
+        return False
+
+    def _on_reply(self, frames: list[bytes], items: list[tuple[int, float, EventBatch | None]]) -> object:
+        # Newer engines reply [b"", topic, seq8, payload], older [b"", seq8, payload]; accept
+        # both from every source (docs/protocol.md §4). Returns _END, _BATCH (decodable) or _JUNK.
+        n = len(frames)
+        if n == 4 and not frames[0]:
+            seq8, payload = frames[2], frames[3]
+        elif n == 3 and not frames[0]:
+            seq8, payload = frames[1], frames[2]
+        else:
+            self.counters.skipped_frames += 1
+            self._log.warn("skipped replay reply", f"{n} frames")
+            return _JUNK
+        if len(seq8) != 8:
+            self.counters.skipped_frames += 1
+            self._log.warn("skipped replay reply", f"{len(seq8)}-byte seq")
+            return _JUNK
+        if seq8 == _END_SEQ:
+            return _END
+        self.counters.replayed_batches += 1
+        batch = self._decode(payload)
+        items.append((int.from_bytes(seq8, "big"), batch.ts if batch is not None else math.nan, batch))
+        return _BATCH if batch is not None else _JUNK
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            _zmq.close(self._dealer)
+            self._dealer = None
+
+    # --- actions --------------------------------------------------------------------------------
+
+    def on_action(self, action: Action) -> None:
+        """Ask a replay (the replay task carries it out) or recreate the SUB socket."""
+        if isinstance(action, RequestReplay):
+            self._replay_request = action
+            if self._replay_wakeup is not None:
+                self._replay_wakeup.set()
+        elif isinstance(action, RecreateSubscriber):
+            self._recreate = True
+            if self._session is not None:
+                self._session.cancel()
+
+    def after_actions(self) -> None:
+        """Stop waiting for a replay the machine abandoned (restart, disconnect); reopen the native fast path."""
+        if self._replay_scope is not None and self.machine.replay_abandoned:
+            self._replay_scope.cancel()
+        if self._native is not None and not self._native.draining:
+            # A replay answer (or a timer) moved the machine outside a drain: the thread may
+            # take over again (within a drain, `NativeReceiver._drain` opens at its end).
+            self._sync_fast()

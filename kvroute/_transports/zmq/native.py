@@ -1,0 +1,175 @@
+"""The native receive loop: the compiled core's own thread reads every eligible source's SUB (`NativeReceiver`)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import anyio
+
+import kvroute._core as _core
+
+from ..._errors import ClientStateError
+from ..._models import EventSource
+from . import sockets as _zmq
+from .config import SubscriberConfig
+from .driver import SourceDriver
+from .receiver import _VISIT, _LoopLeader
+
+__all__ = ["NativeReceiver"]
+
+log = logging.getLogger("kvroute.subscriber")
+
+_tokens = itertools.count(1)
+_index_log = logging.getLogger("kvroute.index")
+
+
+class NativeReceiver(_LoopLeader):
+    """The receive loop on the compiled core's own thread (`kvroute._core.NativeReceiver`), for every eligible source.
+
+    The thread owns each source's SUB and monitor (the core's vendored libzmq, its own context),
+    checks rule 1 against a mirror of the machine's state (``last_seq + 1`` and a fast-path
+    flag only this side opens) and applies in-order batches to the index itself, the GIL
+    released. It hands everything else over as it came: messages while the flag is closed
+    (gaps, old seqs, undecodable or untrusted payloads, held batches, identity checks),
+    monitor events and quiet ticks; each hand-over closes the flag. One pipe wakes the event
+    loop once per batch of hand-overs: `serve` drains it, feeds ``on_applied`` with the
+    thread's (seq, ts) records, passes each hand-over to its driver as the Python receiver
+    would (`SourceDriver._on_messages`, `_on_monitor_event`, `_on_quiet`), and opens the flag
+    again where `SourceMachine.in_order` holds. The thread opens it only once this side has
+    taken every hand-over of that source, so it never applies what the machine would not have.
+
+    Like `Receiver`, the loop runs inside one driver's session (`serve`). The thread starts with
+    the first source and stops with the last. A thread that stops on its own is an error every
+    serving session raises (`ClientStateError`), not a silent stall.
+    """
+
+    def __init__(self, config: SubscriberConfig, max_sources: int) -> None:
+        self._cfg = config
+        self._max_sockets = max_sources * _zmq.SOCKETS_PER_SOURCE + 1024
+        self._core: _core.NativeReceiver | None = None
+        self._fd = -1
+        self._drivers: dict[int, SourceDriver] = {}
+        super().__init__()
+        self._dead: str | None = None
+        # Set while `_drain` feeds drivers: they open their fast paths at its end, not per action.
+        self.draining = False
+
+    @staticmethod
+    def eligible(source: EventSource) -> bool:
+        """Sources the thread can follow: plaintext tcp:// and ipc:// (its libzmq has no CURVE, and
+        inproc:// endpoints live in pyzmq's context)."""
+        return source.curve_server_key is None and source.endpoint.startswith(("tcp://", "ipc://"))
+
+    def add(self, driver: SourceDriver) -> int:
+        """Subscribe ``driver``'s source on the thread (a new SUB); returns its token (OSError: libzmq refused)."""
+        if self._dead is not None:
+            raise ClientStateError(f"the native receive thread stopped: {self._dead}")
+        core = self._core
+        if core is None:
+            cfg, lim = self._cfg, self._cfg.limits
+            core = _core.NativeReceiver(
+                driver._index._core,
+                max(1, min(cfg.recv_batch, _VISIT)),
+                cfg.wakeup_bytes,
+                cfg.quiet_interval,
+                cfg.held_bytes,
+                self._max_sockets,
+                lim.max_events_per_batch,
+                lim.max_blocks_per_event,
+                lim.max_block_size,
+            )
+            self._core, self._fd = core, core.fileno()
+        src, cfg = driver.source, self._cfg
+        token = next(_tokens)
+        core.add(
+            token,
+            driver.key,
+            src.endpoint,
+            src.topic.encode("utf-8"),
+            cfg.sub_rcvhwm(src.hwm),
+            cfg.max_message_size,
+            max(1, round(cfg.reconnect_ivl * 1000)),
+            max(0, round(cfg.reconnect_ivl_max * 1000)),
+            cfg.tcp_keepalive,
+        )
+        self._drivers[token] = driver
+        return token
+
+    def remove(self, token: int) -> None:
+        """Stop following ``token`` (its sockets close on the thread; its later hand-overs are dropped)."""
+        core = self._core
+        if self._drivers.pop(token, None) is None or core is None:
+            return
+        core.remove(token)
+        if not self._drivers:
+            # The client may be leaving: no thread, no sockets while no source runs.
+            anyio.notify_closing(self._fd)
+            core.close()
+            self._core, self._fd = None, -1
+
+    def stop(self, token: int) -> None:
+        """Apply nothing more for ``token`` from now on (synchronous: before its worker leaves the index)."""
+        if self._core is not None and token in self._drivers:
+            self._core.stop(token)
+
+    def open(self, token: int, next_seq: int, consumed: int) -> None:
+        """Let the thread apply ``token``'s batches from ``next_seq`` (see `kvroute._core.NativeReceiver.open`)."""
+        if self._core is not None and token in self._drivers:
+            self._core.open(token, next_seq, consumed)
+
+    def close_fast(self, token: int) -> None:
+        """Hand every message of ``token`` over until it is opened again."""
+        if self._core is not None and token in self._drivers:
+            self._core.close_fast(token)
+
+    async def _loop(self) -> None:
+        while True:
+            if self._dead is not None:
+                raise ClientStateError(f"the native receive thread stopped: {self._dead}")
+            if self._core is None:
+                return  # every source left (the leader is leaving too)
+            try:
+                await anyio.wait_readable(self._fd)
+            except anyio.ClosedResourceError:
+                return
+            self._drain()
+
+    def _drain(self) -> None:
+        core = self._core
+        if core is None:
+            return
+        applied, handovers, logs, dead = core.drain()
+        drivers = self._drivers
+        for token, seqs, tss, lags, elided, blocks, skipped in applied:
+            d = drivers.get(token)
+            if d is not None:
+                d._native_applied(seqs, tss, lags, elided, blocks, skipped)
+        for msg in logs:
+            _index_log.warning("%s", msg)
+        touched: dict[SourceDriver, None] = {}
+        wall = time.time()
+        self.draining = True
+        try:
+            for h in handovers:
+                d = drivers.get(h[1])
+                if d is None or d._recreate:
+                    continue  # a removed source's, or a SUB's being recreated (a dead engine's stream)
+                d._native_consumed += 1
+                kind = h[0]
+                if kind == 0:
+                    d._on_messages([h[2]], wall)
+                elif kind == 1:
+                    d._on_monitor_event(_zmq.MonitorEvent(h[2], h[3], h[4]))
+                else:
+                    d._on_quiet()
+                touched[d] = None
+        finally:
+            self.draining = False
+        for d in touched:
+            d._sync_fast()
+        if dead is not None:
+            log.error("the native receive thread stopped: %s", dead)
+            self._dead = dead
+

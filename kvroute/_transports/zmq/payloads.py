@@ -1,0 +1,48 @@
+"""One ZMQ payload, as the driver takes it: decoded and checked for the recovery machine, or applied in place.
+
+`_decode_checked` is the verdict on a payload the machine is given (a live batch off the fast
+path, a replayed one); `_fast_apply` is the per-message fast path (docs/recovery.md rule 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..._errors import DecodeError
+from ..._index import ApplyReport, PrefixIndex
+from ..._models import WorkerKey
+from ..._wire import BatchDecoder, EventBatch
+
+__all__ = ["_decode_checked", "_fast_apply"]
+
+
+def _decode_checked(decoder: BatchDecoder, payload: bytes) -> tuple[EventBatch | None, str, str]:
+    """A batch the machine may take as decodable, or None with the (kind, detail) of why not."""
+    try:
+        batch = decoder.decode(payload)
+    except DecodeError as exc:
+        return None, "undecodable payload", str(exc)
+    if not math.isfinite(batch.ts):
+        # A NaN or infinite ts cannot tell a duplicate from a restart, nor be saved as a
+        # position: the batch is a hole, like any undecodable one.
+        return None, "undecodable payload", f"ts {batch.ts!r} is not finite"
+    if batch.untrusted is not None:
+        # A removal or clear that could not be read: applying the rest could leave blocks
+        # the engine dropped. As an undecodable batch the machine asks for a replay and,
+        # when that cannot fix it, resets the worker ("undecodable").
+        return None, "untrusted batch", batch.untrusted
+    return batch, "", ""
+
+
+def _fast_apply(index: PrefixIndex, key: WorkerKey, decoder: BatchDecoder, payload: bytes) -> ApplyReport:
+    """Decode one in-order live payload and apply it to ``key``'s state: the per-message fast path.
+
+    The compiled core's raw-bytes ingest (`PrefixIndex.apply_payload`: one call, off the GIL,
+    no Python object per event); ``decoder`` only lends its `Limits` and keeps the source's
+    skip counts. Everything around it, the seq check before and the machine's bookkeeping
+    after, stays as it is.
+    """
+    report = index.apply_payload(key, payload, decoder.limits)
+    decoder.count_skipped(report.skipped)
+    return report
+
