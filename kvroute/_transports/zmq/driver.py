@@ -19,6 +19,7 @@ import zmq
 
 from ..._index import PrefixIndex
 from ..._models import EventSource
+from ..._recovery import REPLAY_END_MARKER
 from ..._snapshot import Cursor
 from ..._source import Action, Apply, RecreateSubscriber, RequestReplay
 from ..._wire import BatchDecoder, EventBatch
@@ -30,9 +31,6 @@ from .receiver import Entry, Receiver
 from .replay import ReplayRun, ReplaySlots, Turn
 
 __all__ = ["NativeThread", "SourceDriver"]
-
-#: The replay end marker's seq (docs/protocol.md §4).
-_END_SEQ = b"\xff" * 8
 
 # Monitor events that change what the driver tells the machine. "Connected" is the completed
 # ZMTP handshake, not the TCP connect: only then does the publisher see the subscription (and,
@@ -575,7 +573,7 @@ class SourceDriver(DriverBase):
             self.counters.skipped_frames += 1
             self._log.warn("skipped replay reply", f"{len(seq8)}-byte seq")
             return _JUNK
-        if seq8 == _END_SEQ:
+        if seq8 == REPLAY_END_MARKER:
             return _END
         self.counters.replayed_batches += 1
         batch = self._decode(payload)
