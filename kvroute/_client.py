@@ -41,7 +41,6 @@ from ._stats import ClientStats, TotalStats, client_stats
 from ._transports._base import Driver, RateLimitedLog, SourceStats, Transport
 from ._transports._registry import client_transports
 from ._transports.zmq.config import SubscriberConfig
-from ._transports.zmq.replay import ReplaySlots
 from ._transports.zmq.sockets import DEFAULT_MAX_SOURCES, fit_sources
 
 __all__ = ["ClientStats", "EventStream", "KvEventClient", "SourceStats", "SubscriberConfig", "TotalStats"]
@@ -171,7 +170,6 @@ class KvEventClient:
         self._discovery_errors: dict[str, str] = {}
         self._hub = Hub()
         self._tg: anyio.abc.TaskGroup | None = None
-        self._limiter: ReplaySlots | None = None
         self._max_sources = self._config.max_sources or DEFAULT_MAX_SOURCES
         self._changed: anyio.Event | None = None
         self._refused = 0
@@ -204,7 +202,6 @@ class KvEventClient:
                 self._ctx.term()
                 self._ctx = None
             raise
-        self._limiter = ReplaySlots(self._config.max_concurrent_replays, self._config.replay_slice)
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
@@ -212,7 +209,6 @@ class KvEventClient:
         self._transports = client_transports(
             context=self._ctx,
             config=self._config,
-            replay_slots=self._limiter,
             channel_options=self._discovery_options,
             loads=self.engine_loads,
             spawn=tg.start_soon,

@@ -12,7 +12,6 @@ from .._models import EventSource
 from ._base import Transport
 from .gateway import ChannelOptions, GatewayTransport
 from .zmq.config import SubscriberConfig
-from .zmq.replay import ReplaySlots
 from .zmq.transport import ZmqTransport
 
 __all__ = ["client_transports"]
@@ -22,7 +21,6 @@ def client_transports(
     *,
     context: zmq.Context[zmq.Socket[bytes]],
     config: SubscriberConfig,
-    replay_slots: ReplaySlots,
     channel_options: ChannelOptions,
     loads: EngineLoads,
     spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], object],
@@ -37,5 +35,5 @@ def client_transports(
     """
     return [
         GatewayTransport(config.limits, channel_options, loads, spawn, adopt),
-        ZmqTransport(context, config, replay_slots),
+        ZmqTransport(context, config),
     ]

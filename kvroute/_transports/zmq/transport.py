@@ -51,10 +51,11 @@ def source_problem(
 class ZmqTransport:
     """ZMQ SUB + replay DEALER per source (`SourceDriver`): every source not claimed by another transport."""
 
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], config: SubscriberConfig, limiter: ReplaySlots) -> None:
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], config: SubscriberConfig) -> None:
         self._ctx = context
         self._config = config
-        self._limiter = limiter
+        # The replay slots every source of the client shares (``max_concurrent_replays``).
+        self._limiter = ReplaySlots(config.max_concurrent_replays, config.replay_slice)
         # One receive loop reads every source's SUB (`kvroute._transports.zmq.receiver.Receiver`).
         self._receiver = Receiver(config)
         # With ``native_receive``, the compiled core's thread reads the sources it can
