@@ -1,10 +1,11 @@
-"""The ZMQ driver: one SUB (and a DEALER for replay) per source, moving bytes and time for its `SourceMachine`.
+"""The ZMQ driver: one SUB per source (and its replay requests), moving bytes and time for its `RecoveryMachine`.
 
-The recovery rules live in the sans-I/O `kvroute._source.SourceMachine`; this module only feeds it
+The recovery rules live in the sans-I/O `kvroute._source.RecoveryMachine`; this module only feeds it
 (live messages, replay results, socket monitor events, quiet ticks) and carries out what it
-returns (apply batches to the index, ask for a replay, reset the worker, recreate the SUB, emit
-lifecycle events). Every frame that is not what docs/protocol.md §2 and §4 describe is counted and
-skipped, with a rate-limited log line: bad input never stops the pump.
+returns (apply batches to the index, ask for a replay (`kvroute._transports.zmq.replay.ReplayRequester`
+carries it out), reset the worker, recreate the SUB, emit lifecycle events). Every frame that is not what
+docs/protocol.md §2 and §4 describe is counted and skipped, with a rate-limited log line: bad input never
+stops the pump.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import zmq
 
 from ..._index import PrefixIndex
 from ..._models import EventSource
-from ..._recovery import REPLAY_END_MARKER
 from ..._snapshot import Cursor
 from ..._source import Action, Apply, RecreateSubscriber, RequestReplay
 from ..._wire import BatchDecoder, EventBatch
@@ -28,7 +28,7 @@ from . import sockets as _zmq
 from .config import SubscriberConfig, curve_keys
 from .payloads import _decode_checked, _fast_apply
 from .receiver import Entry, Receiver
-from .replay import ReplayRun, ReplaySlots, Turn
+from .replay import ReplayRequester, ReplaySlots
 
 __all__ = ["NativeThread", "SourceDriver"]
 
@@ -51,9 +51,6 @@ _RETRY_GRACE = 1.0
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
-
-# What one replay reply was (`SourceDriver._on_reply`).
-_END, _BATCH, _JUNK = object(), object(), object()
 
 
 class NativeThread(Protocol):
@@ -126,10 +123,19 @@ class SourceDriver(DriverBase):
         )
         self._ctx = context
         self._cfg = config
-        self._limiter = limiter
         self._decoder = BatchDecoder(config.limits)
         self._curve = curve_keys(source, config)
-        self._dealer: zmq.Socket[bytes] | None = None
+        self._replays = ReplayRequester(
+            source,
+            context=context,
+            config=config,
+            slots=limiter,
+            curve=self._curve,
+            counters=self.counters,
+            log=self._log,
+            decode=self._decode,
+            max_held=self.machine.max_held,
+        )
         self._replay_request: RequestReplay | None = None
         self._replay_wakeup: anyio.Event | None = None
         self._session: anyio.CancelScope | None = None
@@ -165,6 +171,11 @@ class SourceDriver(DriverBase):
         """A snapshot of this source's counters and condition, with its apply lag."""
         return msgspec.structs.replace(super().stats(), apply_lag=self.apply_lag)
 
+    @property
+    def _dealer(self) -> zmq.Socket[bytes] | None:
+        """The replay DEALER, open only while a replay request runs (an idle source holds none)."""
+        return self._replays.dealer
+
     # --- running ------------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -178,7 +189,7 @@ class SourceDriver(DriverBase):
                 while True:
                     await self._run_session()
         finally:
-            self._close_dealer()
+            self._replays.close()
             self.connected = False
 
     async def _run_session(self) -> None:
@@ -432,158 +443,18 @@ class SourceDriver(DriverBase):
                 continue
             with anyio.CancelScope() as scope:
                 self._replay_scope = scope
-                items, complete, failure = await self._replay(request.from_seq)
+                items, complete, failure = await self._replays.fetch(request.from_seq)
             self._replay_scope = None
             if scope.cancelled_caught:
                 # The machine abandoned this request (restart, disconnect): stop waiting for
                 # it; its late replies die with the DEALER.
-                self._close_dealer()
+                self._replays.close()
                 items, complete, failure = [], False, "abandoned"
             self._poll_monitor()  # a disconnect first, as for live messages
             if failure is not None:
                 self.execute(self.machine.on_replay_failed(failure))
             else:
                 self.execute(self.machine.on_replay(items, complete=complete))
-
-    async def _replay(self, start: int) -> tuple[list[tuple[int, float, EventBatch | None]], bool, str | None]:
-        """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).
-
-        Fair and bounded (README "Security and limits"): the request is carried out in turns,
-        each holding one of the client's replay slots. A turn ends at the end marker; when
-        other sources wait for a slot and it has held its own for ``replay_slice`` (with
-        replies so far, the machine gets them and asks for the rest; with none, the request
-        goes to the back of the queue and is sent again); or when the request as a whole
-        passes ``replay_deadline``, ``replay_budget`` replies (malformed ones count), or
-        ``replay_timeout`` of slot time without a decodable reply (junk does not keep it open).
-        """
-        cfg = self._cfg
-        run = ReplayRun(anyio.current_time() + cfg.replay_deadline, cfg.replay_budget, cfg.replay_timeout)
-        while True:
-            async with self._limiter.turn() as turn:
-                yielded = await self._replay_turn(start, run, turn)
-            if not yielded:
-                break
-            # Gave the slot up with nothing to show: re-queue behind whoever waited (FIFO).
-            self.counters.replay_yields += 1
-        # The DEALER lives only while its request runs: 4,096 idle sources hold no replay
-        # socket (descriptors, `kvroute._transports.zmq.sockets.FDS_PER_SOURCE`), and late replies to this request
-        # cannot pass for answers to the next one (the engine answers each connection apart).
-        self._close_dealer()
-        if not run.complete:
-            if run.cut is not None:
-                self.counters.replay_cutoffs += 1
-                self._log.warn("replay cut short", run.cut)
-            if not run.items:
-                return run.items, False, run.cut or f"no reply within {cfg.replay_timeout:g} s"
-        return run.items, run.complete, None
-
-    async def _replay_turn(self, start: int, run: ReplayRun, turn: Turn) -> bool:
-        """One turn holding a replay slot; True when it yielded the slot with no reply to hand over."""
-        endpoint = self.source.replay_endpoint
-        assert endpoint is not None  # the replay task runs only for sources with one
-        cfg = self._cfg
-        if self._dealer is None:
-            try:
-                self._dealer = _zmq.connect(
-                    self._ctx,
-                    zmq.DEALER,
-                    endpoint,
-                    rcvhwm=cfg.sub_rcvhwm(None),
-                    max_message_size=cfg.max_message_size,
-                    reconnect_ivl=cfg.reconnect_ivl,
-                    reconnect_ivl_max=cfg.reconnect_ivl_max,
-                    tcp_keepalive=cfg.tcp_keepalive,
-                    curve=self._curve,
-                    curve_server_key=self.source.curve_server_key if self._curve is not None else None,
-                )
-            except zmq.ZMQError as exc:
-                # Out of sockets or descriptors for a moment (libzmq reaps closed sockets in
-                # its own thread, late on a starved machine): a failed replay, asked again
-                # by the machine's rules, not a failed source.
-                run.cut = f"cannot open the replay socket: {exc}"
-                return False
-        dealer = self._dealer
-        if not _zmq.send_nowait(dealer, [b"", start.to_bytes(8, "big")]):
-            self._close_dealer()
-            run.cut = "replay request refused (queue full)"
-            return False
-        clock = anyio.current_time
-        began = last = clock()
-        slots = self._limiter
-        # The machine holds at most max_held batches; reading more than that from one answer
-        # only buys memory a publisher that never sends the end marker could exhaust.
-        cap = self.machine.max_held
-        items = run.items
-        while len(items) < cap and run.item_bytes < cfg.held_bytes:
-            now = clock()
-            run.silent_left -= now - last
-            last = now
-            if now >= run.deadline:
-                run.cut = f"past the replay deadline ({cfg.replay_deadline:g} s)"
-                return False
-            if run.replies >= run.budget:
-                run.cut = f"past the reply budget ({run.budget} replies)"
-                return False
-            if run.silent_left <= 0:
-                return False
-            turn_limit = turn.limit(now, cfg.replay_slice)
-            past_slice = now - began >= turn_limit
-            if past_slice and slots.contended:
-                if items:
-                    return False  # the machine applies these and asks for the rest, in its turn
-                self._close_dealer()
-                return True
-            # Within the slice, wake at its end to look for waiters; past it, a waiter wakes us.
-            until = min(run.deadline, now + run.silent_left)
-            if not past_slice:
-                until = min(until, began + turn_limit)
-            msgs: list[list[bytes]] = []
-            with anyio.CancelScope(deadline=until) as scope:
-                turn.scope = scope
-                msgs, _ = await _zmq.recv_budget(
-                    dealer, min(cfg.recv_batch, run.budget - run.replies), cfg.wakeup_bytes
-                )
-            turn.scope = None
-            for frames in msgs:
-                run.replies += 1
-                run.item_bytes += len(frames[-1])
-                outcome = self._on_reply(frames, items)
-                if outcome is _END:
-                    run.complete = True
-                    return False
-                if outcome is _BATCH:
-                    turn.batches += 1
-                    run.silent_left = cfg.replay_timeout
-                    last = clock()
-        return False
-
-    def _on_reply(self, frames: list[bytes], items: list[tuple[int, float, EventBatch | None]]) -> object:
-        # Newer engines reply [b"", topic, seq8, payload], older [b"", seq8, payload]; accept
-        # both from every source (docs/protocol.md §4). Returns _END, _BATCH (decodable) or _JUNK.
-        n = len(frames)
-        if n == 4 and not frames[0]:
-            seq8, payload = frames[2], frames[3]
-        elif n == 3 and not frames[0]:
-            seq8, payload = frames[1], frames[2]
-        else:
-            self.counters.skipped_frames += 1
-            self._log.warn("skipped replay reply", f"{n} frames")
-            return _JUNK
-        if len(seq8) != 8:
-            self.counters.skipped_frames += 1
-            self._log.warn("skipped replay reply", f"{len(seq8)}-byte seq")
-            return _JUNK
-        if seq8 == REPLAY_END_MARKER:
-            return _END
-        self.counters.replayed_batches += 1
-        batch = self._decode(payload)
-        items.append((int.from_bytes(seq8, "big"), batch.ts if batch is not None else math.nan, batch))
-        return _BATCH if batch is not None else _JUNK
-
-    def _close_dealer(self) -> None:
-        if self._dealer is not None:
-            _zmq.close(self._dealer)
-            self._dealer = None
 
     # --- actions --------------------------------------------------------------------------------
 

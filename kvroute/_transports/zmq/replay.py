@@ -1,20 +1,28 @@
-"""The replay slots a client's sources share (`ReplaySlots`), and one replay request's bookkeeping across its turns.
+"""Replay requests: the slots a client's sources share (`ReplaySlots`) and one source's requests (`ReplayRequester`).
 
-A source asks its engine's replay endpoint for what it missed (docs/protocol.md §4); the
-request is carried out by the source's driver (`kvroute._transports.zmq.driver.SourceDriver`), in turns,
-each holding one of these slots.
+A source asks its engine's replay endpoint for what it missed (docs/protocol.md §4): its driver
+(`kvroute._transports.zmq.driver.SourceDriver`) hands each request its machine makes to its
+`ReplayRequester`, which opens a DEALER for it and carries it out in turns, each holding one of
+the client's `ReplaySlots`, bounded in time, replies and bytes (`ReplayRun`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import anyio
+import zmq
 
+from ..._models import EventSource
+from ..._recovery import REPLAY_END_MARKER
 from ..._wire import EventBatch
+from .._base import RateLimitedLog, SourceCounters
+from . import sockets as _zmq
+from .config import SubscriberConfig
 
-__all__ = ["ReplayRun", "ReplaySlots", "Turn"]
+__all__ = ["ReplayRequester", "ReplayRun", "ReplaySlots", "Turn"]
 
 # A replay turn receiving decodable batches at least this fast (per second) is productive: it
 # keeps its slot for _PRODUCTIVE_SLICES slices, not one, before giving way to a waiter.
@@ -103,3 +111,186 @@ class ReplayRun:
         #: Why the request ended before its end marker (a deadline or budget), if it did.
         self.cut: str | None = None
 
+
+# What one replay reply was (`ReplayRequester._on_reply`).
+_END, _BATCH, _JUNK = object(), object(), object()
+
+
+class ReplayRequester:
+    """One source's replay requests: a DEALER to its replay endpoint, carried out in turns of the shared slots.
+
+    The source's driver (`kvroute._transports.zmq.driver.SourceDriver`) asks `fetch` for what
+    its machine requested and hands the answer back to the machine; ``decode`` is the driver's
+    (it counts and logs a payload that does not decode), ``max_held`` its machine's bound on
+    held batches.
+    """
+
+    def __init__(
+        self,
+        source: EventSource,
+        *,
+        context: zmq.Context[zmq.Socket[bytes]],
+        config: SubscriberConfig,
+        slots: ReplaySlots,
+        curve: _zmq.CurveKeys | None,
+        counters: SourceCounters,
+        log: RateLimitedLog,
+        decode: Callable[[bytes], EventBatch | None],
+        max_held: int,
+    ) -> None:
+        self._source = source
+        self._ctx = context
+        self._cfg = config
+        self._slots = slots
+        self._curve = curve
+        self._counters = counters
+        self._log = log
+        self._decode = decode
+        self._max_held = max_held
+        self._dealer: zmq.Socket[bytes] | None = None
+
+    @property
+    def dealer(self) -> zmq.Socket[bytes] | None:
+        """The DEALER, open only while a request runs."""
+        return self._dealer
+
+    async def fetch(self, start: int) -> tuple[list[tuple[int, float, EventBatch | None]], bool, str | None]:
+        """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).
+
+        Fair and bounded (README "Security and limits"): the request is carried out in turns,
+        each holding one of the client's replay slots. A turn ends at the end marker; when
+        other sources wait for a slot and it has held its own for ``replay_slice`` (with
+        replies so far, the machine gets them and asks for the rest; with none, the request
+        goes to the back of the queue and is sent again); or when the request as a whole
+        passes ``replay_deadline``, ``replay_budget`` replies (malformed ones count), or
+        ``replay_timeout`` of slot time without a decodable reply (junk does not keep it open).
+        """
+        cfg = self._cfg
+        run = ReplayRun(anyio.current_time() + cfg.replay_deadline, cfg.replay_budget, cfg.replay_timeout)
+        while True:
+            async with self._slots.turn() as turn:
+                yielded = await self._turn(start, run, turn)
+            if not yielded:
+                break
+            # Gave the slot up with nothing to show: re-queue behind whoever waited (FIFO).
+            self._counters.replay_yields += 1
+        # The DEALER lives only while its request runs: 4,096 idle sources hold no replay
+        # socket (descriptors, `kvroute._transports.zmq.sockets.FDS_PER_SOURCE`), and late replies to this request
+        # cannot pass for answers to the next one (the engine answers each connection apart).
+        self.close()
+        if not run.complete:
+            if run.cut is not None:
+                self._counters.replay_cutoffs += 1
+                self._log.warn("replay cut short", run.cut)
+            if not run.items:
+                return run.items, False, run.cut or f"no reply within {cfg.replay_timeout:g} s"
+        return run.items, run.complete, None
+
+    async def _turn(self, start: int, run: ReplayRun, turn: Turn) -> bool:
+        """One turn holding a replay slot; True when it yielded the slot with no reply to hand over."""
+        endpoint = self._source.replay_endpoint
+        assert endpoint is not None  # the replay task runs only for sources with one
+        cfg = self._cfg
+        if self._dealer is None:
+            try:
+                self._dealer = _zmq.connect(
+                    self._ctx,
+                    zmq.DEALER,
+                    endpoint,
+                    rcvhwm=cfg.sub_rcvhwm(None),
+                    max_message_size=cfg.max_message_size,
+                    reconnect_ivl=cfg.reconnect_ivl,
+                    reconnect_ivl_max=cfg.reconnect_ivl_max,
+                    tcp_keepalive=cfg.tcp_keepalive,
+                    curve=self._curve,
+                    curve_server_key=self._source.curve_server_key if self._curve is not None else None,
+                )
+            except zmq.ZMQError as exc:
+                # Out of sockets or descriptors for a moment (libzmq reaps closed sockets in
+                # its own thread, late on a starved machine): a failed replay, asked again
+                # by the machine's rules, not a failed source.
+                run.cut = f"cannot open the replay socket: {exc}"
+                return False
+        dealer = self._dealer
+        if not _zmq.send_nowait(dealer, [b"", start.to_bytes(8, "big")]):
+            self.close()
+            run.cut = "replay request refused (queue full)"
+            return False
+        clock = anyio.current_time
+        began = last = clock()
+        slots = self._slots
+        # The machine holds at most max_held batches; reading more than that from one answer
+        # only buys memory a publisher that never sends the end marker could exhaust.
+        cap = self._max_held
+        items = run.items
+        while len(items) < cap and run.item_bytes < cfg.held_bytes:
+            now = clock()
+            run.silent_left -= now - last
+            last = now
+            if now >= run.deadline:
+                run.cut = f"past the replay deadline ({cfg.replay_deadline:g} s)"
+                return False
+            if run.replies >= run.budget:
+                run.cut = f"past the reply budget ({run.budget} replies)"
+                return False
+            if run.silent_left <= 0:
+                return False
+            turn_limit = turn.limit(now, cfg.replay_slice)
+            past_slice = now - began >= turn_limit
+            if past_slice and slots.contended:
+                if items:
+                    return False  # the machine applies these and asks for the rest, in its turn
+                self.close()
+                return True
+            # Within the slice, wake at its end to look for waiters; past it, a waiter wakes us.
+            until = min(run.deadline, now + run.silent_left)
+            if not past_slice:
+                until = min(until, began + turn_limit)
+            msgs: list[list[bytes]] = []
+            with anyio.CancelScope(deadline=until) as scope:
+                turn.scope = scope
+                msgs, _ = await _zmq.recv_budget(
+                    dealer, min(cfg.recv_batch, run.budget - run.replies), cfg.wakeup_bytes
+                )
+            turn.scope = None
+            for frames in msgs:
+                run.replies += 1
+                run.item_bytes += len(frames[-1])
+                outcome = self._on_reply(frames, items)
+                if outcome is _END:
+                    run.complete = True
+                    return False
+                if outcome is _BATCH:
+                    turn.batches += 1
+                    run.silent_left = cfg.replay_timeout
+                    last = clock()
+        return False
+
+    def _on_reply(self, frames: list[bytes], items: list[tuple[int, float, EventBatch | None]]) -> object:
+        # Newer engines reply [b"", topic, seq8, payload], older [b"", seq8, payload]; accept
+        # both from every source (docs/protocol.md §4). Returns _END, _BATCH (decodable) or _JUNK.
+        n = len(frames)
+        if n == 4 and not frames[0]:
+            seq8, payload = frames[2], frames[3]
+        elif n == 3 and not frames[0]:
+            seq8, payload = frames[1], frames[2]
+        else:
+            self._counters.skipped_frames += 1
+            self._log.warn("skipped replay reply", f"{n} frames")
+            return _JUNK
+        if len(seq8) != 8:
+            self._counters.skipped_frames += 1
+            self._log.warn("skipped replay reply", f"{len(seq8)}-byte seq")
+            return _JUNK
+        if seq8 == REPLAY_END_MARKER:
+            return _END
+        self._counters.replayed_batches += 1
+        batch = self._decode(payload)
+        items.append((int.from_bytes(seq8, "big"), batch.ts if batch is not None else math.nan, batch))
+        return _BATCH if batch is not None else _JUNK
+
+    def close(self) -> None:
+        """Close the DEALER, if a request left it open (late replies die with it)."""
+        if self._dealer is not None:
+            _zmq.close(self._dealer)
+            self._dealer = None
