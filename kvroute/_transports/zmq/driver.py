@@ -95,7 +95,7 @@ class SourceDriver(DriverBase):
     ``limiter`` bounds replays across sources; ``on_change`` is called (synchronously)
     whenever the source's sync state or connection changes. ``resume``: the index already
     holds this worker's state through that position (a restored snapshot); the source
-    resumes from it (`SourceMachine.resume`) instead of starting cold.
+    resumes from it (`RecoveryMachine.resume`) instead of starting cold.
     """
 
     def __init__(
@@ -317,7 +317,7 @@ class SourceDriver(DriverBase):
         The hot path (docs/recovery.md rule 1): a message the machine says is in order is
         decoded and applied here, through `_fast_apply`, and reported with `on_applied`;
         everything else (gaps, restarts, holes, held batches, events() listeners) goes
-        through `SourceMachine.on_live` and `execute`.
+        through `RecoveryMachine.on_live` and `execute`.
         """
         counters = self.counters
         counters.messages += len(msgs)
