@@ -453,10 +453,12 @@ async def test_a_batch_over_a_count_cap_is_refused_before_it_is_decoded(payload:
         async with KvEventClient([src], config=FAST) as client:
             stream = client.events()
             await client.wait_synced(10)
+            start = time.perf_counter()
             await _good_batch(pub, wl, client, stream)
+            benign = time.perf_counter() - start  # this run's round trip: the machine's load, measured
             start = time.perf_counter()
             pub.publish_raw([b"", _seq8(pub.next_seq - 1), payload])
             await _good_batch(pub, wl, client, stream)
             elapsed = time.perf_counter() - start
             st = client.stats().sources[src.key]
-            assert st.decode_errors == 1 and elapsed < 2 * PER_MESSAGE, (elapsed, st)
+            assert st.decode_errors == 1 and elapsed < max(2 * PER_MESSAGE, 20 * benign), (elapsed, benign, st)
