@@ -63,6 +63,7 @@ class Index:
             list[bytes],
             list[tuple[int | bytes, list[int]]],
             list[tuple[int, str, int | None, int, list[int | bytes], list[bytes], list[int]]],
+            bool,
         ]
     ]: ...
     def import_worker(self, worker: WorkerKey, sw: SnapWorker) -> str | None: ...

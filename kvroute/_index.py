@@ -401,8 +401,9 @@ class PrefixIndex:
                 keys=keys,
                 special=special,
                 groups=[SnapGroup(*g) for g in groups],
+                bigram=bigram,
             )
-            for key, classes, primary, lookahead, hashes, keys, special, groups in self._core.export()
+            for key, classes, primary, lookahead, hashes, keys, special, groups, bigram in self._core.export()
         ]
         write_snapshot(path, workers, dict(cursors if cursors is not None else self.restored_cursors))
 

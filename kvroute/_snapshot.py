@@ -62,6 +62,9 @@ class SnapWorker(msgspec.Struct, array_like=True):
     keys: list[bytes]
     special: list[tuple[BlockHash, list[int]]]
     groups: list[SnapGroup]
+    # SGLang with EAGLE (its stores came as bigram cells): served a page less at the prompt's edge. Last and
+    # defaulted, so a file written before it reads as it did (no mark) and the format version stays.
+    bigram: bool = False
 
 
 class _SnapCursor(msgspec.Struct, array_like=True):

@@ -60,7 +60,8 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=T
     - a placeholder store (offload connectors): ``block_size`` 0 and no ``token_ids``;
     - a Mamba checkpoint: one hash and no ``token_ids``;
     - ``lookahead_token_ids``: per block, the tokens after it that the engine's hash covers
-      (SGLang's EAGLE ``[token, next_token]`` cells are folded into this form on decoding);
+      (SGLang's EAGLE ``[token, next_token]`` cells are folded into this form on decoding, and
+      ``bigram`` marks the store);
     - ``origin``: decoded when an engine says whether a store is a new copy or a report of a
       cached block (an open upstream change; vLLM 0.33 does not send it). Not interpreted:
       the index already treats every repeated store as one presence (README, guarantees).
@@ -83,6 +84,10 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=T
     lookahead_token_ids: list[list[int]] | None = None
     cache_salt: Any = None
     origin: Any = None
+    #: kvroute's mark, not an engine field: ``token_ids`` came as SGLang EAGLE ``[token, next_token]``
+    #: cells. SGLang serves such a worker the bigram view of the prompt minus one token (a page less
+    #: than vLLM's lookahead-1 rule when that prefix is whole pages); `encode_batch` writes the cells.
+    bigram: bool = False
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, omit_defaults=True):
@@ -139,9 +144,12 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _variant(cls: type[msgspec.Struct], required: int, **config: Any) -> type[msgspec.Struct]:
-    """``cls``'s fields, in order, with the first ``required`` ones made required (no default)."""
+    """``cls``'s wire fields (kvroute's ``bigram`` mark left out), in order, with the first ``required``
+    ones made required (no default)."""
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for i, f in enumerate(msgspec.structs.fields(cls)):
+        if f.name == "bigram":
+            continue
         fields.append((f.name, f.type) if i < required else (f.name, f.type, f.default))
     return msgspec.defstruct(f"_{config.get('tag', cls.__name__)}Variant", fields, **config)
 
@@ -234,10 +242,28 @@ def _signed(h: BlockHash | None) -> BlockHash | None:
     return h
 
 
+def _cells(ev: BlockStored) -> list[list[int]] | None:
+    """A folded bigram store's ``[token, next_token]`` cells again, as SGLang sends them: each page's last
+    ``next_token`` is its lookahead token, every other one the token after it (None: the store has not
+    the fold's shape, one lookahead token per page, so it is written as it is)."""
+    toks, la, bs = ev.token_ids, ev.lookahead_token_ids, ev.block_size
+    if not toks or bs <= 0 or la is None or len(la) != -(-len(toks) // bs) or any(len(r) != 1 for r in la):
+        return None
+    nxt = [*toks[1:], la[-1][0]]
+    for p, row in enumerate(la):
+        nxt[min(len(toks), (p + 1) * bs) - 1] = row[0]
+    return [[t, n] for t, n in zip(toks, nxt, strict=True)]
+
+
 def _to_wire(ev: EngineEvent, form: Literal["map", "array"], signed: bool) -> Any:
     if isinstance(ev, AllBlocksCleared):
         return ["AllBlocksCleared"] if form == "array" else ev
     values = list(msgspec.structs.astuple(ev))
+    if isinstance(ev, BlockStored):
+        values.pop()  # the bigram mark: not a wire field
+        cells = _cells(ev) if ev.bigram else None
+        if cells is not None:
+            values[2], values[14] = cells, None
     if signed:
         values[0] = [_signed(h) for h in values[0]]
         if isinstance(ev, BlockStored):

@@ -46,6 +46,11 @@ pub struct BlockStored {
     pub lookahead_token_ids: Option<Vec<Vec<i64>>>,
     pub cache_salt: Value,
     pub origin: Value,
+    /// kvroute's mark, not an engine field: `token_ids` came as SGLang EAGLE `[token, next_token]`
+    /// cells (folded into the tokens and one lookahead token per page). SGLang serves such a worker
+    /// the bigram view of the prompt minus one token: a page less than vLLM's lookahead-1 rule
+    /// when that prefix is whole pages.
+    pub bigram: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Default)]

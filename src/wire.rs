@@ -1342,6 +1342,7 @@ impl<'a> Dec<'a> {
         if let Some(cells) = s.cells.take() {
             // SGLang EAGLE stores: each cell's token is the token, and each page's last next_token
             // its one lookahead token (the engine's key covers it).
+            s.ev.bigram = true;
             s.wide_tokens = (cells.iter().enumerate())
                 .filter(|(_, c)| c.0 > i128::from(i64::MAX))
                 .map(|(i, c)| (i, c.0 as u64))
@@ -1702,6 +1703,7 @@ mod tests {
         };
         assert_eq!(s.token_ids, vec![1, 3, 5]);
         assert_eq!(s.lookahead_token_ids, Some(vec![vec![4], vec![6]]));
+        assert!(s.bigram, "cells mark the store (SGLang EAGLE)");
         assert!(b.skipped.is_empty());
     }
 

@@ -5,8 +5,8 @@
 - The index: `kvroute.PrefixIndex` (Rust) and tests/reference's pure-Python index are fed the same
   generated event streams — every production shape: KV-cache groups (full, sliding window with
   sparse stores, mamba checkpoints, unknown kinds), namespaces (adapter, salt the vLLM and the
-  SGLang way, multimodal extras, lookahead), tiers and placeholders, REMOTE, copies and reuse
-  reports, unknown parents, duplicate hashes, IndexLimits, removals, clears, worker removal,
+  SGLang way, multimodal extras, lookahead, SGLang EAGLE bigram stores), tiers and placeholders,
+  REMOTE, copies and reuse reports, unknown parents, duplicate hashes, IndexLimits, removals, clears, worker removal,
   snapshot and restore (each restoring the other's file) — and must give identical answers:
   per-worker counts in order, tokens(), block_size(), every tier(), and identical stats().
 """
@@ -188,6 +188,8 @@ def _store(draw: Any, hashes: _Hashes, prompts: list[list[int]]) -> BlockStored:
     }
     if style == "sglang":
         kw["cache_salt"] = salt
+        # EAGLE: the store came as [token, next_token] cells (one lookahead token per page)
+        kw["bigram"] = la == 1 and draw(st.booleans())
     if shape == "sparse" and group and n > 1 and kind != "full_attention":
         skip = draw(st.integers(1, n - 1))
         kw["block_hashes"] = block_hashes[skip:]

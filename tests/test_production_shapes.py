@@ -227,10 +227,15 @@ def test_remote_is_not_the_workers_own() -> None:
 
 
 def test_sglang_bigrams_fold_to_tokens_with_one_lookahead() -> None:
-    """[token, next_token] cells: the page is tokens 1..4, and the engine's key covers token 5 too."""
+    """[token, next_token] cells: the page is tokens 1..4, and the engine's key covers token 5 too.
+
+    SGLang serves the bigram view of the prompt minus one token: a 5-token prompt's 4 tokens are 3
+    bigrams, no whole page; a 6-token prompt's 5 tokens are 4 bigrams, the page.
+    """
     idx = _index("sglang-bigram")
-    assert idx.find_matches([1, 2, 3, 4, 5])[W] == 1
-    assert W not in idx.find_matches([1, 2, 3, 4, 6])
+    assert idx.find_matches([1, 2, 3, 4, 5, 6])[W] == 1
+    assert W not in idx.find_matches([1, 2, 3, 4, 5])
+    assert W not in idx.find_matches([1, 2, 3, 4, 6, 7])
     assert W not in idx.find_matches([1, 2, 3, 4])
 
 

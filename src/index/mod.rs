@@ -372,6 +372,8 @@ pub(crate) struct Worker<K> {
     pub(crate) groups: Vec<(i64, Group)>,
     pub(crate) lookahead: i64,
     pub(crate) hybrid: bool,
+    /// SGLang with EAGLE: its stores came as bigram cells (`BlockStored::bigram`); query.rs caps it
+    pub(crate) bigram: bool,
     pub(crate) warned: FxHashSet<&'static str>,
     /// the engine hashes of the last parentless primary store that named a block not held yet
     pub(crate) fresh_root: Vec<BlockHash>,
@@ -394,6 +396,7 @@ impl<K> Worker<K> {
             groups: Vec::new(),
             lookahead: 0,
             hybrid: false,
+            bigram: false,
             warned: FxHashSet::default(),
             fresh_root: Vec::new(),
         }
@@ -459,6 +462,8 @@ pub struct Index<K: WorkerName> {
     /// class -> member slots (sorted), in the order classes first came into use
     pub(crate) bs_members: Vec<(Class, Vec<u32>)>,
     pub(crate) hybrid_workers: usize,
+    /// workers marked `bigram` (0: queries skip the bigram cap)
+    pub(crate) bigram_workers: usize,
     /// workers created so far (each worker's `created`)
     pub(crate) created: u64,
     roots: Mutex<RootCache>,
@@ -499,6 +504,7 @@ impl<K: WorkerName> Index<K> {
             table: KeyTable::default(),
             bs_members: Vec::new(),
             hybrid_workers: 0,
+            bigram_workers: 0,
             created: 0,
             roots: Mutex::new(FxHashMap::default()),
             uncached_roots: AtomicU64::new(0),

@@ -269,6 +269,10 @@ impl<K: WorkerName> Index<K> {
                 alive_gpu.record_all(i as i64, bs, &mut gpu);
             }
         }
+        if self.bigram_workers > 0 {
+            bigram_cap(self, q, &mut scores);
+            bigram_cap(self, q, &mut gpu);
+        }
         if self.hybrid_workers > 0 && !scores.order.is_empty() {
             self.hybrid_rule(q, &mut scores, track_gpu.then_some(&mut gpu));
         }
@@ -461,7 +465,8 @@ fn group_hit(
 /// cache, in whole blocks — vLLM's `Request.get_max_cache_hit_length` (`num_tokens - 1`, then
 /// `find_longest_cache_hit` takes whole blocks) and SGLang's `Req._compute_max_prefix_len`
 /// (`input_len - 1`, then `RadixKey.page_aligned`). A lookahead class's own bound (its last block
-/// needs `la` tokens after it) is the tighter one whenever `la` >= 1.
+/// needs `la` tokens after it) is the tighter one whenever `la` >= 1. SGLang EAGLE workers serve a
+/// page less at one edge (`bigram_cap`).
 fn served_blocks(q: &Query, cls: Class) -> usize {
     let bs = cls.0;
     if bs <= 0 {
@@ -469,4 +474,108 @@ fn served_blocks(q: &Query, cls: Class) -> usize {
     }
     let cap = floor_div(q.input.tokens.len() as i64 - 1, bs).max(0) as usize;
     q.n_blocks(cls).min(cap)
+}
+
+/// Cut SGLang EAGLE workers (`Worker::bigram`) to what they serve: SGLang takes the bigram view of
+/// the prompt minus one token (`Req._compute_max_prefix_len`, then `RadixKey` with `is_bigram`: one
+/// bigram fewer than those tokens), then whole pages (`page_aligned`), so floor((n - 2) / P) pages
+/// of an n-token prompt — a page less than `served_blocks` when n - 1 is whole pages.
+fn bigram_cap<K: WorkerName>(index: &Index<K>, q: &Query, scores: &mut Scores) {
+    let n = q.input.tokens.len() as i64;
+    let over: Vec<(u32, i64, i64)> = (scores.order.iter())
+        .filter_map(|&slot| {
+            let (blocks, bs) = scores.by_slot[&slot];
+            let cap = floor_div(n - 2, bs).max(0);
+            let bigram = || {
+                index.workers[slot as usize]
+                    .as_ref()
+                    .is_some_and(|w| w.bigram)
+            };
+            (blocks > cap && bigram()).then_some((slot, cap, bs))
+        })
+        .collect();
+    for (slot, cap, bs) in over {
+        if cap > 0 {
+            scores.by_slot.insert(slot, (cap, bs));
+        } else {
+            scores.remove(slot);
+        }
+    }
+}
+
+#[cfg(test)]
+mod bigram_tests {
+    use super::super::{Index, Limits, WorkerName};
+    use super::QueryInput;
+    use crate::protocols::{BlockHash, BlockStored, Event};
+
+    #[derive(Clone, PartialEq, Eq, Hash, Debug)]
+    struct W(&'static str);
+
+    impl WorkerName for W {
+        fn label(&self) -> String {
+            format!("{}/0", self.0)
+        }
+    }
+
+    /// Pages of 2 tokens over 1..=6 with one lookahead token each (7 after the last), as vLLM with
+    /// lookahead 1 sends them, or (`bigram`) as SGLang EAGLE's cells fold.
+    fn store(bigram: bool) -> Event {
+        Event::Stored(Box::new(BlockStored {
+            block_hashes: (1..=3).map(BlockHash::Int).collect(),
+            token_ids: (1..=6).collect(),
+            block_size: 2,
+            lookahead_token_ids: Some(vec![vec![3], vec![5], vec![7]]),
+            bigram,
+            ..BlockStored::default()
+        }))
+    }
+
+    fn served(idx: &Index<W>, n: u32) -> Vec<(&'static str, i64)> {
+        let mut q = idx.query(QueryInput {
+            tokens: (1..=n).collect(),
+            ..QueryInput::default()
+        });
+        let m = idx.find_matches(&mut q);
+        assert_eq!(m.gpu, None);
+        m.scores.iter().map(|s| (s.worker.0, s.blocks)).collect()
+    }
+
+    #[test]
+    fn an_sglang_bigram_worker_is_served_a_page_less_when_the_prompt_minus_one_is_whole_pages() {
+        let mut idx: Index<W> = Index::new(Limits::default());
+        idx.apply(&W("vllm"), &store(false));
+        idx.apply(&W("sglang"), &store(true));
+        // n = 7: vLLM floor((7 - 1) / 2) = 3 pages, SGLang floor((7 - 2) / 2) = 2.
+        assert_eq!(served(&idx, 7), vec![("vllm", 3), ("sglang", 2)]);
+        // n = 8: both 3; n = 6: both 2; n = 3: SGLang's bigram view of 2 tokens is 1 bigram, no page.
+        assert_eq!(served(&idx, 8), vec![("vllm", 3), ("sglang", 3)]);
+        assert_eq!(served(&idx, 6), vec![("vllm", 2), ("sglang", 2)]);
+        assert_eq!(served(&idx, 3), vec![("vllm", 1)]);
+        assert_eq!(idx.bigram_workers, 1);
+        // A cleared worker is forgotten, its mark too.
+        idx.apply(&W("sglang"), &Event::Cleared);
+        assert_eq!(idx.bigram_workers, 0);
+        assert_eq!(served(&idx, 7), vec![("vllm", 3)]);
+    }
+
+    #[test]
+    fn the_mark_survives_a_snapshot_and_a_worker_without_it_restores_as_before() {
+        let mut idx: Index<W> = Index::new(Limits::default());
+        idx.apply(&W("vllm"), &store(false));
+        idx.apply(&W("sglang"), &store(true));
+        let out = idx.export();
+        assert_eq!(
+            out.iter()
+                .map(|(k, sw)| (k.0, sw.bigram))
+                .collect::<Vec<_>>(),
+            vec![("vllm", false), ("sglang", true)]
+        );
+        let mut back: Index<W> = Index::new(Limits::default());
+        for (k, sw) in &out {
+            back.import_worker(k, sw).unwrap();
+        }
+        assert_eq!(back.bigram_workers, 1);
+        assert_eq!(served(&back, 7), vec![("vllm", 3), ("sglang", 2)]);
+    }
 }

@@ -32,6 +32,8 @@ pub struct SnapWorker {
     pub keys: Vec<Vec<u8>>,
     pub special: Vec<(BlockHash, Vec<i64>)>,
     pub groups: Vec<SnapGroup>,
+    /// SGLang with EAGLE (`Worker::bigram`); false in a file written before the mark
+    pub bigram: bool,
 }
 
 fn key_of(k: &[u8]) -> Option<Key> {
@@ -103,6 +105,7 @@ impl<K: WorkerName> Index<K> {
                 keys,
                 special,
                 groups,
+                bigram: w.bigram,
             };
             out.push((w.key.clone(), sw));
         }
@@ -221,6 +224,10 @@ impl<K: WorkerName> Index<K> {
         }
         w.primary = sw.primary;
         w.lookahead = sw.lookahead;
+        if sw.bigram {
+            w.bigram = true;
+            self.bigram_workers += 1;
+        }
         for &cls in &sw.classes {
             if !w.classes.contains(&cls) {
                 w.classes.push(cls);

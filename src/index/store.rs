@@ -280,6 +280,9 @@ impl<K: WorkerName> Index<K> {
         if w.hybrid {
             self.hybrid_workers -= 1;
         }
+        if w.bigram {
+            self.bigram_workers -= 1;
+        }
         for &id in w.blocks.values() {
             if id != NOKEY {
                 self.table.release(id);
@@ -520,6 +523,10 @@ impl<K: WorkerName> Index<K> {
         let la = ev.lookahead_token_ids.as_deref().filter(|l| !l.is_empty());
         if let Some(l) = la {
             w.lookahead = l[0].len() as i64;
+        }
+        if ev.bigram && !w.bigram {
+            w.bigram = true;
+            self.bigram_workers += 1;
         }
         match self.group_of(w, ev) {
             Err(()) => return,

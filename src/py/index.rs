@@ -418,7 +418,8 @@ impl PyIndex {
         Ok((scores, sizes, gpu, Bound::new(py, m)?))
     }
 
-    /// Every worker's tables: (worker, classes, primary, lookahead, hashes, keys, special, groups).
+    /// Every worker's tables: (worker, classes, primary, lookahead, hashes, keys, special, groups,
+    /// bigram).
     fn export<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let workers = self.with_read(py, |idx| idx.export());
         let out = PyList::empty(py);
@@ -450,6 +451,7 @@ impl PyIndex {
                 keys,
                 special,
                 groups,
+                sw.bigram,
             ))?;
         }
         Ok(out)

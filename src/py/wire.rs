@@ -271,6 +271,9 @@ fn to_python<'py>(py: Python<'py>, batch: &Batch, wide: &[Wide]) -> PyResult<Bou
                 kw.set_item(intern!(py, "lookahead_token_ids"), la)?;
                 kw.set_item(intern!(py, "cache_salt"), value(py, &s.cache_salt, false)?)?;
                 kw.set_item(intern!(py, "origin"), value(py, &s.origin, false)?)?;
+                if s.bigram {
+                    kw.set_item(intern!(py, "bigram"), true)?;
+                }
                 apply_wide(py, &kw, wide, i)?;
                 stored_cls.call((), Some(&kw))?
             }

@@ -75,6 +75,9 @@ class Config:
     ns: Namespaces = field(default_factory=Namespaces)
     requests: int = 300
     eagle: bool = False  # EAGLE-family speculative decoding: bigram keys
+    # Every prompt one token past a page boundary (the prompt minus its last token whole pages): where
+    # the bigram view of that prefix is a page short of it.
+    page_plus_one: bool = False
     reset_at: int | None = None
     seed: int = 1
 
@@ -148,7 +151,8 @@ def _port() -> int:
 
 
 def _drive(cfg: Config, engine: Engine, j: Judge, tally: Tally) -> None:
-    wl = Workload(cfg.seed, cfg.ns)
+    align = cfg.page_size if cfg.page_plus_one else 0
+    wl = Workload(cfg.seed, cfg.ns, align=align, past=1 if align else 0)
     cache = engine.cache
     for n in range(cfg.requests):
         if cfg.reset_at is not None and n == cfg.reset_at:

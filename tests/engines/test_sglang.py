@@ -20,6 +20,9 @@ CONFIGS: dict[str, tuple[Config, str]] = {
     "salt": (Config("salt", ns=SALTS, seed=5), "trio"),
     "lora+salt": (Config("lora+salt", ns=Namespaces(loras=LORAS.loras, salts=SALTS.salts), seed=6), "asyncio"),
     "eagle-bigrams": (Config("eagle-bigrams", eagle=True, seed=7), "asyncio"),
+    # Every prompt one token past a page boundary: an exact repeat (or a turn whose prefix is all held) is
+    # where SGLang's bigram view serves a page less than the prompt minus one token.
+    "eagle-bigrams-edge": (Config("eagle-bigrams-edge", eagle=True, page_plus_one=True, seed=8), "trio"),
 }
 
 # What kvroute does today where it does not yet meet the pass bar (see test_vllm.py): none at present.

@@ -4,7 +4,9 @@ Shared system prompts, multi-turn sessions (each turn's prompt = the previous pr
 output + a new user turn), exact repeats, and per-configuration namespaces (LoRA adapters, cache salts,
 multimodal items whose placeholder tokens are identical across images, so only the item's identity
 tells two prompts apart). With ``align`` every prompt is a whole number of ``align``-token blocks (the new
-user turn is lengthened to the boundary), the case where the engine's last-token rule costs a block.
+user turn is lengthened to the boundary), the case where the engine's last-token rule costs a block; with
+``past`` too, every prompt ends ``past`` tokens after such a boundary (``past=1``: the prompt minus its last
+token is whole blocks, where SGLang's EAGLE bigram view costs a page).
 """
 
 from __future__ import annotations
@@ -53,9 +55,11 @@ class _Session:
 class Workload:
     """Generates requests; `finish` feeds the engine's output back into the request's session."""
 
-    def __init__(self, seed: int, ns: Namespaces, *, n_system: int = 4, vocab: int = 5000, align: int = 0) -> None:
+    def __init__(self, seed: int, ns: Namespaces, *, n_system: int = 4, vocab: int = 5000, align: int = 0,
+                 past: int = 0) -> None:
         self._rng = random.Random(seed)
         self._align = align
+        self._past = past
         self._ns = ns
         self._vocab = vocab
         self._systems = [self._tokens(self._rng.randint(48, 260)) for _ in range(n_system)]
@@ -67,10 +71,10 @@ class Workload:
         return [self._rng.randint(100, self._vocab) for _ in range(n)]
 
     def _turn(self, before: int, n: int) -> list[int]:
-        """A new user turn of about ``n`` tokens after ``before`` tokens (ending on a block boundary
-        when aligned)."""
+        """A new user turn of about ``n`` tokens after ``before`` tokens (ending ``past`` tokens after a
+        block boundary when aligned)."""
         if self._align:
-            n += -(before + n) % self._align
+            n += -(before + n - self._past) % self._align
         return self._tokens(n)
 
     def next(self) -> Req:

@@ -377,6 +377,8 @@ class PrefixIndex:
         self._tier_holders: dict[str, dict[bytes, int]] = {CPU: {}, DISK: {}, EXTERNAL: {}}
         self._bs_members: dict[_Class, int] = {}
         self._hybrid_bits = 0
+        # SGLang EAGLE workers (stores marked `bigram`: they came as [token, next_token] cells)
+        self._bigram_bits = 0
         self._roots: dict[tuple[str | None, str | None], bytes] = {}
         self._entries = 0
         self._unknown_parent = 0
@@ -417,6 +419,7 @@ class PrefixIndex:
             else:
                 del self._bs_members[cls]
         self._hybrid_bits &= ~w.bit
+        self._bigram_bits &= ~w.bit
         self._free_bits.append(w.bit)
 
     def _maybe_release(self, w: _Worker) -> None:
@@ -691,6 +694,8 @@ class PrefixIndex:
         la = ev.lookahead_token_ids
         if la:
             w.lookahead = len(la[0])
+        if ev.bigram:
+            self._bigram_bits |= w.bit
         grp = self._group_of(w, ev)
         if grp is False:
             self._maybe_release(w)
@@ -1120,6 +1125,7 @@ class PrefixIndex:
                     )
                     for g, grp in w.groups.items()
                 ],
+                bigram=bool(self._bigram_bits & w.bit),
             )
             for w in self._workers.values()
             if not w.holds_nothing()
@@ -1158,6 +1164,8 @@ class PrefixIndex:
         w.special = {h: list(c) for h, c in sw.special if any(c)}
         w.primary = sw.primary
         w.lookahead = sw.lookahead
+        if sw.bigram:
+            self._bigram_bits |= w.bit
         for cls in sw.classes:
             c = (cls[0], cls[1])
             w.classes.add(c)
@@ -1271,6 +1279,10 @@ class PrefixIndex:
                 _record(scores, sizes, by_bit, alive, i, bs)
             if gpu is not None and alive_gpu and i:
                 _record(gpu, gpu_sizes, by_bit, alive_gpu, i, bs)
+        if self._bigram_bits:
+            _bigram_cap(scores, sizes, ntok, self._bigram_bits, self._workers)
+            if gpu is not None:
+                _bigram_cap(gpu, gpu_sizes, ntok, self._bigram_bits, self._workers)
         if self._hybrid_bits and scores:
             self._hybrid_rule(query, scores, sizes, gpu)
         return OverlapScores(scores, sizes, gpu, query, self)
@@ -1353,6 +1365,22 @@ def _served_blocks(ntok: int, bs: int, la: int) -> int:
     """
     n = (ntok - la) // bs if ntok > la else 0
     return min(n, max(0, (ntok - 1) // bs))
+
+
+def _bigram_cap(
+    scores: dict[WorkerKey, int], sizes: dict[WorkerKey, int], ntok: int, bits: int, workers: dict[WorkerKey, _Worker]
+) -> None:
+    """Cut SGLang EAGLE workers (``bits``) to what they serve (src/index/query.rs `bigram_cap`): SGLang takes
+    the bigram view of the prompt minus one token (one bigram fewer than those tokens), then whole pages:
+    ``(ntok - 2) // page`` pages, a page less than `_served_blocks` when ``ntok - 1`` is whole pages."""
+    for wk in list(scores):
+        cap = max(0, (ntok - 2) // sizes[wk])
+        if scores[wk] > cap and workers[wk].bit & bits:
+            if cap:
+                scores[wk] = cap
+            else:
+                del scores[wk]
+                del sizes[wk]
 
 
 def _hit_tail(grp: _Group) -> int:

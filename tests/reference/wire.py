@@ -56,9 +56,21 @@ def _normalize_hash(h: BlockHash) -> BlockHash:
     return h
 
 
+# The wire's fields of a store: kvroute's `bigram` mark is set by the fold below, never read from a payload.
+_WIRE_STORED = [f for f in msgspec.structs.fields(BlockStored) if f.name != "bigram"]
+_MapBlockStored = msgspec.defstruct(
+    "_MapBlockStored",
+    [(f.name, f.type) if f.required else (f.name, f.type, f.default) for f in _WIRE_STORED],
+    tag="BlockStored",
+    tag_field="type",
+    kw_only=True,
+)
+_MapEvent: Any = Union[_MapBlockStored, BlockRemoved, AllBlocksCleared]  # noqa: UP007 (runtime union)
+
+
 class _WireBatch(msgspec.Struct, array_like=True):
     ts: float
-    events: Annotated[list[EngineEvent], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
+    events: Annotated[list[_MapEvent], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
     data_parallel_rank: int | None = None
 
 
@@ -66,9 +78,11 @@ class _WireBatch(msgspec.Struct, array_like=True):
 
 
 def _variant(cls: type[msgspec.Struct], required: int, **config: Any) -> type[msgspec.Struct]:
-    """``cls``'s fields, in order, with the first ``required`` ones made required (no default)."""
+    """``cls``'s wire fields, in order, with the first ``required`` ones made required (no default)."""
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for i, f in enumerate(msgspec.structs.fields(cls)):
+        if f.name == "bigram":
+            continue
         fields.append((f.name, f.type) if i < required else (f.name, f.type, f.default))
     return msgspec.defstruct(f"_{config.get('tag', cls.__name__)}Variant", fields, **config)
 
@@ -85,7 +99,7 @@ _BigramBlockStored = msgspec.defstruct(
         (f.name, list[list[int]] if f.name == "token_ids" else f.type)
         if f.required
         else (f.name, f.type, f.default)
-        for f in msgspec.structs.fields(BlockStored)
+        for f in _WIRE_STORED
     ],
     tag="BlockStored",
     tag_field="type",
@@ -124,13 +138,20 @@ _fast_decoder = msgspec.msgpack.Decoder(_WireBatch)
 _arr_decoder = msgspec.msgpack.Decoder(_ArrEventBatch)
 _raw_arr_decoder = msgspec.msgpack.Decoder(_RawArrBatch)
 _raw_map_decoder = msgspec.msgpack.Decoder(_RawMapBatch)
-_map_event_decoder = msgspec.msgpack.Decoder(EngineEvent)
+_map_event_decoder = msgspec.msgpack.Decoder(_MapEvent)
 _arr_event_decoder = msgspec.msgpack.Decoder(_ArrEvent)
 _map_bigram_decoder = msgspec.msgpack.Decoder(_BigramBlockStored)
 _arr_bigram_decoder = msgspec.msgpack.Decoder(_ArrBigramBlockStored)
 _tag_decoder = msgspec.msgpack.Decoder(_Tag)
 _raw_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _str_decoder = msgspec.msgpack.Decoder(str)
+
+def _from_map(ev: msgspec.Struct) -> EngineEvent:
+    """A map-form event as kvroute's (a store through its wire twin)."""
+    if isinstance(ev, _MapBlockStored):
+        return BlockStored(**msgspec.structs.asdict(ev))
+    return ev  # type: ignore[return-value]
+
 
 def _from_array(ev: msgspec.Struct) -> EngineEvent:
     if isinstance(ev, _ArrBlockStored):
@@ -152,7 +173,7 @@ def _fold_bigrams(ev: msgspec.Struct) -> BlockStored:
     fields["token_ids"] = [c[0] for c in cells]
     if fields.get("lookahead_token_ids") is None and bs > 0:
         fields["lookahead_token_ids"] = [[cells[min(len(cells), i + bs) - 1][1]] for i in range(0, len(cells), bs)]
-    return BlockStored(**fields)
+    return BlockStored(**fields, bigram=True)
 
 
 def _reason(exc: Exception) -> str:
@@ -205,7 +226,7 @@ class BatchDecoder:
         else:
             if isinstance(batch, _ArrEventBatch):
                 return EventBatch(batch.ts, [_from_array(e) for e in batch.events], batch.data_parallel_rank)
-            return EventBatch(batch.ts, batch.events, batch.data_parallel_rank)
+            return EventBatch(batch.ts, [_from_map(e) for e in batch.events], batch.data_parallel_rank)
         if not payload:
             raise DecodeError("empty payload")
         if payload[0] in _MAP_FIRST_BYTES:
@@ -249,7 +270,7 @@ class BatchDecoder:
             try:
                 if array:
                     return _from_array(_arr_event_decoder.decode(data)), True
-                return _map_event_decoder.decode(data), False
+                return _from_map(_map_event_decoder.decode(data)), False
             except (msgspec.DecodeError, msgspec.ValidationError):
                 if tag != "BlockStored":
                     raise

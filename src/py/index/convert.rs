@@ -227,6 +227,7 @@ fn stored<'py>(ev: &Bound<'py, PyAny>) -> PyResult<BlockStored> {
         lookahead_token_ids,
         cache_salt: str_or_nil(&get(intern!(py, "cache_salt"))?),
         origin: Value::Nil,
+        bigram: get(intern!(py, "bigram"))?.is_truthy()?,
     })
 }
 
@@ -676,5 +677,6 @@ pub(crate) fn snap_worker(sw: &Bound<'_, PyAny>) -> PyResult<SnapWorker> {
         keys: bytes_list(&sw.getattr("keys")?)?,
         special,
         groups,
+        bigram: sw.getattr("bigram")?.extract()?,
     })
 }
