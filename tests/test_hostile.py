@@ -446,7 +446,10 @@ def _many_hashes(n: int) -> bytes:
     [_tiny_unknown_events(Limits().max_events_per_batch + 1), _many_hashes(1 * MiB)],
     ids=["events-over-cap", "hashes-over-cap"],
 )
-async def test_a_batch_over_a_count_cap_is_refused_before_it_is_decoded(payload: bytes) -> None:
+async def test_a_batch_over_a_count_cap_is_refused_before_it_is_decoded(
+    payload: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "kvroute")
     wl = Workload(72)
     async with EventPublisher() as pub:
         src = pub.source("w")
@@ -461,4 +464,9 @@ async def test_a_batch_over_a_count_cap_is_refused_before_it_is_decoded(payload:
             await _good_batch(pub, wl, client, stream)
             elapsed = time.perf_counter() - start
             st = client.stats().sources[src.key]
-            assert st.decode_errors == 1 and elapsed < max(2 * PER_MESSAGE, 20 * benign), (elapsed, benign, st)
+            assert st.decode_errors == 1, st
+            # Refused at the length header, before one element is read: the reason names the cap.
+            # (The time is no proof here: the refusal costs a replay round trip, and the compiled
+            # decoder reads 1M elements in milliseconds; it only shows the pump stayed live.)
+            assert any("of length <= 65536" in r.getMessage() for r in caplog.records), caplog.text
+            assert elapsed < max(5.0, 200 * benign), (elapsed, benign)
