@@ -356,3 +356,41 @@ def test_the_routing_hint_expires_and_is_bounded() -> None:
         Router(index, routed_ttl=-1)
     with pytest.raises(RouterError, match="routed_per_worker"):
         Router(index, routed_per_worker=True)
+
+
+def test_a_decision_with_lazy_candidates_reads_as_an_eager_one() -> None:
+    """The compiled path's decision builds its candidates when read; it equals, hashes, prints, pickles and
+    encodes as the Python path's (eager) decision, and stays immutable."""
+    import pickle
+
+    import msgspec
+
+    index = PrefixIndex()
+    workers = [WorkerKey(f"w{i}", 0) for i in range(5)]
+    prompt = list(range(100, 300))
+    for i, w in enumerate(workers[:3]):
+        index.apply(
+            w,
+            BlockStored(
+                block_hashes=[i * 100 + j for j in range(i + 1)], token_ids=prompt[: 16 * (i + 1)], block_size=16
+            ),
+        )
+    decisions = []
+    for model in (CostModel(), _PythonModel()):
+        router = Router(index, cost=model, seed=3)
+        for w in workers:
+            router.add_worker(w)
+        router.on_start("busy", workers[4], prompt[:40])
+        decisions.append(router.select(prompt))
+    lazy, eager = decisions
+    assert repr(lazy) == repr(eager) and hash(lazy) == hash(eager)
+    assert lazy == eager and lazy.candidates == eager.candidates
+    assert len(lazy.candidates) == 4 and lazy.idle_workers == 1
+    assert msgspec.json.encode(lazy) == msgspec.json.encode(eager)
+    assert pickle.loads(pickle.dumps(lazy)) == lazy
+    with pytest.raises(AttributeError):
+        lazy.worker = workers[0]  # type: ignore[misc]
+    # an idle worker drawn by the compiled path is the last candidate, built on read too
+    router = Router(index, seed=0)
+    d = router.select(list(range(5000, 5100)), candidates=[workers[3], workers[4]])
+    assert [c.worker for c in d.candidates] == [d.worker] and d.idle_workers == 1
