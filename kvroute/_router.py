@@ -329,9 +329,8 @@ class RoutingDecision:
             if self._tail is not None:
                 built.append(self._tail)
             got = tuple(built)
+            # `_scored` stays: a thread reading `candidates` at the same time may still build from it.
             object.__setattr__(self, "_candidates", got)
-            object.__setattr__(self, "_scored", None)
-            object.__setattr__(self, "_tail", None)
         return got
 
     def _values(self) -> tuple[Any, ...]:
