@@ -962,7 +962,7 @@ class Router:
         model = self.cost_model
         credits: dict[WorkerKey, int] | None = None
         routed_keys: list[bytes] = []
-        if request_id is not None or self._routed:
+        if self._routed.enabled and (request_id is not None or self._routed):
             query = _Query(token_ids, lora_name, extra_keys, cache_salt, mm_items)
             credits, routed_keys = self._routed_query(query, ntok, request_id is not None)
         try:
