@@ -70,7 +70,8 @@ def main() -> None:
     )
     for name, (p50, p99) in got.items():
         print(
-            f"  {name:22} p50 {p50:8.1f}  p99 {p99:8.1f}   over find_matches: p50 {p50 - b50:+8.1f}  p99 {p99 - b99:+8.1f}"
+            f"  {name:22} p50 {p50:8.1f}  p99 {p99:8.1f}   "
+            f"over find_matches: p50 {p50 - b50:+8.1f}  p99 {p99 - b99:+8.1f}"
         )
 
 

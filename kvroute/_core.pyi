@@ -86,7 +86,6 @@ def select(
     trust_partial: bool,
     loads: Mapping[WorkerKey, float],
     scale: float,
-    busy: set[WorkerKey] | None,
     routed: dict[WorkerKey, int] | None,
 ) -> tuple[Scored, int, float, list[int], int, int]:
     """Match and price for `Router.select`: ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens)``."""

@@ -790,12 +790,8 @@ class Router:
         # loop runs for every busy worker.
         idle_cost = cost_of(idle_prefill, 0.0)
         stock = type(model) is CostModel
-        busy = loads.keys() & universe
-        if seen:
-            busy -= seen
-        for w in busy:
-            t = loads[w]
-            if t:
+        for w, t in loads.items():
+            if t and w in universe and w not in seen:
                 w_load = t * scale
                 entries.append(
                     CandidateScore(
@@ -958,7 +954,6 @@ class Router:
                 raise NoWorkersError("no live or registered worker to route to")
             raise NoWorkersError("none of the given candidates is a live or registered worker")
         loads, scale, universe = self._loads(load, universe)
-        busy = loads.keys() & universe if loads else None
         model = self.cost_model
         credits: dict[WorkerKey, int] | None = None
         routed_keys: list[bytes] = []
@@ -980,7 +975,6 @@ class Router:
                 self.trust_partial,
                 loads,
                 scale,
-                busy,
                 credits,
             )
         except (TypeError, AttributeError, msgspec.EncodeError) as exc:

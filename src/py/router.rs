@@ -191,13 +191,13 @@ fn candidate<'py>(
 /// Match ``token_ids`` (checked as `find_matches` checks them) and price the candidates for
 /// `Router.select` with the built-in cost model ``model``. ``universe``: the candidate set;
 /// ``states``: the worker-state provider or None; ``loads`` / ``scale``: load per worker and the
-/// factor to cost blocks; ``busy``: ``loads.keys() & universe`` (None when nothing is loaded);
+/// factor to cost blocks (the load-only candidates come in ``loads``' order);
 /// ``routed``: the routing hint's credit in tokens per worker (kvroute/_routed.py; None: none).
 /// Returns ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens)``: the candidates
 /// (`Scored`) in the Python path's order, the idle workers and their cost, and the
 /// indices of the entries tied at the least cost with the number of idle workers tied with them.
 #[pyfunction]
-#[pyo3(signature = (index, token_ids, lora_name, cache_salt, mm_items, extra_keys, model, unit, universe, states, trust_partial, loads, scale, busy, routed))]
+#[pyo3(signature = (index, token_ids, lora_name, cache_salt, mm_items, extra_keys, model, unit, universe, states, trust_partial, loads, scale, routed))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn select<'py>(
     py: Python<'py>,
@@ -214,7 +214,6 @@ fn select<'py>(
     trust_partial: bool,
     loads: &Bound<'py, PyAny>,
     scale: f64,
-    busy: Option<&Bound<'py, PySet>>,
     routed: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<(Scored, usize, f64, Vec<usize>, usize, usize)> {
     let input = convert::query_input(token_ids, lora_name, cache_salt, mm_items, extra_keys)?;
@@ -251,12 +250,12 @@ fn select<'py>(
     let mut workers: Vec<Py<PyAny>> = Vec::new();
     let mut rows: Vec<Row> = Vec::new();
     // the scored workers, for the hint-only and load-only passes to skip (only kept when there is one)
-    let seen = if busy.is_some() || routed.is_some() {
+    let loaded = loads.len()? > 0;
+    let seen = if loaded || routed.is_some() {
         Some(PySet::empty(py)?)
     } else {
         None
     };
-    let loaded = loads.len()? > 0;
     let gpu_of: Option<FxHashMap<u32, i64>> = result
         .gpu
         .as_ref()
@@ -335,14 +334,10 @@ fn select<'py>(
 
     // Load-only workers: nothing claimed, the whole prompt to prefill.
     let idle_cost = params.cost(idle_prefill, 0.0);
-    if let (Some(busy), Some(seen)) = (busy, &seen) {
-        for w in busy.iter() {
-            if seen.contains(&w)? {
-                continue;
-            }
-            let t = loads.get_item(&w)?;
-            if !t.is_truthy()? {
-                continue;
+    if let (true, Some(seen)) = (loaded, &seen) {
+        let mut load_only = |w: Bound<'py, PyAny>, t: Bound<'py, PyAny>| -> PyResult<()> {
+            if !t.is_truthy()? || !universe.contains(&w)? || seen.contains(&w)? {
+                return Ok(());
             }
             let load = t.extract::<f64>()? * scale;
             workers.push(w.unbind());
@@ -356,6 +351,20 @@ fn select<'py>(
                 overlap_tokens: 0,
                 routed_tokens: 0,
             });
+            Ok(())
+        };
+        match loads.cast::<PyDict>() {
+            Ok(d) => {
+                for (w, t) in d.iter() {
+                    load_only(w, t)?;
+                }
+            }
+            Err(_) => {
+                for item in loads.call_method0(intern!(py, "items"))?.try_iter()? {
+                    let (w, t): (Bound<'py, PyAny>, Bound<'py, PyAny>) = item?.extract()?;
+                    load_only(w, t)?;
+                }
+            }
         }
     }
     let idle_count = universe.len() - rows.len();
