@@ -87,9 +87,23 @@ def select(
     trust_partial: bool,
     loads: Mapping[WorkerKey, float],
     scale: float,
-    busy: set[WorkerKey] | None,
-) -> tuple[list[Any], int, float, list[int], int, int]:
-    """Match and price for `Router.select`: ``(entries, idle_count, idle_cost, tied, idle_tied, query_tokens)``."""
+    routed: dict[WorkerKey, int] | None,
+) -> tuple[Scored, int, float, list[int], int, int]:
+    """Match and price for `Router.select`: ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens)``."""
+
+class Scored:
+    """The candidates `select` priced, kept compact until `RoutingDecision.candidates` is read."""
+
+    def __len__(self) -> int: ...
+    def candidate(self, i: int) -> Any:
+        """Candidate ``i`` as a `CandidateScore`."""
+    def build(self) -> list[Any]:
+        """Every candidate as a `CandidateScore`, in order."""
+    def workers(self) -> list[WorkerKey]:
+        """The candidates' workers, in order."""
+    def costs(self) -> list[float]:
+        """The candidates' costs, in order."""
+
 def block_keys(
     parent: bytes,
     tokens: Sequence[int],

@@ -33,6 +33,7 @@ one shared cost — they are counted, and one is drawn at random only if the idl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -41,7 +42,7 @@ import warnings
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from itertools import accumulate, islice
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
@@ -52,6 +53,7 @@ from ._hashing import MultimodalItem, chain_keys
 from ._index import OverlapScores, PrefixIndex
 from ._load import EngineLoads
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, WorkerStates
+from ._routed import RoutedPrefixes
 
 __all__ = ["SELECT_BUCKETS", "CandidateScore", "CostModel", "Router", "RouterError", "RouterStats", "RoutingDecision"]
 
@@ -177,8 +179,11 @@ class CandidateScore(msgspec.Struct, frozen=True, gc=False):
     ``overlap_blocks``: those it counted (0 when the worker's state cannot back the claim).
     Both are in the worker's own blocks of ``block_size`` tokens (None: nothing known of it);
     ``overlap_tokens`` is the counted overlap in tokens (at most the prompt), comparable across
-    workers of different block sizes. ``prefill_blocks``, ``load_blocks`` and ``cost`` are in
-    blocks of the router's ``block_size``. ``source``: "index" or "approximate".
+    workers of different block sizes. ``routed_tokens``: the prompt's leading tokens the router
+    itself recently sent to this worker in a request not yet finished (`kvroute._routed`, a routing
+    hint, never an index claim); it is credited where it exceeds the index's overlap.
+    ``prefill_blocks``, ``load_blocks`` and ``cost`` are in blocks of the router's ``block_size``.
+    ``source``: "index" or "approximate".
     """
 
     worker: WorkerKey
@@ -190,22 +195,16 @@ class CandidateScore(msgspec.Struct, frozen=True, gc=False):
     load_blocks: float
     cost: float
     overlap_tokens: int = 0
+    routed_tokens: int = 0
 
 
 # The compiled select builds candidates positionally, in the field order above.
 _core.set_candidate_type(CandidateScore)
 
 
-class RoutingDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """The chosen worker and the figures it was chosen from.
-
-    ``candidates`` lists every candidate that had a claim, an overlap or load, and the chosen
-    worker; the ``idle_workers`` other candidates held nothing and had no load, each at
-    ``idle_cost``. ``overlap_blocks``: the chosen worker's counted leading blocks, in its own
-    ``block_size`` (None: nothing known of it); ``overlap_tokens``: the same in tokens (a fleet
-    mixing 16-token vLLM and 64-token SGLang workers compares these); ``query_tokens``: the
-    prompt's length.
-    """
+@dataclasses.dataclass(frozen=True)
+class _DecisionFields:
+    """`RoutingDecision`'s fields, in order: what encoders (msgspec) and `dataclasses` read of it."""
 
     worker: WorkerKey
     overlap_blocks: int
@@ -216,6 +215,152 @@ class RoutingDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     idle_cost: float
     block_size: int | None = None
     overlap_tokens: int = 0
+    routed_tokens: int = 0
+
+
+_DECISION_FIELDS = tuple(_DecisionFields.__dataclass_fields__)
+
+
+class RoutingDecision:
+    """The chosen worker and the figures it was chosen from (immutable).
+
+    ``candidates`` lists every candidate that had a claim, an overlap or load, and the chosen
+    worker; the ``idle_workers`` other candidates held nothing and had no load, each at
+    ``idle_cost``. ``overlap_blocks``: the chosen worker's counted leading blocks, in its own
+    ``block_size`` (None: nothing known of it); ``overlap_tokens``: the same in tokens (a fleet
+    mixing 16-token vLLM and 64-token SGLang workers compares these); ``routed_tokens``: the
+    chosen worker's credit from the router's own recently routed prompts (`CandidateScore`);
+    ``query_tokens``: the prompt's length.
+
+    A decision of the compiled path keeps its candidates' figures compact and builds the
+    `CandidateScore` tuple the first time ``candidates`` is read (a loaded fleet of 1,024
+    workers has 1,024 of them, and most routers read only ``worker``). Equality, hashing and repr
+    are those of a frozen struct of the fields above, in that order; it encodes (msgspec) as one.
+    """
+
+    # Encoders and `dataclasses.fields` / `asdict` read a dataclass's fields by name through
+    # getattr, so the lazily built ``candidates`` is read like any other field.
+    __dataclass_fields__: ClassVar[dict[str, Any]] = _DecisionFields.__dataclass_fields__
+
+    __slots__ = (
+        "_candidates",
+        "_scored",
+        "_tail",
+        "block_size",
+        "cost",
+        "idle_cost",
+        "idle_workers",
+        "overlap_blocks",
+        "overlap_tokens",
+        "query_tokens",
+        "routed_tokens",
+        "worker",
+    )
+    __match_args__ = (
+        "worker",
+        "overlap_blocks",
+        "cost",
+        "query_tokens",
+        "candidates",
+        "idle_workers",
+        "idle_cost",
+        "block_size",
+        "overlap_tokens",
+        "routed_tokens",
+    )
+
+    _candidates: tuple[CandidateScore, ...] | None
+    _scored: _core.Scored | None
+    _tail: CandidateScore | None
+    worker: WorkerKey
+    overlap_blocks: int
+    cost: float
+    query_tokens: int
+    idle_workers: int
+    idle_cost: float
+    block_size: int | None
+    overlap_tokens: int
+    routed_tokens: int
+
+    def __init__(
+        self,
+        *,
+        worker: WorkerKey,
+        overlap_blocks: int,
+        cost: float,
+        query_tokens: int,
+        candidates: tuple[CandidateScore, ...],
+        idle_workers: int,
+        idle_cost: float,
+        block_size: int | None = None,
+        overlap_tokens: int = 0,
+        routed_tokens: int = 0,
+    ) -> None:
+        setattr_ = object.__setattr__
+        setattr_(self, "worker", worker)
+        setattr_(self, "overlap_blocks", overlap_blocks)
+        setattr_(self, "cost", cost)
+        setattr_(self, "query_tokens", query_tokens)
+        setattr_(self, "_candidates", tuple(candidates))
+        setattr_(self, "_scored", None)
+        setattr_(self, "_tail", None)
+        setattr_(self, "idle_workers", idle_workers)
+        setattr_(self, "idle_cost", idle_cost)
+        setattr_(self, "block_size", block_size)
+        setattr_(self, "overlap_tokens", overlap_tokens)
+        setattr_(self, "routed_tokens", routed_tokens)
+
+    @classmethod
+    def _lazy(cls, scored: _core.Scored, tail: CandidateScore | None, **fields: Any) -> RoutingDecision:
+        """A decision whose candidates are ``scored``'s (`kvroute._core.Scored`), then ``tail``."""
+        d = cls(candidates=(), **fields)
+        object.__setattr__(d, "_candidates", None)
+        object.__setattr__(d, "_scored", scored)
+        object.__setattr__(d, "_tail", tail)
+        return d
+
+    @property
+    def candidates(self) -> tuple[CandidateScore, ...]:
+        """Every candidate with a claim, an overlap or load, and the chosen worker."""
+        got = self._candidates
+        if got is None:
+            assert self._scored is not None
+            built: list[CandidateScore] = self._scored.build()
+            if self._tail is not None:
+                built.append(self._tail)
+            got = tuple(built)
+            # `_scored` stays: a thread reading `candidates` at the same time may still build from it.
+            object.__setattr__(self, "_candidates", got)
+        return got
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in _DECISION_FIELDS)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("immutable type: 'RoutingDecision'")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("immutable type: 'RoutingDecision'")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RoutingDecision) or type(other) is not type(self):
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{name}={value!r}" for name, value in zip(_DECISION_FIELDS, self._values()))
+        return f"RoutingDecision({body})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_decision, self._values())
+
+
+def _decision(*values: Any) -> RoutingDecision:
+    """Rebuild a pickled `RoutingDecision`."""
+    return RoutingDecision(**dict(zip(_DECISION_FIELDS, values)))
 
 
 #: Upper bounds (seconds) of the `select` latency histogram in `RouterStats`.
@@ -332,7 +477,13 @@ class Router:
     ``engine_loads``: engine-reported load (`kvroute.EngineLoads`, default: the ``states``
     client's ``engine_loads`` when it has one): when ``select`` is given no ``load``, each
     worker's load is the blend of `EngineLoads.blend`, and wedged workers are vetoed while
-    another candidate is left.
+    another candidate is left. ``routed_ttl`` (0: off) / ``routed_per_worker`` (4): the routing
+    hint (`kvroute._routed`): with ``routed_ttl`` > 0 a prompt started on a worker (``select`` with
+    a ``request_id``, or ``on_start``) counts as overlap there for the next prompts sharing its
+    prefix, until the request finishes, ``routed_ttl`` seconds pass, or the worker has
+    ``routed_per_worker`` newer ones — so a session's second request follows the first while the
+    engine is still prefilling it and no event has told the index yet (10 s is a good value: see
+    the README's routing section for what it gains and costs).
 
     Not thread-safe: use it from one thread (or one event loop), like the index it reads.
     """
@@ -349,9 +500,14 @@ class Router:
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         engine_loads: EngineLoads | None = None,
+        routed_ttl: float = 0.0,
+        routed_per_worker: int = 4,
     ) -> None:
         _check_block_size(block_size)
         _check_range("approximate_ttl", approximate_ttl, 0.0, low_open=True)
+        _check_range("routed_ttl", routed_ttl, 0.0)
+        if isinstance(routed_per_worker, bool) or not isinstance(routed_per_worker, int) or routed_per_worker < 0:
+            raise RouterError(f"routed_per_worker must be an int >= 0, got {routed_per_worker!r}")
         self.index = index
         self.states = states
         self.cost_model = cost if cost is not None else CostModel()
@@ -367,6 +523,7 @@ class Router:
         self._load: dict[WorkerKey, int] = {}  # tokens the active requests added per worker
         self._active: dict[WorkerKey, dict[Hashable, int]] = {}
         self._request_worker: dict[Hashable, WorkerKey] = {}
+        self._routed = RoutedPrefixes(float(routed_ttl), routed_per_worker)
         self._selections = 0
         self._unknown_finishes = 0
         self._select_seconds = 0.0
@@ -390,6 +547,8 @@ class Router:
         self._registered.add(worker)
         bs = block_size or self.block_size
         store = self._approx.get(worker)
+        if approximate != (store is not None):
+            self._routed.discard_worker(worker)  # a worker is routed by its index or its history, not both
         if not approximate:
             self._approx.pop(worker, None)
         elif store is None or store.block_size != bs:
@@ -401,6 +560,7 @@ class Router:
         self._registered.discard(worker)
         self._approx.pop(worker, None)
         self._load.pop(worker, None)
+        self._routed.discard_worker(worker)
         for rid in self._active.pop(worker, {}):
             del self._request_worker[rid]
 
@@ -433,7 +593,8 @@ class Router:
         e.g. the chosen candidate's ``overlap_blocks`` times its ``block_size``) count as load on
         ``worker`` until `on_finish`; an approximate worker is assumed to cache the prompt
         (under the request's namespaces ``lora_name``, ``cache_salt``, ``mm_items``, as for
-        `select`). Starting an id that is still active moves it.
+        `select`). Starting an id that is still active moves it. Its prompt is remembered as routed
+        to ``worker`` (the routing hint, see `Router`) until `on_finish`.
         """
         worker = _key(worker)
         if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int) or cached_tokens < 0:
@@ -446,9 +607,13 @@ class Router:
         # Hash before recording anything: bad tokens must leave no half-recorded request.
         query = _Query(token_ids, lora_name, extra_keys, cache_salt, mm_items)
         keys = query.keys(store.block_size) if store is not None else None
+        # an approximate worker's own store already assumes it holds the prompt
+        routed = query.keys(self.block_size) if self._routed.enabled and store is None else []
         self._start(request_id, worker, max(0, ntok - cached_tokens))
         if store is not None and keys is not None:
             store.note(keys, self._clock() + self.approximate_ttl)
+        if routed:
+            self._routed.add(request_id, worker, routed, self._clock())
 
     def _start(self, request_id: Hashable, worker: WorkerKey, tokens: int) -> None:
         try:
@@ -491,6 +656,7 @@ class Router:
             self._unknown_finishes += 1
             _log.debug("on_finish for unknown request %r ignored", request_id)
             return False
+        self._routed.discard(request_id)
         active = self._active[worker]
         left = self._load[worker] - active.pop(request_id)
         if active:
@@ -576,7 +742,8 @@ class Router:
             if candidates is None:
                 raise NoWorkersError("no live or registered worker to route to")
             raise NoWorkersError("none of the given candidates is a live or registered worker")
-        query = _Query(token_ids, lora_name, extra_keys, cache_salt, mm_items) if self._approx else None
+        query = _Query(token_ids, lora_name, extra_keys, cache_salt, mm_items)
+        credits, routed_keys = self._routed_query(query, ntok, request_id is not None)
         unit = self.block_size
         cost_of = model.cost
         idle_prefill = ntok / unit
@@ -586,7 +753,7 @@ class Router:
         load_get = loads.get
 
         approx = self._approx
-        if query is not None:
+        if approx:
             now = self._clock()
             for w, store in approx.items():
                 if w not in universe:
@@ -614,19 +781,17 @@ class Router:
                 )
 
         if scores:
-            self._scored(entries, scores, universe, seen, ntok, idle_prefill, loads, scale)
+            self._scored(entries, scores, universe, seen, ntok, idle_prefill, loads, scale, credits)
+        if credits:
+            self._routed_only(entries, credits, universe, seen, ntok, loads, scale)
 
         # Load-only workers: nothing claimed, so the prefill is the whole prompt. Approximate
         # workers with load were all listed above. The stock model's cost is inlined: this
         # loop runs for every busy worker.
         idle_cost = cost_of(idle_prefill, 0.0)
         stock = type(model) is CostModel
-        busy = loads.keys() & universe
-        if seen:
-            busy -= seen
-        for w in busy:
-            t = loads[w]
-            if t:
+        for w, t in loads.items():
+            if t and w in universe and w not in seen:
                 w_load = t * scale
                 entries.append(
                     CandidateScore(
@@ -663,39 +828,72 @@ class Router:
         worker = chosen.worker
 
         chosen_store = approx.get(worker)
-        if chosen_store is not None and query is not None:
+        if chosen_store is not None:
             chosen_store.note(query.keys(chosen_store.block_size), self._clock() + self.approximate_ttl)
-        return self._decide(started, chosen, entries, idle_count, idle_cost, ntok, request_id)
+        return self._decide(started, chosen, entries, idle_count, idle_cost, ntok, request_id, routed_keys)
+
+    def _routed_query(self, query: _Query, ntok: int, record: bool) -> tuple[dict[WorkerKey, int] | None, list[bytes]]:
+        """The routing hint for this prompt: its credit per worker in tokens (None: no credit), and
+        its content keys to remember for the chosen worker (``record``: a request is started).
+
+        The credit stops a token short of the prompt, as an engine never serves the last token
+        from cache. A prompt the router cannot hash gets neither: the index's check names the
+        bad argument.
+        """
+        routed = self._routed
+        if routed:
+            routed.purge(self._clock())
+        unit = self.block_size
+        look = min((ntok - 1) // unit, routed.longest()) if ntok else 0
+        record = record and routed.enabled
+        if not look and not record:
+            return None, []
+        try:
+            keys = query.keys(unit)
+        except RouterError:
+            return None, []
+        credits = routed.credits(keys[:look]) if look else None
+        return ({w: b * unit for w, b in credits.items()} if credits else None), (keys if record else [])
 
     def _decide(
         self,
         started: float,
         chosen: CandidateScore,
-        entries: list[CandidateScore],
+        entries: list[CandidateScore] | tuple[_core.Scored, CandidateScore | None],
         idle_count: int,
         idle_cost: float,
         ntok: int,
         request_id: Hashable | None,
+        routed_keys: list[bytes],
     ) -> RoutingDecision:
-        """Record the chosen worker's request and the call's time; the decision."""
+        """Record the chosen worker's request (its load, and its prompt for the routing hint) and the
+        call's time; the decision. ``entries``: the candidates, or the compiled path's (`Scored`,
+        the idle worker drawn or None), built into candidates only when read."""
         worker = chosen.worker
         if request_id is not None:
+            # Load counts what the index says is cached there: the hint guides the choice only
+            # (the shared prefix is already counted on the request that brought it).
             self._start(request_id, worker, ntok - chosen.overlap_tokens)
+            if routed_keys and worker not in self._approx:
+                self._routed.add(request_id, worker, routed_keys, self._clock())
         self._selections += 1
         took = time.perf_counter() - started
         self._select_seconds += took
         self._select_buckets[bisect_left(SELECT_BUCKETS, took)] += 1
-        return RoutingDecision(
+        fields: dict[str, Any] = dict(
             worker=worker,
             overlap_blocks=chosen.overlap_blocks,
             cost=chosen.cost,
             query_tokens=ntok,
-            candidates=tuple(entries),
             idle_workers=idle_count,
             idle_cost=idle_cost,
             block_size=chosen.block_size,
             overlap_tokens=chosen.overlap_tokens,
+            routed_tokens=chosen.routed_tokens,
         )
+        if isinstance(entries, tuple):
+            return RoutingDecision._lazy(entries[0], entries[1], **fields)
+        return RoutingDecision(candidates=tuple(entries), **fields)
 
     def _loads(
         self, load: Mapping[WorkerKey, float] | None, universe: set[WorkerKey]
@@ -756,10 +954,14 @@ class Router:
                 raise NoWorkersError("no live or registered worker to route to")
             raise NoWorkersError("none of the given candidates is a live or registered worker")
         loads, scale, universe = self._loads(load, universe)
-        busy = loads.keys() & universe if loads else None
         model = self.cost_model
+        credits: dict[WorkerKey, int] | None = None
+        routed_keys: list[bytes] = []
+        if self._routed.enabled and (request_id is not None or self._routed):
+            query = _Query(token_ids, lora_name, extra_keys, cache_salt, mm_items)
+            credits, routed_keys = self._routed_query(query, ntok, request_id is not None)
         try:
-            entries, idle_count, idle_cost, tied, idle_tied, _ = _core.select(
+            scored, idle_count, idle_cost, tied, idle_tied, _ = _core.select(
                 self.index._core,
                 token_ids,
                 lora_name,
@@ -773,19 +975,20 @@ class Router:
                 self.trust_partial,
                 loads,
                 scale,
-                busy,
+                credits,
             )
         except (TypeError, AttributeError, msgspec.EncodeError) as exc:
             raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
         if model.temperature > 0.0:
-            pick = self._pick(entries, idle_count, idle_cost, model.temperature)
+            at = self._pick_at(scored.costs(), idle_count, idle_cost, model.temperature)
         else:
             r = self._rng.randrange(len(tied) + idle_tied)  # as `_pick` draws
-            pick = entries[tied[r]] if r < len(tied) else None
-        if pick is None:
-            idle = universe.difference([e.worker for e in entries])
+            at = tied[r] if r < len(tied) else None
+        tail = None
+        if at is None:
+            idle = universe.difference(scored.workers())
             chosen_w = next(islice(iter(idle), self._rng.randrange(len(idle)), None))
-            pick = CandidateScore(
+            pick: CandidateScore = CandidateScore(
                 worker=chosen_w,
                 source="index",
                 claimed_blocks=0,
@@ -795,9 +998,11 @@ class Router:
                 load_blocks=0.0,
                 cost=idle_cost,
             )
-            entries.append(pick)
+            tail = pick
             idle_count -= 1
-        return self._decide(started, pick, entries, idle_count, idle_cost, ntok, request_id)
+        else:
+            pick = scored.candidate(at)
+        return self._decide(started, pick, (scored, tail), idle_count, idle_cost, ntok, request_id, routed_keys)
 
     def _check_query(
         self,
@@ -823,8 +1028,10 @@ class Router:
         idle_prefill: float,
         loads: Mapping[WorkerKey, float],
         scale: float,
+        credits: dict[WorkerKey, int] | None,
     ) -> None:
-        """Append the figures of the workers the index claims overlap for (approximate ones excluded)."""
+        """Append the figures of the workers the index claims overlap for (approximate ones excluded);
+        ``credits``: the routing hint's tokens per worker, credited where they exceed the index's."""
         unit = self.block_size
         model = self.cost_model
         cost_of = model.cost
@@ -867,6 +1074,9 @@ class Router:
             else:
                 overlap = 0
                 prefill = idle_prefill
+            routed = credits.get(w, 0) if credits else 0
+            if routed:
+                prefill = min(prefill, (ntok - routed) / unit)
             seen.add(w)
             out.append(
                 CandidateScore(
@@ -879,6 +1089,43 @@ class Router:
                     load_blocks=w_load,
                     cost=weight * prefill + w_load if stock else cost_of(prefill, w_load),
                     overlap_tokens=min(ntok, overlap * bs) if bs is not None else 0,
+                    routed_tokens=routed,
+                )
+            )
+
+    def _routed_only(
+        self,
+        out: list[CandidateScore],
+        credits: dict[WorkerKey, int],
+        universe: set[WorkerKey],
+        seen: set[WorkerKey],
+        ntok: int,
+        loads: Mapping[WorkerKey, float],
+        scale: float,
+    ) -> None:
+        """Append the workers only the routing hint credits (no index claim), in the hint's order."""
+        unit = self.block_size
+        model = self.cost_model
+        stock = type(model) is CostModel
+        weight = model.overlap_weight
+        load_get = loads.get
+        for w, routed in credits.items():
+            if w in seen or w not in universe or w in self._approx:
+                continue
+            w_load = load_get(w, 0) * scale
+            prefill = (ntok - routed) / unit
+            seen.add(w)
+            out.append(
+                CandidateScore(
+                    worker=w,
+                    source="index",
+                    claimed_blocks=0,
+                    overlap_blocks=0,
+                    block_size=None,
+                    prefill_blocks=prefill,
+                    load_blocks=w_load,
+                    cost=weight * prefill + w_load if stock else model.cost(prefill, w_load),
+                    routed_tokens=routed,
                 )
             )
 
@@ -886,24 +1133,29 @@ class Router:
         self, entries: list[CandidateScore], idle_count: int, idle_cost: float, temperature: float
     ) -> CandidateScore | None:
         """The winning entry, or None when the idle group wins (the caller draws one idle worker)."""
-        best = min((e.cost for e in entries), default=math.inf)
+        at = self._pick_at([e.cost for e in entries], idle_count, idle_cost, temperature)
+        return None if at is None else entries[at]
+
+    def _pick_at(self, costs: list[float], idle_count: int, idle_cost: float, temperature: float) -> int | None:
+        """The winning entry's position among ``costs``, or None when the idle group wins."""
+        best = min(costs, default=math.inf)
         if idle_count:
             best = min(best, idle_cost)
         rng = self._rng
         if temperature > 0.0:
-            weights = [math.exp((best - e.cost) / temperature) for e in entries]
+            weights = [math.exp((best - c) / temperature) for c in costs]
             total = math.fsum(weights)
             idle_weight = idle_count * math.exp((best - idle_cost) / temperature) if idle_count else 0.0
             r = rng.random() * (total + idle_weight)
-            for e, wgt in zip(entries, weights):
+            for i, wgt in enumerate(weights):
                 r -= wgt
                 if r < 0.0:
-                    return e
+                    return i
             if idle_count:
                 return None
-            return entries[-1]  # rounding left r a hair above zero: the last entry's share
+            return len(costs) - 1  # rounding left r a hair above zero: the last entry's share
         margin = _TIE_EPS * max(1.0, abs(best))
-        tied = [e for e in entries if e.cost - best <= margin]
+        tied = [i for i, c in enumerate(costs) if c - best <= margin]
         idle_tied = idle_count if idle_count and idle_cost - best <= margin else 0
         r = rng.randrange(len(tied) + idle_tied)
         return tied[r] if r < len(tied) else None

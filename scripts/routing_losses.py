@@ -1,6 +1,6 @@
 """Where a demo policy's prefix-cache hits went: each request's infinite-cache hits against what it got.
 
-    python scripts/routing_losses.py conversation --seed 0 --policies kvroute,session_affinity [--overlap-weight 2]
+    python scripts/routing_losses.py conversation --seed 0 --policies kvroute,kvroute_index_only,session_affinity
 
 Runs ``kvroute demo --trace-shape SHAPE`` in-process with every policy wrapped: at each decision it records
 what each worker's engine truly holds of the prompt, what the index claims, and the longest prefix the
@@ -16,9 +16,9 @@ prompt shares with a request the policy has in flight on that worker. After the 
 - ``engine-side``: the chosen worker had it (or had it in flight) and the engine still recomputed it
   (admitted before the in-flight request's blocks were computed).
 
-``--inflight-credit`` prototypes a Router change for the last two: kvroute's candidates are re-priced with
-their overlap raised to the prefix of the router's own in-flight requests there (a diagnostic, not the SDK).
-Figures are shares of the run's prompt tokens. Concurrency makes runs differ by a few tenths of a point.
+The demo's kvroute credits its own in-flight prompts (`Router(routed_ttl=)`, the routing hint), which
+addresses the last two; ``kvroute_index_only`` is kvroute without it. Figures are shares of the run's
+prompt tokens. Concurrency makes runs differ by a few tenths of a point.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import xxhash
 
 from kvroute import CostModel, KvEventClient, WorkerKey
 from kvroute.cli import _demo_run
-from kvroute.cli._demo_policies import KvRoutePolicy, Policy
+from kvroute.cli._demo_policies import Policy
 from kvroute.cli._demo_policies import make_policy as _make_policy
 from kvroute.cli._workload import TRACE_SHAPES, WorkloadRequest
 from kvroute.sim import SimEngine
@@ -53,11 +53,10 @@ def _lcp_blocks(a: Sequence[int], b: Sequence[int]) -> int:
 class _Recorder:
     """A policy wrapper recording, per decision, each worker's true, claimed and in-flight overlap (tokens)."""
 
-    def __init__(self, inner: Policy, client: KvEventClient, engines: Sequence[SimEngine], credit: bool) -> None:
+    def __init__(self, inner: Policy, client: KvEventClient, engines: Sequence[SimEngine]) -> None:
         self.inner = inner
         self.client = client
         self.by_target = {e.grpc_target: e for e in engines}
-        self.credit = credit and isinstance(inner, KvRoutePolicy)
         self.active: dict[Hashable, tuple[WorkerKey, Sequence[int]]] = {}
         self.log: dict[int, dict[str, Any]] = {}
 
@@ -70,22 +69,7 @@ class _Recorder:
             held = [_lcp_blocks(token_ids, t) for w2, t in self.active.values() if w2 == w]
             flight[w] = max(held, default=0) * BS
         claimed = {w: min(n, c * BS) for w, c in self.client.index.find_matches(token_ids).items()}
-        if self.credit:
-            assert isinstance(self.inner, KvRoutePolicy)
-            router = self.inner.router
-            d = router.select(token_ids)  # figures only: no request recorded
-            weight = router.cost_model.overlap_weight
-            best = (d.idle_cost, d.worker, 0) if d.idle_workers else None
-            for c in d.candidates:
-                overlap = max(c.overlap_tokens, min(n, flight.get(c.worker, 0)))
-                cost = weight * (n - overlap) / router.block_size + c.load_blocks
-                if best is None or cost < best[0]:
-                    best = (cost, c.worker, overlap)
-            assert best is not None
-            worker = best[1]
-            router.on_start(request_id, worker, token_ids, cached_tokens=best[2])
-        else:
-            worker = self.inner.choose(request_id, token_ids)
+        worker = self.inner.choose(request_id, token_ids)
         self.active[request_id] = (worker, token_ids)
         assert isinstance(request_id, tuple)  # the demo's ids: (request id, attempt)
         self.log[request_id[0]] = {"n": n, "truth": truth, "flight": flight, "claimed": claimed, "chosen": worker}
@@ -123,15 +107,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default="kvroute,session_affinity")
     p.add_argument("--overlap-weight", type=float, default=CostModel().overlap_weight)
-    p.add_argument("--inflight-credit", action="store_true", help="prototype: kvroute credits its in-flight prefixes")
     args = p.parse_args()
     recorders: dict[str, _Recorder] = {}
 
     def make_policy(name: str, client: KvEventClient, engines: Sequence[SimEngine], **kw: Any) -> _Recorder:
         kw["cost"] = CostModel(overlap_weight=args.overlap_weight)
-        rec = recorders[name] = _Recorder(
-            _make_policy(name, client, engines, **kw), client, engines, args.inflight_credit
-        )
+        rec = recorders[name] = _Recorder(_make_policy(name, client, engines, **kw), client, engines)
         return rec
 
     _demo_run.make_policy = make_policy  # type: ignore[attr-defined]  # the demo builds its policies through this name

@@ -97,8 +97,9 @@ pub fn needs_tiers(p: &CostParams, c: &Claim) -> bool {
 }
 
 /// Price one candidate the index claims overlap for (`Router._scored`'s loop body):
-/// `ntok` the prompt's tokens, `unit` the router's block size, `load` in cost blocks.
-pub fn price(p: &CostParams, c: &Claim, ntok: i64, unit: i64, load: f64) -> Priced {
+/// `ntok` the prompt's tokens, `unit` the router's block size, `load` in cost blocks, `routed`
+/// the routing hint's tokens (kvroute/_routed.py), credited where they exceed the index's.
+pub fn price(p: &CostParams, c: &Claim, ntok: i64, unit: i64, load: f64, routed: i64) -> Priced {
     let unit_f = unit as f64;
     let (overlap, prefill) = if c.trusted {
         let prefill = if p.full_credit() || c.gpu >= c.claimed {
@@ -112,12 +113,23 @@ pub fn price(p: &CostParams, c: &Claim, ntok: i64, unit: i64, load: f64) -> Pric
     } else {
         (0, ntok as f64 / unit_f)
     };
+    let prefill = if routed > 0 {
+        prefill.min(routed_prefill(ntok, unit, routed))
+    } else {
+        prefill
+    };
     Priced {
         overlap_blocks: overlap,
         prefill_blocks: prefill,
         cost: p.cost(prefill, load),
         overlap_tokens: ntok.min(overlap * c.block_size),
     }
+}
+
+/// The prefill left when only the routing hint's `routed` tokens are credited (`Router._routed_only`).
+pub fn routed_prefill(ntok: i64, unit: i64, routed: i64) -> f64 {
+    // int arithmetic in Python, then a true division: exact below 2^53
+    (ntok - routed) as f64 / unit as f64
 }
 
 /// The zero-temperature choice (`Router._pick`): the entries within the tie margin of the least
@@ -173,7 +185,7 @@ mod tests {
             trusted: false,
             ..Claim::default()
         };
-        let got = price(&STOCK, &c, 100, 16, 2.0);
+        let got = price(&STOCK, &c, 100, 16, 2.0, 0);
         assert_eq!(got.overlap_blocks, 0);
         assert_eq!(got.prefill_blocks, 100.0 / 16.0);
         assert_eq!(got.cost, 100.0 / 16.0 + 2.0);
@@ -189,8 +201,29 @@ mod tests {
             trusted: true,
             ..Claim::default()
         };
-        let got = price(&STOCK, &c, 100, 16, 0.0);
+        let got = price(&STOCK, &c, 100, 16, 0.0, 0);
         assert_eq!((got.prefill_blocks, got.overlap_tokens), (0.0, 100));
+    }
+
+    #[test]
+    fn the_routing_hint_counts_only_beyond_the_index() {
+        let c = Claim {
+            claimed: 2,
+            block_size: 16,
+            gpu: 2,
+            trusted: true,
+            ..Claim::default()
+        };
+        // the hint's 64 tokens beat the index's 32: 36 left to prefill
+        let got = price(&STOCK, &c, 100, 16, 0.0, 64);
+        assert_eq!(got.prefill_blocks, 36.0 / 16.0);
+        // the index claim is unchanged: the hint is not a claim
+        assert_eq!((got.overlap_blocks, got.overlap_tokens), (2, 32));
+        // a smaller hint changes nothing
+        assert_eq!(
+            price(&STOCK, &c, 100, 16, 0.0, 16),
+            price(&STOCK, &c, 100, 16, 0.0, 0)
+        );
     }
 
     #[test]

@@ -224,3 +224,173 @@ def test_select_on_threads_while_other_threads_ingest() -> None:
     assert not any(th.is_alive() for th in threads)
     assert not wrong
     assert min(done) >= 50, done
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fleet=st.lists(
+        st.fixed_dictionaries(
+            {
+                "block_size": st.sampled_from([4, 8, 16]),
+                "held": st.integers(0, 40),
+                "state": st.sampled_from(["synced", "syncing", "gone"]),
+                "routed": st.lists(st.integers(0, PROMPT_LEN), max_size=3),  # prompts started there
+                "load": st.one_of(st.none(), st.integers(0, 300)),
+            }
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    unit=st.sampled_from([4, 8, 16]),
+    weight=st.sampled_from([0.5, 1.0, 2.0]),
+    temperature=st.sampled_from([0.0, 0.0, 0.7]),
+    per_worker=st.integers(0, 3),
+    finish=st.integers(0, 4),
+    prompt_lens=st.lists(st.integers(0, PROMPT_LEN), min_size=1, max_size=4),
+    supplied_load=st.booleans(),
+    seed=st.integers(0, 3),
+)
+def test_the_routing_hint_is_priced_alike_on_both_paths(
+    fleet: list[dict],
+    unit: int,
+    weight: float,
+    temperature: float,
+    per_worker: int,
+    finish: int,
+    prompt_lens: list[int],
+    supplied_load: bool,
+    seed: int,
+) -> None:
+    """Prompts started on workers (`on_start`, and `select` with a request id, decision after
+    decision) credit the next prompts sharing their prefix, on both paths alike."""
+    prompt = [(i * 7919) % 50_000 for i in range(PROMPT_LEN)]
+    index = PrefixIndex()
+    statuses: dict[WorkerKey, WorkerStatus | None] = {}
+    live: set[WorkerKey] = set()
+    load: dict[WorkerKey, float] = {}
+    workers = [WorkerKey(f"w{i}", 0) for i in range(len(fleet))]
+    for w, spec in zip(workers, fleet):
+        bs = spec["block_size"]
+        held = min(spec["held"], PROMPT_LEN // bs)
+        if held:
+            index.apply(w, BlockStored(block_hashes=list(range(held)), token_ids=prompt[: held * bs], block_size=bs))
+        statuses[w] = WorkerStatus(state="syncing" if spec["state"] == "syncing" else "synced", partial=False)
+        if spec["state"] != "gone":
+            live.add(w)
+        if spec["load"] is not None:
+            load[w] = spec["load"] / 4
+    routers = []
+    for model in (
+        CostModel(overlap_weight=weight, temperature=temperature),
+        _PythonModel(overlap_weight=weight, temperature=temperature),
+    ):
+        r = Router(
+            index, states=_States(statuses, live), cost=model, block_size=unit, seed=seed, routed_per_worker=per_worker
+        )
+        for i, (w, spec) in enumerate(zip(workers, fleet)):
+            for j, n in enumerate(spec["routed"]):
+                r.on_start(("started", i, j), w, prompt[:n])
+        for i in range(finish):  # some of them finished: their hint is gone
+            r.on_finish(("started", i % len(fleet), 0))
+        routers.append(r)
+    for k, n in enumerate(prompt_lens):
+        kwargs: dict = {"request_id": ("q", k)}
+        if supplied_load:
+            kwargs["load"] = load
+        got = [_decide(r, prompt[:n], kwargs) for r in routers]
+        assert got[0] == got[1]
+
+
+def test_a_second_request_follows_the_first_while_it_prefills() -> None:
+    """Nothing is in the index yet: the hint sends a prompt sharing a started one's prefix to its
+    worker, on both paths; once that request finishes, or with the hint off, it is only load."""
+    index = PrefixIndex()
+    a, b = WorkerKey("a", 0), WorkerKey("b", 0)
+    doc = list(range(1000, 1000 + 640))  # 40 blocks
+    for model in (CostModel(), _PythonModel()):
+        router = Router(index, cost=model, seed=0, routed_ttl=10.0)
+        for w in (a, b):
+            router.add_worker(w)
+        first = router.select([*doc, 1, 2, 3], request_id="first")
+        other = b if first.worker == a else a
+        assert first.routed_tokens == 0
+        # a second question on the document: the first's worker is busier, yet it wins
+        second = router.select([*doc, 7, 8, 9], request_id="second")
+        assert second.worker == first.worker
+        assert second.routed_tokens == 640 and second.overlap_blocks == 0 and second.overlap_tokens == 0
+        by = {c.worker: c for c in second.candidates}
+        assert by[first.worker].claimed_blocks == 0  # never an index claim
+        # load counts what the index says is cached there: nothing yet
+        assert router.load_blocks(first.worker) == (643 + 643) / 16
+        router.on_finish("first")
+        router.on_finish("second")
+        third = router.select([*doc, 4, 5, 6], candidates=[first.worker, other], load={first.worker: 1.0})
+        assert third.worker == other and third.routed_tokens == 0
+    off = Router(index, seed=0)  # the hint is off by default
+    off.add_worker(a)
+    off.add_worker(b)
+    first = off.select([*doc, 1], request_id=1)
+    assert off.select([*doc, 2], request_id=2).worker != first.worker
+
+
+def test_the_routing_hint_expires_and_is_bounded() -> None:
+    """After ``routed_ttl`` seconds, or beyond ``routed_per_worker`` newer prompts, a prompt is forgotten."""
+    index = PrefixIndex()
+    a, b = WorkerKey("a", 0), WorkerKey("b", 0)
+    now = [0.0]
+    docs = [[d * 10_000 + i for i in range(320)] for d in range(3)]
+    for model in (CostModel(), _PythonModel()):
+        router = Router(index, cost=model, seed=0, clock=lambda: now[0], routed_ttl=5.0, routed_per_worker=2)
+        now[0] = 0.0
+        for rid, doc in enumerate(docs):
+            router.on_start(rid, a, doc)
+        # docs 1 and 2 remembered on a; doc 0 pushed out by the bound
+        for d, want in ((0, 0), (1, 320), (2, 320)):
+            got = router.select(docs[d] + [1], candidates=[a, b], load={a: 0.0, b: 0.0})
+            assert (got.worker, got.routed_tokens) == ((a, want) if want else (got.worker, 0))
+        now[0] = 5.0
+        got = router.select(docs[2] + [1], candidates=[a, b], load={a: 0.0, b: 0.0})
+        assert got.routed_tokens == 0
+        router.remove_worker(a)
+    with pytest.raises(RouterError, match="routed_ttl"):
+        Router(index, routed_ttl=-1)
+    with pytest.raises(RouterError, match="routed_per_worker"):
+        Router(index, routed_per_worker=True)
+
+
+def test_a_decision_with_lazy_candidates_reads_as_an_eager_one() -> None:
+    """The compiled path's decision builds its candidates when read; it equals, hashes, prints, pickles and
+    encodes as the Python path's (eager) decision, and stays immutable."""
+    import pickle
+
+    import msgspec
+
+    index = PrefixIndex()
+    workers = [WorkerKey(f"w{i}", 0) for i in range(5)]
+    prompt = list(range(100, 300))
+    for i, w in enumerate(workers[:3]):
+        index.apply(
+            w,
+            BlockStored(
+                block_hashes=[i * 100 + j for j in range(i + 1)], token_ids=prompt[: 16 * (i + 1)], block_size=16
+            ),
+        )
+    decisions = []
+    for model in (CostModel(), _PythonModel()):
+        router = Router(index, cost=model, seed=3)
+        for w in workers:
+            router.add_worker(w)
+        router.on_start("busy", workers[4], prompt[:40])
+        decisions.append(router.select(prompt))
+    lazy, eager = decisions
+    assert repr(lazy) == repr(eager) and hash(lazy) == hash(eager)
+    assert lazy == eager and lazy.candidates == eager.candidates
+    assert len(lazy.candidates) == 4 and lazy.idle_workers == 1
+    assert msgspec.json.encode(lazy) == msgspec.json.encode(eager)
+    assert pickle.loads(pickle.dumps(lazy)) == lazy
+    with pytest.raises(AttributeError):
+        lazy.worker = workers[0]  # type: ignore[misc]
+    # an idle worker drawn by the compiled path is the last candidate, built on read too
+    router = Router(index, seed=0)
+    d = router.select(list(range(5000, 5100)), candidates=[workers[3], workers[4]])
+    assert [c.worker for c in d.candidates] == [d.worker] and d.idle_workers == 1

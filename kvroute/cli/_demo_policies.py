@@ -31,6 +31,7 @@ from kvroute.sim import SimEngine
 
 __all__ = [
     "AFFINITY_TOKENS",
+    "EXTRA_POLICIES",
     "POLICIES",
     "LeastLoadPolicy",
     "OracleDecision",
@@ -41,6 +42,10 @@ __all__ = [
 ]
 
 POLICIES = ("kvroute", "oracle", "session_affinity", "least_load", "round_robin", "random")
+#: Policies run only when named: ``kvroute_index_only`` is kvroute without its routing hint.
+EXTRA_POLICIES = ("kvroute_index_only",)
+#: ``Router(routed_ttl=)`` of the demo's kvroute: the routing hint on (README, "Routing quality").
+ROUTED_TTL = 10.0
 
 #: Leading tokens session affinity hashes: two 512-token blocks of a Mooncake trace, the first of which
 #: is often a system prompt every request shares; the second is the conversation's own.
@@ -260,10 +265,14 @@ def make_policy(
 ) -> Policy:
     """The policy called ``name`` (one of `POLICIES`) for a fleet of ``engines`` followed by ``client``.
 
-    ``cost``: the cost model of ``kvroute`` and ``oracle`` (default `CostModel()`).
+    ``cost``: the cost model of ``kvroute`` and ``oracle`` (default `CostModel()`). ``kvroute_index_only``
+    is kvroute without its routing hint (the `Router` default): the index alone, for comparison.
     """
-    if name == "kvroute":
-        return KvRoutePolicy(Router(client.index, states=client, block_size=block_size, seed=seed, cost=cost))
+    if name in ("kvroute", "kvroute_index_only"):
+        ttl = ROUTED_TTL if name == "kvroute" else 0.0
+        return KvRoutePolicy(
+            Router(client.index, states=client, block_size=block_size, seed=seed, cost=cost, routed_ttl=ttl)
+        )
     if name == "oracle":
         by_target = {e.grpc_target: e for e in engines if e.grpc_target is not None}
         return OraclePolicy(client, by_target, block_size=block_size, seed=seed, cost=cost)
@@ -275,4 +284,4 @@ def make_policy(
         return RoundRobinPolicy(client)
     if name == "random":
         return RandomPolicy(client, seed)
-    raise ValueError(f"unknown policy {name!r}; choose among {', '.join(POLICIES)}")
+    raise ValueError(f"unknown policy {name!r}; choose among {', '.join(POLICIES + EXTRA_POLICIES)}")

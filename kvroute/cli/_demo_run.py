@@ -36,7 +36,7 @@ import msgspec
 from kvroute import CostModel, Envelope, KvEventClient, Reset, SubscriberConfig, Synced, WorkerKey
 from kvroute.sim import CapacityError, Completion, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
 
-from ._demo_policies import POLICIES, Policy, make_policy
+from ._demo_policies import EXTRA_POLICIES, POLICIES, Policy, make_policy
 from ._demo_replica import LOAD_MODES, ReplicaPolicy, index_digest
 from ._demo_report import (
     DemoResult,
@@ -143,9 +143,11 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--faults injects ZMQ faults (drops, restarts): not with --gateway-stream")
         if self.requests is not None and self.requests < 1:
             raise ValueError(f"--requests must be >= 1, not {self.requests}")
-        unknown = [p for p in self.policies if p not in POLICIES]
+        unknown = [p for p in self.policies if p not in POLICIES + EXTRA_POLICIES]
         if unknown or not self.policies or len(set(self.policies)) != len(self.policies):
-            raise ValueError(f"policies must be distinct names among {', '.join(POLICIES)}, not {self.policies}")
+            raise ValueError(
+                f"policies must be distinct names among {', '.join(POLICIES + EXTRA_POLICIES)}, not {self.policies}"
+            )
         if self.block_size < 1 or self.trace_block_tokens % self.block_size:
             raise ValueError(
                 f"the trace block ({self.trace_block_tokens} tokens) must be a multiple of the engines' block size"
