@@ -17,7 +17,8 @@ The client and its settings:
 Routing: `Router` (`RoutingDecision`), `CostModel`, `LoadPolicy`, `MultimodalItem`, `chain_keys`;
 `follow_engine_metrics` feeds the engines' own load (Prometheus) to the router.
 
-Replicas: `JetStreamRelay` republishes what a client applied to NATS JetStream; `JetStreamReplica` follows it.
+Replicas: `JetStreamRelay` republishes what a client applied to NATS JetStream; `JetStreamReplica`, or a
+`KvEventClient(jetstream=JetStreamSource(...))`, follows it.
 
 Events: `EventBatch` of events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), `decode_batch` /
 `encode_batch`; lifecycle events a router reacts to: `Synced`, `Partial`, `Reset`, `Removed`,
@@ -58,6 +59,7 @@ from ._models import EventSource, WorkerKey, WorkerStatus
 from ._router import CostModel, Router, RoutingDecision
 from ._snapshot import Cursor
 from ._subscriber import SubscriberConfig
+from ._transports.jetstream import JetStreamSource
 from ._wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -89,6 +91,7 @@ __all__ = [
     "IndexLimits",
     "JetStreamRelay",
     "JetStreamReplica",
+    "JetStreamSource",
     "KvEventClient",
     "KvRouteCollector",
     "KvRouteError",
