@@ -18,7 +18,7 @@ Routing: `Router` (`RoutingDecision`), `CostModel`, `LoadPolicy`, `MultimodalIte
 `follow_engine_metrics` feeds the engines' own load (Prometheus) to the router.
 
 Replicas: `JetStreamRelay` republishes what a client applied to NATS JetStream; `JetStreamReplica`, or a
-`KvEventClient(jetstream=JetStreamSource(...))`, follows it.
+`KvEventClient(jetstream="nats://host:4222/<stream>")`, follows it.
 
 Events: `EventBatch` of events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), `decode_batch` /
 `encode_batch`; lifecycle events a router reacts to: `Synced`, `Partial`, `Reset`, `Removed`,
@@ -59,7 +59,6 @@ from ._models import EventSource, WorkerKey, WorkerStatus
 from ._router import CostModel, Router, RoutingDecision
 from ._snapshot import Cursor
 from ._subscriber import SubscriberConfig
-from ._transports.jetstream import JetStreamSource
 from ._wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -91,7 +90,6 @@ __all__ = [
     "IndexLimits",
     "JetStreamRelay",
     "JetStreamReplica",
-    "JetStreamSource",
     "KvEventClient",
     "KvRouteCollector",
     "KvRouteError",

@@ -102,8 +102,8 @@ class KvEventClient:
     prefix-cache reuse reports (vLLM's ``kv_cache_report_mode "full"``), so repeated stores
     count as the GPU copies they then are; None leaves the index's own setting (True: reports
     may come). The client is also the router's `WorkerStates`. ``jetstream``: follow a relay's
-    JetStream log instead of (or beside) engines (`JetStreamSource`, docs/replicas.md): its
-    workers become the client's sources, named by the log.
+    JetStream log (``"nats://host:4222/<stream>"``, docs/replicas.md) instead of (or beside)
+    engines: its workers become the client's sources, named by the log.
 
     Sources and targets can be added and removed while the client runs (inside ``async
     with``); a source whose driver fails is removed (a `Removed` event, reason
@@ -138,7 +138,7 @@ class KvEventClient:
         discovery_grace: float = 30.0,
         discovery_options: DiscoveryOptions | None = None,
         reuse_reports: bool | None = None,
-        jetstream: JetStreamSource | None = None,
+        jetstream: str | JetStreamSource | None = None,
     ) -> None:
         if not discovery_interval > 0 or not discovery_grace >= 0:
             raise ConfigError(
@@ -188,6 +188,8 @@ class KvEventClient:
         self.engine_loads = EngineLoads()
         self._transports: list[Transport] = []
         # --- JetStream transport (kvroute._transports.jetstream): a relay's log names its own sources.
+        if isinstance(jetstream, str):
+            jetstream = JetStreamSource.from_url(jetstream, limits=self._config.limits)
         self._jetstream = jetstream
 
     # --- lifecycle --------------------------------------------------------------------------------

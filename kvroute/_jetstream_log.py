@@ -77,6 +77,10 @@ class LogWorker(Protocol):
         """The relay marked the worker partial (its engine's history before ``first_seq`` is unknown)."""
         ...
 
+    def duplicate(self) -> None:
+        """A batch at or below ``last`` was skipped."""
+        ...
+
 
 class LogRules:
     """The replica rules (docs/replicas.md "Chain"): log records → index changes and `LogWorker` calls.
@@ -176,6 +180,7 @@ class LogRules:
             last = w.last
             if last is not None and seq <= last.seq:
                 counts["duplicates"] += 1
+                w.duplicate()
                 continue
             if item_prev != (last.seq if last is not None else None):
                 # An uncovered gap: what the log lost may have removed blocks; claim none of the old ones.

@@ -55,6 +55,9 @@ class _WorkerState:
         """The relay says the history is partial."""
         self.partial = True
 
+    def duplicate(self) -> None:
+        """Counted by the rules (`ReplicaStats.duplicates`)."""
+
 
 class ReplicaStats(msgspec.Struct, frozen=True, kw_only=True):
     """A `JetStreamReplica`'s counters (the JetStream transport's `JetStreamSource.stats` too).
@@ -92,8 +95,8 @@ class JetStreamReplica:
     recreated from the next sequence after a skipped delivery or a silent server.
     A replica started before any relay created the stream waits for it. ``limits``: the caps
     payloads are decoded under (give the relay client's ``config.limits`` when it raised them).
-    The same follower inside a `KvEventClient` (its sources, stats and events): pass
-    ``jetstream=JetStreamSource(...)`` to the client.
+    The same follower inside a `KvEventClient` (its sources, stats and events):
+    ``KvEventClient(jetstream="nats://host:4222/<stream>")``.
     """
 
     def __init__(

@@ -17,9 +17,9 @@ from test_jetstream import Fleet, NatsServer, _batch, _steady, assert_same, clie
 
 from kvroute import (
     BlockStored,
+    ConfigError,
     JetStreamRelay,
     JetStreamReplica,
-    JetStreamSource,
     KvEventClient,
     NotSyncedError,
     Partial,
@@ -29,6 +29,7 @@ from kvroute import (
     WorkerKey,
 )
 from kvroute._jetstream import _Partial, _Removed, _Reset, encode_record, ensure_stream, worker_subject
+from kvroute._transports.jetstream import JetStreamSource
 from kvroute.sim import EventPublisher
 
 __all__ = ["nats_server"]  # the fixture, imported for this module's tests
@@ -39,7 +40,7 @@ async def test_a_client_on_the_log_holds_what_a_direct_client_holds(nats_server:
     async with EventPublisher() as p0, EventPublisher() as p1, EventPublisher() as p2:
         fleet = Fleet([p0, p1, p2])
         fleet.step(20)
-        source = JetStreamSource(nats_server.url, stream="C")
+        source = JetStreamSource.from_url(f"{nats_server.url}/C")
         async with (
             KvEventClient(fleet.sources(), config=FAST) as direct,
             JetStreamRelay(nats_server.url, fleet.sources(), stream="C", config=FAST, snapshot_interval=0.3) as relay,
@@ -81,6 +82,8 @@ async def test_a_client_on_the_log_holds_what_a_direct_client_holds(nats_server:
             async with KvEventClient(jetstream=late_source) as late:
                 await late.wait_synced(10)
                 assert late_source.stats().snapshot_seq > 0
+                # A restored worker's position is not a batch applied here.
+                assert late.stats().totals.batches < sum(s + 1 for s in last.values())
                 await _steady(fleet, 5)
                 last = fleet.last()
                 await client_at(direct, last)
@@ -158,6 +161,15 @@ async def test_the_logs_resets_gaps_and_removals_reach_the_clients_views(nats_se
         assert removed[0].reason == "gone from discovery"
 
 
+def test_the_jetstream_url() -> None:
+    src = JetStreamSource.from_url("nats://nats:4222/LOG")
+    assert (src.servers, src.stream, src.endpoint) == (["nats://nats:4222"], "LOG", "nats://nats:4222/LOG")
+    assert JetStreamSource.from_url("tls://nats:4222").stream == "KVROUTE"
+    for bad in ("http://nats:4222/LOG", "nats:///LOG", "nats://nats:4222/a.b", "nats4222"):
+        with pytest.raises(ConfigError):
+            KvEventClient(jetstream=bad)
+
+
 @pytest.mark.anyio
 async def test_the_replica_class_and_the_client_read_the_same_log(nats_server: NatsServer) -> None:
     async with EventPublisher() as p0, EventPublisher() as p1:
@@ -165,7 +177,7 @@ async def test_the_replica_class_and_the_client_read_the_same_log(nats_server: N
         async with (
             JetStreamRelay(nats_server.url, fleet.sources(), stream="S", config=FAST, snapshot_interval=0.3) as relay,
             JetStreamReplica(nats_server.url, stream="S") as replica,
-            KvEventClient(jetstream=JetStreamSource(nats_server.url, stream="S")) as client,
+            KvEventClient(jetstream=f"{nats_server.url}/S") as client,
         ):
             await relay.wait_synced(10)
             await _steady(fleet, 10)
@@ -176,3 +188,47 @@ async def test_the_replica_class_and_the_client_read_the_same_log(nats_server: N
                     await anyio.sleep(0.02)
             assert_same(client.index, replica.index, fleet.queries())
             assert client.cursors() == replica.cursors()
+
+
+def test_the_relays_payloads_are_the_engines_batches() -> None:
+    # What the relay writes for a decoded batch (`encode_payload`) reads back as that batch, in Python and in
+    # the core, whichever engine form it arrived in: map, tagged array, SGLang's signed hashes.
+    from _publisher_helpers import Workload
+    from test_jetstream import digest
+
+    from kvroute import PrefixIndex, decode_batch, encode_batch
+    from kvroute._jetstream_publish import encode_payload
+    from kvroute._wire import BlockRemoved, EventBatch
+
+    extra = EventBatch(
+        ts=5.5,
+        events=[
+            BlockStored(
+                block_hashes=[1, 2],
+                parent_block_hash=None,
+                token_ids=list(range(32)),
+                block_size=16,
+                lora_id=7,
+                lora_name="adapter",
+                medium="CPU",
+                group_idx=1,
+                kv_cache_spec_kind="sliding_window",
+                kv_cache_spec_sliding_window=128,
+                extra_keys=[None, [3]],
+            ),
+            BlockRemoved(block_hashes=[1], medium="CPU", group_idx=1),
+        ],
+    )
+    wl = Workload(seed=11)
+    batches = [EventBatch(ts=float(i), events=wl.batch()) for i in range(300)] + [extra]
+    engine, relayed = PrefixIndex(), PrefixIndex()
+    w = WorkerKey("w", 0)
+    for i, batch in enumerate(batches):
+        form = ("map", "array")[i % 2]
+        wire = encode_batch(batch, form=form, signed_hashes=i % 3 == 0)
+        decoded = decode_batch(wire)
+        ours = encode_payload(decoded.ts, decoded.events)
+        assert decode_batch(ours) == decoded
+        a, b = engine.apply_payload(w, wire), relayed.apply_payload(w, ours)
+        assert a.ok and b.ok and a.stored_blocks == b.stored_blocks
+    assert digest(engine) == digest(relayed)

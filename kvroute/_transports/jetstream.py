@@ -1,6 +1,6 @@
 """The JetStream transport: `KvEventClient` follows a relay's log instead of the engines (docs/replicas.md).
 
-``KvEventClient(jetstream=JetStreamSource("nats://nats:4222", stream="KVROUTE"))`` starts from the
+``KvEventClient(jetstream="nats://nats:4222/KVROUTE")`` (a `JetStreamSource`) starts from the
 stream's latest snapshot (imported into the client's own index), replays the log from the sequence
 it covers, then follows it live; it never talks to the engines. Unlike the other transports it
 names its sources itself: each worker the log names becomes an `EventSource` of the client
@@ -73,13 +73,24 @@ class SourceFeed:
 
 
 class JetStreamSource:
-    """A relay's JetStream log as the source of a `KvEventClient`: ``KvEventClient(jetstream=JetStreamSource(...))``.
+    """A relay's JetStream log as the source of a `KvEventClient` (``KvEventClient(jetstream=...)``).
 
-    ``servers`` / ``stream``: where the log is (docs/replicas.md); ``use_snapshot``: start from
-    the newest snapshot (else read the whole log); ``limits``: the caps payloads are decoded under
-    (give the relay client's ``config.limits`` when it raised them). One client at a time uses a
-    source; `stats` are the log's counters of the client currently (or last) using it.
+    The client's public form is a URL, ``jetstream="nats://host:4222/KVROUTE"`` (`from_url`); this
+    object is that URL's meaning, with the options a test or benchmark may set. ``servers`` /
+    ``stream``: where the log is (docs/replicas.md); ``use_snapshot``: start from the newest
+    snapshot (else read the whole log); ``limits``: the caps payloads are decoded under (the
+    client's ``config.limits``). One client at a time uses a source; `stats` are the log's counters
+    of the client currently (or last) using it.
     """
+
+    @classmethod
+    def from_url(cls, url: str, *, limits: Limits | None = None) -> JetStreamSource:
+        """``nats://host:port/<stream>`` (``tls://`` too; no path: the stream ``KVROUTE``), or `ConfigError`."""
+        scheme, sep, rest = url.partition("://") if isinstance(url, str) else ("", "", "")
+        host, _, stream = rest.partition("/")
+        if scheme not in ("nats", "tls") or not sep or not host:
+            raise ConfigError(f"jetstream {url!r} is not nats://host[:port][/stream]")
+        return cls(f"{scheme}://{host}", stream=stream.rstrip("/") or "KVROUTE", limits=limits)
 
     def __init__(
         self,
@@ -331,13 +342,19 @@ class JetStreamWorkerDriver(DriverBase):
         self.counters.uncovered -= 1  # the relay's reset: the log lost nothing
 
     def lost(self, reason: str, detail: str, first_seq: int) -> None:
-        """The log lost part of the worker's history: reset, and partial from ``first_seq``."""
+        """The log lost part of the worker's history (or a batch did not decode): reset, partial from ``first_seq``."""
+        if reason == "undecodable":
+            self.counters.undecodable += 1
         self._reset(f"{reason}: {detail}")
         self._partial(_reason(reason), first_seq)
 
     def mark_partial(self, reason: str, first_seq: int) -> None:
         """The relay marked the worker partial."""
         self._partial(_reason(reason), first_seq)
+
+    def duplicate(self) -> None:
+        """A batch at or below the worker's newest one (an overlap of two relays' runs) was skipped."""
+        self.counters.duplicates += 1
 
     def _reset(self, detail: str) -> None:
         if self._stopped:

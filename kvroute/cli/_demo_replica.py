@@ -10,8 +10,8 @@ claims for each of the workload's prompts, and its block count per worker): at q
 
 With ``kvroute demo --jetstream`` (`DemoOptions.jetstream`: the policy is given a NATS server), the policy
 runs one `JetStreamRelay` following every engine instead, and each replica process is a `KvEventClient` on
-the JetStream transport (``jetstream=JetStreamSource(...)``: its sources are the log's workers, it never
-talks to the engines); the log carries no engine load, so both load modes then price the replica's own
+the JetStream transport (``jetstream="nats://host:port/<stream>"``: its sources are the log's workers, it
+never talks to the engines); the log carries no engine load, so both load modes then price the replica's own
 requests.
 
 The replica speaks JSON lines on stdin / stdout: ``{"op": "route", "id", "tokens"}`` -> ``{"id",
@@ -44,7 +44,6 @@ from kvroute import (
     CostModel,
     EngineLoads,
     JetStreamRelay,
-    JetStreamSource,
     KvEventClient,
     KvRouteError,
     LoadPolicy,
@@ -99,7 +98,7 @@ async def _serve(
         out.flush()
 
     follower = (
-        KvEventClient(jetstream=JetStreamSource(nats, stream=stream))
+        KvEventClient(jetstream=f"{nats}/{stream}")
         if nats is not None
         else KvEventClient(targets=targets, config=config)
     )
@@ -317,9 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--nats", default=None, help="follow this NATS server's JetStream log instead of the engines")
     p.add_argument("--stream", default="KVROUTE")
     args = p.parse_args(argv)
-    anyio.run(
-        _serve, args.targets, args.load, args.block_size, args.overlap_weight, args.seed, args.nats, args.stream
-    )
+    anyio.run(_serve, args.targets, args.load, args.block_size, args.overlap_weight, args.seed, args.nats, args.stream)
     return 0
 
 
