@@ -8,7 +8,8 @@ One run, every figure with its baseline beside it (the machine is shared and noi
   loop (what one core can index), and the ceiling that puts on 2 cores for 5 copies of the index;
 - throughput: a separate publisher process sends pre-encoded payloads over ZMQ as fast as it can
   (bench_e2e's engines); one `JetStreamRelay` follows them and publishes to a real ``nats-server -js``
-  (file storage); three `JetStreamReplica` processes apply the log. Figure: blocks per second from
+  (file storage); three replica processes apply the log (``--follower``: `KvEventClient` on the
+  JetStream transport, the default, or `JetStreamReplica`). Figure: blocks per second from
   the first send to the last replica holding the last batch;
 - apply lag: the same at a paced rate; lag = replica apply time - publisher send time, per batch,
   p50 / p90 / p99 over the three replicas, beside the part up to the relay's own client (an
@@ -20,8 +21,11 @@ One run, every figure with its baseline beside it (the machine is shared and noi
 from __future__ import annotations
 
 import argparse
+import cProfile
 import multiprocessing as mp
 import multiprocessing.connection
+import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -36,7 +40,16 @@ import zmq
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import index_only, make_payloads
 
-from kvroute import EventSource, JetStreamRelay, JetStreamReplica, PrefixIndex, SubscriberConfig, WorkerKey
+from kvroute import (
+    EventSource,
+    EventStream,
+    JetStreamRelay,
+    JetStreamReplica,
+    KvEventClient,
+    PrefixIndex,
+    SubscriberConfig,
+    WorkerKey,
+)
 
 STREAM = "BENCH"
 
@@ -77,32 +90,60 @@ def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Con
                 sent.append((s, i, time.time()))
                 sock.send_multipart([b"", seq8, ps[i]])
                 n += 1
-        conn.send(sent)
+        conn.send((sent, time.process_time()))
     for sock in socks:
         sock.close()
     ctx.term()
 
 
-def _replica_process(url: str, conn: multiprocessing.connection.Connection, backend: str) -> None:
-    """A replica in its own process: reports apply times per (worker, seq) until told to stop."""
+def _replica_process(
+    url: str, conn: multiprocessing.connection.Connection, backend: str, kind: str, profile: str | None = None
+) -> None:
+    """A replica in its own process: reports apply times per (worker, seq) until told to stop.
+
+    ``kind``: "client" is a `KvEventClient` on the JetStream transport (apply times from an ``events()``
+    listener, attached only for rounds that measure lag: listening costs a decode per batch), "replica"
+    a `JetStreamReplica` (apply times from its ``on_applied`` hook, every round). ``profile``: cProfile
+    the first round into that file.
+    """
 
     async def main() -> None:
         applied: dict[tuple[int, int], float] = {}
+        profile_to = [profile] if profile is not None else []
 
         def on_applied(_sseq: int, key: WorkerKey, seq: int | None) -> None:
             if seq is not None:
                 applied[(int(key.worker_id[1:]), seq)] = time.time()
 
+        async def listen(stream: EventStream) -> None:
+            async for env in stream:
+                if env.seq is not None:
+                    applied.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
+
         t0 = time.perf_counter()
-        async with JetStreamReplica(url, stream=STREAM) as replica:
-            replica.on_applied = on_applied
+        follower: KvEventClient | JetStreamReplica
+        if kind == "client":
+            follower = KvEventClient(jetstream=f"{url}/{STREAM}")
+        else:
+            follower = JetStreamReplica(url, stream=STREAM)
+            follower.on_applied = on_applied
+        async with follower as replica, anyio.create_task_group() as tg:
             await replica.wait_synced(120)
             ready = time.perf_counter() - t0
-            conn.send(("synced", ready, replica.index.stats().entries, replica.stats().snapshot_seq))
+            snapshot_seq = replica.stats().snapshot_seq if isinstance(replica, JetStreamReplica) else -1
+            conn.send(("synced", ready, replica.index.stats().entries, snapshot_seq))
             while True:
-                want = await anyio.to_thread.run_sync(conn.recv)
-                if want is None:
+                got = await anyio.to_thread.run_sync(conn.recv)
+                if got is None:
+                    tg.cancel_scope.cancel()
                     return
+                want, lag = got
+                profiler = cProfile.Profile() if profile_to else None
+                if profiler is not None:
+                    profiler.enable()
+                stream = replica.events(buffer=1_000_000) if lag and isinstance(replica, KvEventClient) else None
+                if stream is not None:
+                    tg.start_soon(listen, stream)
                 # Wait until every worker holds its last seq, then report this round's apply times.
                 with anyio.fail_after(600):
                     while True:
@@ -112,16 +153,24 @@ def _replica_process(url: str, conn: multiprocessing.connection.Connection, back
                             for s, last in want.items()
                         ):
                             break
-                        await anyio.sleep(0.005)
-                conn.send((time.time(), applied))
+                        await anyio.sleep(0.02)  # a poll, not the measured work: rarely
+                done = time.time()
+                if profiler is not None:
+                    profiler.disable()
+                    profiler.dump_stats(profile_to.pop())
+                if stream is not None:
+                    await stream.aclose()
+                conn.send((done, applied, time.process_time()))
                 applied = {}
 
     anyio.run(main, backend=backend)
 
 
-def _spawn_replica(url: str, backend: str) -> tuple[mp.process.BaseProcess, multiprocessing.connection.Connection]:
+def _spawn_replica(
+    url: str, backend: str, kind: str, profile: str | None = None
+) -> tuple[mp.process.BaseProcess, multiprocessing.connection.Connection]:
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_replica_process, args=(url, child, backend))
+    proc = mp.get_context("spawn").Process(target=_replica_process, args=(url, child, backend, kind, profile))
     proc.start()
     return proc, parent
 
@@ -179,9 +228,17 @@ async def run(args: argparse.Namespace) -> None:
         endpoints = parent.recv()
         sources = [EventSource(worker_id=f"w{i}", endpoint=ep, hwm=0) for i, ep in enumerate(endpoints)]
         config = SubscriberConfig(quiet_interval=3600.0)
-        async with JetStreamRelay(url, sources, stream=STREAM, config=config, snapshot_interval=3600.0) as relay:
+        # A long lease: the relay is alone, and a machine this loaded can starve its renewal for seconds.
+        async with JetStreamRelay(
+            url, sources, stream=STREAM, config=config, snapshot_interval=3600.0, lease_ttl=60.0
+        ) as relay:
             await relay.wait_active(20)
-            replicas = [_spawn_replica(url, args.backend) for _ in range(3)]
+            replicas = [
+                _spawn_replica(
+                    url, args.backend, args.follower, f"{args.profile}.replica" if args.profile and i == 0 else None
+                )
+                for i in range(3)
+            ]
             for _, conn in replicas:
                 await anyio.to_thread.run_sync(conn.recv)  # synced on the empty log
             client = relay.client
@@ -200,29 +257,73 @@ async def run(args: argparse.Namespace) -> None:
                     if env.seq is not None:
                         at_relay.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
 
+            # CPU seconds each part used in a round (process times: robust on a loaded machine, unlike wall time).
+            cpu_at: dict[str, float] = {}
+
+            def cpu_round(part: str, now: float) -> float:
+                before, cpu_at[part] = cpu_at.get(part, 0.0), now
+                return now - before
+
+            def nats_cpu() -> float:
+                fields = Path(f"/proc/{server.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+            def relay_cpu() -> float:
+                ru = resource.getrusage(resource.RUSAGE_SELF)
+                return ru.ru_utime + ru.ru_stime
+
+            cpu_round("relay", relay_cpu())
+            cpu_round("nats", nats_cpu())
+            cpu: dict[str, float] = {}
+
             async def round_(lo: int, hi: int, rate: float) -> tuple[float, list[float], list[float]]:
                 want = {s: hi - 1 for s in range(n_sources)}
                 for _, conn in replicas:
-                    conn.send(want)
+                    conn.send((want, rate > 0))  # apply times (a listener) for the paced round
                 at_relay.clear()
                 t0 = time.time()
                 parent.send((lo, hi, rate))
-                sent = await anyio.to_thread.run_sync(parent.recv)
+                sent, pub_cpu = await anyio.to_thread.run_sync(parent.recv)
+                cpu["engines"] = cpu_round("engines", pub_cpu)
                 sent_at = {(s, i): t for s, i, t in sent}
                 done, lags = t0, []
                 for _, conn in replicas:
-                    end, applied = await anyio.to_thread.run_sync(conn.recv)
+                    end, applied, rep_cpu = await anyio.to_thread.run_sync(conn.recv)
+                    cpu[f"replica {id(conn)}"] = cpu_round(f"replica {id(conn)}", rep_cpu)
                     done = max(done, end)
                     lags += [applied[k] - sent_at[k] for k in applied if k in sent_at]
                 relay_lags = [at_relay[k] - sent_at[k] for k in sent_at if k in at_relay]
+                cpu["relay"] = cpu_round("relay", relay_cpu())
+                cpu["nats-server"] = cpu_round("nats", nats_cpu())
                 return done - t0, lags, relay_lags
 
+            profiler = cProfile.Profile() if args.profile else None
+            if profiler is not None:
+                profiler.enable()
             elapsed, lags, _ = await round_(0, n_batches, 0)
+            replica_cpu = [v for k, v in cpu.items() if k.startswith("replica")]
+            total_cpu = cpu["relay"] + cpu["nats-server"] + cpu["engines"] + sum(replica_cpu)
+            per = 1e5 / blocks
+            print(
+                f"CPU seconds per 100k blocks in that round: relay process {cpu['relay'] * per:.2f}, each replica"
+                f" {' / '.join(f'{c * per:.2f}' for c in replica_cpu)}, nats-server {cpu['nats-server'] * per:.2f},"
+                f" engines {cpu['engines'] * per:.2f}; total {total_cpu * per:.2f}: 2 cores carry at most"
+                f" {2 * blocks / total_cpu:,.0f} blocks/s of this pipeline (the run reached"
+                f" {blocks / elapsed / (2 * blocks / total_cpu):.2f} x that)"
+            )
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(args.profile)
             print(
                 f"throughput: {blocks:,} blocks ({n_batches * n_sources:,} batches) engines -> relay -> NATS ->"
                 f" 3 replicas in {elapsed:.2f} s: {blocks / elapsed:,.0f} blocks/s"
-                f" ({blocks / elapsed / (blocks / base):.2f} x the one-loop baseline);"
-                f" lag at full speed p50 {_pct(lags, 0.5) * 1e3:.0f} ms, p99 {_pct(lags, 0.99) * 1e3:.0f} ms"
+                f" ({blocks / elapsed / (blocks / base):.2f} x the one-loop baseline,"
+                f" {blocks / elapsed / (2 * blocks / raw / 5):.2f} x the 2-core ceiling)"
+                + (
+                    f"; lag at full speed p50 {_pct(lags, 0.5) * 1e3:.0f} ms, p99 {_pct(lags, 0.99) * 1e3:.0f} ms"
+                    if lags
+                    else ""
+                )
             )
             t0 = time.perf_counter()
             seq = await relay.write_snapshot()
@@ -246,15 +347,15 @@ async def run(args: argparse.Namespace) -> None:
                 proc.join(10)
             replicas = []
             t0 = time.perf_counter()
-            cold = _spawn_replica(url, args.backend)
-            _, ready, entries, snap_seq = await anyio.to_thread.run_sync(cold[1].recv)
+            cold = _spawn_replica(url, args.backend, args.follower)
+            _, ready, entries, _ = await anyio.to_thread.run_sync(cold[1].recv)
             wall = time.perf_counter() - t0
             cold[1].send(None)
             cold[0].join(10)
             mirror = relay.stats()
             print(
                 f"cold start: snapshot at seq {seq} ({entries:,} index entries, written in {snap_s:.2f} s) + "
-                f"{mirror.records - snap_seq:,} records after it: synced {ready:.2f} s after start"
+                f"{mirror.records - seq:,} records after it: synced {ready:.2f} s after start"
                 f" ({wall:.2f} s with the process spawn and imports)"
             )
             print(f"relay: {mirror}")
@@ -274,6 +375,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small run (smoke test)")
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    parser.add_argument(
+        "--follower",
+        choices=("client", "replica"),
+        default="client",
+        help="the three replicas: KvEventClient(jetstream=...) (default) or JetStreamReplica",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="cProfile the relay's process (FILE) and one replica's (FILE.replica) during the throughput round",
+    )
     args = parser.parse_args()
     anyio.run(run, args, backend=args.backend)
 

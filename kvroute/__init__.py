@@ -17,7 +17,8 @@ The client and its settings:
 Routing: `Router` (`RoutingDecision`), `CostModel`, `LoadPolicy`, `MultimodalItem`, `chain_keys`;
 `follow_engine_metrics` feeds the engines' own load (Prometheus) to the router.
 
-Replicas: `JetStreamRelay` republishes what a client applied to NATS JetStream; `JetStreamReplica` follows it.
+Replicas: `JetStreamRelay` republishes what a client applied to NATS JetStream; `JetStreamReplica`, or a
+`KvEventClient(jetstream="nats://host:4222/<stream>")`, follows it.
 
 Events: `EventBatch` of events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), `decode_batch` /
 `encode_batch`; lifecycle events a router reacts to: `Synced`, `Partial`, `Reset`, `Removed`,

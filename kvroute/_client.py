@@ -40,6 +40,7 @@ from ._snapshot import Cursor
 from ._stats import ClientStats, TotalStats, client_stats
 from ._transports._base import Driver, RateLimitedLog, SourceStats, Transport
 from ._transports._registry import client_transports
+from ._transports.jetstream import JetStreamSource, SourceFeed
 from ._transports.zmq.config import SubscriberConfig
 from ._transports.zmq.sockets import DEFAULT_MAX_SOURCES, fit_sources
 
@@ -100,7 +101,9 @@ class KvEventClient:
     `PrefixIndex.reuse_reports`: pass False when no request the engines serve asks for
     prefix-cache reuse reports (vLLM's ``kv_cache_report_mode "full"``), so repeated stores
     count as the GPU copies they then are; None leaves the index's own setting (True: reports
-    may come). The client is also the router's `WorkerStates`.
+    may come). The client is also the router's `WorkerStates`. ``jetstream``: follow a relay's
+    JetStream log (``"nats://host:4222/<stream>"``, docs/replicas.md) instead of (or beside)
+    engines: its workers become the client's sources, named by the log.
 
     Sources and targets can be added and removed while the client runs (inside ``async
     with``); a source whose driver fails is removed (a `Removed` event, reason
@@ -135,6 +138,7 @@ class KvEventClient:
         discovery_grace: float = 30.0,
         discovery_options: DiscoveryOptions | None = None,
         reuse_reports: bool | None = None,
+        jetstream: str | JetStreamSource | None = None,
     ) -> None:
         if not discovery_interval > 0 or not discovery_grace >= 0:
             raise ConfigError(
@@ -182,6 +186,10 @@ class KvEventClient:
         #: Engine load reported by gateway-stream sources; a `Router` given this client prices it.
         self.engine_loads = EngineLoads()
         self._transports: list[Transport] = []
+        # --- JetStream transport (kvroute._transports.jetstream): a relay's log names its own sources.
+        if isinstance(jetstream, str):
+            jetstream = JetStreamSource.from_url(jetstream, limits=self._config.limits)
+        self._jetstream = jetstream
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -214,6 +222,12 @@ class KvEventClient:
             spawn=tg.start_soon,
             adopt=self._adopt,
         )
+        # --- JetStream transport registration (kvroute._transports.jetstream): first, so it claims its sources.
+        if self._jetstream is not None:
+            origin = self._jetstream.endpoint
+            add = lambda s: self._add(s, origin)  # noqa: E731
+            feed = SourceFeed(self._index, tg.start_soon, add, self._remove, self._feed_pending)
+            self._transports.insert(0, self._jetstream.attach(feed))
         try:
             for src in self._initial_sources:
                 self.add_source(src)
@@ -246,6 +260,17 @@ class KvEventClient:
             if self._own_ctx and self._ctx is not None:
                 self._ctx.term()
                 self._ctx = None
+
+    def _feed_pending(self, name: str, why: str | None) -> None:
+        """A transport that names its own sources (JetStream) is reading them: not synced until ``why`` is None."""
+        if why is None:
+            self._targets_pending.discard(name)
+            self._discovery_errors.pop(name, None)
+            self._drop_unclaimed()
+        else:
+            self._targets_pending.add(name)
+            self._discovery_errors[name] = why
+        self._wake()
 
     def _task_group(self) -> anyio.abc.TaskGroup:
         if self._tg is None:

@@ -45,7 +45,7 @@ from ._jetstream_nats import NatsLoop
 from ._jetstream_publish import _Publisher, _Restart
 from ._jetstream_replica import JetStreamReplica
 from ._models import EventSource, WorkerKey
-from ._subscriber import SubscriberConfig
+from ._transports.zmq.config import SubscriberConfig
 
 __all__ = ["JetStreamRelay", "RelayStats"]
 

@@ -1,173 +1,73 @@
 """`JetStreamReplica`: a router's index rebuilt from a relay's JetStream log, never talking to the engines.
 
-The log's format and the rules a replica applies it by are in `kvroute._jetstream`; the relay
-that writes it is `kvroute._jetstream_relay.JetStreamRelay` (which keeps one of these as its
-mirror, the source of its snapshots and of the positions a new active relay resumes from).
+The log's format is `kvroute._jetstream`'s; the rules a follower applies it by, and the reading of the
+stream, are `kvroute._jetstream_log`'s (shared with the JetStream transport of `KvEventClient`,
+`kvroute._transports.jetstream`, the way a router follows a log). This class is the standalone form:
+an index and a router's `WorkerStates` without a client, which the relay keeps as its mirror (the
+source of its snapshots and of the positions a new active relay resumes from).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import tempfile
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import anyio
 import anyio.abc
-import anyio.lowlevel
+import anyio.to_thread
 import msgspec
 
 from ._errors import SnapshotError
 from ._index import PrefixIndex
-from ._jetstream import (
-    SNAPSHOT_FORMAT,
-    SNAPSHOT_KEY,
-    JetStreamError,
-    SnapshotInfo,
-    _Batches,
-    _Partial,
-    _Present,
-    _Reset,
-    check_stream_name,
-    decode_record,
-    fetch_object,
-    log,
-    meta_bucket,
-    nats_module,
-    subject_prefix,
-)
-from ._jetstream_nats import NatsLoop, Signal
+from ._jetstream import SNAPSHOT_FORMAT, SnapshotInfo, check_stream_name, log, nats_module
+from ._jetstream_log import LogReader, LogRules, LogWorker
+from ._jetstream_nats import NatsLoop
 from ._models import WorkerKey, WorkerStatus
-from ._snapshot import Cursor
+from ._snapshot import Cursor, read_snapshot
 from ._wire import Limits
 
 __all__ = ["JetStreamReplica", "ReplicaStats"]
 
-#: Seconds of applying records before the apply loop yields to the event loop's other tasks.
-_SLICE = 0.02
-
-
-class _Follower:
-    """An ordered push consumer of the whole stream, run on the NATS loop (nats-py's own answers flow control
-    only every 250 ms, which stalls a busy stream; this one answers at once).
-
-    Records go to ``queue`` as (stream sequence, data). A consumer sequence that skips, or silence
-    (no record, no heartbeat) for three heartbeat intervals (the server restarted: the consumer,
-    in memory, is gone), recreates the consumer from the sequence after the last record taken.
-    """
-
-    def __init__(self, nl: NatsLoop, stream: str, queue: deque[tuple[int, bytes]], ready: Signal) -> None:
-        self.nl = nl
-        self.stream = stream
-        self.queue = queue
-        self.ready = ready
-        self.sseq = 0
-        self.cseq = 0
-        self.generation = 0
-        self.seen = 0.0
-        self.sub: Any = None
-        self.consumer: str | None = None
-        self.heartbeat = 1.0
-
-    async def open(self, start: int) -> int:
-        """Create the consumer from ``start`` and start the watchdog; the stream's last sequence now."""
-        info = await self.nl.js.stream_info(self.stream)
-        self.sseq = start - 1
-        await self._create()
-        self.nl.spawn(self._watchdog())
-        return int(info.state.last_seq)
-
-    async def _create(self) -> None:
-        nats = nats_module()
-        api = nats.js.api
-        nc = self.nl.nc
-        self.generation += 1
-        generation = self.generation
-        old, self.sub = self.sub, None
-        if old is not None:
-            with contextlib.suppress(Exception):
-                await old.unsubscribe()
-        if self.consumer is not None:
-            consumer, self.consumer = self.consumer, None
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.nl.js.delete_consumer(self.stream, consumer), 1.0)
-        inbox = nc.new_inbox()
-
-        async def on_msg(msg: Any) -> None:
-            if generation != self.generation:
-                return  # a message of a replaced consumer
-            self.seen = asyncio.get_running_loop().time()
-            reply = msg.reply
-            if not reply or not reply.startswith("$JS.ACK."):
-                hdr = msg.headers or {}
-                if reply and hdr.get("Status") == "100":
-                    await nc.publish(reply, b"")  # flow control: answered at once
-                stalled = hdr.get("Nats-Consumer-Stalled")
-                if stalled:
-                    await nc.publish(stalled, b"")
-                return
-            meta = msg.metadata.sequence
-            if meta.consumer != self.cseq + 1:
-                await self._create()  # a delivery was lost: start over after the last one taken
-                return
-            self.cseq = meta.consumer
-            self.sseq = meta.stream
-            self.queue.append((meta.stream, msg.data))
-            self.ready.set()
-
-        self.cseq = 0
-        self.seen = asyncio.get_running_loop().time()
-        self.sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
-        cfg = api.ConsumerConfig(
-            deliver_subject=inbox,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=self.sseq + 1,
-            ack_policy=api.AckPolicy.NONE,
-            filter_subject=f"{subject_prefix(self.stream)}.>",
-            flow_control=True,
-            idle_heartbeat=self.heartbeat,
-            mem_storage=True,
-            num_replicas=1,
-            inactive_threshold=30.0,
-        )
-        info = await self.nl.js.add_consumer(self.stream, config=cfg)
-        self.consumer = info.name
-
-    async def _watchdog(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self.heartbeat)
-            if loop.time() - self.seen > 3 * self.heartbeat:
-                try:
-                    await self._create()
-                except Exception as exc:  # the server is still away: try again next tick
-                    log.debug("consumer of %s not recreated yet: %r", self.stream, exc)
-
-
-# --- the replica --------------------------------------------------------------------------------------
-
 
 class _WorkerState:
+    """A worker as the standalone replica keeps it (`LogWorker`): its chain position and partial flag."""
+
     __slots__ = ("last", "partial")
 
     def __init__(self, last: Cursor | None = None, partial: bool = False) -> None:
         self.last = last
         self.partial = partial
 
+    def applied(self, seq: int, ts: float, payload: bytes, blocks: int) -> None:
+        """Nothing to keep beyond ``last`` (set by the rules)."""
+
+    def reset(self, reason: str, detail: str) -> None:
+        """A reset starts a whole history again."""
+        self.partial = False
+
+    def lost(self, reason: str, detail: str, first_seq: int) -> None:
+        """Part of the history is gone."""
+        self.partial = True
+
+    def mark_partial(self, reason: str, first_seq: int) -> None:
+        """The relay says the history is partial."""
+        self.partial = True
+
+    def duplicate(self) -> None:
+        """Counted by the rules (`ReplicaStats.duplicates`)."""
+
 
 class ReplicaStats(msgspec.Struct, frozen=True, kw_only=True):
-    """A `JetStreamReplica`'s counters.
+    """A `JetStreamReplica`'s counters (the JetStream transport's `JetStreamSource.stats` too).
 
     ``position``: the last stream sequence applied; ``snapshot_seq``: the sequence the snapshot
     it started from covered (0: none); ``batches``: batches applied; ``duplicates``: batches at
     or below their worker's last seq, skipped; ``gaps``: chain breaks (a worker reset, partial);
     ``stream_gaps``: jumps in the stream's sequence (every worker reset, partial);
-    ``undecodable``: records or batches that failed to decode (the worker reset, partial).
+    ``undecodable``: records or batches that failed to decode (the worker reset, partial);
+    ``refused``: records of workers the follower did not take (a client's ``max_sources``).
     """
 
     position: int
@@ -180,6 +80,7 @@ class ReplicaStats(msgspec.Struct, frozen=True, kw_only=True):
     stream_gaps: int = 0
     undecodable: int = 0
     resets: int = 0
+    refused: int = 0
 
 
 class JetStreamReplica:
@@ -191,9 +92,11 @@ class JetStreamReplica:
     log held when it subscribed. It is a router's `WorkerStates` (``Router(replica.index,
     replica)``): every worker named by the log is live; a worker's ``partial`` flag is the relay's
     (or set by a gap in the log). The NATS connection reconnects by itself; its consumer is
-    recreated from the next sequence after a skipped delivery or a silent server (`_Follower`).
+    recreated from the next sequence after a skipped delivery or a silent server.
     A replica started before any relay created the stream waits for it. ``limits``: the caps
     payloads are decoded under (give the relay client's ``config.limits`` when it raised them).
+    The same follower inside a `KvEventClient` (its sources, stats and events):
+    ``KvEventClient(jetstream="nats://host:4222/<stream>")``.
     """
 
     def __init__(
@@ -210,24 +113,52 @@ class JetStreamReplica:
         nats_module()
         self._servers = [servers] if isinstance(servers, str) else list(servers)
         self.stream = stream
-        self._use_snapshot = use_snapshot
         self._connect_timeout = connect_timeout
         self._name = name
-        self._limits = limits or Limits()
-        self.index = PrefixIndex()
         self._workers: dict[WorkerKey, _WorkerState] = {}
-        self.position = 0
+        self._rules = LogRules(
+            PrefixIndex(),
+            limits or Limits(),
+            f"replica {name}",
+            worker=self._worker,
+            workers=lambda: list(self._workers.items()),
+            remove=self._remove,
+        )
+        self._reader = LogReader(stream, f"replica {name}", self._rules, use_snapshot=use_snapshot)
         self._snapshot_seq = 0
-        self._target: int | None = None
-        self._counts = {"batches": 0, "duplicates": 0, "gaps": 0, "stream_gaps": 0, "undecodable": 0, "resets": 0}
-        self._queue: deque[tuple[int, bytes]] = deque()
-        self._ready = Signal(threaded=True)  # replaced by the connection's kind in start()
         self._nats: NatsLoop | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._changed: anyio.Event | None = None
-        #: Called after each applied record: its stream sequence, worker and engine seq (None for a
-        #: lifecycle record); for measuring apply lag (bench/bench_jetstream.py).
-        self.on_applied: Callable[[int, WorkerKey, int | None], None] | None = None
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The index the replica keeps (replaced by the snapshot it starts from)."""
+        return self._rules.index
+
+    @property
+    def position(self) -> int:
+        """The last stream sequence applied."""
+        return self._rules.position
+
+    @property
+    def on_applied(self) -> Callable[[int, WorkerKey, int | None], None] | None:
+        """Called after each applied record: its stream sequence, worker and engine seq (None for a
+        lifecycle record); for measuring apply lag (bench/bench_jetstream.py)."""
+        return self._rules.on_applied
+
+    @on_applied.setter
+    def on_applied(self, fn: Callable[[int, WorkerKey, int | None], None] | None) -> None:
+        self._rules.on_applied = fn
+
+    def _worker(self, key: WorkerKey) -> LogWorker:
+        st = self._workers.get(key)
+        if st is None:
+            st = self._workers[key] = _WorkerState()
+        return st
+
+    def _remove(self, key: WorkerKey, reason: str) -> None:
+        self._rules.index.remove_worker(key)
+        self._workers.pop(key, None)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -248,22 +179,7 @@ class JetStreamReplica:
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
-        tg.start_soon(self._follow, nl)
-
-    async def _follow(self, nl: NatsLoop) -> None:
-        """Wait for the stream (a replica may start before any relay), load the snapshot, subscribe, apply."""
-        nats = nats_module()
-        while True:
-            try:
-                if self._use_snapshot:
-                    await self._load_snapshot(nl)
-                await self._subscribe(nl)
-                break
-            except JetStreamError as exc:
-                if not isinstance(exc.__cause__, nats.js.errors.NotFoundError):
-                    log.warning("replica %s: %s; retrying", self._name, exc)
-                await anyio.sleep(0.25)
-        await self._apply_loop()
+        tg.start_soon(self._reader.follow, nl, self._restore, self._wake)
 
     async def stop(self) -> None:
         """Stop following the log (the index keeps what it holds)."""
@@ -276,146 +192,25 @@ class JetStreamReplica:
             await nl.close()
         self._wake()
 
-    async def _load_snapshot(self, nl: NatsLoop) -> None:
-        async def fetch() -> tuple[bytes, str] | None:
-            nats = nats_module()
-            meta = await meta_bucket(nl.js, self.stream, create=False)
-            if meta is None:
-                return None
-            try:
-                name = (await meta.get(SNAPSHOT_KEY)).value.decode()
-            except nats.js.errors.KeyNotFoundError:
-                return None
-            return await fetch_object(nl.js, self.stream, name)
-
+    async def _restore(self, data: bytes, info: SnapshotInfo) -> int | None:
+        """Start from a snapshot: its index, workers and positions; the stream sequence it covers."""
         try:
-            # Bounded: an object deleted while it is read (three snapshots later) would never complete.
-            got = await nl.call(asyncio.wait_for(fetch(), 60.0))
-        except Exception as exc:
-            raise JetStreamError(f"cannot read the snapshot of {self.stream}: {exc!r}") from exc
-        if got is None:
-            return
-        data, description = got
-        try:
-            info = msgspec.json.decode(description, type=SnapshotInfo)
-            if info.format != SNAPSHOT_FORMAT:
-                raise SnapshotError(f"snapshot format {info.format}; this kvroute reads {SNAPSHOT_FORMAT}")
-            index, cursors = _restore(data)
-        except (msgspec.DecodeError, msgspec.ValidationError, SnapshotError) as exc:
+            index, cursors = await anyio.to_thread.run_sync(_restore, data)
+        except SnapshotError as exc:
             # Cold from the whole log instead: it is exact when the log still holds everything.
             log.warning("replica %s: snapshot unusable, reading the log from its start: %s", self._name, exc)
-            return
+            return None
         partial = {WorkerKey(*k) for k in info.partial}
-        self.index = index
+        self._rules.index = index
         self._workers = {
             WorkerKey(*k): _WorkerState(cursors.get(WorkerKey(*k)), WorkerKey(*k) in partial) for k in info.workers
         }
-        self.position = self._snapshot_seq = info.stream_seq
-
-    async def _subscribe(self, nl: NatsLoop) -> None:
-        self._ready = nl.signal()
-        follower = _Follower(nl, self.stream, self._queue, self._ready)
-        try:
-            self._target = await nl.call(follower.open(self.position + 1))
-        except Exception as exc:
-            raise JetStreamError(f"cannot subscribe to stream {self.stream}: {exc!r}") from exc
-
-    # --- applying -------------------------------------------------------------------------------
-
-    async def _wait_records(self) -> None:
-        queue, ready = self._queue, self._ready
-        while not queue:
-            ready.clear()
-            if queue:
-                return
-            await ready.wait(0.5)
-
-    async def _apply_loop(self) -> None:
-        if self.synced:
-            self._wake()
-        queue = self._queue
-        pop = queue.popleft
-        while True:
-            await self._wait_records()
-            # A slice at a time: the loop's other tasks (a relay's lease renewal, a router) run in between.
-            deadline = time.monotonic() + _SLICE
-            while queue and time.monotonic() < deadline:
-                self.apply_record(*pop())
-            self._wake()
-            await anyio.lowlevel.checkpoint()
+        self._snapshot_seq = info.stream_seq
+        return info.stream_seq
 
     def apply_record(self, sseq: int, data: bytes) -> None:
-        """Apply one log record at stream sequence ``sseq`` (exposed for the relay's mirror and tests)."""
-        if sseq <= self.position:
-            return  # redelivered by a consumer reset
-        if sseq != self.position + 1 and self.position >= 0:
-            self._counts["stream_gaps"] += 1
-            log.warning(
-                "replica %s: stream records %d..%d are gone: every worker reset",
-                self._name,
-                self.position + 1,
-                sseq - 1,
-            )
-            for lost, ws in self._workers.items():
-                self.index.remove_worker(lost)
-                ws.last, ws.partial = None, True
-        self.position = sseq
-        try:
-            rec, body = decode_record(data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            # Its worker cannot be known; that worker's next batch breaks the chain (prev), which resets it.
-            self._counts["undecodable"] += 1
-            log.warning("replica %s: undecodable record at %d skipped", self._name, sseq)
-            return
-        key = WorkerKey(rec.worker_id, rec.dp_rank)
-        if isinstance(rec, _Batches):
-            self._apply_run(sseq, key, rec, data, body)
-            return
-        if isinstance(rec, _Reset):
-            self.index.remove_worker(key)
-            self._counts["resets"] += 1
-            self._workers[key] = _WorkerState()
-        elif isinstance(rec, _Partial):
-            self._workers.setdefault(key, _WorkerState()).partial = True
-        elif isinstance(rec, _Present):
-            self._workers.setdefault(key, _WorkerState())
-        else:
-            self.index.remove_worker(key)
-            self._workers.pop(key, None)
-        if self.on_applied is not None:
-            self.on_applied(sseq, key, None)
-
-    def _apply_run(self, sseq: int, key: WorkerKey, rec: _Batches, data: bytes, at: int) -> None:
-        """Apply a run of ``key``'s batches, each payload straight from the record's body (the core decodes it)."""
-        st = self._workers.get(key)
-        if st is None:
-            st = self._workers[key] = _WorkerState()
-        counts, index, limits, on_applied = self._counts, self.index, self._limits, self.on_applied
-        prev = rec.prev
-        for seq, ts, length in rec.items:
-            payload = data[at : at + length]
-            at += length
-            item_prev, prev = prev, seq
-            last = st.last
-            if last is not None and seq <= last.seq:
-                counts["duplicates"] += 1
-                continue
-            if item_prev != (last.seq if last is not None else None):
-                # An uncovered gap: what the log lost may have removed blocks; claim none of the old ones.
-                counts["gaps"] += 1
-                index.remove_worker(key)
-                st.partial = True
-            st.last = Cursor(seq, ts)
-            if not index.apply_payload(key, payload, limits).ok:
-                # Nothing of it was applied: blocks it removed may still be held, so none are trusted.
-                # The chain goes on from it (what follows is applied to the emptied worker).
-                counts["undecodable"] += 1
-                index.remove_worker(key)
-                st.partial = True
-                continue
-            counts["batches"] += 1
-            if on_applied is not None:
-                on_applied(sseq, key, seq)
+        """Apply one log record at stream sequence ``sseq`` (exposed for tests; `kvroute._jetstream_log`)."""
+        self._rules.apply_record(sseq, data)
 
     # --- state ----------------------------------------------------------------------------------
 
@@ -427,7 +222,7 @@ class JetStreamReplica:
     @property
     def synced(self) -> bool:
         """True once everything the log held at subscription is applied."""
-        return self._target is not None and self.position >= self._target
+        return self._reader.synced
 
     async def wait_synced(self, timeout: float) -> None:  # noqa: ASYNC109 (the same API as KvEventClient)
         """Return once everything the log held at subscription is applied (TimeoutError after ``timeout``)."""
@@ -440,7 +235,7 @@ class JetStreamReplica:
     async def wait_position(self, seq: int, timeout: float) -> None:  # noqa: ASYNC109
         """Return once the stream sequence ``seq`` is applied (TimeoutError after ``timeout``)."""
         with anyio.fail_after(timeout):
-            while self.position < seq or self._target is None:
+            while self.position < seq or self._reader.target is None:
                 if self._changed is None:
                     self._changed = anyio.Event()
                 await self._changed.wait()
@@ -471,7 +266,7 @@ class JetStreamReplica:
             snapshot_seq=self._snapshot_seq,
             synced=self.synced,
             workers=len(self._workers),
-            **self._counts,
+            **self._rules.counts,
         )
 
     def snapshot_bytes(self) -> tuple[bytes, SnapshotInfo]:
@@ -490,6 +285,7 @@ class JetStreamReplica:
 
 
 def _restore(data: bytes) -> tuple[PrefixIndex, dict[WorkerKey, Cursor]]:
+    """A new index from a snapshot's bytes, and its workers' positions (`PrefixIndex.restore`)."""
     with tempfile.TemporaryDirectory(prefix="kvroute-js-") as tmp:
         path = Path(tmp) / "index.snapshot"
         path.write_bytes(data)
@@ -498,3 +294,28 @@ def _restore(data: bytes) -> tuple[PrefixIndex, dict[WorkerKey, Cursor]]:
     return index, cursors
 
 
+def restore_into(index: PrefixIndex, data: bytes, keys: Collection[WorkerKey]) -> dict[WorkerKey, Cursor]:
+    """Import the snapshot's workers among ``keys`` into ``index`` (an index a client already holds).
+
+    Each is replaced whole; one whose tables are inconsistent is dropped with a warning, as
+    `PrefixIndex.restore` drops it. Returns the imported workers' positions. Raises `SnapshotError`.
+    """
+    with tempfile.TemporaryDirectory(prefix="kvroute-js-") as tmp:
+        path = Path(tmp) / "index.snapshot"
+        path.write_bytes(data)
+        workers, cursors = read_snapshot(path)
+    wanted = set(keys)
+    out: dict[WorkerKey, Cursor] = {}
+    for sw in workers:
+        key = WorkerKey(sw.worker_id, sw.dp_rank)
+        if key not in wanted:
+            continue
+        index.remove_worker(key)
+        # The per-worker import `PrefixIndex.restore` does (its tables checked on the way in).
+        problem = index._core.import_worker(key, sw)
+        if problem is not None:
+            log.warning("snapshot: worker %s/%d dropped: %s", *key, problem)
+            index.remove_worker(key)
+        elif key in cursors:
+            out[key] = cursors[key]
+    return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 
 import anyio
@@ -13,7 +12,6 @@ from kvroute import CostModel, KvRouteError
 
 from . import _demo_run
 from ._demo_plot import plot
-from ._demo_replica import ReplicaPolicy, nats_server
 from ._demo_report import render
 from ._demo_run import POLICIES, DemoOptions, run_demo
 from ._display import EXIT_FAILED, EXIT_OK, EXIT_USAGE, error
@@ -121,17 +119,12 @@ def _main(args: argparse.Namespace) -> int:
             capacity_blocks=args.capacity_blocks,
             overlap_weight=args.overlap_weight,
             replicas=args.replicas,
+            jetstream=args.jetstream,
         )
     except ValueError as exc:
         return error("demo", exc, EXIT_USAGE)
-    if args.jetstream and args.replicas < 2:
-        return error("demo", "--jetstream needs --replicas N (N >= 2)", EXIT_USAGE)
     try:
-        with contextlib.ExitStack() as stack:
-            if args.jetstream:
-                ReplicaPolicy.nats = stack.enter_context(nats_server())
-                stack.callback(setattr, ReplicaPolicy, "nats", None)
-            result = anyio.run(lambda: run_demo(options, progress=not args.json))
+        result = anyio.run(lambda: run_demo(options, progress=not args.json))
     except (TraceError, KvRouteError, OSError, TimeoutError) as exc:
         return error("demo", exc, EXIT_FAILED)
     if args.json:

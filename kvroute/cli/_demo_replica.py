@@ -8,9 +8,11 @@ in front of router replicas does. With ``engine`` load each Router prices the en
 it routed itself, 1/N of the fleet's. At the end every replica reports a digest of its index (what it
 claims for each of the workload's prompts, and its block count per worker): at quiescence they agree.
 
-With ``kvroute demo --jetstream`` (`ReplicaPolicy.nats` set), the policy runs one `JetStreamRelay` following
-every engine instead, and each replica process is a `JetStreamReplica` of its stream (it never talks to the
-engines); the log carries no engine load, so both load modes then price the replica's own requests.
+With ``kvroute demo --jetstream`` (`DemoOptions.jetstream`: the policy is given a NATS server), the policy
+runs one `JetStreamRelay` following every engine instead, and each replica process is a `KvEventClient` on
+the JetStream transport (``jetstream="nats://host:port/<stream>"``: its sources are the log's workers, it
+never talks to the engines); the log carries no engine load, so both load modes then price the replica's own
+requests.
 
 The replica speaks JSON lines on stdin / stdout: ``{"op": "route", "id", "tokens"}`` -> ``{"id",
 "worker", "rank"}``; ``{"op": "prefill" | "finish", "id"}`` (no answer); ``{"op": "digest", "prompts"}``
@@ -30,7 +32,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Hashable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -42,7 +44,6 @@ from kvroute import (
     CostModel,
     EngineLoads,
     JetStreamRelay,
-    JetStreamReplica,
     KvEventClient,
     KvRouteError,
     LoadPolicy,
@@ -96,15 +97,16 @@ async def _serve(
         out.write(encoder.encode(obj) + b"\n")
         out.flush()
 
-    follower: KvEventClient | JetStreamReplica = (
-        JetStreamReplica(nats, stream=stream) if nats is not None else KvEventClient(targets=targets, config=config)
+    follower = (
+        KvEventClient(jetstream=f"{nats}/{stream}")
+        if nats is not None
+        else KvEventClient(targets=targets, config=config)
     )
     async with follower as client:
         await client.wait_synced(30)
-        if load == "engine" and isinstance(client, KvEventClient):
-            loads = client.engine_loads
-        else:
-            loads = EngineLoads(LoadPolicy(mode="router"))
+        # The log carries no engine load: a replica of it prices its own requests only.
+        engine = load == "engine" and nats is None
+        loads = client.engine_loads if engine else EngineLoads(LoadPolicy(mode="router"))
         router = Router(
             client.index,
             states=client,
@@ -182,12 +184,9 @@ class ReplicaPolicy:
 
     Use as ``async with ReplicaPolicy(...) as policy``: the processes start (and have synced every
     source) on entry and stop on exit. ``digests`` asks each replica for its `index_digest`. With
-    `nats` set, a `JetStreamRelay` (in this process) follows the engines and the replicas its stream.
+    ``nats`` (a NATS server with JetStream: ``kvroute demo --jetstream`` starts one), a `JetStreamRelay`
+    (in this process) follows the engines and the replicas its stream.
     """
-
-    #: A NATS server with JetStream (``kvroute demo --jetstream`` starts one and sets this; the demo's
-    #: options, `kvroute.cli._demo_run.DemoOptions`, do not carry it).
-    nats: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -198,6 +197,7 @@ class ReplicaPolicy:
         block_size: int,
         overlap_weight: float,
         seed: int,
+        nats: str | None = None,
     ) -> None:
         if load not in LOAD_MODES:
             raise ValueError(f"load must be one of {LOAD_MODES}, not {load!r}")
@@ -216,6 +216,7 @@ class ReplicaPolicy:
             *targets,
         ]
         self._targets = list(targets)
+        self.nats = nats
         self._count = replicas
         self._replicas: list[_Replica] = []
         self._next = 0
@@ -315,9 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--nats", default=None, help="follow this NATS server's JetStream log instead of the engines")
     p.add_argument("--stream", default="KVROUTE")
     args = p.parse_args(argv)
-    anyio.run(
-        _serve, args.targets, args.load, args.block_size, args.overlap_weight, args.seed, args.nats, args.stream
-    )
+    anyio.run(_serve, args.targets, args.load, args.block_size, args.overlap_weight, args.seed, args.nats, args.stream)
     return 0
 
 

@@ -37,7 +37,7 @@ from kvroute import CostModel, Envelope, KvEventClient, Reset, SubscriberConfig,
 from kvroute.sim import CapacityError, Completion, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
 
 from ._demo_policies import EXTRA_POLICIES, POLICIES, Policy, make_policy
-from ._demo_replica import LOAD_MODES, ReplicaPolicy, index_digest
+from ._demo_replica import LOAD_MODES, ReplicaPolicy, index_digest, nats_server
 from ._demo_report import (
     DemoResult,
     FaultNote,
@@ -105,9 +105,11 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     load too; the fleet serves gateway streams (the engines' load records) for both.
     ``overlap_weight``: `CostModel.overlap_weight` of the kvroute and oracle policies (prefill
     saved against load; default the SDK's; higher keeps a conversation on its cache through more load).
-    ``gateway_stream``: the engines serve the gateway servicer's ``SubscribeKvEvents`` stream
-    (`SimConfig.gateway`) and the routers subscribe to it instead of ZMQ (not with ``faults``,
-    whose drops and restarts are ZMQ faults). ``quiet_interval``: the subscriber's probe
+    ``jetstream``: with ``replicas``, one `JetStreamRelay` follows the engines and the replicas follow its
+    NATS JetStream log (`KvEventClient` on the JetStream transport); a ``nats-server`` on PATH is started
+    for the run (docs/replicas.md). ``gateway_stream``: the engines serve the gateway servicer's
+    ``SubscribeKvEvents`` stream (`SimConfig.gateway`) and the routers subscribe to it instead of ZMQ (not
+    with ``faults``, whose drops and restarts are ZMQ faults). ``quiet_interval``: the subscriber's probe
     interval (docs/recovery.md rules 7-8; short, so a restart is noticed within the run).
     """
 
@@ -127,6 +129,7 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 16
     overlap_weight: float = CostModel().overlap_weight
     capacity_blocks: int | None = None
+    jetstream: bool = False
     quiet_interval: float = 0.5
     sync_timeout: float = 20.0
 
@@ -139,6 +142,8 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"--trace-shape must be one of {', '.join(TRACE_SHAPES)}, not {self.trace_shape!r}")
         if self.replicas < 1 or (self.replicas > 1 and self.faults):
             raise ValueError(f"--replicas must be >= 1 (and not with --faults), not {self.replicas}")
+        if self.jetstream and self.replicas < 2:
+            raise ValueError("--jetstream needs --replicas N (N >= 2)")
         if self.gateway_stream and self.faults:
             raise ValueError("--faults injects ZMQ faults (drops, restarts): not with --gateway-stream")
         if self.requests is not None and self.requests < 1:
@@ -384,8 +389,12 @@ async def _run_policy(
     speedup: float,
     reachable: float,
     reporter: Reporter,
+    nats: str | None = None,
 ) -> tuple[PolicyResult, list[RequestRecord]]:
-    """A fresh fleet and client, the policy's traffic through them, then the figures once quiescent."""
+    """A fresh fleet and client, the policy's traffic through them, then the figures once quiescent.
+
+    ``nats``: the NATS server replicas follow a relay's log on (``options.jetstream``).
+    """
     started = time.perf_counter()
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(SimEngine(cfg)) for cfg in _fleet(options, capacity, speedup)]
@@ -405,6 +414,7 @@ async def _run_policy(
                     block_size=options.block_size,
                     overlap_weight=options.overlap_weight,
                     seed=options.seed,
+                    nats=nats,
                 )
             )
             policy = replicas
@@ -611,10 +621,13 @@ async def run_demo(
         )
     ]
     try:
-        for name in runs:
-            results[name], records[name] = await _run_policy(
-                name, options, workload, capacity, speedup, reachable, display
-            )
+        with contextlib.ExitStack() as stack:
+            # One NATS server for the run; each replicated policy's relay writes a stream of its own.
+            nats = stack.enter_context(nats_server()) if options.jetstream else None
+            for name in runs:
+                results[name], records[name] = await _run_policy(
+                    name, options, workload, capacity, speedup, reachable, display, nats
+                )
     finally:
         display.stop()
     results = with_oracle_shares(results)

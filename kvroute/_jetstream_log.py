@@ -1,0 +1,414 @@
+"""Reading a relay's log (docs/replicas.md): the replica rules, once, for every follower of a stream.
+
+Two followers read the log: `kvroute._jetstream_replica.JetStreamReplica` (a standalone index, and
+the relay's mirror) and the JetStream transport of `KvEventClient` (`kvroute._transports.jetstream`,
+whose per-worker drivers are the client's sources). Both apply records with `LogRules`, which holds
+the rules (chain, duplicates, stream gaps, lifecycle records) and changes the index; what a worker's
+state means to each follower is its `LogWorker`. Both read the stream with `LogReader`: the latest
+snapshot, then an ordered consumer (`_Follower`) from the sequence after it, applied in slices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import anyio
+import anyio.lowlevel
+import msgspec
+
+from ._errors import SnapshotError
+from ._index import PrefixIndex
+from ._jetstream import (
+    SNAPSHOT_FORMAT,
+    SNAPSHOT_KEY,
+    JetStreamError,
+    SnapshotInfo,
+    _Batches,
+    _Partial,
+    _Present,
+    _Removed,
+    _Reset,
+    decode_record,
+    fetch_object,
+    log,
+    meta_bucket,
+    nats_module,
+    subject_prefix,
+)
+from ._jetstream_nats import NatsLoop, Signal
+from ._models import WorkerKey
+from ._snapshot import Cursor
+from ._wire import Limits
+
+__all__ = ["LogReader", "LogRules", "LogWorker", "read_snapshot_object"]
+
+#: Seconds of applying records before the apply loop yields to the event loop's other tasks.
+_SLICE = 0.02
+
+
+class LogWorker(Protocol):
+    """One worker as a follower keeps it; `LogRules` changes the index, then tells the worker what it did.
+
+    ``last``: the worker's newest batch in the log (seq, ts) — the chain a batch's ``prev`` must
+    continue, and the floor below which a batch is a duplicate; None right after a reset. `LogRules`
+    sets it.
+    """
+
+    last: Cursor | None
+
+    def applied(self, seq: int, ts: float, payload: bytes, blocks: int) -> None:
+        """The batch ``seq`` was applied (``blocks`` stored)."""
+        ...
+
+    def reset(self, reason: str, detail: str) -> None:
+        """The relay reset the worker: the index holds none of it; its history is whole again."""
+        ...
+
+    def lost(self, reason: str, detail: str, first_seq: int) -> None:
+        """Part of the worker's history is gone: the index holds none of it, and it is partial."""
+        ...
+
+    def mark_partial(self, reason: str, first_seq: int) -> None:
+        """The relay marked the worker partial (its engine's history before ``first_seq`` is unknown)."""
+        ...
+
+    def duplicate(self) -> None:
+        """A batch at or below ``last`` was skipped."""
+        ...
+
+
+class LogRules:
+    """The replica rules (docs/replicas.md "Chain"): log records → index changes and `LogWorker` calls.
+
+    ``worker(key)`` gives the follower's worker for ``key`` (creating it; None: the follower does
+    not take it, and its records are skipped, counted); ``workers()`` every current one;
+    ``remove(key, reason)`` drops one (a ``removed`` record; the follower removes it from the index).
+    ``counts`` are `ReplicaStats`'s counters.
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        limits: Limits,
+        name: str,
+        *,
+        worker: Callable[[WorkerKey], LogWorker | None],
+        workers: Callable[[], list[tuple[WorkerKey, LogWorker]]],
+        remove: Callable[[WorkerKey, str], None],
+    ) -> None:
+        self.index = index
+        self.limits = limits
+        self.name = name
+        self._worker = worker
+        self._workers = workers
+        self._remove = remove
+        #: The last stream sequence applied.
+        self.position = 0
+        self.counts = {
+            "batches": 0,
+            "duplicates": 0,
+            "gaps": 0,
+            "stream_gaps": 0,
+            "undecodable": 0,
+            "resets": 0,
+            "refused": 0,
+        }
+        #: Called after each applied record: its stream sequence, worker and engine seq (None for a
+        #: lifecycle record); for measuring apply lag (bench/bench_jetstream.py).
+        self.on_applied: Callable[[int, WorkerKey, int | None], None] | None = None
+
+    def apply_record(self, sseq: int, data: bytes) -> None:
+        """Apply one log record at stream sequence ``sseq``."""
+        if sseq <= self.position:
+            return  # redelivered by a consumer reset
+        if sseq != self.position + 1 and self.position >= 0:
+            self.counts["stream_gaps"] += 1
+            detail = f"stream records {self.position + 1}..{sseq - 1} are gone"
+            log.warning("%s: %s: every worker reset", self.name, detail)
+            for lost, w in self._workers():
+                self.index.remove_worker(lost)
+                w.last = None
+                w.lost("stream-gap", detail, 0)
+        self.position = sseq
+        try:
+            rec, body = decode_record(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            # Its worker cannot be known; that worker's next batch breaks the chain (prev), which resets it.
+            self.counts["undecodable"] += 1
+            log.warning("%s: undecodable record at %d skipped", self.name, sseq)
+            return
+        key = WorkerKey(rec.worker_id, rec.dp_rank)
+        if isinstance(rec, _Batches):
+            self._apply_run(sseq, key, rec, data, body)
+            return
+        if isinstance(rec, _Removed):
+            self._remove(key, rec.reason)
+        else:
+            worker = self._worker(key)
+            if worker is None:
+                self.counts["refused"] += 1
+                return
+            if isinstance(rec, _Reset):
+                self.index.remove_worker(key)
+                self.counts["resets"] += 1
+                worker.last = None
+                worker.reset(rec.reason, rec.detail)
+            elif isinstance(rec, _Partial):
+                worker.mark_partial(rec.reason, rec.first_seq)
+            else:
+                assert isinstance(rec, _Present)  # the follower took the worker: that is all
+        if self.on_applied is not None:
+            self.on_applied(sseq, key, None)
+
+    def _apply_run(self, sseq: int, key: WorkerKey, rec: _Batches, data: bytes, at: int) -> None:
+        """Apply a run of ``key``'s batches, each payload straight from the record's body (the core decodes it)."""
+        w = self._worker(key)
+        if w is None:
+            self.counts["refused"] += 1
+            return
+        counts, index, limits, on_applied = self.counts, self.index, self.limits, self.on_applied
+        prev = rec.prev
+        for seq, ts, length in rec.items:
+            payload = data[at : at + length]
+            at += length
+            item_prev, prev = prev, seq
+            last = w.last
+            if last is not None and seq <= last.seq:
+                counts["duplicates"] += 1
+                w.duplicate()
+                continue
+            if item_prev != (last.seq if last is not None else None):
+                # An uncovered gap: what the log lost may have removed blocks; claim none of the old ones.
+                counts["gaps"] += 1
+                index.remove_worker(key)
+                w.lost("gap", f"the log lost batches between seq {item_prev} and {seq}", seq)
+            w.last = Cursor(seq, ts)
+            report = index.apply_payload(key, payload, limits)
+            if not report.ok:
+                # Nothing of it was applied: blocks it removed may still be held, so none are trusted.
+                # The chain goes on from it (what follows is applied to the emptied worker).
+                counts["undecodable"] += 1
+                index.remove_worker(key)
+                w.lost("undecodable", f"seq {seq}: {report.error_kind}: {report.error}", seq + 1)
+                continue
+            counts["batches"] += 1
+            w.applied(seq, ts, payload, report.stored_blocks)
+            if on_applied is not None:
+                on_applied(sseq, key, seq)
+
+
+# --- reading the stream ------------------------------------------------------------------------------
+
+
+class _Follower:
+    """An ordered push consumer of the whole stream, run on the NATS loop (nats-py's own answers flow control
+    only every 250 ms, which stalls a busy stream; this one answers at once).
+
+    Records go to ``queue`` as (stream sequence, data). A consumer sequence that skips, or silence
+    (no record, no heartbeat) for three heartbeat intervals (the server restarted: the consumer,
+    in memory, is gone), recreates the consumer from the sequence after the last record taken.
+    """
+
+    def __init__(self, nl: NatsLoop, stream: str, queue: deque[tuple[int, bytes]], ready: Signal) -> None:
+        self.nl = nl
+        self.stream = stream
+        self.queue = queue
+        self.ready = ready
+        self.sseq = 0
+        self.cseq = 0
+        self.generation = 0
+        self.seen = 0.0
+        self.sub: Any = None
+        self.consumer: str | None = None
+        self.heartbeat = 1.0
+
+    async def open(self, start: int) -> int:
+        """Create the consumer from ``start`` and start the watchdog; the stream's last sequence now."""
+        info = await self.nl.js.stream_info(self.stream)
+        self.sseq = start - 1
+        await self._create()
+        self.nl.spawn(self._watchdog())
+        return int(info.state.last_seq)
+
+    async def _create(self) -> None:
+        nats = nats_module()
+        api = nats.js.api
+        nc = self.nl.nc
+        self.generation += 1
+        generation = self.generation
+        old, self.sub = self.sub, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+        if self.consumer is not None:
+            consumer, self.consumer = self.consumer, None
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nl.js.delete_consumer(self.stream, consumer), 1.0)
+        inbox = nc.new_inbox()
+
+        async def on_msg(msg: Any) -> None:
+            if generation != self.generation:
+                return  # a message of a replaced consumer
+            self.seen = asyncio.get_running_loop().time()
+            reply = msg.reply
+            if not reply or not reply.startswith("$JS.ACK."):
+                hdr = msg.headers or {}
+                if reply and hdr.get("Status") == "100":
+                    await nc.publish(reply, b"")  # flow control: answered at once
+                stalled = hdr.get("Nats-Consumer-Stalled")
+                if stalled:
+                    await nc.publish(stalled, b"")
+                return
+            meta = msg.metadata.sequence
+            if meta.consumer != self.cseq + 1:
+                await self._create()  # a delivery was lost: start over after the last one taken
+                return
+            self.cseq = meta.consumer
+            self.sseq = meta.stream
+            self.queue.append((meta.stream, msg.data))
+            self.ready.set()
+
+        self.cseq = 0
+        self.seen = asyncio.get_running_loop().time()
+        self.sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        cfg = api.ConsumerConfig(
+            deliver_subject=inbox,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=self.sseq + 1,
+            ack_policy=api.AckPolicy.NONE,
+            filter_subject=f"{subject_prefix(self.stream)}.>",
+            flow_control=True,
+            idle_heartbeat=self.heartbeat,
+            mem_storage=True,
+            num_replicas=1,
+            inactive_threshold=30.0,
+        )
+        info = await self.nl.js.add_consumer(self.stream, config=cfg)
+        self.consumer = info.name
+
+    async def _watchdog(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            if loop.time() - self.seen > 3 * self.heartbeat:
+                try:
+                    await self._create()
+                except Exception as exc:  # the server is still away: try again next tick
+                    log.debug("consumer of %s not recreated yet: %r", self.stream, exc)
+
+
+async def read_snapshot_object(nl: NatsLoop, stream: str) -> tuple[bytes, SnapshotInfo] | None:
+    """The newest snapshot of ``stream`` and what it covers; None when there is none or it is unusable.
+
+    Raises `JetStreamError` when it cannot be read (the server is away); an object of another
+    format, or whose description does not decode, is logged and None (the log is read whole then).
+    """
+
+    async def fetch() -> tuple[bytes, str] | None:
+        nats = nats_module()
+        meta = await meta_bucket(nl.js, stream, create=False)
+        if meta is None:
+            return None
+        try:
+            name = (await meta.get(SNAPSHOT_KEY)).value.decode()
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return await fetch_object(nl.js, stream, name)
+
+    try:
+        # Bounded: an object deleted while it is read (three snapshots later) would never complete.
+        got = await nl.call(asyncio.wait_for(fetch(), 60.0))
+    except Exception as exc:
+        raise JetStreamError(f"cannot read the snapshot of {stream}: {exc!r}") from exc
+    if got is None:
+        return None
+    data, description = got
+    try:
+        info = msgspec.json.decode(description, type=SnapshotInfo)
+        if info.format != SNAPSHOT_FORMAT:
+            raise SnapshotError(f"snapshot format {info.format}; this kvroute reads {SNAPSHOT_FORMAT}")
+    except (msgspec.DecodeError, msgspec.ValidationError, SnapshotError) as exc:
+        log.warning("%s: snapshot unusable, reading the log from its start: %s", stream, exc)
+        return None
+    return data, info
+
+
+class LogReader:
+    """Follows one stream for a follower: the latest snapshot, then the log from the sequence after it.
+
+    `follow` waits for the stream (a follower may start before any relay created it), hands the
+    snapshot to ``restore`` (which returns the stream sequence it covers, or None when it could
+    not use it), subscribes from the next sequence, and applies records with ``rules`` a slice
+    at a time, calling ``progress`` after each slice. ``target``: the stream's last sequence when
+    it subscribed (None before).
+    """
+
+    def __init__(self, stream: str, name: str, rules: LogRules, *, use_snapshot: bool) -> None:
+        self.stream = stream
+        self.name = name
+        self.rules = rules
+        self.use_snapshot = use_snapshot
+        self.target: int | None = None
+        self.queue: deque[tuple[int, bytes]] = deque()
+        self._ready = Signal(threaded=True)  # replaced by the connection's kind in `follow`
+
+    @property
+    def synced(self) -> bool:
+        """True once everything the log held at subscription is applied."""
+        return self.target is not None and self.rules.position >= self.target
+
+    async def follow(
+        self,
+        nl: NatsLoop,
+        restore: Callable[[bytes, SnapshotInfo], Awaitable[int | None]],
+        progress: Callable[[], None],
+    ) -> None:
+        """Read the stream until cancelled (see the class docs)."""
+        nats = nats_module()
+        while True:
+            try:
+                if self.use_snapshot:
+                    got = await read_snapshot_object(nl, self.stream)
+                    if got is not None:
+                        covered = await restore(*got)
+                        if covered is not None:
+                            self.rules.position = covered
+                await self._subscribe(nl)
+                break
+            except JetStreamError as exc:
+                if not isinstance(exc.__cause__, nats.js.errors.NotFoundError):
+                    log.warning("%s: %s; retrying", self.name, exc)
+                await anyio.sleep(0.25)
+        progress()
+        queue = self.queue
+        pop = queue.popleft
+        apply_record = self.rules.apply_record
+        while True:
+            await self._wait_records()
+            # A slice at a time: the loop's other tasks (a relay's lease renewal, a router) run in between.
+            deadline = time.monotonic() + _SLICE
+            while queue and time.monotonic() < deadline:
+                apply_record(*pop())
+            progress()
+            await anyio.lowlevel.checkpoint()
+
+    async def _subscribe(self, nl: NatsLoop) -> None:
+        self._ready = nl.signal()
+        follower = _Follower(nl, self.stream, self.queue, self._ready)
+        try:
+            self.target = await nl.call(follower.open(self.rules.position + 1))
+        except Exception as exc:
+            raise JetStreamError(f"cannot subscribe to stream {self.stream}: {exc!r}") from exc
+
+    async def _wait_records(self) -> None:
+        queue, ready = self.queue, self._ready
+        while not queue:
+            ready.clear()
+            if queue:
+                return
+            await ready.wait(0.5)
