@@ -408,7 +408,13 @@ impl<K: WorkerName> Loop<K> {
     fn run(mut self) -> Result<(), String> {
         let mut events = Events::with_capacity(POLL_EVENTS);
         let mut next_scan = Instant::now() + QUIET_SCAN;
+        // The newest look taken while kvroute was caught up: every ready socket read to the
+        // end and every hand-over taken by Python. Quiet is measured up to it only.
+        let mut caught_up_look = Instant::now();
         loop {
+            let caught_up = self.backlog.is_empty()
+                && self.stalled.is_empty()
+                && self.shared.outbox.lock().handovers.is_empty();
             let mut timeout = if self.backlog.is_empty() {
                 next_scan.saturating_duration_since(Instant::now())
             } else {
@@ -435,6 +441,9 @@ impl<K: WorkerName> Loop<K> {
                 }
                 timeout = Duration::ZERO;
             };
+            if caught_up {
+                caught_up_look = looked;
+            }
             if !self.commands()? {
                 return Ok(());
             }
@@ -451,14 +460,16 @@ impl<K: WorkerName> Loop<K> {
                 }
             }
             self.round();
-            // Quiet is judged as of the look, never as of the end of the round: a round can
+            // Quiet is judged as of a look, never as of the end of the round: a round can
             // last long (a flood, a busy core, the index lock) while sources it already read
-            // receive more, which only the next look reports. A source is quiet when the
-            // look found nothing for it and it was read last `quiet` before that look.
+            // receive more, which only the next look reports. And only as of a look taken
+            // caught up: while the thread (or Python, with hand-overs waiting) is behind,
+            // silence is not counted, so kvroute's own slowness probes no one. A source is
+            // quiet when that look found nothing for it and it was read last `quiet` before.
             let now = Instant::now();
             if now >= next_scan {
                 next_scan = now + QUIET_SCAN;
-                self.scan(looked);
+                self.scan(caught_up_look);
             }
         }
     }
@@ -710,7 +721,7 @@ impl<K: WorkerName> Loop<K> {
     }
 
     /// Quiet ticks for sources whose SUB had nothing to read for the quiet interval, as of
-    /// the look at `looked` (every source not marked then had nothing queued at that time).
+    /// the caught-up look at `looked` (every source not marked then had nothing queued).
     fn scan(&mut self, looked: Instant) {
         let quiet = self.settings.quiet;
         let mut ticks = Vec::new();
@@ -941,6 +952,65 @@ mod tests {
         });
         assert!(handed(&got).is_empty());
         shared.command(Command::Stop);
+        assert!(shared.drain().dead.is_none());
+    }
+
+    #[test]
+    fn no_tick_while_python_has_hand_overs_waiting() {
+        // Source 1 is silent for real; source 2 keeps sending with its fast path closed, so
+        // each message is a hand-over. While Python takes none of them (its event loop behind),
+        // silence is not counted: no tick. Once Python drains, source 1 is ticked within a
+        // quiet interval or so, and source 2 never.
+        let ctx = Arc::new(Context::new(64).unwrap());
+        let index = Arc::new(RwLock::new(
+            Index::<W>::new(crate::index::Limits::default()),
+        ));
+        let quiet = Duration::from_millis(300);
+        let settings = Settings {
+            visit: 64,
+            wakeup_bytes: 1 << 20,
+            quiet,
+            outbox_bytes: 16 << 20,
+            limits: wire::Limits::default(),
+        };
+        let shared = start(index.clone(), settings, ctx.clone()).unwrap();
+        let opts = SubOptions {
+            rcvhwm: 1000,
+            max_message_size: 1 << 20,
+            reconnect_ivl: 20,
+            reconnect_ivl_max: 100,
+            tcp_keepalive: false,
+        };
+        let mut pubs = Vec::new();
+        for (token, name) in [(1u64, "a"), (2, "b")] {
+            let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
+            pub_.bind("tcp://127.0.0.1:*").unwrap();
+            let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
+            let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &opts).unwrap();
+            shared.command(Command::Add {
+                token,
+                key: W(name),
+                sub,
+                mon,
+                alive: Arc::new(AtomicBool::new(true)),
+            });
+            pubs.push(pub_);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let behind = Instant::now() + 5 * quiet;
+        let mut seq = 0;
+        while Instant::now() < behind {
+            send(&pubs[1], seq, &payload(1.0, seq + 1));
+            seq += 1;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let first = [shared.drain()];
+        assert!(handed(&first).len() > 20);
+        assert_eq!(quiet_ticks(&first), Vec::<u64>::new());
+        let got = wait(&shared, |g| quiet_ticks(g).contains(&1));
+        assert!(!quiet_ticks(&got).contains(&2));
+        shared.command(Command::Stop);
+        drop(pubs);
         assert!(shared.drain().dead.is_none());
     }
 
