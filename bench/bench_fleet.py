@@ -27,6 +27,8 @@ rate (each measured the same way, with the apply lag p99 per second), e.g. 4x th
 ``--native`` runs the client with ``SubscriberConfig(native_receive=True)``: the compiled core's
 receive thread applies in-order batches itself (its lags are taken from the (seq, ts, lag) records
 it hands back, `SourceDriver._native_applied`). The thread shares the client's core.
+``--receivers python,native`` runs one client after the other against the same publishers (each
+syncs from cold; the publishers' seqs go on), so the two rows are a same-run comparison.
 
 Each line is one row of the README's fleet table.
 """
@@ -239,8 +241,11 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
 
     config = SubscriberConfig(native_receive=args.native)
 
-    def count_native(client: KvEventClient) -> None:
-        """Count what the native thread applied (and its lags): it bypasses the index's Python methods."""
+    def count_native(client: KvEventClient) -> Any:
+        """Count what the native thread applied (and its lags): it bypasses the index's Python methods.
+
+        Returns the function that undoes it (the next client of the same run counts afresh).
+        """
         driver_type: Any = type(next(iter(client._subs.values())).driver)  # the ZMQ driver class
         native_applied = driver_type._native_applied
 
@@ -260,10 +265,11 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             native_applied(driver, seqs, tss, lags, elided, blocks, skipped)
 
         driver_type._native_applied = counted
+        return lambda: setattr(driver_type, "_native_applied", native_applied)
 
     async with KvEventClient(sources, index=index, config=config) as client, anyio.create_task_group() as tg:
         if args.native:
-            count_native(client)
+            tg.start_soon(_undo_at_exit, count_native(client))
         tg.start_soon(ticker)
         tg.start_soon(rss_sampler)
         t_start = time.perf_counter()
@@ -332,6 +338,14 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
         tg.cancel_scope.cancel()
 
 
+async def _undo_at_exit(undo: Any) -> None:
+    """Call ``undo`` when cancelled (the end of the run)."""
+    try:
+        await anyio.sleep_forever()
+    finally:
+        undo()
+
+
 def main() -> None:
     """Parse the options, start the publishers, run the client, print the table rows."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -347,7 +361,15 @@ def main() -> None:
     ap.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     ap.add_argument("--header", action="store_true", help="print the table header first")
     ap.add_argument("--native", action="store_true", help="SubscriberConfig(native_receive=True)")
+    ap.add_argument(
+        "--receivers",
+        default=None,
+        help="e.g. python,native: one client after the other against the same publishers (same-run ratios)",
+    )
     args = ap.parse_args()
+    receivers = (args.receivers or ("native" if args.native else "python")).split(",")
+    if not set(receivers) <= {"python", "native"}:
+        ap.error(f"--receivers takes python and native, not {args.receivers!r}")
 
     cores = sorted(os.sched_getaffinity(0))
     client_core, pub_core = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
@@ -382,13 +404,16 @@ def main() -> None:
     if client_core is not None:
         os.sched_setaffinity(0, {client_core})
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    print(
-        f"# {args.ranks} ranks, {args.procs} publisher processes, fd limit {soft}/{hard}, "
-        f"load average {os.getloadavg()[0]:.1f}, Python {sys.version.split()[0]}, "
-        f"receiver {'native' if args.native else 'python'}"
-    )
     try:
-        anyio.run(_run, args, sources, rate, published, backend=args.backend)
+        for receiver in receivers:
+            args.native = receiver == "native"
+            rate.value = args.rate if args.sync_rate is None else args.sync_rate
+            print(
+                f"# {args.ranks} ranks, {args.procs} publisher processes, fd limit {soft}/{hard}, "
+                f"load average {os.getloadavg()[0]:.1f}, Python {sys.version.split()[0]}, receiver {receiver}",
+                flush=True,
+            )
+            anyio.run(_run, args, sources, rate, published, backend=args.backend)
     finally:
         stop.set()
         for proc in procs:

@@ -22,6 +22,7 @@ from _publisher_helpers import (
     wait_for,
 )
 
+from kvroute import AllBlocksCleared, BlockStored, EventBatch, WorkerKey, encode_batch
 from kvroute._client import KvEventClient
 from kvroute._models import EventSource
 from kvroute._transports.zmq.config import SubscriberConfig
@@ -211,3 +212,66 @@ async def test_many_sources_on_one_thread_and_drops_past_the_buffer() -> None:
         for s in sources[1:]:
             assert client.index.num_blocks(s.key) == truth.num_blocks(s.key)
         assert all(_driver(client, s).native_batches > 0 for s in sources[1:])
+
+
+def _hog_payloads() -> tuple[bytes, bytes]:
+    """A batch of 400,000 blocks (most of a second under the index's write lock) and the clear that undoes it."""
+    n = 50_000
+    events = [
+        BlockStored(
+            block_hashes=list(range(k * n + 1, (k + 1) * n + 1)),
+            parent_block_hash=None,
+            token_ids=[i % 50_000 for i in range(16 * n * k, 16 * n * (k + 1))],
+            block_size=16,
+        )
+        for k in range(8)
+    ]
+    return encode_batch(EventBatch(1.0, events)), encode_batch(EventBatch(2.0, [AllBlocksCleared()]))
+
+
+async def test_a_busy_thread_probes_no_source_that_keeps_sending() -> None:
+    # The receive thread held up for several quiet intervals (here: another writer keeps the
+    # index lock, as a flood or a busy core would keep the thread from its sockets) while
+    # every source keeps sending: none of them is quiet, so none is probed (the overload rule:
+    # never probe a source for kvroute's own slowness). Each still ends applied in order.
+    config = msgspec.structs.replace(NATIVE, quiet_interval=0.5)
+    workloads = [Workload(300 + i) for i in range(8)]
+    hog, clear = _hog_payloads()
+    hog_worker = WorkerKey("hog", 0)
+    async with contextlib.AsyncExitStack() as stack:
+        pubs = [await stack.enter_async_context(EventPublisher()) for _ in workloads]
+        sources = [p.source(f"w{i}") for i, p in enumerate(pubs)]
+        client = await stack.enter_async_context(KvEventClient(sources, config=config))
+        await client.wait_synced(10)
+        probes = {s.key: client.stats().sources[s.key].probes for s in sources}
+        index = client.index
+        held = 0.0
+
+        def hold_the_lock() -> None:
+            # Two applies under the index's write lock, the GIL released: the thread waits.
+            index.apply_payload(hog_worker, hog)
+            index.apply_payload(hog_worker, clear)
+
+        async def publish(until: float) -> None:
+            while anyio.current_time() < until:
+                for p, wl in zip(pubs, workloads):
+                    p.publish(wl.batch())
+                await anyio.sleep(0.02)
+
+        start = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(publish, start + 6.0)
+            await anyio.sleep(0.5)
+            while anyio.current_time() < start + 5.0:
+                t = anyio.current_time()
+                await anyio.to_thread.run_sync(hold_the_lock)
+                held += anyio.current_time() - t
+        assert held > 3.0  # the thread was kept from its sockets for six quiet intervals and more
+        for s, p in zip(sources, pubs):
+            await _caught_up(client, s, p.next_seq - 1)
+        index.remove_worker(hog_worker)
+        assert {s.key: client.stats().sources[s.key].probes for s in sources} == probes
+        assert_index_equal(
+            index, truth_index({s.key: p for s, p in zip(sources, pubs)}), [q for wl in workloads for q in wl.queries]
+        )
+        assert all(_driver(client, s).native_batches > 0 for s in sources)

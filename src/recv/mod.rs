@@ -43,6 +43,8 @@ pub const MONITOR_EVENTS: i32 = (zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED
 const KEEP_RECORDS: usize = 4096;
 /// How often the thread looks for quiet sources (and wakes when nothing arrives).
 const QUIET_SCAN: Duration = Duration::from_millis(250);
+/// Readiness events taken per poll call (a look repeats the call while the list comes back full).
+const POLL_EVENTS: usize = 4096;
 const WAKER: Token = Token(usize::MAX);
 static MONITOR_IDS: AtomicU64 = AtomicU64::new(0);
 
@@ -404,24 +406,43 @@ fn now_wall() -> f64 {
 
 impl<K: WorkerName> Loop<K> {
     fn run(mut self) -> Result<(), String> {
-        let mut events = Events::with_capacity(4096);
+        let mut events = Events::with_capacity(POLL_EVENTS);
         let mut next_scan = Instant::now() + QUIET_SCAN;
+        // The newest look taken while kvroute was caught up: every ready socket read to the
+        // end and every hand-over taken by Python. Quiet is measured up to it only.
+        let mut caught_up_look = Instant::now();
         loop {
-            let timeout = if self.backlog.is_empty() {
+            let caught_up = self.backlog.is_empty()
+                && self.stalled.is_empty()
+                && self.shared.outbox.lock().handovers.is_empty();
+            let mut timeout = if self.backlog.is_empty() {
                 next_scan.saturating_duration_since(Instant::now())
             } else {
                 Duration::ZERO
             };
-            if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(format!("poll failed: {e}"));
+            // One look: polls until one returns less than a full list, so every descriptor
+            // that turned readable before `looked` is marked (a full list may have left some
+            // in the kernel's ready list).
+            let looked = loop {
+                let start = Instant::now();
+                if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(format!("poll failed: {e}"));
+                    }
                 }
-            }
-            for ev in events.iter() {
-                let t = ev.token();
-                if t != WAKER {
-                    self.mark(t.0 as u64 >> 1);
+                for ev in events.iter() {
+                    let t = ev.token();
+                    if t != WAKER {
+                        self.mark(t.0 as u64 >> 1);
+                    }
                 }
+                if events.iter().count() < POLL_EVENTS {
+                    break start;
+                }
+                timeout = Duration::ZERO;
+            };
+            if caught_up {
+                caught_up_look = looked;
             }
             if !self.commands()? {
                 return Ok(());
@@ -439,10 +460,16 @@ impl<K: WorkerName> Loop<K> {
                 }
             }
             self.round();
+            // Quiet is judged as of a look, never as of the end of the round: a round can
+            // last long (a flood, a busy core, the index lock) while sources it already read
+            // receive more, which only the next look reports. And only as of a look taken
+            // caught up: while the thread (or Python, with hand-overs waiting) is behind,
+            // silence is not counted, so kvroute's own slowness probes no one. A source is
+            // quiet when that look found nothing for it and it was read last `quiet` before.
             let now = Instant::now();
             if now >= next_scan {
                 next_scan = now + QUIET_SCAN;
-                self.scan(now);
+                self.scan(caught_up_look);
             }
         }
     }
@@ -693,15 +720,17 @@ impl<K: WorkerName> Loop<K> {
         more
     }
 
-    /// Quiet ticks for sources whose SUB had nothing to read for the quiet interval.
-    fn scan(&mut self, now: Instant) {
+    /// Quiet ticks for sources whose SUB had nothing to read for the quiet interval, as of
+    /// the caught-up look at `looked` (every source not marked then had nothing queued).
+    fn scan(&mut self, looked: Instant) {
         let quiet = self.settings.quiet;
         let mut ticks = Vec::new();
         for (token, src) in self.sources.iter_mut() {
-            if self.in_backlog.contains_key(token) || now.duration_since(src.last_read) < quiet {
+            // `duration_since` saturates: a source read after the look is not quiet.
+            if self.in_backlog.contains_key(token) || looked.duration_since(src.last_read) < quiet {
                 continue;
             }
-            src.last_read = now;
+            src.last_read = looked;
             src.open = false;
             src.handed += 1;
             ticks.push(Handover::Quiet { token: *token });
@@ -791,6 +820,198 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    fn quiet_ticks(got: &[Outbox]) -> Vec<u64> {
+        got.iter()
+            .flat_map(|o| o.handovers.iter())
+            .filter_map(|h| match h {
+                Handover::Quiet { token } => Some(*token),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_busy_thread_ticks_no_source_that_kept_sending() {
+        // The thread is held up (here: the index lock, as a long apply or a busy core would)
+        // for several quiet intervals while every source keeps sending every 20 ms. Sources
+        // it read before it stalled must not look quiet when it resumes: each had messages
+        // waiting all along. Once the sources really stop, every one gets its tick.
+        const N: u64 = 8;
+        let ctx = Arc::new(Context::new(256).unwrap());
+        let index = Arc::new(RwLock::new(
+            Index::<W>::new(crate::index::Limits::default()),
+        ));
+        let quiet = Duration::from_millis(500);
+        let settings = Settings {
+            visit: 64,
+            wakeup_bytes: 1 << 20,
+            quiet,
+            outbox_bytes: 1 << 20,
+            limits: wire::Limits::default(),
+        };
+        let shared = start(index.clone(), settings, ctx.clone()).unwrap();
+        let opts = SubOptions {
+            rcvhwm: 1000,
+            max_message_size: 1 << 20,
+            reconnect_ivl: 20,
+            reconnect_ivl_max: 100,
+            tcp_keepalive: false,
+        };
+        const NAMES: [&str; N as usize] = ["a", "b", "c", "d", "e", "f", "g", "h"];
+        let mut pubs = Vec::new();
+        for token in 0..N {
+            let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
+            pub_.bind("tcp://127.0.0.1:*").unwrap();
+            let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
+            let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &opts).unwrap();
+            shared.command(Command::Add {
+                token,
+                key: W(NAMES[token as usize]),
+                sub,
+                mon,
+                alive: Arc::new(AtomicBool::new(true)),
+            });
+            pubs.push(pub_);
+        }
+        let connected = |g: &[Outbox], token: u64| {
+            g.iter().flat_map(|o| &o.handovers).any(|h| {
+                matches!(h, Handover::Monitor { token: t, event, .. }
+                    if *t == token && u32::from(*event) == zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED)
+            })
+        };
+        let got = wait(&shared, |g| (0..N).all(|t| connected(g, t)));
+        for token in 0..N {
+            let consumed = got
+                .iter()
+                .flat_map(|o| &o.handovers)
+                .filter(|h| matches!(h, Handover::Monitor { token: t, .. } if *t == token))
+                .count() as u64;
+            shared.command(Command::Open {
+                token,
+                next_seq: 0,
+                consumed,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        let sending = Arc::new(AtomicBool::new(true));
+        let publisher = {
+            let sending = sending.clone();
+            std::thread::spawn(move || {
+                let mut seq = 0u64;
+                while sending.load(Ordering::SeqCst) {
+                    for (i, p) in pubs.iter().enumerate() {
+                        send(
+                            p,
+                            seq,
+                            &payload(1.0 + seq as f64, (i as u64) << 32 | (seq + 1)),
+                        );
+                    }
+                    seq += 1;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                seq
+            })
+        };
+        let mut got = Vec::new();
+        let until = Instant::now() + Duration::from_millis(600);
+        while Instant::now() < until {
+            got.push(shared.drain());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        {
+            // Four quiet intervals without a chance to apply anything.
+            let _held = index.write();
+            std::thread::sleep(4 * quiet);
+        }
+        let until = Instant::now() + 2 * quiet;
+        while Instant::now() < until {
+            got.push(shared.drain());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(quiet_ticks(&got), Vec::<u64>::new());
+        assert!(handed(&got).is_empty());
+        // Every source was applied in order throughout.
+        for token in 0..N {
+            let seqs: Vec<u64> = got
+                .iter()
+                .filter_map(|o| o.applied.get(&token))
+                .flat_map(|a| a.records.iter().map(|r| r.0))
+                .collect();
+            assert!(seqs.len() > 50, "source {token}: {} applied", seqs.len());
+            assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1));
+        }
+        // Silent for real now: each source is ticked.
+        sending.store(false, Ordering::SeqCst);
+        let sent = publisher.join().unwrap();
+        assert!(sent > 50);
+        let got = wait(&shared, |g| {
+            let ticks = quiet_ticks(g);
+            (0..N).all(|t| ticks.contains(&t))
+        });
+        assert!(handed(&got).is_empty());
+        shared.command(Command::Stop);
+        assert!(shared.drain().dead.is_none());
+    }
+
+    #[test]
+    fn no_tick_while_python_has_hand_overs_waiting() {
+        // Source 1 is silent for real; source 2 keeps sending with its fast path closed, so
+        // each message is a hand-over. While Python takes none of them (its event loop behind),
+        // silence is not counted: no tick. Once Python drains, source 1 is ticked within a
+        // quiet interval or so, and source 2 never.
+        let ctx = Arc::new(Context::new(64).unwrap());
+        let index = Arc::new(RwLock::new(
+            Index::<W>::new(crate::index::Limits::default()),
+        ));
+        let quiet = Duration::from_millis(300);
+        let settings = Settings {
+            visit: 64,
+            wakeup_bytes: 1 << 20,
+            quiet,
+            outbox_bytes: 16 << 20,
+            limits: wire::Limits::default(),
+        };
+        let shared = start(index.clone(), settings, ctx.clone()).unwrap();
+        let opts = SubOptions {
+            rcvhwm: 1000,
+            max_message_size: 1 << 20,
+            reconnect_ivl: 20,
+            reconnect_ivl_max: 100,
+            tcp_keepalive: false,
+        };
+        let mut pubs = Vec::new();
+        for (token, name) in [(1u64, "a"), (2, "b")] {
+            let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
+            pub_.bind("tcp://127.0.0.1:*").unwrap();
+            let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
+            let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &opts).unwrap();
+            shared.command(Command::Add {
+                token,
+                key: W(name),
+                sub,
+                mon,
+                alive: Arc::new(AtomicBool::new(true)),
+            });
+            pubs.push(pub_);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let behind = Instant::now() + 5 * quiet;
+        let mut seq = 0;
+        while Instant::now() < behind {
+            send(&pubs[1], seq, &payload(1.0, seq + 1));
+            seq += 1;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let first = [shared.drain()];
+        assert!(handed(&first).len() > 20);
+        assert_eq!(quiet_ticks(&first), Vec::<u64>::new());
+        let got = wait(&shared, |g| quiet_ticks(g).contains(&1));
+        assert!(!quiet_ticks(&got).contains(&2));
+        shared.command(Command::Stop);
+        drop(pubs);
+        assert!(shared.drain().dead.is_none());
     }
 
     #[test]
