@@ -8,7 +8,7 @@
 use rustc_hash::FxHashMap;
 
 use super::store::{anchor, div_ceil, floor_div};
-use super::table::{flags_of, slot_of, tier_flag, G, H};
+use super::table::{flags_of, slot_of, tier_flag, Holders, G, H};
 use super::{Class, Group, GroupKind, Index, WorkerName};
 use crate::keys::{self, Key, MmItem};
 
@@ -156,9 +156,13 @@ impl Scores {
     }
 }
 
-/// The workers still continuing a prefix, as a bit set over slots.
+/// The workers still continuing a prefix, as a bit set over slots, with the words that still
+/// have a worker in them: a step costs the words left alive, not the fleet's.
 struct Alive {
     words: Vec<u64>,
+    /// indices of the nonzero `words`, ascending
+    active: Vec<u32>,
+    /// a list step's kept bits (zero between steps)
     mask: Vec<u64>,
     count: usize,
 }
@@ -169,48 +173,109 @@ impl Alive {
         for &s in members {
             words[s as usize / 64] |= 1 << (s % 64);
         }
+        let active = (0..words.len() as u32)
+            .filter(|&wi| words[wi as usize] != 0)
+            .collect();
         let mask = vec![0u64; words.len()];
         Alive {
             words,
+            active,
             mask,
             count: members.len(),
         }
     }
 
-    /// Keep the workers whose holder word on this key has `flags & need == want`; record the
-    /// others at `at` blocks (when > 0), lowest slot first (as the Python index records bits).
-    /// The holder loop is branch-free: it runs once per (block, holder) pair of the match, the
-    /// bulk of a query against a large fleet (bench/bench_select.py, 1,024 workers).
-    fn step(&mut self, holders: &[u32], need: u8, want: u8, at: i64, bs: i64, out: &mut Scores) {
-        self.mask.fill(0);
-        for &h in holders {
-            let keep = u64::from(flags_of(h) & need == want);
-            let s = slot_of(h) as usize;
-            self.mask[s / 64] |= keep << (s % 64);
-        }
-        for (wi, (a, m)) in self.words.iter_mut().zip(&self.mask).enumerate() {
-            let mut dropped = *a & !*m;
-            if dropped == 0 {
-                continue;
-            }
-            *a &= *m;
-            self.count -= dropped.count_ones() as usize;
-            if at > 0 {
-                while dropped != 0 {
-                    let b = dropped.trailing_zeros();
-                    out.record(wi as u32 * 64 + b, at, bs);
-                    dropped &= dropped - 1;
+    /// Keep the workers whose flags on this key have `flags & need == want` (a worker that does
+    /// not hold the key has none: `want` always has `H`); record the others at `at` blocks (when
+    /// > 0), lowest slot first (as the Python index records bits).
+    fn step(
+        &mut self,
+        holders: Holders<'_>,
+        need: u8,
+        want: u8,
+        at: i64,
+        bs: i64,
+        out: &mut Scores,
+    ) {
+        match holders {
+            Holders::List(list) => {
+                // Branch-free: this loop runs once per (block, holder) pair of a key held by
+                // few workers. Only alive workers' bits are set, so only active words need
+                // clearing afterwards.
+                for &h in list {
+                    let s = slot_of(h) as usize;
+                    let (wi, b) = (s / 64, s % 64);
+                    let keep = u64::from(flags_of(h) & need == want) & (self.words[wi] >> b);
+                    self.mask[wi] |= (keep & 1) << b;
                 }
+                self.apply(at, bs, out, |mask, wi| std::mem::take(&mut mask[wi]));
+            }
+            Holders::Set { present, odd } => {
+                // A key many workers hold: its bit set is the kept set, word for word, except
+                // the few holders whose flags are not exactly `H` (`odd`, sorted by slot).
+                let plain = if H & need == want { u64::MAX } else { 0 };
+                let mut o = 0usize;
+                self.apply(at, bs, out, |_, wi| {
+                    let mut m = present.get(wi).map_or(0, |&p| p & plain);
+                    while o < odd.len() && (slot_of(odd[o]) as usize) / 64 < wi {
+                        o += 1;
+                    }
+                    while o < odd.len() && (slot_of(odd[o]) as usize) / 64 == wi {
+                        let h = odd[o];
+                        let bit = 1u64 << (slot_of(h) % 64);
+                        if flags_of(h) & need == want {
+                            m |= bit;
+                        } else {
+                            m &= !bit;
+                        }
+                        o += 1;
+                    }
+                    m
+                });
             }
         }
     }
 
+    /// Keep, in each active word `wi` (ascending), the bits `kept(mask, wi)` gives; record the
+    /// workers dropped at `at` blocks (when > 0), and forget the words left empty.
+    #[inline]
+    fn apply(
+        &mut self,
+        at: i64,
+        bs: i64,
+        out: &mut Scores,
+        mut kept: impl FnMut(&mut [u64], usize) -> u64,
+    ) {
+        let mut n = 0;
+        for j in 0..self.active.len() {
+            let wi = self.active[j] as usize;
+            let a = self.words[wi];
+            let k = a & kept(&mut self.mask, wi);
+            let mut dropped = a & !k;
+            if dropped != 0 {
+                self.words[wi] = k;
+                self.count -= dropped.count_ones() as usize;
+                if at > 0 {
+                    while dropped != 0 {
+                        out.record(wi as u32 * 64 + dropped.trailing_zeros(), at, bs);
+                        dropped &= dropped - 1;
+                    }
+                }
+            }
+            if k != 0 {
+                self.active[n] = wi as u32;
+                n += 1;
+            }
+        }
+        self.active.truncate(n);
+    }
+
     /// Record every worker left at `at` blocks.
     fn record_all(&self, at: i64, bs: i64, out: &mut Scores) {
-        for (wi, &w) in self.words.iter().enumerate() {
-            let mut left = w;
+        for &wi in &self.active {
+            let mut left = self.words[wi as usize];
             while left != 0 {
-                out.record(wi as u32 * 64 + left.trailing_zeros(), at, bs);
+                out.record(wi * 64 + left.trailing_zeros(), at, bs);
                 left &= left - 1;
             }
         }
@@ -235,7 +300,6 @@ impl<K: WorkerName> Index<K> {
         let mut scores = Scores::default();
         let track_gpu = self.table.flag_key_counts()[1] > 0;
         let mut gpu = Scores::default();
-        let no_h: &[u32] = &[];
         for (cls, members) in &self.bs_members {
             let cls = *cls;
             let bs = cls.0;
@@ -255,7 +319,7 @@ impl<K: WorkerName> Index<K> {
                     let holders = self
                         .table
                         .id(&ks[i])
-                        .map_or(no_h, |id| self.table.holders(id));
+                        .map_or(Holders::List(&[]), |id| self.table.holders(id));
                     alive.step(holders, H, H, i as i64, bs, &mut scores);
                     if alive_gpu.count > 0 {
                         // held, and not missing on GPU
