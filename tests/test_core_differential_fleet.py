@@ -54,7 +54,7 @@ def test_a_fleet_sharing_prefixes_gives_identical_answers(seed: int, bs: int, re
     ref, new = RefIndex(reuse_reports=reuse_reports), PrefixIndex(reuse_reports=reuse_reports)
     # A working set of the fleet, so keys gather many holders; it drifts over the stream.
     active = rng.sample(FLEET, rng.randint(20, len(FLEET)))
-    queries = [list(p) for p in prompts] + [p[: rng.randint(0, len(p))] + [rng.randrange(3)] for p in prompts]
+    queries = [list(p) for p in prompts] + [[*p[: rng.randint(0, len(p))], rng.randrange(3)] for p in prompts]
     for step in range(rng.randint(200, 900)):
         w = rng.choice(active)
         op = rng.random()

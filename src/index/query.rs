@@ -133,6 +133,11 @@ impl Scores {
         }
     }
 
+    fn reserve(&mut self, n: usize) {
+        self.by_slot.reserve(n);
+        self.order.reserve(n);
+    }
+
     fn remove(&mut self, slot: u32) {
         if self.by_slot.remove(&slot).is_some() {
             self.order.retain(|&s| s != slot);
@@ -300,6 +305,7 @@ impl<K: WorkerName> Index<K> {
         let mut scores = Scores::default();
         let track_gpu = self.table.flag_key_counts()[1] > 0;
         let mut gpu = Scores::default();
+        let mut held: Vec<Holders<'_>> = Vec::new();
         for (cls, members) in &self.bs_members {
             let cls = *cls;
             let bs = cls.0;
@@ -314,18 +320,32 @@ impl<K: WorkerName> Index<K> {
                 let end = n.min(i + chunk);
                 chunk *= 2;
                 q.extend(cls, end);
-                let ks = &q.keys[&cls];
-                while i < end && alive.count > 0 {
-                    let holders = self
-                        .table
-                        .id(&ks[i])
-                        .map_or(Holders::List(&[]), |id| self.table.holders(id));
+                // Look the whole chunk's keys up, then fetch their holders, before the first
+                // step: the lookups do not depend on each other, so their cache misses overlap
+                // instead of queueing one behind the other. At fleet scale the misses (the id
+                // table, the record, the holder set), not the steps, are most of a match.
+                held.clear();
+                held.extend(q.keys[&cls][i..end].iter().map(|k| {
+                    self.table
+                        .id(k)
+                        .map_or(Holders::List(&[]), |id| self.table.holders(id))
+                }));
+                std::hint::black_box(held.iter().fold(0u64, |acc, h| acc ^ h.first_word()));
+                for &holders in &held {
                     alive.step(holders, H, H, i as i64, bs, &mut scores);
                     if alive_gpu.count > 0 {
                         // held, and not missing on GPU
                         alive_gpu.step(holders, H | G, H, i as i64, bs, &mut gpu);
                     }
+                    if i == 0 {
+                        // Only the workers holding block 0 can be recorded from here on.
+                        scores.reserve(alive.count);
+                        gpu.reserve(alive_gpu.count);
+                    }
                     i += 1;
+                    if alive.count == 0 {
+                        break;
+                    }
                 }
             }
             if i > 0 {

@@ -180,6 +180,18 @@ pub(crate) enum Holders<'a> {
     Set { present: &'a [u64], odd: &'a [u32] },
 }
 
+impl Holders<'_> {
+    /// The first word the holders are kept in (0 for none): reading it brings the holders into
+    /// cache ahead of their match step (query.rs reads a chunk's before stepping through them).
+    #[inline]
+    pub(crate) fn first_word(&self) -> u64 {
+        match self {
+            Holders::List(l) => l.first().map_or(0, |&w| u64::from(w)),
+            Holders::Set { present, .. } => present.first().copied().unwrap_or(0),
+        }
+    }
+}
+
 /// Ids by key: the id index holds only the 4-byte ids, hashed and compared through `recs`.
 #[derive(Default)]
 pub(crate) struct KeyTable {
