@@ -554,3 +554,105 @@ fn served_blocks(q: &Query, cls: Class) -> usize {
     let cap = floor_div(q.input.tokens.len() as i64 - 1, bs).max(0) as usize;
     q.n_blocks(cls).min(cap)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::Limits;
+    use crate::protocols::{BlockHash, BlockStored, Event};
+
+    #[derive(Clone, PartialEq, Eq, Hash, Debug)]
+    struct W(u32);
+
+    impl WorkerName for W {
+        fn label(&self) -> String {
+            format!("w{}/0", self.0)
+        }
+    }
+
+    const BS: usize = 2;
+
+    fn store(idx: &mut Index<W>, w: u32, depth: usize, tokens: &[u32], medium: Option<&str>) {
+        idx.apply(
+            &W(w),
+            &Event::Stored(Box::new(BlockStored {
+                block_hashes: (1..=depth as u64).map(BlockHash::Int).collect(),
+                token_ids: tokens[..depth * BS].iter().map(|&t| i64::from(t)).collect(),
+                block_size: BS as i64,
+                medium: medium.map(str::to_owned),
+                ..BlockStored::default()
+            })),
+        );
+    }
+
+    type Answer = (Vec<(u32, i64)>, Option<Vec<(u32, i64)>>);
+
+    fn answer(idx: &Index<W>, tokens: &[u32]) -> Answer {
+        let mut q = idx.query(QueryInput {
+            tokens: tokens.to_vec(),
+            ..QueryInput::default()
+        });
+        let r = idx.find_matches(&mut q);
+        let f = |v: &[Score<W>]| v.iter().map(|s| (s.worker.0, s.blocks)).collect::<Vec<_>>();
+        (f(&r.scores), r.gpu.as_deref().map(f))
+    }
+
+    /// What the Python index answers: each worker its depth, capped at the blocks the prompt
+    /// serves, recorded as it drops out (by depth, then slot; slot = worker here).
+    fn expected(depths: &[(u32, usize, bool)], served: usize) -> Answer {
+        let mut all: Vec<(u32, i64, bool)> = depths
+            .iter()
+            .filter(|d| d.1 > 0)
+            .map(|&(w, d, cpu)| (w, d.min(served) as i64, cpu))
+            .collect();
+        all.sort_by_key(|&(w, d, _)| (d, w));
+        let scores = all.iter().map(|&(w, d, _)| (w, d)).collect();
+        let gpu = all
+            .iter()
+            .filter(|a| !a.2)
+            .map(|&(w, d, _)| (w, d))
+            .collect();
+        (scores, Some(gpu))
+    }
+
+    #[test]
+    fn a_fleet_sharing_a_prefix_is_matched_through_bit_sets_as_workers_come_and_go() {
+        let tokens: Vec<u32> = (0..40).collect();
+        let served = (tokens.len() - 1) / BS;
+        let mut idx: Index<W> = Index::new(Limits::default());
+        // 150 workers over three 64-slot words; two keep their blocks on CPU only (`G` holders,
+        // a set's exceptions), so the GPU answer is tracked too.
+        let mut depths: Vec<(u32, usize, bool)> = (0..150u32)
+            .map(|w| (w, 1 + (w as usize * 7) % 20, w == 5 || w == 77))
+            .collect();
+        for &(w, d, cpu) in &depths {
+            store(&mut idx, w, d, &tokens, cpu.then_some("CPU"));
+        }
+        let mut q = idx.query(QueryInput {
+            tokens: tokens.clone(),
+            ..QueryInput::default()
+        });
+        q.extend((BS as i64, 0), 1);
+        let id = idx.table.id(&q.keys[&(BS as i64, 0)][0]).expect("held");
+        assert!(matches!(idx.table.holders(id), Holders::Set { .. }));
+        assert_eq!(answer(&idx, &tokens), expected(&depths, served));
+        // A clear, then a removed worker: their slots leave every key's set.
+        for w in (0..150u32).step_by(3) {
+            idx.apply(&W(w), &Event::Cleared);
+            depths[w as usize].1 = 0;
+        }
+        for w in (1..150u32).step_by(5) {
+            idx.remove_worker(&W(w));
+            depths[w as usize].1 = 0;
+        }
+        assert_eq!(answer(&idx, &tokens), expected(&depths, served));
+        // A shorter prompt stops every worker at its end.
+        assert_eq!(answer(&idx, &tokens[..9]), expected(&depths, 4));
+        // Every worker gone: nothing left in any form.
+        for w in 0..150u32 {
+            idx.remove_worker(&W(w));
+        }
+        assert_eq!(answer(&idx, &tokens), (vec![], None));
+        assert_eq!(idx.table.flag_key_counts(), [0; 5]);
+    }
+}
