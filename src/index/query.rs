@@ -8,7 +8,7 @@
 use rustc_hash::FxHashMap;
 
 use super::store::{anchor, div_ceil, floor_div};
-use super::table::{flags_of, slot_of, tier_flag, G, H};
+use super::table::{flags_of, slot_of, tier_flag, Holders, G, H};
 use super::{Class, Group, GroupKind, Index, WorkerName};
 use crate::keys::{self, Key, MmItem};
 
@@ -133,6 +133,11 @@ impl Scores {
         }
     }
 
+    fn reserve(&mut self, n: usize) {
+        self.by_slot.reserve(n);
+        self.order.reserve(n);
+    }
+
     fn remove(&mut self, slot: u32) {
         if self.by_slot.remove(&slot).is_some() {
             self.order.retain(|&s| s != slot);
@@ -156,9 +161,13 @@ impl Scores {
     }
 }
 
-/// The workers still continuing a prefix, as a bit set over slots.
+/// The workers still continuing a prefix, as a bit set over slots, with the words that still
+/// have a worker in them: a step costs the words left alive, not the fleet's.
 struct Alive {
     words: Vec<u64>,
+    /// indices of the nonzero `words`, ascending
+    active: Vec<u32>,
+    /// a list step's kept bits (zero between steps)
     mask: Vec<u64>,
     count: usize,
 }
@@ -169,48 +178,109 @@ impl Alive {
         for &s in members {
             words[s as usize / 64] |= 1 << (s % 64);
         }
+        let active = (0..words.len() as u32)
+            .filter(|&wi| words[wi as usize] != 0)
+            .collect();
         let mask = vec![0u64; words.len()];
         Alive {
             words,
+            active,
             mask,
             count: members.len(),
         }
     }
 
-    /// Keep the workers whose holder word on this key has `flags & need == want`; record the
-    /// others at `at` blocks (when > 0), lowest slot first (as the Python index records bits).
-    /// The holder loop is branch-free: it runs once per (block, holder) pair of the match, the
-    /// bulk of a query against a large fleet (bench/bench_select.py, 1,024 workers).
-    fn step(&mut self, holders: &[u32], need: u8, want: u8, at: i64, bs: i64, out: &mut Scores) {
-        self.mask.fill(0);
-        for &h in holders {
-            let keep = u64::from(flags_of(h) & need == want);
-            let s = slot_of(h) as usize;
-            self.mask[s / 64] |= keep << (s % 64);
-        }
-        for (wi, (a, m)) in self.words.iter_mut().zip(&self.mask).enumerate() {
-            let mut dropped = *a & !*m;
-            if dropped == 0 {
-                continue;
-            }
-            *a &= *m;
-            self.count -= dropped.count_ones() as usize;
-            if at > 0 {
-                while dropped != 0 {
-                    let b = dropped.trailing_zeros();
-                    out.record(wi as u32 * 64 + b, at, bs);
-                    dropped &= dropped - 1;
+    /// Keep the workers whose flags on this key have `flags & need == want` (a worker that does
+    /// not hold the key has none: `want` always has `H`); record the others at `at` blocks (when
+    /// > 0), lowest slot first (as the Python index records bits).
+    fn step(
+        &mut self,
+        holders: Holders<'_>,
+        need: u8,
+        want: u8,
+        at: i64,
+        bs: i64,
+        out: &mut Scores,
+    ) {
+        match holders {
+            Holders::List(list) => {
+                // Branch-free: this loop runs once per (block, holder) pair of a key held by
+                // few workers. Only alive workers' bits are set, so only active words need
+                // clearing afterwards.
+                for &h in list {
+                    let s = slot_of(h) as usize;
+                    let (wi, b) = (s / 64, s % 64);
+                    let keep = u64::from(flags_of(h) & need == want) & (self.words[wi] >> b);
+                    self.mask[wi] |= (keep & 1) << b;
                 }
+                self.apply(at, bs, out, |mask, wi| std::mem::take(&mut mask[wi]));
+            }
+            Holders::Set { present, odd } => {
+                // A key many workers hold: its bit set is the kept set, word for word, except
+                // the few holders whose flags are not exactly `H` (`odd`, sorted by slot).
+                let plain = if H & need == want { u64::MAX } else { 0 };
+                let mut o = 0usize;
+                self.apply(at, bs, out, |_, wi| {
+                    let mut m = present.get(wi).map_or(0, |&p| p & plain);
+                    while o < odd.len() && (slot_of(odd[o]) as usize) / 64 < wi {
+                        o += 1;
+                    }
+                    while o < odd.len() && (slot_of(odd[o]) as usize) / 64 == wi {
+                        let h = odd[o];
+                        let bit = 1u64 << (slot_of(h) % 64);
+                        if flags_of(h) & need == want {
+                            m |= bit;
+                        } else {
+                            m &= !bit;
+                        }
+                        o += 1;
+                    }
+                    m
+                });
             }
         }
     }
 
+    /// Keep, in each active word `wi` (ascending), the bits `kept(mask, wi)` gives; record the
+    /// workers dropped at `at` blocks (when > 0), and forget the words left empty.
+    #[inline]
+    fn apply(
+        &mut self,
+        at: i64,
+        bs: i64,
+        out: &mut Scores,
+        mut kept: impl FnMut(&mut [u64], usize) -> u64,
+    ) {
+        let mut n = 0;
+        for j in 0..self.active.len() {
+            let wi = self.active[j] as usize;
+            let a = self.words[wi];
+            let k = a & kept(&mut self.mask, wi);
+            let mut dropped = a & !k;
+            if dropped != 0 {
+                self.words[wi] = k;
+                self.count -= dropped.count_ones() as usize;
+                if at > 0 {
+                    while dropped != 0 {
+                        out.record(wi as u32 * 64 + dropped.trailing_zeros(), at, bs);
+                        dropped &= dropped - 1;
+                    }
+                }
+            }
+            if k != 0 {
+                self.active[n] = wi as u32;
+                n += 1;
+            }
+        }
+        self.active.truncate(n);
+    }
+
     /// Record every worker left at `at` blocks.
     fn record_all(&self, at: i64, bs: i64, out: &mut Scores) {
-        for (wi, &w) in self.words.iter().enumerate() {
-            let mut left = w;
+        for &wi in &self.active {
+            let mut left = self.words[wi as usize];
             while left != 0 {
-                out.record(wi as u32 * 64 + left.trailing_zeros(), at, bs);
+                out.record(wi * 64 + left.trailing_zeros(), at, bs);
                 left &= left - 1;
             }
         }
@@ -235,7 +305,7 @@ impl<K: WorkerName> Index<K> {
         let mut scores = Scores::default();
         let track_gpu = self.table.flag_key_counts()[1] > 0;
         let mut gpu = Scores::default();
-        let no_h: &[u32] = &[];
+        let mut held: Vec<Holders<'_>> = Vec::new();
         for (cls, members) in &self.bs_members {
             let cls = *cls;
             let bs = cls.0;
@@ -250,18 +320,32 @@ impl<K: WorkerName> Index<K> {
                 let end = n.min(i + chunk);
                 chunk *= 2;
                 q.extend(cls, end);
-                let ks = &q.keys[&cls];
-                while i < end && alive.count > 0 {
-                    let holders = self
-                        .table
-                        .id(&ks[i])
-                        .map_or(no_h, |id| self.table.holders(id));
+                // Look the whole chunk's keys up, then fetch their holders, before the first
+                // step: the lookups do not depend on each other, so their cache misses overlap
+                // instead of queueing one behind the other. At fleet scale the misses (the id
+                // table, the record, the holder set), not the steps, are most of a match.
+                held.clear();
+                held.extend(q.keys[&cls][i..end].iter().map(|k| {
+                    self.table
+                        .id(k)
+                        .map_or(Holders::List(&[]), |id| self.table.holders(id))
+                }));
+                std::hint::black_box(held.iter().fold(0u64, |acc, h| acc ^ h.first_word()));
+                for &holders in &held {
                     alive.step(holders, H, H, i as i64, bs, &mut scores);
                     if alive_gpu.count > 0 {
                         // held, and not missing on GPU
                         alive_gpu.step(holders, H | G, H, i as i64, bs, &mut gpu);
                     }
+                    if i == 0 {
+                        // Only the workers holding block 0 can be recorded from here on.
+                        scores.reserve(alive.count);
+                        gpu.reserve(alive_gpu.count);
+                    }
                     i += 1;
+                    if alive.count == 0 {
+                        break;
+                    }
                 }
             }
             if i > 0 {
@@ -577,5 +661,107 @@ mod bigram_tests {
         }
         assert_eq!(back.bigram_workers, 1);
         assert_eq!(served(&back, 7), vec![("vllm", 3), ("sglang", 2)]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::Limits;
+    use crate::protocols::{BlockHash, BlockStored, Event};
+
+    #[derive(Clone, PartialEq, Eq, Hash, Debug)]
+    struct W(u32);
+
+    impl WorkerName for W {
+        fn label(&self) -> String {
+            format!("w{}/0", self.0)
+        }
+    }
+
+    const BS: usize = 2;
+
+    fn store(idx: &mut Index<W>, w: u32, depth: usize, tokens: &[u32], medium: Option<&str>) {
+        idx.apply(
+            &W(w),
+            &Event::Stored(Box::new(BlockStored {
+                block_hashes: (1..=depth as u64).map(BlockHash::Int).collect(),
+                token_ids: tokens[..depth * BS].iter().map(|&t| i64::from(t)).collect(),
+                block_size: BS as i64,
+                medium: medium.map(str::to_owned),
+                ..BlockStored::default()
+            })),
+        );
+    }
+
+    type Answer = (Vec<(u32, i64)>, Option<Vec<(u32, i64)>>);
+
+    fn answer(idx: &Index<W>, tokens: &[u32]) -> Answer {
+        let mut q = idx.query(QueryInput {
+            tokens: tokens.to_vec(),
+            ..QueryInput::default()
+        });
+        let r = idx.find_matches(&mut q);
+        let f = |v: &[Score<W>]| v.iter().map(|s| (s.worker.0, s.blocks)).collect::<Vec<_>>();
+        (f(&r.scores), r.gpu.as_deref().map(f))
+    }
+
+    /// What the Python index answers: each worker its depth, capped at the blocks the prompt
+    /// serves, recorded as it drops out (by depth, then slot; slot = worker here).
+    fn expected(depths: &[(u32, usize, bool)], served: usize) -> Answer {
+        let mut all: Vec<(u32, i64, bool)> = depths
+            .iter()
+            .filter(|d| d.1 > 0)
+            .map(|&(w, d, cpu)| (w, d.min(served) as i64, cpu))
+            .collect();
+        all.sort_by_key(|&(w, d, _)| (d, w));
+        let scores = all.iter().map(|&(w, d, _)| (w, d)).collect();
+        let gpu = all
+            .iter()
+            .filter(|a| !a.2)
+            .map(|&(w, d, _)| (w, d))
+            .collect();
+        (scores, Some(gpu))
+    }
+
+    #[test]
+    fn a_fleet_sharing_a_prefix_is_matched_through_bit_sets_as_workers_come_and_go() {
+        let tokens: Vec<u32> = (0..40).collect();
+        let served = (tokens.len() - 1) / BS;
+        let mut idx: Index<W> = Index::new(Limits::default());
+        // 150 workers over three 64-slot words; two keep their blocks on CPU only (`G` holders,
+        // a set's exceptions), so the GPU answer is tracked too.
+        let mut depths: Vec<(u32, usize, bool)> = (0..150u32)
+            .map(|w| (w, 1 + (w as usize * 7) % 20, w == 5 || w == 77))
+            .collect();
+        for &(w, d, cpu) in &depths {
+            store(&mut idx, w, d, &tokens, cpu.then_some("CPU"));
+        }
+        let mut q = idx.query(QueryInput {
+            tokens: tokens.clone(),
+            ..QueryInput::default()
+        });
+        q.extend((BS as i64, 0), 1);
+        let id = idx.table.id(&q.keys[&(BS as i64, 0)][0]).expect("held");
+        assert!(matches!(idx.table.holders(id), Holders::Set { .. }));
+        assert_eq!(answer(&idx, &tokens), expected(&depths, served));
+        // A clear, then a removed worker: their slots leave every key's set.
+        for w in (0..150u32).step_by(3) {
+            idx.apply(&W(w), &Event::Cleared);
+            depths[w as usize].1 = 0;
+        }
+        for w in (1..150u32).step_by(5) {
+            idx.remove_worker(&W(w));
+            depths[w as usize].1 = 0;
+        }
+        assert_eq!(answer(&idx, &tokens), expected(&depths, served));
+        // A shorter prompt stops every worker at its end.
+        assert_eq!(answer(&idx, &tokens[..9]), expected(&depths, 4));
+        // Every worker gone: nothing left in any form.
+        for w in 0..150u32 {
+            idx.remove_worker(&W(w));
+        }
+        assert_eq!(answer(&idx, &tokens), (vec![], None));
+        assert_eq!(idx.table.flag_key_counts(), [0; 5]);
     }
 }

@@ -1,14 +1,20 @@
 //! The shared key table: content keys interned to u32 ids, each with its holders.
 //!
-//! A holder is one packed word, `slot << 5 | flags`, sorted by slot. The flags are the Python
-//! index's shared tables for that (key, worker): `H` (in `_holders`), `G` (in `_gpu_missing`),
-//! and the `CPU` / `DISK` / `EXTERNAL` tier holders. Keeping them as separate bits (not one derived
-//! mask) keeps every table update the Python index makes expressible one for one.
+//! A holder is one packed word, `slot << 5 | flags`. The flags are the Python index's shared
+//! tables for that (key, worker): `H` (in `_holders`), `G` (in `_gpu_missing`), and the `CPU` /
+//! `DISK` / `EXTERNAL` tier holders. Keeping them as separate bits (not one derived mask) keeps
+//! every table update the Python index makes expressible one for one.
 //!
 //! Layout, for memory (a key is most often held by one worker): each id has a 24-byte record
 //! (key, references, one holder word) in one vector; a key with two or more holders keeps them in
 //! a side list the record points at. The id index is a table of bare u32 ids hashed by the key's
 //! own bits, so no key is stored twice.
+//!
+//! A key many workers hold (a system prompt's blocks across a fleet) keeps them as a bit set over
+//! slots instead, with the few holders whose flags are not exactly `H` listed beside it: the match
+//! (query.rs) then intersects its alive set with the key word by word, 64 workers a step, instead
+//! of walking one holder at a time, and the set is smaller than the list it replaces. A key moves
+//! between the three forms as holders come and go, with hysteresis so it does not flap.
 
 use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
@@ -26,9 +32,14 @@ const FLAG_MASK: u32 = (1 << FLAG_BITS) - 1;
 
 /// A record's `one` word when the key has no holder.
 const NO_HOLDER: u32 = u32::MAX;
-/// A record's `one` word tagged with this bit indexes `many` (two or more holders). A holder word
-/// never has it: slots stay below 2^26 (`MAX_SLOTS`).
+/// A record's `one` word tagged with this bit indexes a side entry (two or more holders): `lists`,
+/// or `sets` when `SET` is set too. A holder word never has it: slots stay below 2^26
+/// (`MAX_SLOTS`).
 const MANY: u32 = 1 << 31;
+const SET: u32 = 1 << 30;
+/// The side entry's place in a tagged `one` word (`NO_HOLDER`'s bits never name a place: there
+/// are fewer than 2^30 - 1 side entries of either kind).
+const PLACE: u32 = SET - 1;
 /// Workers one index can name at once (slot << 5 must leave the `MANY` bit clear).
 pub(crate) const MAX_SLOTS: usize = 1 << (31 - FLAG_BITS);
 
@@ -38,8 +49,147 @@ struct Rec {
     key: Key,
     /// engine-hash entries of workers' primary tables naming this key
     refs: u32,
-    /// the only holder word, `NO_HOLDER`, or `MANY | i` for `many[i]`
+    /// the only holder word, `NO_HOLDER`, `MANY | i` for `lists[i]`, `MANY | SET | i` for `sets[i]`
     one: u32,
+}
+
+/// The holders of a key with many: a bit per slot, and the holders whose flags are not `H`.
+#[derive(Default)]
+struct Bits {
+    /// a bit per holding slot (any flags), up to the word of the highest one (no zero tail)
+    present: Vec<u64>,
+    /// the holder words of present slots whose flags are not exactly `H`, sorted by slot
+    odd: Vec<u32>,
+    /// slots present
+    count: u32,
+}
+
+impl Bits {
+    fn union(&self) -> u8 {
+        let plain = if self.count as usize > self.odd.len() {
+            H
+        } else {
+            0
+        };
+        self.odd.iter().fold(plain, |acc, &w| acc | flags_of(w))
+    }
+
+    fn flags(&self, slot: u32) -> u8 {
+        let (wi, bit) = (slot as usize / 64, 1u64 << (slot % 64));
+        if self.present.get(wi).is_none_or(|&w| w & bit == 0) {
+            return 0;
+        }
+        match self.odd.binary_search_by_key(&slot, |&w| slot_of(w)) {
+            Ok(i) => flags_of(self.odd[i]),
+            Err(_) => H,
+        }
+    }
+
+    fn set(&mut self, slot: u32, flags: u8) {
+        let (wi, bit) = (slot as usize / 64, 1u64 << (slot % 64));
+        let at = self.odd.binary_search_by_key(&slot, |&w| slot_of(w));
+        if flags == 0 {
+            if self.present.get(wi).is_some_and(|&w| w & bit != 0) {
+                self.present[wi] &= !bit;
+                self.count -= 1;
+                while self.present.last() == Some(&0) {
+                    self.present.pop();
+                }
+            }
+            if let Ok(i) = at {
+                self.odd.remove(i);
+            }
+            return;
+        }
+        if self.present.len() <= wi {
+            self.present.resize(wi + 1, 0);
+        }
+        if self.present[wi] & bit == 0 {
+            self.present[wi] |= bit;
+            self.count += 1;
+        }
+        let word = slot << FLAG_BITS | u32::from(flags);
+        match (at, flags == H) {
+            (Ok(i), true) => {
+                self.odd.remove(i);
+            }
+            (Ok(i), false) => self.odd[i] = word,
+            (Err(i), false) => self.odd.insert(i, word),
+            (Err(_), true) => {}
+        }
+    }
+
+    /// The holder words, sorted by slot.
+    fn words(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.count as usize);
+        let mut odd = self.odd.iter().peekable();
+        for (wi, &w) in self.present.iter().enumerate() {
+            let mut left = w;
+            while left != 0 {
+                let slot = wi as u32 * 64 + left.trailing_zeros();
+                left &= left - 1;
+                match odd.peek() {
+                    Some(&&o) if slot_of(o) == slot => {
+                        out.push(o);
+                        odd.next();
+                    }
+                    _ => out.push(slot << FLAG_BITS | u32::from(H)),
+                }
+            }
+        }
+        out
+    }
+
+    fn from_words(words: &[u32]) -> Bits {
+        let mut b = Bits::default();
+        for &w in words {
+            b.set(slot_of(w), flags_of(w));
+        }
+        b
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.present.capacity() * 8 + self.odd.capacity() * 4
+    }
+}
+
+/// Words a bit set over slots up to `max_slot` takes.
+fn words_for(max_slot: u32) -> usize {
+    max_slot as usize / 64 + 1
+}
+
+/// A sorted holder list this long becomes a bit set: past about twice its words, the set is the
+/// smaller of the two, and a match step over it costs a word per 64 slots, not one per holder.
+fn list_is_dense(len: usize, max_slot: u32) -> bool {
+    len >= 2 * words_for(max_slot) + 8
+}
+
+/// A bit set this sparse goes back to a list (well below `list_is_dense`, so a key near the line
+/// does not move back and forth as one holder comes and goes).
+fn set_is_sparse(b: &Bits) -> bool {
+    (b.count as usize) <= b.present.len() / 2 + 4
+}
+
+/// A key's holders, as its representation keeps them (query.rs walks each form its own way).
+#[derive(Clone, Copy)]
+pub(crate) enum Holders<'a> {
+    /// holder words, sorted by slot (none, one, or a side list)
+    List(&'a [u32]),
+    /// a bit per holding slot (any flags, `present[slot / 64] >> slot % 64`), and the words of
+    /// the holders whose flags are not exactly `H` (sorted by slot; every other holder is `H`)
+    Set { present: &'a [u64], odd: &'a [u32] },
+}
+
+impl Holders<'_> {
+    /// The first word the holders are kept in (0 for none): reading it brings the holders into
+    /// cache ahead of their match step (query.rs reads a chunk's before stepping through them).
+    #[inline]
+    pub(crate) fn first_word(&self) -> u64 {
+        match self {
+            Holders::List(l) => l.first().map_or(0, |&w| u64::from(w)),
+            Holders::Set { present, .. } => present.first().copied().unwrap_or(0),
+        }
+    }
 }
 
 /// Ids by key: the id index holds only the 4-byte ids, hashed and compared through `recs`.
@@ -49,8 +199,11 @@ pub(crate) struct KeyTable {
     recs: Vec<Rec>,
     free: Vec<u32>,
     /// holder lists of keys with two or more holders (sorted by slot), and their free places
-    many: Vec<Vec<u32>>,
-    many_free: Vec<u32>,
+    lists: Vec<Vec<u32>>,
+    lists_free: Vec<u32>,
+    /// holder sets of keys with many holders, and their free places
+    sets: Vec<Bits>,
+    sets_free: Vec<u32>,
     /// keys with at least one holder with each flag (`len(_holders)`, `len(_gpu_missing)`, ...)
     flag_keys: [usize; 5],
 }
@@ -76,6 +229,20 @@ fn hash(key: &Key) -> u64 {
 
 fn union(words: &[u32]) -> u8 {
     words.iter().fold(0u8, |acc, &w| acc | flags_of(w))
+}
+
+/// Put `v` in a free place of `store` (or a new one) and return the place.
+fn place<T>(store: &mut Vec<T>, free: &mut Vec<u32>, v: T) -> u32 {
+    match free.pop() {
+        Some(at) => {
+            store[at as usize] = v;
+            at
+        }
+        None => {
+            store.push(v);
+            (store.len() - 1) as u32
+        }
+    }
 }
 
 impl KeyTable {
@@ -105,16 +272,7 @@ impl KeyTable {
                     refs: 0,
                     one: NO_HOLDER,
                 };
-                let id = match self.free.pop() {
-                    Some(id) => {
-                        recs[id as usize] = rec;
-                        id
-                    }
-                    None => {
-                        recs.push(rec);
-                        (recs.len() - 1) as u32
-                    }
-                };
+                let id = place(recs, &mut self.free, rec);
                 v.insert(id);
                 id
             }
@@ -143,21 +301,67 @@ impl KeyTable {
         }
     }
 
-    pub(crate) fn holders(&self, id: u32) -> &[u32] {
+    /// The holders of key `id`, in the form the table keeps them.
+    #[inline]
+    pub(crate) fn holders(&self, id: u32) -> Holders<'_> {
         let rec = &self.recs[id as usize];
         match rec.one {
-            NO_HOLDER => &[],
-            w if w & MANY != 0 => &self.many[(w & !MANY) as usize],
-            _ => std::slice::from_ref(&rec.one),
+            NO_HOLDER => Holders::List(&[]),
+            w if w & MANY == 0 => Holders::List(std::slice::from_ref(&rec.one)),
+            w if w & SET == 0 => Holders::List(&self.lists[(w & PLACE) as usize]),
+            w => {
+                let b = &self.sets[(w & PLACE) as usize];
+                Holders::Set {
+                    present: &b.present,
+                    odd: &b.odd,
+                }
+            }
+        }
+    }
+
+    /// The holder words of key `id`, sorted by slot, whatever its form (tests, diagnostics).
+    #[cfg(test)]
+    pub(crate) fn holder_words(&self, id: u32) -> Vec<u32> {
+        match self.recs[id as usize].one {
+            w if w != NO_HOLDER && w & MANY != 0 && w & SET != 0 => {
+                self.sets[(w & PLACE) as usize].words()
+            }
+            _ => match self.holders(id) {
+                Holders::List(l) => l.to_vec(),
+                Holders::Set { .. } => unreachable!("a set is tagged SET"),
+            },
+        }
+    }
+
+    /// The union of the flags of key `id`'s holders.
+    fn union_of(&self, id: u32) -> u8 {
+        match self.recs[id as usize].one {
+            NO_HOLDER => 0,
+            w if w & MANY == 0 => flags_of(w),
+            w if w & SET == 0 => union(&self.lists[(w & PLACE) as usize]),
+            w => self.sets[(w & PLACE) as usize].union(),
         }
     }
 
     /// The flags of `slot` on key `id` (0: none).
     pub(crate) fn flags(&self, id: u32, slot: u32) -> u8 {
-        let h = self.holders(id);
-        match h.binary_search_by_key(&slot, |&w| slot_of(w)) {
-            Ok(i) => flags_of(h[i]),
-            Err(_) => 0,
+        match self.recs[id as usize].one {
+            NO_HOLDER => 0,
+            w if w & MANY == 0 => {
+                if slot_of(w) == slot {
+                    flags_of(w)
+                } else {
+                    0
+                }
+            }
+            w if w & SET == 0 => {
+                let h = &self.lists[(w & PLACE) as usize];
+                match h.binary_search_by_key(&slot, |&w| slot_of(w)) {
+                    Ok(i) => flags_of(h[i]),
+                    Err(_) => 0,
+                }
+            }
+            w => self.sets[(w & PLACE) as usize].flags(slot),
         }
     }
 
@@ -184,23 +388,14 @@ impl KeyTable {
                     } else {
                         vec![word, one]
                     };
-                    let at = match self.many_free.pop() {
-                        Some(at) => {
-                            self.many[at as usize] = pair;
-                            at
-                        }
-                        None => {
-                            self.many.push(pair);
-                            (self.many.len() - 1) as u32
-                        }
-                    };
+                    let at = place(&mut self.lists, &mut self.lists_free, pair);
                     self.recs[id as usize].one = MANY | at;
                 }
                 (before, before | flags)
             }
-        } else {
-            let at = (one & !MANY) as usize;
-            let list = &mut self.many[at];
+        } else if one & SET == 0 {
+            let at = (one & PLACE) as usize;
+            let list = &mut self.lists[at];
             let before = union(list);
             match list.binary_search_by_key(&slot, |&w| slot_of(w)) {
                 Ok(i) => {
@@ -220,8 +415,31 @@ impl KeyTable {
             if list.len() == 1 {
                 // Back to one holder: inline again, the side list's place reused.
                 self.recs[id as usize].one = list[0];
-                self.many[at] = Vec::new();
-                self.many_free.push(at as u32);
+                self.lists[at] = Vec::new();
+                self.lists_free.push(at as u32);
+            } else if list_is_dense(list.len(), slot_of(list[list.len() - 1])) {
+                let bits = Bits::from_words(list);
+                self.lists[at] = Vec::new();
+                self.lists_free.push(at as u32);
+                let to = place(&mut self.sets, &mut self.sets_free, bits);
+                self.recs[id as usize].one = MANY | SET | to;
+            }
+            (before, after)
+        } else {
+            let at = (one & PLACE) as usize;
+            let bits = &mut self.sets[at];
+            let before = bits.union();
+            bits.set(slot, flags);
+            let after = bits.union();
+            if set_is_sparse(bits) {
+                let words = bits.words();
+                self.sets[at] = Bits::default();
+                self.sets_free.push(at as u32);
+                self.recs[id as usize].one = match words.len() {
+                    0 => NO_HOLDER,
+                    1 => words[0],
+                    _ => MANY | place(&mut self.lists, &mut self.lists_free, words),
+                };
             }
             (before, after)
         };
@@ -251,7 +469,7 @@ impl KeyTable {
     pub(crate) fn keys_with_flags(&self) -> impl Iterator<Item = (Key, u8)> + '_ {
         self.ids
             .iter()
-            .map(|&id| (self.recs[id as usize].key, union(self.holders(id))))
+            .map(|&id| (self.recs[id as usize].key, self.union_of(id)))
     }
 
     /// Bytes the table has allocated (capacities, not lengths: what the process holds for it).
@@ -260,9 +478,12 @@ impl KeyTable {
         super::table_bytes::<u32>(self.ids.capacity())
             + self.recs.capacity() * size_of::<Rec>()
             + self.free.capacity() * size_of::<u32>()
-            + self.many.capacity() * size_of::<Vec<u32>>()
-            + self.many.iter().map(|v| v.capacity() * 4).sum::<usize>()
-            + self.many_free.capacity() * size_of::<u32>()
+            + self.lists.capacity() * size_of::<Vec<u32>>()
+            + self.lists.iter().map(|v| v.capacity() * 4).sum::<usize>()
+            + self.lists_free.capacity() * size_of::<u32>()
+            + self.sets.capacity() * size_of::<Bits>()
+            + self.sets.iter().map(Bits::memory_bytes).sum::<usize>()
+            + self.sets_free.capacity() * size_of::<u32>()
     }
 }
 
@@ -270,25 +491,144 @@ impl KeyTable {
 mod tests {
     use super::*;
 
+    /// The form key `id` is kept in: 0 none, 1 inline, 2 list, 3 set.
+    fn form(t: &KeyTable, id: u32) -> u8 {
+        match t.recs[id as usize].one {
+            NO_HOLDER => 0,
+            w if w & MANY == 0 => 1,
+            w if w & SET == 0 => 2,
+            _ => 3,
+        }
+    }
+
+    fn h(slot: u32, flags: u8) -> u32 {
+        slot << FLAG_BITS | u32::from(flags)
+    }
+
     #[test]
     fn holders_move_inline_and_out_as_they_come_and_go() {
         let mut t = KeyTable::default();
         let id = t.retain_key(&[7; 16]);
-        assert_eq!(t.holders(id), &[] as &[u32]);
+        assert_eq!(t.holder_words(id), Vec::<u32>::new());
         t.set_flags(id, 3, H);
-        assert_eq!(t.holders(id), &[3 << 5 | 1]);
+        assert_eq!(t.holder_words(id), vec![h(3, H)]);
         t.set_flags(id, 1, H | G);
-        assert_eq!(t.holders(id), &[1 << 5 | 3, 3 << 5 | 1]);
+        assert_eq!(t.holder_words(id), vec![h(1, H | G), h(3, H)]);
         assert_eq!(t.flag_key_counts(), [1, 1, 0, 0, 0]);
         t.set_flags(id, 3, 0);
-        assert_eq!(t.holders(id), &[1 << 5 | 3]);
+        assert_eq!(t.holder_words(id), vec![h(1, H | G)]);
         assert_eq!(t.flags(id, 1), H | G);
-        assert_eq!(t.many_free, vec![0]);
+        assert_eq!(t.lists_free, vec![0]);
         t.set_flags(id, 1, 0);
         assert_eq!(t.flag_key_counts(), [0; 5]);
         assert_eq!(t.id(&[7; 16]), Some(id));
         t.release(id);
         assert_eq!(t.id(&[7; 16]), None);
         assert_eq!(t.retain_key(&[8; 16]), id, "a freed id is reused");
+    }
+
+    #[test]
+    fn a_key_moves_between_inline_list_and_set_as_holders_come_and_go() {
+        let mut t = KeyTable::default();
+        let id = t.retain_key(&[1; 16]);
+        // A list becomes a set at 2 * words + 8 holders (the words its highest slot needs).
+        let slots: Vec<u32> = (0..40).map(|i| i * 5).collect();
+        let mut want: Vec<u32> = Vec::new();
+        for (n, &s) in slots.iter().enumerate() {
+            let f = if s % 3 == 0 { H | G } else { H };
+            t.set_flags(id, s, f);
+            want.push(h(s, f));
+            assert_eq!(t.holder_words(id), want);
+            let expect = match n + 1 {
+                1 => 1,
+                2..=9 => 2, // 10 holders in one word (slots 0..45): 2 * 1 + 8
+                _ => 3,
+            };
+            assert_eq!(form(&t, id), expect, "{} holders", n + 1);
+        }
+        for &s in &slots {
+            let f = if s % 3 == 0 { H | G } else { H };
+            assert_eq!(t.flags(id, s), f);
+            assert_eq!(t.flags(id, s + 1), 0);
+        }
+        assert_eq!(t.flag_key_counts(), [1, 1, 0, 0, 0]);
+        // A holder's flags change in place, to `H` and back.
+        t.set_flags(id, 0, H);
+        assert_eq!(t.flags(id, 0), H);
+        t.set_flags(id, 0, H | tier_flag(2));
+        assert_eq!(t.flags(id, 0), H | tier_flag(2));
+        assert_eq!(t.flag_key_counts(), [1, 1, 1, 0, 0]);
+        // Holders go from the top: the set shrinks its words, and becomes a list again once
+        // it holds no more than half its words plus 4.
+        let mut left: Vec<u32> = t.holder_words(id);
+        while let Some(last) = left.pop() {
+            t.set_flags(id, slot_of(last), 0);
+            assert_eq!(t.holder_words(id), left);
+            let n = left.len();
+            let words = left.last().map_or(0, |&w| words_for(slot_of(w)));
+            if form(&t, id) == 3 {
+                assert!(n > words / 2 + 4, "{n} holders in {words} words stay a set");
+            }
+            assert_eq!(form(&t, id) == 0, n == 0);
+            assert_eq!(form(&t, id) == 1, n == 1);
+        }
+        assert_eq!(t.flag_key_counts(), [0; 5]);
+        assert!(t.sets_free.len() == t.sets.len() && t.lists_free.len() == t.lists.len());
+        t.release(id);
+        assert_eq!(t.id(&[1; 16]), None);
+    }
+
+    #[test]
+    fn a_removed_worker_leaves_every_form_and_a_clear_empties_a_set() {
+        let mut t = KeyTable::default();
+        let ids: Vec<u32> = (0..3u8).map(|i| t.retain_key(&[i; 16])).collect();
+        // key 0 inline, key 1 a list, key 2 a set; slot 7 holds all three, with a tier on one.
+        t.set_flags(ids[0], 7, H);
+        for s in [2, 7] {
+            t.set_flags(ids[1], s, H);
+        }
+        for s in 0..64 {
+            t.set_flags(ids[2], s, if s == 7 { H | G | tier_flag(2) } else { H });
+        }
+        assert_eq!(
+            (0..3).map(|i| form(&t, ids[i])).collect::<Vec<_>>(),
+            [1, 2, 3]
+        );
+        assert_eq!(t.flag_key_counts(), [3, 1, 1, 0, 0]);
+        // Removing worker 7 is a flag reset on every key it holds.
+        for &id in &ids {
+            t.set_flags(id, 7, 0);
+            assert_eq!(t.flags(id, 7), 0);
+        }
+        assert_eq!(t.flag_key_counts(), [2, 0, 0, 0, 0]);
+        assert_eq!(form(&t, ids[0]), 0);
+        assert_eq!(t.holder_words(ids[1]), vec![h(2, H)]);
+        assert_eq!(form(&t, ids[2]), 3);
+        match t.holders(ids[2]) {
+            Holders::Set { present, odd } => {
+                assert_eq!(present, &[!(1u64 << 7)]);
+                assert!(odd.is_empty());
+            }
+            Holders::List(_) => panic!("63 holders in one word are a set"),
+        }
+        // A clear: every holder goes, the set's place is free again, the key with it.
+        for s in 0..64 {
+            t.set_flags(ids[2], s, 0);
+        }
+        assert_eq!(form(&t, ids[2]), 0);
+        assert_eq!(t.flag_key_counts(), [1, 0, 0, 0, 0]);
+        assert_eq!(t.sets_free, vec![0]);
+        for &id in &ids {
+            t.release(id);
+        }
+        assert_eq!(t.flag_key_counts()[0], 1, "key 1 is still held by slot 2");
+        assert!(t.id(&[1; 16]).is_some() && t.id(&[2; 16]).is_none());
+        // The freed set's place is reused by the next key that becomes a set.
+        let id = t.retain_key(&[9; 16]);
+        for s in 0..20 {
+            t.set_flags(id, s, H);
+        }
+        assert_eq!(form(&t, id), 3);
+        assert!(t.sets_free.is_empty() && t.sets.len() == 1);
     }
 }
