@@ -224,6 +224,15 @@ MUTATIONS: list[Mutation] = [
         engines="evicting",
     ),
     Mutation(
+        "bigram-cap",
+        "an SGLang EAGLE worker is credited the bigram view of the prompt minus one token: floor((n - 2) / P) pages",
+        "src/index/query.rs",
+        "            let cap = floor_div(n - 2, bs).max(0);",
+        "            let cap = floor_div(n - 1, bs).max(0);",
+        ("tests/test_sglang_bigram.py", "tests/test_core_differential.py"),
+        engines="eagle",
+    ),
+    Mutation(
         "reports-as-copies",
         "where reuse reports may come, a repeat from block 0 counts once (a report adds no entry)",
         "src/index/store.rs",
