@@ -1,11 +1,10 @@
 """Type stubs of the compiled extension `kvroute._core` (the Rust crate at the repository root)."""
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ._hashing import MultimodalItem
 from ._models import WorkerKey
-from ._snapshot import SnapWorker
 from ._wire import EngineEvent
 
 HASH_VERSION: int
@@ -65,7 +64,12 @@ class Index:
             list[tuple[int, str, int | None, int, list[int | bytes], list[bytes], list[int]]],
         ]
     ]: ...
-    def import_worker(self, worker: WorkerKey, sw: SnapWorker) -> str | None: ...
+    def restore(
+        self,
+        data: bytes,
+        key_type: Callable[[str, int], WorkerKey],
+        check_header: Callable[[str, int, int], None],
+    ) -> tuple[list[tuple[str, int, int, float]], list[tuple[WorkerKey, str]]]: ...
 
 def set_query_error(cls: type[Exception]) -> None: ...
 

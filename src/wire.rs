@@ -244,7 +244,7 @@ pub(crate) fn decode_full(payload: &[u8], limits: &Limits) -> Result<Decoded, De
 
 /// One msgpack item, as far as its header: containers give their length, the rest their value.
 #[derive(Clone, Copy, Debug)]
-enum Tok<'a> {
+pub(crate) enum Tok<'a> {
     Nil,
     Bool(bool),
     Int(i128),
@@ -258,7 +258,7 @@ enum Tok<'a> {
 
 impl Tok<'_> {
     /// msgspec's name for the type of a value, in "Expected `X`, got `Y`".
-    fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             Tok::Nil => "None",
             Tok::Bool(_) => "bool",
@@ -400,6 +400,72 @@ fn str_or_bin(marker: u8, body: &[u8]) -> Tok<'_> {
 
 fn truncated() -> DecodeError {
     fatal("Input data was truncated")
+}
+
+/// A msgpack item reader over one whole buffer, for kvroute's own files (the snapshot reader in
+/// src/index/snapshot.rs): the decoder's own item reader and depth bound, nothing event-specific.
+pub(crate) struct Reader<'a>(Dec<'a>);
+
+impl<'a> Reader<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Reader<'a> {
+        Reader(Dec {
+            buf,
+            pos: 0,
+            depth: 0,
+            event_start: 0,
+            limits: Limits::default(),
+            wide: Vec::new(),
+        })
+    }
+
+    /// The next item's header (a container's length, a scalar's value).
+    #[inline]
+    pub(crate) fn item(&mut self) -> Result<Tok<'a>, DecodeError> {
+        self.0.tok()
+    }
+
+    /// The next item if it is an int, else None without moving (no `Tok` built).
+    #[inline]
+    pub(crate) fn int(&mut self) -> Result<Option<i128>, DecodeError> {
+        self.0.int_fast()
+    }
+
+    /// Skip one item, checking only that it is well-formed msgpack.
+    pub(crate) fn skip(&mut self) -> Result<(), DecodeError> {
+        self.0.skip()
+    }
+
+    /// One container level deeper (Err past `MAX_DEPTH`); `leave` when it is read.
+    pub(crate) fn enter(&mut self) -> Result<(), DecodeError> {
+        self.0.enter()
+    }
+
+    pub(crate) fn leave(&mut self) {
+        self.0.leave()
+    }
+
+    /// The bytes not read yet (for a caller's fast path over a known encoding; `advance` past
+    /// what it took).
+    #[inline]
+    pub(crate) fn rest(&self) -> &'a [u8] {
+        self.0.rest()
+    }
+
+    /// Move past `n` bytes of `rest()` (at most all of them).
+    #[inline]
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.0.pos = (self.0.pos + n).min(self.0.buf.len());
+    }
+
+    /// Bytes read so far.
+    pub(crate) fn pos(&self) -> usize {
+        self.0.pos
+    }
+
+    /// Bytes left to read.
+    pub(crate) fn remaining(&self) -> usize {
+        self.0.buf.len() - self.0.pos
+    }
 }
 
 /// The event types this kvroute knows.

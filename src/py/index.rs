@@ -13,11 +13,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
-use crate::index::{Index, Limits, Query, Score, WorkerName};
+use crate::index::{Index, Limits, Query, Score, SnapKey, WorkerName};
 
 pub(crate) use convert::event;
 
@@ -120,6 +120,14 @@ fn score_dicts<'py>(
         sizes.set_item(&k, s.block_size)?;
     }
     Ok((blocks, sizes))
+}
+
+/// A snapshot key as the file holds it (b"": held, never claimable).
+fn key_bytes<'py>(py: Python<'py>, k: &SnapKey) -> Bound<'py, PyBytes> {
+    match k {
+        SnapKey::Key(k) => PyBytes::new(py, k),
+        _ => PyBytes::new(py, b""),
+    }
 }
 
 impl PyIndex {
@@ -424,7 +432,7 @@ impl PyIndex {
         let out = PyList::empty(py);
         for (k, sw) in workers {
             let hashes = hash_list(py, &sw.hashes)?;
-            let keys = PyList::new(py, sw.keys.iter().map(|b| PyBytes::new(py, b)))?;
+            let keys = PyList::new(py, sw.keys.iter().map(|k| key_bytes(py, k)))?;
             let special = PyList::empty(py);
             for (h, c) in &sw.special {
                 special.append((hash_obj(py, h)?, c.clone()))?;
@@ -437,7 +445,7 @@ impl PyIndex {
                     g.window,
                     g.block_size,
                     hash_list(py, &g.hashes)?,
-                    PyList::new(py, g.keys.iter().map(|b| PyBytes::new(py, b)))?,
+                    PyList::new(py, g.keys.iter().map(|k| key_bytes(py, k)))?,
                     g.masks.clone(),
                 ))?;
             }
@@ -455,16 +463,47 @@ impl PyIndex {
         Ok(out)
     }
 
-    /// Restore one worker from a `SnapWorker`; returns why it was refused (None: restored).
-    fn import_worker(
+    /// Restore a snapshot file (``data``, the whole file) into this empty index: read and rebuilt
+    /// here with the GIL released, no Python object per entry. ``check_header(format, version,
+    /// hash_version)`` is called once the file is read, before anything is restored (it raises
+    /// to refuse the file); ``key_type(worker_id, dp_rank)`` makes each worker's key. Returns
+    /// ``(cursors, dropped)``: every saved (worker_id, dp_rank, seq, ts), and the workers refused
+    /// as (key, reason). Raises ValueError (why) when the file is unreadable; nothing is restored.
+    #[allow(clippy::type_complexity)]
+    fn restore<'py>(
         &self,
-        py: Python<'_>,
-        worker: &Bound<'_, PyAny>,
-        sw: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<String>> {
-        let key = PyKey::extract(worker)?;
-        let sw = convert::snap_worker(sw)?;
-        self.with_write(py, |idx| idx.import_worker(&key, &sw).err())
+        py: Python<'py>,
+        data: &Bound<'py, PyBytes>,
+        key_type: &Bound<'py, PyAny>,
+        check_header: &Bound<'py, PyAny>,
+    ) -> PyResult<(
+        Vec<(String, i64, i128, f64)>,
+        Vec<(Bound<'py, PyAny>, String)>,
+    )> {
+        let bytes = data.as_bytes();
+        let file = py
+            .detach(|| crate::index::read_snapshot(bytes))
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        check_header.call1((&file.format, file.version, file.hash_version))?;
+        let keys = file
+            .workers
+            .iter()
+            .map(|(id, rank, _)| PyKey::extract(&key_type.call1((id, *rank))?))
+            .collect::<PyResult<Vec<_>>>()?;
+        let refused = self.with_write(py, |idx| {
+            let mut refused = Vec::new();
+            for (key, (_, _, sw)) in keys.iter().zip(&file.workers) {
+                if let Err(why) = idx.import_worker(key, sw) {
+                    refused.push((key.clone(), why));
+                }
+            }
+            refused
+        })?;
+        let dropped = refused
+            .into_iter()
+            .map(|(k, why)| (k.obj(py), why))
+            .collect();
+        Ok((file.cursors, dropped))
     }
 }
 
