@@ -5,7 +5,7 @@ from typing import Any
 
 from ._hashing import MultimodalItem
 from ._models import WorkerKey
-from ._wire import EngineEvent
+from ._wire import EngineEvent, EventBatch
 
 HASH_VERSION: int
 MAX_DEPTH: int
@@ -111,6 +111,13 @@ def decode_count(
     payload: Any, max_events_per_batch: int, max_blocks_per_event: int, max_block_size: int
 ) -> tuple[float, int, int, int, int, str | None, dict[str, int]]:
     """Decode one payload to ``(ts, events, stored_blocks, removed_blocks, clears, untrusted, skipped)``."""
+def decode_checked(
+    payload: Any, max_events_per_batch: int, max_blocks_per_event: int, max_block_size: int
+) -> tuple[EventBatch | None, str, str]:
+    """Decode and judge one payload as ``apply_payload`` does: ``(batch, kind, detail)``, kind "" when applicable.
+
+    ``batch`` is None only when the bytes did not decode; a refused batch is returned for its skip counts.
+    """
 
 # --- the native receive loop (src/recv, src/py/recv.rs) -----------------------------------------
 

@@ -100,6 +100,30 @@ pub fn decode(payload: &[u8], limits: &Limits) -> Result<Batch, DecodeError> {
     decode_full(payload, limits).map(|d| d.batch)
 }
 
+/// Why a decoded batch must not be applied, or None when it may be: the twin rule the raw-bytes
+/// ingest (`PrefixIndex.apply_payload`) and the subscriber's decode of a batch for an `events()`
+/// listener share. A NaN or infinite ts cannot tell a duplicate from a restart, nor be saved as a
+/// position: the batch is a hole, like an undecodable one (the detail names the ts as Python's
+/// repr does). An untrusted batch (a removal or clear that could not be read) could leave blocks
+/// the engine dropped. Returns (kind, detail) with kind "undecodable payload" or "untrusted batch".
+pub fn verdict(batch: &Batch) -> Option<(&'static str, String)> {
+    let ts = batch.ts;
+    if !ts.is_finite() {
+        let shown = if ts.is_nan() {
+            "nan"
+        } else if ts > 0.0 {
+            "inf"
+        } else {
+            "-inf"
+        };
+        return Some(("undecodable payload", format!("ts {shown} is not finite")));
+    }
+    batch
+        .untrusted
+        .as_ref()
+        .map(|why| ("untrusted batch", why.clone()))
+}
+
 /// What the recovery machine needs from one decode, without walking the events again.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Summary {
@@ -1269,7 +1293,29 @@ impl<'a> Dec<'a> {
             let base = self.pos;
             let buf = &whole[base..];
             let mut p = 0usize;
-            for i in 0..n as usize {
+            let n = n as usize;
+            // While a whole 9-byte window fits, a token costs one table load, one unaligned
+            // 8-byte read and a shift: no bounds check that the loop condition does not cover.
+            let mut i = 0usize;
+            while i < n {
+                let Some(&[b, b1, b2, b3, b4, b5, b6, b7, b8]) =
+                    buf.get(p..).and_then(|r| r.first_chunk::<9>())
+                else {
+                    break;
+                };
+                let w = UINT_WIDTH[usize::from(b)];
+                if w == NOT_UINT {
+                    break;
+                }
+                let word = u64::from_be_bytes([b1, b2, b3, b4, b5, b6, b7, b8]);
+                let wide = word >> (64 - 8 * u32::from(w.max(1)));
+                let v = if w == 0 { u64::from(b) } else { wide };
+                // At most u32::MAX: the forms above hold nothing wider.
+                out.push(v as i64);
+                p += 1 + usize::from(w);
+                i += 1;
+            }
+            for i in i..n {
                 if let (Some(&b), Some(next)) = (buf.get(p), buf.get(p + 1..p + 9)) {
                     let w = UINT_WIDTH[usize::from(b)];
                     if w != NOT_UINT {

@@ -227,29 +227,10 @@ impl PyIndex {
                     )
                 }
             };
+            if let Some((kind, detail)) = crate::wire::verdict(&batch) {
+                return ((f64::NAN, kind, detail, 0, batch.skipped), Vec::new());
+            }
             let ts = batch.ts;
-            if !ts.is_finite() {
-                // A NaN or infinite ts cannot tell a duplicate from a restart, nor be saved as a
-                // position: the batch is a hole, like any undecodable one (Python's repr of it).
-                let shown = if ts.is_nan() {
-                    "nan"
-                } else if ts > 0.0 {
-                    "inf"
-                } else {
-                    "-inf"
-                };
-                let detail = format!("ts {shown} is not finite");
-                return (
-                    (f64::NAN, "undecodable payload", detail, 0, batch.skipped),
-                    Vec::new(),
-                );
-            }
-            if let Some(why) = batch.untrusted {
-                return (
-                    (f64::NAN, "untrusted batch", why, 0, batch.skipped),
-                    Vec::new(),
-                );
-            }
             let mut idx = inner.write();
             let counts = idx.apply_batch(&key, &batch);
             let logs = idx.take_logs();
