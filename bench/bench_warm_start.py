@@ -16,6 +16,12 @@ tokens, 70% extending an open chain) until the history stores ``--entries`` bloc
 
 The two indexes must come out equal (entries, distinct keys, scores of every open chain).
 Prints both times, their ratio, and the snapshot's write time and size.
+
+Restore alone (``--restore-only`` measures just this, on an index built in-process): the best of
+three `PrefixIndex.restore` of the snapshot (and its process CPU time, which a loaded machine
+stretches less than wall time), beside the best of three bare reads of the same file
+(``Path.read_bytes``) and bare ``msgspec.msgpack.decode`` of its bytes into Python objects, as
+same-run ratios.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
+import msgspec
 
 from kvroute import BlockStored, EventBatch, EventStream, KvEventClient, PrefixIndex, WorkerKey
 from kvroute.sim import EventPublisher
@@ -88,6 +95,46 @@ async def settle(client: KvEventClient, stream: EventStream, last: dict[WorkerKe
         await stream.__anext__()
 
 
+def restore_figure(path: Path, index: PrefixIndex) -> float:
+    """Print restore's best time and its ratios to a bare read and a bare decode of the same file; returns it."""
+    reads, decodes, restores, cpu = [], [], [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        data = path.read_bytes()
+        reads.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        msgspec.msgpack.decode(data)
+        decodes.append(time.perf_counter() - t0)
+        t0, c0 = time.perf_counter(), time.process_time()
+        restored = PrefixIndex.restore(path)
+        restores.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        assert restored.stats().entries == index.stats().entries
+        del restored
+    r, d, s = min(reads), min(decodes), min(restores)
+    print(
+        f"restore ({index.num_blocks():,} entries, {path.stat().st_size / 1e6:.1f} MB, best of 3): {s:.3f} s;"
+        f" (CPU {min(cpu):.3f} s); bare read {r:.3f} s, bare msgspec decode {d:.3f} s;"
+        f" restore / read {s / r:.1f}, restore / decode {s / d:.2f}"
+    )
+    return s
+
+
+def restore_only(args: argparse.Namespace) -> None:
+    """The restore figure alone, on an index built in-process from bench_index's stream."""
+    import bench_index
+
+    index = PrefixIndex()
+    for worker, payload, _ in bench_index.make_stream(args.entries, 16, args.seed, medium=None):
+        index.apply_payload(worker, payload)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "index.kvs"
+        t0 = time.perf_counter()
+        index.snapshot(path)
+        print(f"snapshot: written in {time.perf_counter() - t0:.2f} s")
+        restore_figure(path, index)
+
+
 def same(a: PrefixIndex, b: PrefixIndex, queries: Sequence[Sequence[int]]) -> None:
     """Fail loudly unless both indexes hold the same entries and answer every query alike."""
     assert a.stats() == b.stats(), (a.stats(), b.stats())
@@ -142,6 +189,7 @@ async def main(args: argparse.Namespace) -> None:
                 snap_s = time.perf_counter() - t0
             print(f"first router: cold start {first_cold:.2f} s, {entries:,} entries, RSS peak {rss_mb():.0f} MB")
             print(f"snapshot: written in {snap_s:.2f} s, {path.stat().st_size / 1e6:.1f} MB")
+            restore_figure(path, client.index)
 
             # 2. The router is down; the engines carry on.
             for pub, ch in zip(pubs, chains):
@@ -189,5 +237,9 @@ if __name__ == "__main__":
     parser.add_argument("--buffer-steps", type=int, default=10_000, help="replay buffer depth (vLLM's default)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    parser.add_argument("--restore-only", action="store_true", help="only the restore figure (no publishers)")
     args = parser.parse_args()
-    anyio.run(main, args, backend=args.backend)
+    if args.restore_only:
+        restore_only(args)
+    else:
+        anyio.run(main, args, backend=args.backend)

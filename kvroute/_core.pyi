@@ -1,12 +1,11 @@
 """Type stubs of the compiled extension `kvroute._core` (the Rust crate at the repository root)."""
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from ._hashing import MultimodalItem
 from ._models import WorkerKey
-from ._snapshot import SnapWorker
-from ._wire import EngineEvent
+from ._wire import EngineEvent, EventBatch
 
 HASH_VERSION: int
 MAX_DEPTH: int
@@ -66,7 +65,13 @@ class Index:
             bool,
         ]
     ]: ...
-    def import_worker(self, worker: WorkerKey, sw: SnapWorker) -> str | None: ...
+    def restore(
+        self,
+        data: bytes,
+        key_type: Callable[[str, int], WorkerKey],
+        check_header: Callable[[str, int, int], None],
+        only: Collection[WorkerKey] | None = None,
+    ) -> tuple[list[tuple[str, int, int, float]], list[tuple[WorkerKey, str]]]: ...
 
 def set_query_error(cls: type[Exception]) -> None: ...
 
@@ -122,6 +127,13 @@ def decode_count(
     payload: Any, max_events_per_batch: int, max_blocks_per_event: int, max_block_size: int
 ) -> tuple[float, int, int, int, int, str | None, dict[str, int]]:
     """Decode one payload to ``(ts, events, stored_blocks, removed_blocks, clears, untrusted, skipped)``."""
+def decode_checked(
+    payload: Any, max_events_per_batch: int, max_blocks_per_event: int, max_block_size: int
+) -> tuple[EventBatch | None, str, str]:
+    """Decode and judge one payload as ``apply_payload`` does: ``(batch, kind, detail)``, kind "" when applicable.
+
+    ``batch`` is None only when the bytes did not decode; a refused batch is returned for its skip counts.
+    """
 
 # --- the native receive loop (src/recv, src/py/recv.rs) -----------------------------------------
 

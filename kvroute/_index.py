@@ -13,6 +13,7 @@ each other and wait only for an apply in progress (a reader-writer lock). A rout
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -27,7 +28,7 @@ import kvroute._core as _core
 from ._errors import ConfigError, IndexLimitsError, QueryError
 from ._hashing import MultimodalItem
 from ._models import GPU, TIERS, WorkerKey, normalize_medium
-from ._snapshot import Cursor, SnapGroup, SnapWorker, read_snapshot, write_snapshot
+from ._snapshot import Cursor, SnapGroup, SnapWorker, check_header, refuse_unreadable, snapshot_bytes, write_snapshot
 from ._wire import EngineEvent, EventBatch, Limits
 
 __all__ = ["ApplyReport", "IndexLimits", "IndexLimitsError", "IndexStats", "OverlapScores", "PrefixIndex", "QueryError"]
@@ -421,11 +422,14 @@ class PrefixIndex:
         cold — never the whole index.
         """
         index = cls(limits=limits, reuse_reports=reuse_reports)
-        workers, index.restored_cursors = read_snapshot(path)
-        for sw in workers:
-            key = WorkerKey(sw.worker_id, sw.dp_rank)
-            problem = index._core.import_worker(key, sw)
-            if problem is not None:
-                _log.warning("snapshot %s: worker %s/%d dropped: %s", path, *key, problem)
-                index.restored_cursors.pop(key, None)
+        data = snapshot_bytes(path)
+        try:
+            # The file is read and the workers rebuilt in the core, the GIL released.
+            cursors, dropped = index._core.restore(data, WorkerKey, functools.partial(check_header, path))
+        except ValueError as exc:
+            refuse_unreadable(path, data, str(exc))
+        index.restored_cursors = {WorkerKey(w, r): Cursor(seq, ts) for w, r, seq, ts in cursors}
+        for key, problem in dropped:
+            _log.warning("snapshot %s: worker %s/%d dropped: %s", path, *key, problem)
+            index.restored_cursors.pop(key, None)
         return index

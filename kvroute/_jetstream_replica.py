@@ -9,6 +9,7 @@ source of its snapshots and of the positions a new active relay resumes from).
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -25,7 +26,7 @@ from ._jetstream import SNAPSHOT_FORMAT, SnapshotInfo, check_stream_name, log, n
 from ._jetstream_log import LogReader, LogRules, LogWorker
 from ._jetstream_nats import NatsLoop
 from ._models import WorkerKey, WorkerStatus
-from ._snapshot import Cursor, read_snapshot
+from ._snapshot import Cursor, check_header, refuse_unreadable
 from ._wire import Limits
 
 __all__ = ["JetStreamReplica", "ReplicaStats"]
@@ -300,22 +301,13 @@ def restore_into(index: PrefixIndex, data: bytes, keys: Collection[WorkerKey]) -
     Each is replaced whole; one whose tables are inconsistent is dropped with a warning, as
     `PrefixIndex.restore` drops it. Returns the imported workers' positions. Raises `SnapshotError`.
     """
-    with tempfile.TemporaryDirectory(prefix="kvroute-js-") as tmp:
-        path = Path(tmp) / "index.snapshot"
-        path.write_bytes(data)
-        workers, cursors = read_snapshot(path)
-    wanted = set(keys)
-    out: dict[WorkerKey, Cursor] = {}
-    for sw in workers:
-        key = WorkerKey(sw.worker_id, sw.dp_rank)
-        if key not in wanted:
-            continue
-        index.remove_worker(key)
-        # The per-worker import `PrefixIndex.restore` does (its tables checked on the way in).
-        problem = index._core.import_worker(key, sw)
-        if problem is not None:
-            log.warning("snapshot: worker %s/%d dropped: %s", *key, problem)
-            index.remove_worker(key)
-        elif key in cursors:
-            out[key] = cursors[key]
-    return out
+    where = "a JetStream snapshot"
+    try:
+        # The core reads the file (GIL released) and replaces each kept worker whole.
+        saved, dropped = index._core.restore(data, WorkerKey, functools.partial(check_header, where), set(keys))
+    except ValueError as exc:
+        refuse_unreadable(where, data, str(exc))
+    for key, problem in dropped:
+        log.warning("snapshot: worker %s/%d dropped: %s", *key, problem)
+    refused = {key for key, _ in dropped}
+    return {WorkerKey(w, r): Cursor(seq, ts) for w, r, seq, ts in saved if WorkerKey(w, r) not in refused}

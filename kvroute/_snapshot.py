@@ -15,6 +15,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import msgspec
 
@@ -23,7 +24,16 @@ from ._hashing import HASH_VERSION
 from ._models import WorkerKey
 from ._wire import BlockHash
 
-__all__ = ["Cursor", "SnapGroup", "SnapWorker", "read_snapshot", "write_snapshot"]
+__all__ = [
+    "Cursor",
+    "SnapGroup",
+    "SnapWorker",
+    "check_header",
+    "read_snapshot",
+    "refuse_unreadable",
+    "snapshot_bytes",
+    "write_snapshot",
+]
 
 _FORMAT = "kvroute-index"
 # The tables' layout goes with the content hash version (checked below): a layout change
@@ -111,29 +121,53 @@ def write_snapshot(path: str | os.PathLike[str], workers: list[SnapWorker], curs
         raise
 
 
-def read_snapshot(path: str | os.PathLike[str]) -> tuple[list[SnapWorker], dict[WorkerKey, Cursor]]:
-    """Read and check a snapshot: its workers' tables and the saved cursors. Raises `SnapshotError`."""
+def snapshot_bytes(path: str | os.PathLike[str]) -> bytes:
+    """A snapshot file's bytes, unchecked. Raises `SnapshotError` when it cannot be read."""
     try:
-        data = Path(path).read_bytes()
+        return Path(path).read_bytes()
     except OSError as exc:
         raise SnapshotError(f"cannot read snapshot {path}: {exc.strerror}") from None
+
+
+def check_header(path: str | os.PathLike[str], fmt: str, version: int, hash_version: int) -> None:
+    """Refuse a snapshot of another format, version or content hash version (`SnapshotError`)."""
+    if fmt != _FORMAT:
+        raise SnapshotError(f"{path} is not a kvroute snapshot (format {fmt!r})")
+    if version != _VERSION:
+        raise SnapshotError(f"{path} has snapshot version {version}; this kvroute reads {_VERSION}")
+    if hash_version and hash_version != HASH_VERSION:
+        # Keys made by another hash definition would never match a query: start cold.
+        raise SnapshotError(
+            f"{path} was written with content hash v{hash_version}; this kvroute uses v{HASH_VERSION}"
+            " (start without it: the sources replay their history)"
+        )
+
+
+def refuse_unreadable(path: str | os.PathLike[str], data: bytes, why: str) -> NoReturn:
+    """Raise the `SnapshotError` for a file whose body did not read (``why``).
+
+    A file that is not a kvroute snapshot of this version (header unreadable, another format,
+    version or hash version) is refused as such, as `read_snapshot` refuses it; otherwise it is
+    corrupt.
+    """
     try:
         header = msgspec.msgpack.decode(data, type=_Header)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise SnapshotError(f"{path} is not a kvroute snapshot: {exc}") from None
-    if header.format != _FORMAT:
-        raise SnapshotError(f"{path} is not a kvroute snapshot (format {header.format!r})")
-    if header.version != _VERSION:
-        raise SnapshotError(f"{path} has snapshot version {header.version}; this kvroute reads {_VERSION}")
-    if header.hash_version and header.hash_version != HASH_VERSION:
-        # Keys made by another hash definition would never match a query: start cold.
-        raise SnapshotError(
-            f"{path} was written with content hash v{header.hash_version}; this kvroute uses v{HASH_VERSION}"
-            " (start without it: the sources replay their history)"
-        )
+    check_header(path, header.format, header.version, header.hash_version)
+    raise SnapshotError(f"{path} is corrupt: {why}")
+
+
+def read_snapshot(path: str | os.PathLike[str]) -> tuple[list[SnapWorker], dict[WorkerKey, Cursor]]:
+    """Read and check a snapshot into Structs: its workers' tables and the saved cursors. Raises `SnapshotError`.
+
+    `PrefixIndex.restore` does not build these: the compiled core reads the file itself.
+    """
+    data = snapshot_bytes(path)
     try:
         snap = msgspec.msgpack.decode(data, type=_Snapshot)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise SnapshotError(f"{path} is corrupt: {exc}") from None
+        refuse_unreadable(path, data, str(exc))
+    check_header(path, snap.format, snap.version, snap.hash_version)
     # Each worker's tables are checked by PrefixIndex.restore: one bad worker is dropped, not the file.
     return snap.workers, {WorkerKey(c.worker_id, c.dp_rank): c.cursor for c in snap.cursors}

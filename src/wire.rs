@@ -100,6 +100,30 @@ pub fn decode(payload: &[u8], limits: &Limits) -> Result<Batch, DecodeError> {
     decode_full(payload, limits).map(|d| d.batch)
 }
 
+/// Why a decoded batch must not be applied, or None when it may be: the twin rule the raw-bytes
+/// ingest (`PrefixIndex.apply_payload`) and the subscriber's decode of a batch for an `events()`
+/// listener share. A NaN or infinite ts cannot tell a duplicate from a restart, nor be saved as a
+/// position: the batch is a hole, like an undecodable one (the detail names the ts as Python's
+/// repr does). An untrusted batch (a removal or clear that could not be read) could leave blocks
+/// the engine dropped. Returns (kind, detail) with kind "undecodable payload" or "untrusted batch".
+pub fn verdict(batch: &Batch) -> Option<(&'static str, String)> {
+    let ts = batch.ts;
+    if !ts.is_finite() {
+        let shown = if ts.is_nan() {
+            "nan"
+        } else if ts > 0.0 {
+            "inf"
+        } else {
+            "-inf"
+        };
+        return Some(("undecodable payload", format!("ts {shown} is not finite")));
+    }
+    batch
+        .untrusted
+        .as_ref()
+        .map(|why| ("untrusted batch", why.clone()))
+}
+
 /// What the recovery machine needs from one decode, without walking the events again.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Summary {
@@ -244,7 +268,7 @@ pub(crate) fn decode_full(payload: &[u8], limits: &Limits) -> Result<Decoded, De
 
 /// One msgpack item, as far as its header: containers give their length, the rest their value.
 #[derive(Clone, Copy, Debug)]
-enum Tok<'a> {
+pub(crate) enum Tok<'a> {
     Nil,
     Bool(bool),
     Int(i128),
@@ -258,7 +282,7 @@ enum Tok<'a> {
 
 impl Tok<'_> {
     /// msgspec's name for the type of a value, in "Expected `X`, got `Y`".
-    fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             Tok::Nil => "None",
             Tok::Bool(_) => "bool",
@@ -400,6 +424,72 @@ fn str_or_bin(marker: u8, body: &[u8]) -> Tok<'_> {
 
 fn truncated() -> DecodeError {
     fatal("Input data was truncated")
+}
+
+/// A msgpack item reader over one whole buffer, for kvroute's own files (the snapshot reader in
+/// src/index/snapshot.rs): the decoder's own item reader and depth bound, nothing event-specific.
+pub(crate) struct Reader<'a>(Dec<'a>);
+
+impl<'a> Reader<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Reader<'a> {
+        Reader(Dec {
+            buf,
+            pos: 0,
+            depth: 0,
+            event_start: 0,
+            limits: Limits::default(),
+            wide: Vec::new(),
+        })
+    }
+
+    /// The next item's header (a container's length, a scalar's value).
+    #[inline]
+    pub(crate) fn item(&mut self) -> Result<Tok<'a>, DecodeError> {
+        self.0.tok()
+    }
+
+    /// The next item if it is an int, else None without moving (no `Tok` built).
+    #[inline]
+    pub(crate) fn int(&mut self) -> Result<Option<i128>, DecodeError> {
+        self.0.int_fast()
+    }
+
+    /// Skip one item, checking only that it is well-formed msgpack.
+    pub(crate) fn skip(&mut self) -> Result<(), DecodeError> {
+        self.0.skip()
+    }
+
+    /// One container level deeper (Err past `MAX_DEPTH`); `leave` when it is read.
+    pub(crate) fn enter(&mut self) -> Result<(), DecodeError> {
+        self.0.enter()
+    }
+
+    pub(crate) fn leave(&mut self) {
+        self.0.leave()
+    }
+
+    /// The bytes not read yet (for a caller's fast path over a known encoding; `advance` past
+    /// what it took).
+    #[inline]
+    pub(crate) fn rest(&self) -> &'a [u8] {
+        self.0.rest()
+    }
+
+    /// Move past `n` bytes of `rest()` (at most all of them).
+    #[inline]
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.0.pos = (self.0.pos + n).min(self.0.buf.len());
+    }
+
+    /// Bytes read so far.
+    pub(crate) fn pos(&self) -> usize {
+        self.0.pos
+    }
+
+    /// Bytes left to read.
+    pub(crate) fn remaining(&self) -> usize {
+        self.0.buf.len() - self.0.pos
+    }
 }
 
 /// The event types this kvroute knows.
@@ -1203,7 +1293,29 @@ impl<'a> Dec<'a> {
             let base = self.pos;
             let buf = &whole[base..];
             let mut p = 0usize;
-            for i in 0..n as usize {
+            let n = n as usize;
+            // While a whole 9-byte window fits, a token costs one table load, one unaligned
+            // 8-byte read and a shift: no bounds check that the loop condition does not cover.
+            let mut i = 0usize;
+            while i < n {
+                let Some(&[b, b1, b2, b3, b4, b5, b6, b7, b8]) =
+                    buf.get(p..).and_then(|r| r.first_chunk::<9>())
+                else {
+                    break;
+                };
+                let w = UINT_WIDTH[usize::from(b)];
+                if w == NOT_UINT {
+                    break;
+                }
+                let word = u64::from_be_bytes([b1, b2, b3, b4, b5, b6, b7, b8]);
+                let wide = word >> (64 - 8 * u32::from(w.max(1)));
+                let v = if w == 0 { u64::from(b) } else { wide };
+                // At most u32::MAX: the forms above hold nothing wider.
+                out.push(v as i64);
+                p += 1 + usize::from(w);
+                i += 1;
+            }
+            for i in i..n {
                 if let (Some(&b), Some(next)) = (buf.get(p), buf.get(p + 1..p + 9)) {
                     let w = UINT_WIDTH[usize::from(b)];
                     if w != NOT_UINT {

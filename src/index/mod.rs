@@ -50,7 +50,9 @@ use crate::keys::Key;
 use crate::protocols::BlockHash;
 
 pub use query::{MatchResult, Query, QueryInput, Score};
-pub use snapshot::{SnapGroup, SnapWorker};
+pub use snapshot::{
+    read as read_snapshot, SnapFile, SnapGroup, SnapKey, SnapReadError, SnapWorker,
+};
 use table::KeyTable;
 
 /// What identifies a worker (a `WorkerKey` in Python): hashable, cheap to clone, printable.
@@ -225,6 +227,13 @@ impl<V> EMap<V> {
 
     pub(crate) fn values(&self) -> impl Iterator<Item = &V> {
         self.ints.iter().map(|e| &e.1).chain(self.bytes.values())
+    }
+
+    pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
+        self.ints
+            .iter_mut()
+            .map(|e| &mut e.1)
+            .chain(self.bytes.values_mut())
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = (BlockHash, &V)> {

@@ -194,6 +194,20 @@ fn classes_repr(classes: &[Class]) -> String {
     format!("[{}]", parts.join(", "))
 }
 
+/// A worker's tier mask on a key from its holder flags there (0: not a holder).
+pub(crate) fn mask_of_flags(f: u8) -> u8 {
+    if f & H == 0 {
+        return 0;
+    }
+    let mut mask = if f & G != 0 { 0 } else { 1 };
+    for tbit in [2u8, 4, 8] {
+        if f & tier_flag(tbit) != 0 {
+            mask |= tbit;
+        }
+    }
+    mask
+}
+
 impl<K: WorkerName> Index<K> {
     /// Apply every event of one decoded batch, in order; what it named, counted.
     pub fn apply_batch(&mut self, worker: &K, batch: &Batch) -> ApplyCounts {
@@ -346,17 +360,7 @@ impl<K: WorkerName> Index<K> {
 
     /// The worker's tier mask on key `id`, read back from the shared tables (`_worker_mask`).
     pub(crate) fn worker_mask(&self, slot: u32, id: u32) -> u8 {
-        let f = self.table.flags(id, slot);
-        if f & H == 0 {
-            return 0;
-        }
-        let mut mask = if f & G != 0 { 0 } else { 1 };
-        for tbit in [2u8, 4, 8] {
-            if f & tier_flag(tbit) != 0 {
-                mask |= tbit;
-            }
-        }
-        mask
+        mask_of_flags(self.table.flags(id, slot))
     }
 
     /// An engine hash mapping to key `id` became present (+1) or absent (-1) on tier `pos`.

@@ -13,11 +13,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
-use crate::index::{Index, Limits, Query, Score, WorkerName};
+use crate::index::{Index, Limits, Query, Score, SnapKey, WorkerName};
 
 pub(crate) use convert::event;
 
@@ -122,6 +122,14 @@ fn score_dicts<'py>(
     Ok((blocks, sizes))
 }
 
+/// A snapshot key as the file holds it (b"": held, never claimable).
+fn key_bytes<'py>(py: Python<'py>, k: &SnapKey) -> Bound<'py, PyBytes> {
+    match k {
+        SnapKey::Key(k) => PyBytes::new(py, k),
+        _ => PyBytes::new(py, b""),
+    }
+}
+
 impl PyIndex {
     /// The locked index itself, for the native receive loop (`crate::py::recv`), which applies
     /// to it from its own thread.
@@ -219,29 +227,10 @@ impl PyIndex {
                     )
                 }
             };
+            if let Some((kind, detail)) = crate::wire::verdict(&batch) {
+                return ((f64::NAN, kind, detail, 0, batch.skipped), Vec::new());
+            }
             let ts = batch.ts;
-            if !ts.is_finite() {
-                // A NaN or infinite ts cannot tell a duplicate from a restart, nor be saved as a
-                // position: the batch is a hole, like any undecodable one (Python's repr of it).
-                let shown = if ts.is_nan() {
-                    "nan"
-                } else if ts > 0.0 {
-                    "inf"
-                } else {
-                    "-inf"
-                };
-                let detail = format!("ts {shown} is not finite");
-                return (
-                    (f64::NAN, "undecodable payload", detail, 0, batch.skipped),
-                    Vec::new(),
-                );
-            }
-            if let Some(why) = batch.untrusted {
-                return (
-                    (f64::NAN, "untrusted batch", why, 0, batch.skipped),
-                    Vec::new(),
-                );
-            }
             let mut idx = inner.write();
             let counts = idx.apply_batch(&key, &batch);
             let logs = idx.take_logs();
@@ -425,7 +414,7 @@ impl PyIndex {
         let out = PyList::empty(py);
         for (k, sw) in workers {
             let hashes = hash_list(py, &sw.hashes)?;
-            let keys = PyList::new(py, sw.keys.iter().map(|b| PyBytes::new(py, b)))?;
+            let keys = PyList::new(py, sw.keys.iter().map(|k| key_bytes(py, k)))?;
             let special = PyList::empty(py);
             for (h, c) in &sw.special {
                 special.append((hash_obj(py, h)?, c.clone()))?;
@@ -438,7 +427,7 @@ impl PyIndex {
                     g.window,
                     g.block_size,
                     hash_list(py, &g.hashes)?,
-                    PyList::new(py, g.keys.iter().map(|b| PyBytes::new(py, b)))?,
+                    PyList::new(py, g.keys.iter().map(|k| key_bytes(py, k)))?,
                     g.masks.clone(),
                 ))?;
             }
@@ -457,16 +446,66 @@ impl PyIndex {
         Ok(out)
     }
 
-    /// Restore one worker from a `SnapWorker`; returns why it was refused (None: restored).
-    fn import_worker(
+    /// Restore a snapshot file (``data``, the whole file) into this empty index: read and rebuilt
+    /// here with the GIL released, no Python object per entry. ``check_header(format, version,
+    /// hash_version)`` is called once the file is read, before anything is restored (it raises
+    /// to refuse the file); ``key_type(worker_id, dp_rank)`` makes each worker's key. Returns
+    /// ``(cursors, dropped)``: every saved (worker_id, dp_rank, seq, ts), and the workers refused
+    /// as (key, reason). Raises ValueError (why) when the file is unreadable; nothing is restored.
+    /// ``only`` (a collection of keys): restore just those workers, each replacing whatever the
+    /// index held for it, and only their cursors.
+    #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (data, key_type, check_header, only=None))]
+    fn restore<'py>(
         &self,
-        py: Python<'_>,
-        worker: &Bound<'_, PyAny>,
-        sw: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<String>> {
-        let key = PyKey::extract(worker)?;
-        let sw = convert::snap_worker(sw)?;
-        self.with_write(py, |idx| idx.import_worker(&key, &sw).err())
+        py: Python<'py>,
+        data: &Bound<'py, PyBytes>,
+        key_type: &Bound<'py, PyAny>,
+        check_header: &Bound<'py, PyAny>,
+        only: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<(
+        Vec<(String, i64, i128, f64)>,
+        Vec<(Bound<'py, PyAny>, String)>,
+    )> {
+        let bytes = data.as_bytes();
+        let mut file = py
+            .detach(|| crate::index::read_snapshot(bytes))
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        check_header.call1((&file.format, file.version, file.hash_version))?;
+        // `only`: import just these workers into an index that already holds others (a JetStream
+        // client taking a snapshot); each replaces that worker's state whole.
+        let mut keys = Vec::with_capacity(file.workers.len());
+        let mut kept = Vec::with_capacity(file.workers.len());
+        for (id, rank, sw) in std::mem::take(&mut file.workers) {
+            let obj = key_type.call1((&id, rank))?;
+            if let Some(only) = only {
+                if !only.contains(&obj)? {
+                    continue;
+                }
+            }
+            keys.push(PyKey::extract(&obj)?);
+            kept.push((id, rank, sw));
+        }
+        file.cursors
+            .retain(|(id, rank, _, _)| kept.iter().any(|(i, r, _)| i == id && r == rank));
+        let replace = only.is_some();
+        let refused = self.with_write(py, |idx| {
+            let mut refused = Vec::new();
+            for (key, (_, _, sw)) in keys.iter().zip(&kept) {
+                if replace {
+                    idx.remove_worker(key);
+                }
+                if let Err(why) = idx.import_worker(key, sw) {
+                    refused.push((key.clone(), why));
+                }
+            }
+            refused
+        })?;
+        let dropped = refused
+            .into_iter()
+            .map(|(k, why)| (k.obj(py), why))
+            .collect();
+        Ok((file.cursors, dropped))
     }
 }
 

@@ -102,6 +102,38 @@ fn decode_batch<'py>(
     to_python(py, &decoded.batch, &decoded.wide)
 }
 
+/// Decode one payload and judge it as the raw-bytes ingest does (`wire::verdict`, the one rule):
+/// ``(batch, kind, detail)``: ``kind`` "" when the batch may be applied, else "undecodable payload"
+/// (``batch`` None when the bytes did not decode; a ts that is not finite) or "untrusted batch",
+/// with the detail the subscriber logs. A decoded batch is returned even when refused, for its
+/// skip counts. Never raises for the payload's content.
+#[pyfunction]
+#[pyo3(signature = (payload, max_events_per_batch, max_blocks_per_event, max_block_size))]
+fn decode_checked<'py>(
+    py: Python<'py>,
+    payload: &Bound<'py, PyAny>,
+    max_events_per_batch: &Bound<'py, PyAny>,
+    max_blocks_per_event: &Bound<'py, PyAny>,
+    max_block_size: &Bound<'py, PyAny>,
+) -> PyResult<(Option<Bound<'py, PyAny>>, &'static str, String)> {
+    let lim = limits(max_events_per_batch, max_blocks_per_event, max_block_size)?;
+    let decoded = match run(py, payload, &lim) {
+        Ok(d) => d,
+        Err(e)
+            if e.is_instance(
+                py,
+                DECODE_ERROR.import(py, "kvroute._errors", "DecodeError")?,
+            ) =>
+        {
+            return Ok((None, "undecodable payload", e.value(py).to_string()));
+        }
+        Err(e) => return Err(e),
+    };
+    let (kind, detail) = wire::verdict(&decoded.batch).unwrap_or(("", String::new()));
+    let batch = to_python(py, &decoded.batch, &decoded.wide)?;
+    Ok((Some(batch), kind, detail))
+}
+
 /// Decode one payload and return only what the recovery machine needs, with no object per event:
 /// ``(ts, events, stored_blocks, removed_blocks, clears, untrusted, skipped)``; raises `DecodeError`.
 #[pyfunction]
@@ -343,6 +375,7 @@ fn item<'py>(
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_batch, m)?)?;
     m.add_function(wrap_pyfunction!(decode_count, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_checked, m)?)?;
     m.add("MAX_DEPTH", wire::MAX_DEPTH)?;
     Ok(())
 }

@@ -6,9 +6,7 @@ path, a replayed one); `_fast_apply` is the per-message fast path (docs/recovery
 
 from __future__ import annotations
 
-import math
-
-from ..._errors import DecodeError
+from ... import _core
 from ..._index import ApplyReport, PrefixIndex
 from ..._models import WorkerKey
 from ..._wire import BatchDecoder, EventBatch
@@ -17,21 +15,21 @@ __all__ = ["_decode_checked", "_fast_apply"]
 
 
 def _decode_checked(decoder: BatchDecoder, payload: bytes) -> tuple[EventBatch | None, str, str]:
-    """A batch the machine may take as decodable, or None with the (kind, detail) of why not."""
-    try:
-        batch = decoder.decode(payload)
-    except DecodeError as exc:
-        return None, "undecodable payload", str(exc)
-    if not math.isfinite(batch.ts):
-        # A NaN or infinite ts cannot tell a duplicate from a restart, nor be saved as a
-        # position: the batch is a hole, like any undecodable one.
-        return None, "undecodable payload", f"ts {batch.ts!r} is not finite"
-    if batch.untrusted is not None:
-        # A removal or clear that could not be read: applying the rest could leave blocks
-        # the engine dropped. As an undecodable batch the machine asks for a replay and,
-        # when that cannot fix it, resets the worker ("undecodable").
-        return None, "untrusted batch", batch.untrusted
-    return batch, "", ""
+    """A batch the machine may take as decodable, or None with the (kind, detail) of why not.
+
+    The verdict is the core's (`wire::verdict`, the one `apply_payload` applies): a ts that is
+    not finite cannot tell a duplicate from a restart, nor be saved as a position, so the batch
+    is a hole like any undecodable one; a removal or clear that could not be read makes the
+    batch untrusted (applying the rest could leave blocks the engine dropped), and the machine
+    asks for a replay and, when that cannot fix it, resets the worker.
+    """
+    lim = decoder.limits
+    batch, kind, detail = _core.decode_checked(
+        payload, lim.max_events_per_batch, lim.max_blocks_per_event, lim.max_block_size
+    )
+    if batch is not None:
+        decoder.count_skipped(batch.skipped)
+    return (None if kind else batch), kind, detail
 
 
 def _fast_apply(index: PrefixIndex, key: WorkerKey, decoder: BatchDecoder, payload: bytes) -> ApplyReport:

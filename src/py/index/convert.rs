@@ -1,5 +1,5 @@
 //! Python objects -> the core's types: engine events (kvroute._wire Structs) -> `protocols`
-//! events, a query's arguments -> a checked `QueryInput`, snapshot Structs -> `SnapWorker`.
+//! events, a query's arguments -> a checked `QueryInput`.
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
 
-use crate::index::{QueryInput, SnapGroup, SnapWorker};
+use crate::index::QueryInput;
 use crate::keys::{self, MmItem};
 use crate::protocols::{BlockHash, BlockRemoved, BlockStored, Event, Value};
 
@@ -631,52 +631,5 @@ pub(crate) fn query_input<'py>(
         salt,
         mm_items: items,
         extra_keys,
-    })
-}
-
-fn bytes_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
-    obj.try_iter()?
-        .map(|k| Ok(k?.cast::<PyBytes>()?.as_bytes().to_vec()))
-        .collect()
-}
-
-/// A `SnapWorker` Struct (kvroute/_snapshot.py) as the core's.
-pub(crate) fn snap_worker(sw: &Bound<'_, PyAny>) -> PyResult<SnapWorker> {
-    let groups = sw
-        .getattr("groups")?
-        .try_iter()?
-        .map(|g| {
-            let g = g?;
-            Ok(SnapGroup {
-                group_idx: g.getattr("group_idx")?.extract()?,
-                kind: g.getattr("kind")?.extract()?,
-                window: opt_i64(&g.getattr("window")?)?,
-                block_size: g.getattr("block_size")?.extract()?,
-                hashes: hashes(&g.getattr("hashes")?)?,
-                keys: bytes_list(&g.getattr("keys")?)?,
-                masks: g.getattr("masks")?.extract()?,
-            })
-        })
-        .collect::<PyResult<_>>()?;
-    let special = sw
-        .getattr("special")?
-        .try_iter()?
-        .map(|item| {
-            let item = item?;
-            Ok((
-                block_hash(&item.get_item(0)?)?,
-                item.get_item(1)?.extract::<Vec<i64>>()?,
-            ))
-        })
-        .collect::<PyResult<_>>()?;
-    Ok(SnapWorker {
-        classes: sw.getattr("classes")?.extract()?,
-        primary: opt_i64(&sw.getattr("primary")?)?,
-        lookahead: sw.getattr("lookahead")?.extract()?,
-        hashes: hashes(&sw.getattr("hashes")?)?,
-        keys: bytes_list(&sw.getattr("keys")?)?,
-        special,
-        groups,
-        bigram: sw.getattr("bigram")?.extract()?,
     })
 }
