@@ -1,0 +1,441 @@
+"""The Router's Python scoring: the reference the compiled select (src/py/router.rs) must equal.
+
+`CostModel` subclasses and fleets with approximate workers take this path (`Router.select`
+dispatches); the built-in model without approximate workers takes the compiled one, whose
+decisions tests/test_router_scoring.py holds equal to these. `_pick_at` draws for both paths.
+Also here: what an approximate worker is assumed to hold (`_Approx`) and one prompt's content
+keys per block size (`_Query`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from itertools import islice
+from typing import Any, Protocol
+
+import msgspec
+
+from ._cost import CandidateScore, CostModel, RoutingDecision
+from ._errors import NoWorkersError, RouterError
+from ._hashing import MultimodalItem, chain_keys
+from ._index import OverlapScores, PrefixIndex
+from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, WorkerStates
+
+# Costs computed by different paths (index overlap, approximate store, idle) can differ in the
+# last bits for equal inputs; closer than this relative margin they are a tie.
+_TIE_EPS = 1e-9
+
+
+class _Approx:
+    """What an approximate worker is assumed to hold: content key -> expiry, oldest first.
+
+    One TTL for all and a monotonic clock make insertion order expiry order, so expired keys
+    are always at the front and purging is amortised O(1) per key.
+    """
+
+    __slots__ = ("block_size", "expiry")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.expiry: dict[bytes, float] = {}
+
+    def purge(self, now: float) -> None:
+        expiry = self.expiry
+        while expiry:
+            first = next(iter(expiry))
+            if expiry[first] > now:
+                return
+            del expiry[first]
+
+    def leading(self, keys: list[bytes]) -> int:
+        expiry = self.expiry
+        n = 0
+        for k in keys:
+            if k not in expiry:
+                break
+            n += 1
+        return n
+
+    def note(self, keys: list[bytes], until: float) -> None:
+        expiry = self.expiry
+        pop = expiry.pop
+        for k in keys:
+            pop(k, None)  # re-inserting moves the key to the back: expiry order stays insertion order
+            expiry[k] = until
+
+
+class _Query:
+    """One prompt with its content keys per block size, hashed only when an approximate worker asks."""
+
+    __slots__ = ("_keys", "cache_salt", "extra_keys", "lora_name", "mm_items", "token_ids")
+
+    def __init__(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+        extra_keys: Sequence[Sequence[Any] | None] | None,
+        cache_salt: str | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
+    ) -> None:
+        self.token_ids = token_ids
+        self.lora_name = lora_name
+        self.cache_salt = cache_salt
+        self.mm_items = mm_items
+        self.extra_keys = extra_keys
+        self._keys: dict[int, list[bytes]] = {}
+
+    def keys(self, block_size: int) -> list[bytes]:
+        got = self._keys.get(block_size)
+        if got is None:
+            try:
+                got = chain_keys(
+                    self.token_ids,
+                    block_size,
+                    lora_name=self.lora_name,
+                    cache_salt=self.cache_salt,
+                    mm_items=self.mm_items,
+                    extra_keys=self.extra_keys,
+                )
+            except OverflowError:
+                got = []  # a token outside uint32 is never a held block (kvroute._hashing)
+            except (TypeError, AttributeError, msgspec.EncodeError) as exc:
+                raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
+            self._keys[block_size] = got
+        return got
+
+
+class _RouterParts(Protocol):
+    """What of a `Router` the reference path reads: the self type of `ReferenceScoring`'s methods."""
+
+    index: PrefixIndex
+    states: WorkerStates | None
+    cost_model: CostModel
+    block_size: int
+    trust_partial: bool
+    approximate_ttl: float
+    _rng: random.Random
+    _clock: Callable[[], float]
+    _approx: dict[WorkerKey, _Approx]
+
+    def _universe(self, candidates: Iterable[WorkerKey] | None) -> set[WorkerKey]: ...
+
+    def _routed_query(
+        self, query: _Query, ntok: int, record: bool
+    ) -> tuple[dict[WorkerKey, int] | None, list[bytes]]: ...
+
+    def _loads(
+        self, load: Mapping[WorkerKey, float] | None, universe: set[WorkerKey]
+    ) -> tuple[Mapping[WorkerKey, float], float, set[WorkerKey]]: ...
+
+    def _decide(
+        self,
+        started: float,
+        chosen: CandidateScore,
+        entries: list[CandidateScore],
+        idle_count: int,
+        idle_cost: float,
+        ntok: int,
+        request_id: Hashable | None,
+        routed_keys: list[bytes],
+    ) -> RoutingDecision: ...
+
+    def _scored(
+        self,
+        out: list[CandidateScore],
+        scores: OverlapScores,
+        universe: set[WorkerKey],
+        seen: set[WorkerKey],
+        ntok: int,
+        idle_prefill: float,
+        loads: Mapping[WorkerKey, float],
+        scale: float,
+        credits: dict[WorkerKey, int] | None,
+    ) -> None: ...
+
+    def _routed_only(
+        self,
+        out: list[CandidateScore],
+        credits: dict[WorkerKey, int],
+        universe: set[WorkerKey],
+        seen: set[WorkerKey],
+        ntok: int,
+        loads: Mapping[WorkerKey, float],
+        scale: float,
+    ) -> None: ...
+
+    def _pick(
+        self, entries: list[CandidateScore], idle_count: int, idle_cost: float, temperature: float
+    ) -> CandidateScore | None: ...
+
+    def _pick_at(self, costs: list[float], idle_count: int, idle_cost: float, temperature: float) -> int | None: ...
+
+
+class ReferenceScoring:
+    """`Router`'s Python scoring path (a mixin: its methods read the router through `_RouterParts`)."""
+
+    def _select_reference(
+        self: _RouterParts,
+        started: float,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+        cache_salt: str | None,
+        mm_items: Sequence[MultimodalItem],
+        candidates: Iterable[WorkerKey] | None,
+        load: Mapping[WorkerKey, float] | None,
+        request_id: Hashable | None,
+        extra_keys: Sequence[Sequence[Any] | None] | None,
+    ) -> RoutingDecision:
+        """`select` in Python: for `CostModel` subclasses, approximate workers, or another index."""
+        model = self.cost_model
+        try:
+            ntok = len(token_ids)
+            if extra_keys is None:
+                scores = self.index.find_matches(
+                    token_ids, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items
+                )
+            else:
+                scores = self.index.find_matches(
+                    token_ids, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items, extra_keys=extra_keys
+                )
+        except (TypeError, AttributeError, msgspec.EncodeError) as exc:
+            raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
+        universe = self._universe(candidates)
+        if not universe:
+            if candidates is None:
+                raise NoWorkersError("no live or registered worker to route to")
+            raise NoWorkersError("none of the given candidates is a live or registered worker")
+        query = _Query(token_ids, lora_name, extra_keys, cache_salt, mm_items)
+        credits, routed_keys = self._routed_query(query, ntok, request_id is not None)
+        unit = self.block_size
+        cost_of = model.cost
+        idle_prefill = ntok / unit
+        entries: list[CandidateScore] = []
+        seen: set[WorkerKey] = set()  # listed by the approximate or the index pass
+        loads, scale, universe = self._loads(load, universe)
+        load_get = loads.get
+
+        approx = self._approx
+        if approx:
+            now = self._clock()
+            for w, store in approx.items():
+                if w not in universe:
+                    continue
+                store.purge(now)
+                held = store.leading(query.keys(store.block_size)) if store.expiry else 0
+                w_load = load_get(w, 0) * scale
+                if not held and not w_load:
+                    continue
+                bs = store.block_size
+                prefill = (ntok - held * bs) / unit
+                seen.add(w)
+                entries.append(
+                    CandidateScore(
+                        worker=w,
+                        source="approximate",
+                        claimed_blocks=held,
+                        overlap_blocks=held,
+                        block_size=bs,
+                        prefill_blocks=prefill,
+                        load_blocks=w_load,
+                        cost=cost_of(prefill, w_load),
+                        overlap_tokens=min(ntok, held * bs),
+                    )
+                )
+
+        if scores:
+            self._scored(entries, scores, universe, seen, ntok, idle_prefill, loads, scale, credits)
+        if credits:
+            self._routed_only(entries, credits, universe, seen, ntok, loads, scale)
+
+        # Load-only workers: nothing claimed, so the prefill is the whole prompt. Approximate
+        # workers with load were all listed above. The stock model's cost is inlined: this
+        # loop runs for every busy worker.
+        idle_cost = cost_of(idle_prefill, 0.0)
+        stock = type(model) is CostModel
+        for w, t in loads.items():
+            if t and w in universe and w not in seen:
+                w_load = t * scale
+                entries.append(
+                    CandidateScore(
+                        worker=w,
+                        source="index",
+                        claimed_blocks=0,
+                        overlap_blocks=0,
+                        block_size=None,
+                        prefill_blocks=idle_prefill,
+                        load_blocks=w_load,
+                        cost=idle_cost + w_load if stock else cost_of(idle_prefill, w_load),
+                    )
+                )
+
+        idle_count = len(universe) - len(entries)
+        pick = self._pick(entries, idle_count, idle_cost, model.temperature)
+        if pick is None:
+            idle = universe.difference([e.worker for e in entries])
+            chosen_w = next(islice(iter(idle), self._rng.randrange(len(idle)), None))
+            chosen = CandidateScore(
+                worker=chosen_w,
+                source="approximate" if chosen_w in approx else "index",
+                claimed_blocks=0,
+                overlap_blocks=0,
+                block_size=approx[chosen_w].block_size if chosen_w in approx else None,
+                prefill_blocks=idle_prefill,
+                load_blocks=0.0,
+                cost=idle_cost,
+            )
+            entries.append(chosen)
+            idle_count -= 1
+        else:
+            chosen = pick
+        worker = chosen.worker
+
+        chosen_store = approx.get(worker)
+        if chosen_store is not None:
+            chosen_store.note(query.keys(chosen_store.block_size), self._clock() + self.approximate_ttl)
+        return self._decide(started, chosen, entries, idle_count, idle_cost, ntok, request_id, routed_keys)
+
+    def _scored(
+        self: _RouterParts,
+        out: list[CandidateScore],
+        scores: OverlapScores,
+        universe: set[WorkerKey],
+        seen: set[WorkerKey],
+        ntok: int,
+        idle_prefill: float,
+        loads: Mapping[WorkerKey, float],
+        scale: float,
+        credits: dict[WorkerKey, int] | None,
+    ) -> None:
+        """Append the figures of the workers the index claims overlap for (approximate ones excluded);
+        ``credits``: the routing hint's tokens per worker, credited where they exceed the index's."""
+        unit = self.block_size
+        model = self.cost_model
+        cost_of = model.cost
+        stock = type(model) is CostModel
+        weight = model.overlap_weight
+        full_credit = model.full_credit
+        gpu_runs = scores.tier(GPU)
+        approx = self._approx
+        block_size_of = scores.block_size
+        load_get = loads.get
+        states = self.states
+        trust_partial = self.trust_partial
+        for w, claimed in scores.items():
+            # `seen` holds only approximate workers so far: `w in approx` covers it.
+            if w in approx or w not in universe:
+                continue
+            w_load = load_get(w, 0) * scale
+            bs = block_size_of(w)
+            if states is None:
+                trusted = True  # no states provider: the index is trusted for every worker
+            else:
+                status = states.worker_status(w)
+                trusted = status is not None and status.state == "synced" and (trust_partial or not status.partial)
+            if bs is not None and trusted:
+                overlap = claimed
+                gpu = gpu_runs.get(w, 0)
+                if full_credit or gpu >= claimed:
+                    credited: float = claimed
+                else:
+                    credited = model.credited_blocks(
+                        claimed,
+                        gpu,
+                        scores.tier(CPU).get(w, 0),
+                        scores.tier(DISK).get(w, 0),
+                        scores.tier(EXTERNAL).get(w, 0),
+                    )
+                # The overlap is in the block size it was measured in (a worker may store
+                # under several); never let a claim exceed the prompt.
+                prefill = max(0.0, ntok - credited * bs) / unit
+            else:
+                overlap = 0
+                prefill = idle_prefill
+            routed = credits.get(w, 0) if credits else 0
+            if routed:
+                prefill = min(prefill, (ntok - routed) / unit)
+            seen.add(w)
+            out.append(
+                CandidateScore(
+                    worker=w,
+                    source="index",
+                    claimed_blocks=claimed,
+                    overlap_blocks=overlap,
+                    block_size=bs,
+                    prefill_blocks=prefill,
+                    load_blocks=w_load,
+                    cost=weight * prefill + w_load if stock else cost_of(prefill, w_load),
+                    overlap_tokens=min(ntok, overlap * bs) if bs is not None else 0,
+                    routed_tokens=routed,
+                )
+            )
+
+    def _routed_only(
+        self: _RouterParts,
+        out: list[CandidateScore],
+        credits: dict[WorkerKey, int],
+        universe: set[WorkerKey],
+        seen: set[WorkerKey],
+        ntok: int,
+        loads: Mapping[WorkerKey, float],
+        scale: float,
+    ) -> None:
+        """Append the workers only the routing hint credits (no index claim), in the hint's order."""
+        unit = self.block_size
+        model = self.cost_model
+        stock = type(model) is CostModel
+        weight = model.overlap_weight
+        load_get = loads.get
+        for w, routed in credits.items():
+            if w in seen or w not in universe or w in self._approx:
+                continue
+            w_load = load_get(w, 0) * scale
+            prefill = (ntok - routed) / unit
+            seen.add(w)
+            out.append(
+                CandidateScore(
+                    worker=w,
+                    source="index",
+                    claimed_blocks=0,
+                    overlap_blocks=0,
+                    block_size=None,
+                    prefill_blocks=prefill,
+                    load_blocks=w_load,
+                    cost=weight * prefill + w_load if stock else model.cost(prefill, w_load),
+                    routed_tokens=routed,
+                )
+            )
+
+    def _pick(
+        self: _RouterParts, entries: list[CandidateScore], idle_count: int, idle_cost: float, temperature: float
+    ) -> CandidateScore | None:
+        """The winning entry, or None when the idle group wins (the caller draws one idle worker)."""
+        at = self._pick_at([e.cost for e in entries], idle_count, idle_cost, temperature)
+        return None if at is None else entries[at]
+
+    def _pick_at(
+        self: _RouterParts, costs: list[float], idle_count: int, idle_cost: float, temperature: float
+    ) -> int | None:
+        """The winning entry's position among ``costs``, or None when the idle group wins."""
+        best = min(costs, default=math.inf)
+        if idle_count:
+            best = min(best, idle_cost)
+        rng = self._rng
+        if temperature > 0.0:
+            weights = [math.exp((best - c) / temperature) for c in costs]
+            total = math.fsum(weights)
+            idle_weight = idle_count * math.exp((best - idle_cost) / temperature) if idle_count else 0.0
+            r = rng.random() * (total + idle_weight)
+            for i, wgt in enumerate(weights):
+                r -= wgt
+                if r < 0.0:
+                    return i
+            if idle_count:
+                return None
+            return len(costs) - 1  # rounding left r a hair above zero: the last entry's share
+        margin = _TIE_EPS * max(1.0, abs(best))
+        tied = [i for i, c in enumerate(costs) if c - best <= margin]
+        idle_tied = idle_count if idle_count and idle_cost - best <= margin else 0
+        r = rng.randrange(len(tied) + idle_tied)
+        return tied[r] if r < len(tied) else None
