@@ -486,9 +486,11 @@ impl PyIndex {
             keys.push(PyKey::extract(&obj)?);
             kept.push((id, rank, sw));
         }
-        file.cursors
-            .retain(|(id, rank, _, _)| kept.iter().any(|(i, r, _)| i == id && r == rank));
         let replace = only.is_some();
+        if replace {
+            file.cursors
+                .retain(|(id, rank, _, _)| kept.iter().any(|(i, r, _)| i == id && r == rank));
+        }
         let refused = self.with_write(py, |idx| {
             let mut refused = Vec::new();
             for (key, (_, _, sw)) in keys.iter().zip(&kept) {
