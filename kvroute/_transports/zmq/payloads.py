@@ -6,7 +6,7 @@ path, a replayed one); `_fast_apply` is the per-message fast path (docs/recovery
 
 from __future__ import annotations
 
-from ... import _core
+from ..._core import decode_checked as _core_decode_checked
 from ..._index import ApplyReport, PrefixIndex
 from ..._models import WorkerKey
 from ..._wire import BatchDecoder, EventBatch
@@ -24,7 +24,7 @@ def _decode_checked(decoder: BatchDecoder, payload: bytes) -> tuple[EventBatch |
     asks for a replay and, when that cannot fix it, resets the worker.
     """
     lim = decoder.limits
-    batch, kind, detail = _core.decode_checked(
+    batch, kind, detail = _core_decode_checked(
         payload, lim.max_events_per_batch, lim.max_blocks_per_event, lim.max_block_size
     )
     if batch is not None:
