@@ -214,6 +214,12 @@ class KvEventClient:
         await tg.__aenter__()
         self._tg = tg
 
+        log = None
+        if self._jetstream is not None:
+            # A relay's log names its own sources: the client lends it these (kvroute._transports.jetstream).
+            origin = self._jetstream.endpoint
+            add = lambda s: self._add(s, origin)  # noqa: E731
+            log = (self._jetstream, SourceFeed(self._index, tg.start_soon, add, self._remove, self._feed_pending))
         self._transports = client_transports(
             context=self._ctx,
             config=self._config,
@@ -221,13 +227,8 @@ class KvEventClient:
             loads=self.engine_loads,
             spawn=tg.start_soon,
             adopt=self._adopt,
+            jetstream=log,
         )
-        # --- JetStream transport registration (kvroute._transports.jetstream): first, so it claims its sources.
-        if self._jetstream is not None:
-            origin = self._jetstream.endpoint
-            add = lambda s: self._add(s, origin)  # noqa: E731
-            feed = SourceFeed(self._index, tg.start_soon, add, self._remove, self._feed_pending)
-            self._transports.insert(0, self._jetstream.attach(feed))
         try:
             for src in self._initial_sources:
                 self.add_source(src)

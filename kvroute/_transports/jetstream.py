@@ -57,7 +57,7 @@ def _reason(reason: str) -> ResetReason:
 
 @dataclass(frozen=True, slots=True)
 class SourceFeed:
-    """What `KvEventClient` gives a transport that names its own sources (its registration in ``_client``).
+    """What `KvEventClient` lends a transport that names its own sources (passed through `client_transports`).
 
     ``add(source)`` subscribes a source (False: refused, e.g. ``max_sources``); ``remove(key, reason)``
     removes one; ``pending(name, why)`` keeps the client from being synced while ``name`` is pending
