@@ -757,6 +757,35 @@ mod tests {
         }
     }
 
+    type Started = (Arc<Context>, Arc<RwLock<Index<W>>>, Arc<Shared<W>>);
+
+    /// A receive thread over a fresh index: `io` libzmq I/O threads, the quiet interval and the
+    /// outbox cap each test needs, everything else as the client's defaults.
+    fn started(io: i32, quiet: Duration, outbox_bytes: usize) -> Started {
+        let ctx = Arc::new(Context::new(io).unwrap());
+        let index = Arc::new(RwLock::new(
+            Index::<W>::new(crate::index::Limits::default()),
+        ));
+        let settings = Settings {
+            visit: 64,
+            wakeup_bytes: 1 << 20,
+            quiet,
+            outbox_bytes,
+            limits: wire::Limits::default(),
+        };
+        let shared = start(index.clone(), settings, ctx.clone()).unwrap();
+        (ctx, index, shared)
+    }
+
+    /// The SUB options every test subscribes with.
+    const OPTS: SubOptions = SubOptions {
+        rcvhwm: 1000,
+        max_message_size: 1 << 20,
+        reconnect_ivl: 20,
+        reconnect_ivl_max: 100,
+        tcp_keepalive: false,
+    };
+
     /// A map-form batch with ts `ts` storing one block (hash `h`) of 4 tokens.
     fn payload(ts: f64, h: u64) -> Vec<u8> {
         let mut out = Vec::new();
@@ -839,33 +868,15 @@ mod tests {
         // it read before it stalled must not look quiet when it resumes: each had messages
         // waiting all along. Once the sources really stop, every one gets its tick.
         const N: u64 = 8;
-        let ctx = Arc::new(Context::new(256).unwrap());
-        let index = Arc::new(RwLock::new(
-            Index::<W>::new(crate::index::Limits::default()),
-        ));
         let quiet = Duration::from_millis(500);
-        let settings = Settings {
-            visit: 64,
-            wakeup_bytes: 1 << 20,
-            quiet,
-            outbox_bytes: 1 << 20,
-            limits: wire::Limits::default(),
-        };
-        let shared = start(index.clone(), settings, ctx.clone()).unwrap();
-        let opts = SubOptions {
-            rcvhwm: 1000,
-            max_message_size: 1 << 20,
-            reconnect_ivl: 20,
-            reconnect_ivl_max: 100,
-            tcp_keepalive: false,
-        };
+        let (ctx, index, shared) = started(256, quiet, 1 << 20);
         const NAMES: [&str; N as usize] = ["a", "b", "c", "d", "e", "f", "g", "h"];
         let mut pubs = Vec::new();
         for token in 0..N {
             let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
             pub_.bind("tcp://127.0.0.1:*").unwrap();
             let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
-            let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &opts).unwrap();
+            let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &OPTS).unwrap();
             shared.command(Command::Add {
                 token,
                 key: W(NAMES[token as usize]),
@@ -961,32 +972,14 @@ mod tests {
         // each message is a hand-over. While Python takes none of them (its event loop behind),
         // silence is not counted: no tick. Once Python drains, source 1 is ticked within a
         // quiet interval or so, and source 2 never.
-        let ctx = Arc::new(Context::new(64).unwrap());
-        let index = Arc::new(RwLock::new(
-            Index::<W>::new(crate::index::Limits::default()),
-        ));
         let quiet = Duration::from_millis(300);
-        let settings = Settings {
-            visit: 64,
-            wakeup_bytes: 1 << 20,
-            quiet,
-            outbox_bytes: 16 << 20,
-            limits: wire::Limits::default(),
-        };
-        let shared = start(index.clone(), settings, ctx.clone()).unwrap();
-        let opts = SubOptions {
-            rcvhwm: 1000,
-            max_message_size: 1 << 20,
-            reconnect_ivl: 20,
-            reconnect_ivl_max: 100,
-            tcp_keepalive: false,
-        };
+        let (ctx, _, shared) = started(64, quiet, 16 << 20);
         let mut pubs = Vec::new();
         for (token, name) in [(1u64, "a"), (2, "b")] {
             let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
             pub_.bind("tcp://127.0.0.1:*").unwrap();
             let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
-            let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &opts).unwrap();
+            let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &OPTS).unwrap();
             shared.command(Command::Add {
                 token,
                 key: W(name),
@@ -1016,29 +1009,11 @@ mod tests {
 
     #[test]
     fn applies_in_order_and_hands_over_the_rest_until_reopened() {
-        let ctx = Arc::new(Context::new(64).unwrap());
-        let index = Arc::new(RwLock::new(
-            Index::<W>::new(crate::index::Limits::default()),
-        ));
-        let settings = Settings {
-            visit: 64,
-            wakeup_bytes: 1 << 20,
-            quiet: Duration::from_secs(60),
-            outbox_bytes: 1 << 20,
-            limits: wire::Limits::default(),
-        };
-        let shared = start(index.clone(), settings, ctx.clone()).unwrap();
+        let (ctx, index, shared) = started(64, Duration::from_secs(60), 1 << 20);
         let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
         pub_.bind("tcp://127.0.0.1:*").unwrap();
         let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
-        let opts = SubOptions {
-            rcvhwm: 1000,
-            max_message_size: 1 << 20,
-            reconnect_ivl: 20,
-            reconnect_ivl_max: 100,
-            tcp_keepalive: false,
-        };
-        let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &opts).unwrap();
+        let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &OPTS).unwrap();
         let alive = Arc::new(AtomicBool::new(true));
         shared.command(Command::Add {
             token: 7,
