@@ -226,6 +226,8 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
     loop_lags: list[float] = []
     ticking = [False]
     peak_rss = [0]
+    peak_held = [0]
+    subs: dict[Any, Any] = {}
 
     async def ticker() -> None:
         while True:
@@ -237,6 +239,8 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
     async def rss_sampler() -> None:
         while True:
             peak_rss[0] = max(peak_rss[0], _rss())
+            # Live batches the recovery machines hold behind replays (decoded: ~7x their payload).
+            peak_held[0] = max(peak_held[0], sum(s.driver.machine.held for s in list(subs.values())))
             await anyio.sleep(0.25)
 
     config = SubscriberConfig(native_receive=args.native)
@@ -268,6 +272,7 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
         return lambda: setattr(driver_type, "_native_applied", native_applied)
 
     async with KvEventClient(sources, index=index, config=config) as client, anyio.create_task_group() as tg:
+        subs = client._subs
         if args.native:
             tg.start_soon(_undo_at_exit, count_native(client))
         tg.start_soon(ticker)
@@ -281,13 +286,15 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
         st = client.stats()
         print(
             f"# sync from cold: {sync}; subscribed {st.totals.sources}/{len(sources)}, synced {st.totals.synced}, "
-            f"refused {st.refused_sources}; fds {len(os.listdir('/proc/self/fd'))}",
+            f"refused {st.refused_sources}; fds {len(os.listdir('/proc/self/fd'))}; "
+            f"peak RSS {peak_rss[0] / 1e9:.2f} GB, peak held batches {peak_held[0]:,}",
             flush=True,
         )
         phases = [(args.rate, args.duration)] + [(float(r), float(d)) for r, d in (p.split(":") for p in args.then)]
         for phase, (offered, seconds) in enumerate(phases):
             rate.value = offered
             peak_rss[0] = _rss()
+            peak_held[0] = 0
             st0 = client.stats().totals
             pub0 = sum(published)
             app0 = index.applied_blocks
@@ -334,7 +341,11 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             if len(phases) > 1:
                 print(f"#   phase {phase}: apply lag p99 per second: {', '.join(per_second)}", flush=True)
         held = sum(s.overflows for s in st1.sources.values())
-        print(f"# overflows {held}, replays {st1.totals.replays}, gaps {st1.totals.gaps}", flush=True)
+        print(
+            f"# overflows {held}, replays {st1.totals.replays}, gaps {st1.totals.gaps}, "
+            f"peak held batches (last phase) {peak_held[0]:,}",
+            flush=True,
+        )
         tg.cancel_scope.cancel()
 
 

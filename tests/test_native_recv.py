@@ -275,3 +275,50 @@ async def test_a_busy_thread_probes_no_source_that_keeps_sending() -> None:
             index, truth_index({s.key: p for s, p in zip(sources, pubs)}), [q for wl in workloads for q in wl.queries]
         )
         assert all(_driver(client, s).native_batches > 0 for s in sources)
+
+
+async def test_a_source_waiting_for_its_replay_is_not_read_and_holds_nothing() -> None:
+    # A gap, and the engine's replay endpoint slow to answer (down: the request waits in the
+    # DEALER until it is back, within the replay timeout). Meanwhile the engine publishes 200 more batches. The
+    # Python receiver would read, decode and hold every one of them behind the replay (up to
+    # held_bytes per source, for every source of a cold fleet at once); the thread parks the
+    # SUB instead, so they wait in libzmq's and the engine's queues. Once the retry answers,
+    # they are read again: duplicates of the replayed run are dropped (rule 2), the rest applied.
+    config = msgspec.structs.replace(NATIVE, replay_timeout=2.0)
+    wl = Workload(31)
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        async with KvEventClient([src], config=config) as client:
+            await client.wait_synced(10)
+            driver = _driver(client, src)
+            for _ in range(5):
+                pub.publish(wl.batch())
+            await _caught_up(client, src, 4)
+            pub.drop_rate = 1.0
+            pub.publish(wl.batch())
+            pub.drop_rate = 0.0
+            pub.kill_replay()
+            pub.publish(wl.batch())
+            await wait_for(lambda: driver.machine.replay_in_flight is not None, "the gap's replay is asked")
+            await anyio.sleep(0.1)
+            for _ in range(200):
+                pub.publish(wl.batch())
+            await anyio.sleep(0.5)
+            assert driver.machine.replay_in_flight is not None  # still unanswered
+            assert driver.machine.held <= 2  # the gap's own message, at most one more
+            pub.revive_replay()
+            await _caught_up(client, src, pub.next_seq - 1)
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+            st = client.stats().sources[src.key]
+            assert st.resets == 0 and st.overflows == 0 and not st.partial
+            assert driver.machine.held == 0
+            # The parked messages (duplicates of the replayed run, read after it) are handed
+            # over one by one; one more batch comes after them. Then the fast path is back.
+            pub.publish(wl.batch())
+            await _caught_up(client, src, pub.next_seq - 1)
+            assert driver.machine.stats.duplicates >= 200
+            before = driver.native_batches
+            for _ in range(10):
+                pub.publish(wl.batch())
+            await _caught_up(client, src, pub.next_seq - 1)
+            assert driver.native_batches >= before + 10

@@ -152,6 +152,13 @@ impl PyNativeReceiver {
         self.shared.command(Command::Close { token });
     }
 
+    /// Leave ``token``'s messages unread (in libzmq's queue, then the engine's) while ``parked``
+    /// (a replay of it is in flight), or read them again. Its monitor is read either way, and
+    /// a parked source gets no quiet tick.
+    fn park(&self, token: u64, parked: bool) {
+        self.shared.command(Command::Park { token, parked });
+    }
+
     /// Everything waiting: ``(applied, handovers, logs, dead)``. ``applied``: per source
     /// ``(token, seqs, ts, lags, elided, blocks, skipped)``; ``handovers`` in order: ``(0,
     /// token, frames)`` a message, ``(1, token, event, value, endpoint)`` a monitor event,

@@ -137,6 +137,9 @@ pub enum Command<K> {
     },
     /// Close the fast path (a listener wants every batch as an event).
     Close { token: u64 },
+    /// Park the source (leave its messages in libzmq's queue and the engine's PUB queue while
+    /// a replay of it is in flight: Python would only hold them) or read it again.
+    Park { token: u64, parked: bool },
     /// End the thread, closing every socket.
     Stop,
 }
@@ -313,6 +316,8 @@ struct Source<K> {
     mon_fd: RawFd,
     next_seq: u64,
     open: bool,
+    /// Not read while set (its monitor still is): see `Command::Park`.
+    parked: bool,
     /// Hand-overs of this source so far (Python opens the fast path only when it consumed all).
     handed: u64,
     last_read: Instant,
@@ -518,6 +523,7 @@ impl<K: WorkerName> Loop<K> {
                             mon_fd,
                             next_seq: 0,
                             open: false,
+                            parked: false,
                             handed: 0,
                             last_read: Instant::now(),
                         },
@@ -547,6 +553,17 @@ impl<K: WorkerName> Loop<K> {
                         if consumed == src.handed && next_seq != u64::MAX {
                             src.open = true;
                             src.next_seq = next_seq;
+                        }
+                    }
+                }
+                Command::Park { token, parked } => {
+                    if let Some(src) = self.sources.get_mut(&token) {
+                        let was = std::mem::replace(&mut src.parked, parked);
+                        if was && !parked {
+                            // Silence is measured from here (it was not read while parked), and
+                            // it was not read to EAGAIN: no edge will say it has more.
+                            src.last_read = Instant::now();
+                            self.mark(token);
                         }
                     }
                 }
@@ -613,6 +630,17 @@ impl<K: WorkerName> Loop<K> {
                 value,
                 endpoint: String::from_utf8_lossy(&frames[1]).into_owned(),
             });
+        }
+        if src.parked && !src.open {
+            // Its messages wait in libzmq's queue (then the engine's PUB queue); it has
+            // something, or will, so it is not quiet: Python asked, a replay is in flight.
+            src.last_read = Instant::now();
+            if !out_pending.is_empty() {
+                let mut out = shared.outbox.lock();
+                out.handovers.append(&mut out_pending);
+                shared.signal(&mut out);
+            }
+            return Visit::Done;
         }
         if !src.open && shared.outbox.lock().bytes >= self.settings.outbox_bytes {
             // No room for more hand-overs: leave this source's messages in libzmq's queue
@@ -727,7 +755,10 @@ impl<K: WorkerName> Loop<K> {
         let mut ticks = Vec::new();
         for (token, src) in self.sources.iter_mut() {
             // `duration_since` saturates: a source read after the look is not quiet.
-            if self.in_backlog.contains_key(token) || looked.duration_since(src.last_read) < quiet {
+            if src.parked
+                || self.in_backlog.contains_key(token)
+                || looked.duration_since(src.last_read) < quiet
+            {
                 continue;
             }
             src.last_read = looked;

@@ -124,6 +124,11 @@ class NativeReceiver(_LoopLeader):
         if self._core is not None and token in self._drivers:
             self._core.close_fast(token)
 
+    def park(self, token: int, parked: bool) -> None:
+        """Leave ``token``'s messages unread while ``parked`` (a replay of it is in flight), or read them again."""
+        if self._core is not None and token in self._drivers:
+            self._core.park(token, parked)
+
     async def _loop(self) -> None:
         while True:
             if self._dead is not None:
