@@ -66,8 +66,9 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
       the first one, and between replies; junk does not count); an idle engine may answer
       ~100 ms late (docs/protocol.md §4).
     - ``replay_deadline`` 30.0 / ``replay_budget`` 100,000: one replay request ends after
-      this long or this many replies (malformed ones included), end marker or not; what
-      came is applied and the rest asked again.
+      this long (from its first turn holding a slot: waiting for one does not count) or this
+      many replies (malformed ones included), end marker or not; what came is applied and
+      the rest asked again.
     - ``replay_slice`` 0.1: a replay holding a slot this long gives it up as soon as another
       source waits for one (its replies so far are applied; it queues again for the rest);
       one streaming decodable batches (>= 200/s) keeps it for 10 slices. So a few slow or

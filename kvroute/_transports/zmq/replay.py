@@ -162,11 +162,13 @@ class ReplayRequester:
         other sources wait for a slot and it has held its own for ``replay_slice`` (with
         replies so far, the machine gets them and asks for the rest; with none, the request
         goes to the back of the queue and is sent again); or when the request as a whole
-        passes ``replay_deadline``, ``replay_budget`` replies (malformed ones count), or
+        passes ``replay_deadline`` (counted from its first turn), ``replay_budget`` replies (malformed ones count), or
         ``replay_timeout`` of slot time without a decodable reply (junk does not keep it open).
         """
         cfg = self._cfg
-        run = ReplayRun(anyio.current_time() + cfg.replay_deadline, cfg.replay_budget, cfg.replay_timeout)
+        # The deadline runs from the first turn: a request queued behind a cold fleet's
+        # thousands of others is not the endpoint's slowness (it was cut at 30 s of waiting).
+        run = ReplayRun(math.inf, cfg.replay_budget, cfg.replay_timeout)
         while True:
             async with self._slots.turn() as turn:
                 yielded = await self._turn(start, run, turn)
@@ -191,6 +193,8 @@ class ReplayRequester:
         endpoint = self._source.replay_endpoint
         assert endpoint is not None  # the replay task runs only for sources with one
         cfg = self._cfg
+        if run.deadline == math.inf:
+            run.deadline = anyio.current_time() + cfg.replay_deadline
         if self._dealer is None:
             try:
                 self._dealer = _zmq.connect(
