@@ -115,6 +115,11 @@ async def test_bad_payloads_and_frames_are_counted_and_the_rest_applied() -> Non
                     pub.publish_raw([b"kv", b"", b"", b""])
             await _caught_up(client, src, pub.next_seq - 1)
             assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+            # Live copies that arrived while a replay was in flight are read after it (the SUB
+            # was parked): their verdicts may come after the replay has caught the source up.
+            await wait_for(
+                lambda: client.stats().sources[src.key].decode_errors >= pub.corrupted, "every live copy read"
+            )
             st = client.stats().sources[src.key]
             assert st.decode_errors == pub.corrupted > 0
             assert st.skipped_frames == 9
