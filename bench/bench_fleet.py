@@ -244,6 +244,8 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             await anyio.sleep(0.25)
 
     config = SubscriberConfig(native_receive=args.native)
+    if args.replays is not None:
+        config = SubscriberConfig(native_receive=args.native, max_concurrent_replays=args.replays)
 
     def count_native(client: KvEventClient) -> Any:
         """Count what the native thread applied (and its lags): it bypasses the index's Python methods.
@@ -372,6 +374,9 @@ def main() -> None:
     ap.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     ap.add_argument("--header", action="store_true", help="print the table header first")
     ap.add_argument("--native", action="store_true", help="SubscriberConfig(native_receive=True)")
+    ap.add_argument(
+        "--replays", type=int, default=None, help="SubscriberConfig.max_concurrent_replays (default: the config's)"
+    )
     ap.add_argument(
         "--receivers",
         default=None,

@@ -8,10 +8,12 @@ the Python recovery machine. Each test ends with the index checked against the e
 from __future__ import annotations
 
 import contextlib
+import socket
 
 import anyio
 import msgspec
 import pytest
+import zmq
 from _publisher_helpers import (
     FAST,
     Workload,
@@ -327,3 +329,33 @@ async def test_a_source_waiting_for_its_replay_is_not_read_and_holds_nothing() -
                 pub.publish(wl.batch())
             await _caught_up(client, src, pub.next_seq - 1)
             assert driver.native_batches >= before + 10
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_an_engine_on_ipv6_loopback_is_followed_by_the_thread() -> None:
+    # The thread's SUBs are its own libzmq's (IPv4 only unless told): an engine on [::1] never connected.
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctx.setsockopt(zmq.IPV6, 1)
+    wl = Workload(41)
+    try:
+        async with EventPublisher(endpoint="tcp://[::1]:0", replay_endpoint="tcp://[::1]:0", context=ctx) as pub:
+            src = pub.source("v6")
+            assert src.endpoint.startswith("tcp://[::1]:")
+            async with KvEventClient([src], config=NATIVE) as client:
+                await client.wait_synced(10)
+                for _ in range(10):
+                    pub.publish(wl.batch())
+                await _caught_up(client, src, 9)
+                assert _driver(client, src).native_batches > 0
+                assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+    finally:
+        ctx.term()

@@ -199,6 +199,9 @@ impl Context {
         if opts.tcp_keepalive {
             sub.set_tcp_keepalive(1).map_err(err)?;
         }
+        // Engines may publish on IPv6 ([::1] or a global address); libzmq's default is IPv4 only
+        // (the Python receiver's context sets the same, kvroute/_client.py).
+        sub.set_ipv6(true).map_err(err)?;
         sub.set_subscribe(topic).map_err(err)?;
         // Monitor before connecting: a loopback handshake can complete at once.
         let addr = format!(
