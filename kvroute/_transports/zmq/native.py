@@ -177,4 +177,3 @@ class NativeReceiver(_LoopLeader):
         if dead is not None:
             log.error("the native receive thread stopped: %s", dead)
             self._dead = dead
-

@@ -243,4 +243,3 @@ def _waitable(selector: selectors.BaseSelector) -> int | None:
         return None
     fd: int = fileno()
     return fd
-
