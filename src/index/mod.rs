@@ -990,6 +990,71 @@ mod tests {
     }
 
     #[test]
+    fn an_engine_hash_map_is_a_map_across_its_shards() {
+        // Random inserts, overwrites, refused inserts and removals against std's HashMap.
+        let mut m: EMap<u32> = EMap::default();
+        let mut model: std::collections::HashMap<u64, u32> = std::collections::HashMap::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for step in 0..20_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let h = BlockHash::Int(x % 4096);
+            let k = x % 4096;
+            match step % 4 {
+                0 => assert_eq!(m.insert(&h, step), model.insert(k, step)),
+                1 => {
+                    let fresh = !model.contains_key(&k);
+                    assert_eq!(m.try_insert(&h, step).is_ok(), fresh);
+                    model.entry(k).or_insert(step);
+                }
+                2 => assert_eq!(m.remove(&h), model.remove(&k)),
+                _ => assert_eq!(m.get(&h), model.get(&k)),
+            }
+            assert_eq!(m.len(), model.len());
+        }
+        let mut got: Vec<(u64, u32)> = m
+            .iter()
+            .map(|(h, &v)| match h {
+                BlockHash::Int(i) => (i, v),
+                BlockHash::Bytes(_) => unreachable!("ints only"),
+            })
+            .collect();
+        got.sort_unstable();
+        let mut want: Vec<(u64, u32)> = model.into_iter().collect();
+        want.sort_unstable();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn the_shards_take_unequal_slices_and_reserve_their_own_share() {
+        let mut t: Sharded<u64> = Sharded::default();
+        let hashes: Vec<u64> = (0..40_000u64).map(hash_u64).collect();
+        t.reserve_hashes(hashes.iter().copied(), |&h| h);
+        let room: Vec<usize> = t.shards.iter().map(HashTable::capacity).collect();
+        for &h in &hashes {
+            match t.entry(h, |&e| e == h, |&e| e) {
+                hashbrown::hash_table::Entry::Vacant(v) => {
+                    v.insert(h);
+                }
+                hashbrown::hash_table::Entry::Occupied(_) => panic!("distinct hashes"),
+            }
+        }
+        let sizes: Vec<usize> = t.shards.iter().map(HashTable::len).collect();
+        // In proportion 1 : 2^(1/4) : 2^(1/2) : 2^(3/4) of 40,000 (about 7.6k, 9.0k, 10.7k, 12.7k).
+        let want = [7_568.0, 9_000.0, 10_703.0, 12_728.0];
+        for (n, w) in sizes.iter().zip(want) {
+            assert!((*n as f64 - w).abs() < 0.05 * w, "{sizes:?}");
+        }
+        // Reserved exactly: no shard grew while it filled.
+        let after: Vec<usize> = t.shards.iter().map(HashTable::capacity).collect();
+        assert_eq!(room, after);
+        assert_eq!(t.len(), 40_000);
+        assert_eq!(t.remove(hashes[7], |&e| e == hashes[7]), Some(hashes[7]));
+        assert!(t.find(hashes[7], |&e| e == hashes[7]).is_none());
+    }
+
+    #[test]
     fn an_unknown_parent_is_held_but_never_claimed() {
         let mut idx: Index<W> = Index::new(Limits::default());
         idx.apply(&W("a"), &stored(&[5], Some(99), &[3, 4], 2));
