@@ -10,7 +10,8 @@ Figures, each printed with its absolute numbers and as a ratio within this run (
   (tests/reference, the index before the Rust core).
 - ``find_matches`` p50 / p99: a full 512-block match and 32 shared blocks of an 8k-token prompt (a list of ints
   and an ``array("I")``), 64 workers, compiled ÷ the reference index holding the same entries.
-- memory per (block, worker) entry at 1M entries: RSS growth ÷ entries (each entry a distinct block), beside
+- memory per (block, worker) entry at 1M entries: RSS growth ÷ entries (each entry a distinct block), as the
+  allocator leaves it and with the C heap trimmed before and after (the pages the index holds), beside
   ``PrefixIndex.memory_bytes()`` (the tables' capacities) ÷ entries.
 - ``Router.select`` p99 while two threads ingest at full speed ÷ its p99 idle.
 """
@@ -18,6 +19,7 @@ Figures, each printed with its absolute numbers and as a ratio within this run (
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 import random
@@ -148,7 +150,23 @@ def bench_find_matches(entries: int, iters: int) -> None:
         gc.collect()
 
 
+def malloc_trim() -> bool:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim``); False where there is none."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def bench_memory(entries: int) -> None:
+    """RSS growth ÷ entries two ways, beside ``memory_bytes()``.
+
+    As measured so far: RSS before and after, as the allocator leaves it. That figure moves with how
+    much of the memory the setup freed (the payloads) the index's allocations happen to reuse, and
+    with the freed buckets of tables that grew, which stay resident until reused. So it is printed
+    beside the live figure: the C heap trimmed (``malloc_trim``) before and after, which counts only
+    the pages the index holds.
+    """
     stream = make_stream(entries, 64, 5)
     batches = [(w, decode_batch(p)) for w, p, _ in stream]
     del stream
@@ -163,6 +181,18 @@ def bench_memory(entries: int) -> None:
     tables = idx.memory_bytes()
     print(f"memory: {n:,} (block, worker) entries, RSS growth {used / 1e6:.1f} MB = {used / n:.1f} B per entry; "
           f"the index's own figure (memory_bytes) {tables / 1e6:.1f} MB = {tables / n:.1f} B per entry")
+    del idx
+    gc.collect()
+    if not malloc_trim():
+        return
+    before = rss()
+    idx = PrefixIndex()
+    for w, b in batches:
+        idx.apply_batch(w, b)
+    gc.collect()
+    malloc_trim()
+    live = rss() - before
+    print(f"  live (C heap trimmed before and after): RSS growth {live / 1e6:.1f} MB = {live / n:.1f} B per entry")
 
 
 def bench_select_under_ingest(seconds: float) -> None:

@@ -637,6 +637,47 @@ const UINT_WIDTH: [u8; 256] = {
     t
 };
 
+/// How the token loop reads each uint form of `UINT_WIDTH`, without a branch on the form: the
+/// value is the 8 bytes big-endian at `offset` past the marker, shifted right by `shift`, and the
+/// item takes `1 + width` bytes. A positive fixint is its own marker byte (offset 0, shift 56).
+/// Packed `offset | shift << 8 | advance << 16`; 0 for a marker that is not a uint form.
+const UINT_READ: [u32; 256] = {
+    let mut t = [0u32; 256];
+    let mut b = 0;
+    while b < 256 {
+        let w = UINT_WIDTH[b];
+        if w != NOT_UINT {
+            let (offset, width) = if w == 0 { (0, 1) } else { (1, w as u32) };
+            t[b] = offset | (64 - 8 * width) << 8 | (1 + w as u32) << 16;
+        }
+        b += 1;
+    }
+    t
+};
+
+/// Decode the leading run of uint-form items of `buf` (`UINT_READ`) into `dst`, as many as fit
+/// and while a whole 9-byte window is left: returns (items, bytes read). Kept apart from the
+/// decoder so that its few values stay in registers: a token costs two table loads, one
+/// unaligned 8-byte read and a shift.
+#[inline(never)]
+fn uint_run(buf: &[u8], dst: &mut [i64]) -> (usize, usize) {
+    let mut p = 0usize;
+    for (i, slot) in dst.iter_mut().enumerate() {
+        let Some(&b) = buf.get(p) else {
+            return (i, p);
+        };
+        let r = UINT_READ[usize::from(b)];
+        let at = p + (r & 0xff) as usize;
+        let (true, Some(word)) = (r != 0, buf.get(at..).and_then(|x| x.first_chunk::<8>())) else {
+            return (i, p);
+        };
+        // At most u32::MAX: the forms above hold nothing wider.
+        *slot = (u64::from_be_bytes(*word) >> (r >> 8 & 0xff)) as i64;
+        p += (r >> 16) as usize;
+    }
+    (dst.len(), p)
+}
+
 /// A decoded store before its checks: ints still wide, token cells (SGLang EAGLE) not yet folded.
 #[derive(Default)]
 struct RawStore {
@@ -1232,6 +1273,16 @@ impl<'a> Dec<'a> {
         let keep = i128::from(n) <= self.limits.max_blocks_per_event;
         let mut out = Vec::with_capacity(if keep { self.reserve_for(n) } else { 0 });
         for i in 0..n as usize {
+            // A uint 64 (0xcf), the form a real engine hash takes, read straight from the bytes.
+            if let Some((&0xcf, tail)) = self.rest().split_first() {
+                if let Some(b) = tail.first_chunk::<8>() {
+                    self.pos += 9;
+                    if keep {
+                        out.push(BlockHash::Int(u64::from_be_bytes(*b)));
+                    }
+                    continue;
+                }
+            }
             let h = match self.tok()? {
                 Tok::Int(v) => hash_of(v),
                 Tok::Bin(b) => BlockHash::Bytes(b.to_vec()),
@@ -1281,40 +1332,20 @@ impl<'a> Dec<'a> {
             s.tokens.clear();
             s.wide_tokens.clear();
         } else {
-            let mut out = Vec::with_capacity(self.reserve_for(n));
             s.wide_tokens.clear();
-            // The hot loop of a store. The int forms token ids take (fixint, uint 8/16/32; the
-            // table is checked against rmp's `Marker` in the tests) are read without a branch on
-            // the form: the next 8 bytes big-endian, shifted down to the form's width (a branch
-            // between uint 16 and uint 32 mispredicts on every other token of a real vocabulary).
-            // Anything else (wider or signed ints, another type, the payload's last 8 bytes) goes
-            // through rmp's `read_int`, then `tok`.
+            // The hot loop of a store (`uint_run`): the int forms token ids take (fixint, uint
+            // 8/16/32; the table is checked against rmp's `Marker` in the tests) are read without
+            // a branch on the form (a branch between uint 16 and uint 32 mispredicts on every
+            // other token of a real vocabulary). Anything else (wider or signed ints, another
+            // type, the payload's last 8 bytes) goes through rmp's `read_int`, then `tok`.
             let whole: &'a [u8] = self.buf;
             let base = self.pos;
             let buf = &whole[base..];
-            let mut p = 0usize;
             let n = n as usize;
-            // While a whole 9-byte window fits, a token costs one table load, one unaligned
-            // 8-byte read and a shift: no bounds check that the loop condition does not cover.
-            let mut i = 0usize;
-            while i < n {
-                let Some(&[b, b1, b2, b3, b4, b5, b6, b7, b8]) =
-                    buf.get(p..).and_then(|r| r.first_chunk::<9>())
-                else {
-                    break;
-                };
-                let w = UINT_WIDTH[usize::from(b)];
-                if w == NOT_UINT {
-                    break;
-                }
-                let word = u64::from_be_bytes([b1, b2, b3, b4, b5, b6, b7, b8]);
-                let wide = word >> (64 - 8 * u32::from(w.max(1)));
-                let v = if w == 0 { u64::from(b) } else { wide };
-                // At most u32::MAX: the forms above hold nothing wider.
-                out.push(v as i64);
-                p += 1 + usize::from(w);
-                i += 1;
-            }
+            // Each token takes at least one byte: the payload bounds this allocation.
+            let mut out = vec![0i64; self.reserve_for(n as u32)];
+            let (i, mut p) = uint_run(buf, &mut out);
+            out.truncate(i);
             for i in i..n {
                 if let (Some(&b), Some(next)) = (buf.get(p), buf.get(p + 1..p + 9)) {
                     let w = UINT_WIDTH[usize::from(b)];

@@ -141,17 +141,138 @@ fn hash_u64(h: u64) -> u64 {
     FxBuildHasher.hash_one(h)
 }
 
+/// Shards a growing table is split into (`Sharded`).
+const SHARDS: usize = 4;
+
+/// Where each shard past the first starts, in bits 24..56 of a hash (bits hashbrown uses for
+/// neither the bucket index of a table below 2^24 buckets nor its 7-bit tag): the shards take
+/// slices of the hash space in proportion 1 : 2^(1/4) : 2^(1/2) : 2^(3/4).
+const SHARD_START: [u32; SHARDS - 1] = [812_638_371, 1_779_033_704, 2_928_277_910];
+
+#[inline]
+fn shard_of(h: u64) -> usize {
+    let t = (h >> 24) as u32;
+    usize::from(t >= SHARD_START[0])
+        + usize::from(t >= SHARD_START[1])
+        + usize::from(t >= SHARD_START[2])
+}
+
+/// A hashbrown table split into `SHARDS` tables by hash value, for memory. A hashbrown table
+/// doubles when it reaches 7/8 load, so one table holding n entries spends between 8/7 and 16/7
+/// buckets per entry, by where n falls between two powers of two: a worker's map or the key
+/// index just past a doubling costs twice the buckets it needs, and the doubling itself holds
+/// the old and the new buckets at once. Shards with unequal slices of the hash space double at
+/// four different sizes of the whole, a quarter of it at a time: the worst case over n drops
+/// from 16/7 to about 13/7 buckets per entry (the mean stays ~1.65), a doubling's transient is
+/// a shard's, and a lookup still probes one table (the shard costs two compares to pick).
+pub(crate) struct Sharded<T> {
+    shards: [HashTable<T>; SHARDS],
+}
+
+impl<T> Default for Sharded<T> {
+    fn default() -> Self {
+        Sharded {
+            shards: std::array::from_fn(|_| HashTable::new()),
+        }
+    }
+}
+
+impl<T: Clone> Clone for Sharded<T> {
+    fn clone(&self) -> Self {
+        Sharded {
+            shards: self.shards.clone(),
+        }
+    }
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for Sharded<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl<T> Sharded<T> {
+    #[inline]
+    pub(crate) fn find(&self, h: u64, eq: impl FnMut(&T) -> bool) -> Option<&T> {
+        self.shards[shard_of(h)].find(h, eq)
+    }
+
+    #[inline]
+    pub(crate) fn find_mut(&mut self, h: u64, eq: impl FnMut(&T) -> bool) -> Option<&mut T> {
+        self.shards[shard_of(h)].find_mut(h, eq)
+    }
+
+    /// The entry for hash `h` (`hasher` rehashes the shard's entries if it grows).
+    #[inline]
+    pub(crate) fn entry(
+        &mut self,
+        h: u64,
+        eq: impl FnMut(&T) -> bool,
+        hasher: impl Fn(&T) -> u64,
+    ) -> hashbrown::hash_table::Entry<'_, T> {
+        self.shards[shard_of(h)].entry(h, eq, hasher)
+    }
+
+    /// Remove and return the entry for hash `h` that `eq` picks.
+    #[inline]
+    pub(crate) fn remove(&mut self, h: u64, eq: impl FnMut(&T) -> bool) -> Option<T> {
+        self.shards[shard_of(h)]
+            .find_entry(h, eq)
+            .ok()
+            .map(|o| o.remove().0)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.shards.iter().map(HashTable::len).sum()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.shards.iter().all(HashTable::is_empty)
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
+        self.shards.iter().flat_map(HashTable::iter)
+    }
+
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.shards.iter_mut().flat_map(HashTable::iter_mut)
+    }
+
+    /// Room for the entries hashed `hashes` (each shard reserves exactly its own share).
+    pub(crate) fn reserve_hashes(
+        &mut self,
+        hashes: impl Iterator<Item = u64>,
+        hasher: impl Fn(&T) -> u64,
+    ) {
+        let mut n = [0usize; SHARDS];
+        for h in hashes {
+            n[shard_of(h)] += 1;
+        }
+        for (s, k) in self.shards.iter_mut().zip(n) {
+            s.reserve(k, &hasher);
+        }
+    }
+
+    /// Bytes the shards have allocated (see `table_bytes`).
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| table_bytes::<T>(s.capacity()))
+            .sum()
+    }
+}
+
 /// A map keyed by engine block hashes, ints and bytes apart (a uint64 stays 8 bytes, packed).
 #[derive(Clone, Debug)]
 pub(crate) struct EMap<V> {
-    ints: HashTable<(H64, V)>,
+    ints: Sharded<(H64, V)>,
     bytes: FxHashMap<Box<[u8]>, V>,
 }
 
 impl<V> Default for EMap<V> {
     fn default() -> Self {
         EMap {
-            ints: HashTable::new(),
+            ints: Sharded::default(),
             bytes: FxHashMap::default(),
         }
     }
@@ -206,13 +327,39 @@ impl<V> EMap<V> {
         }
     }
 
+    /// Insert `v` under `h` unless `h` is there already: Ok when inserted, Err (`v` back) when
+    /// not (the store path's one probe: present or not, and the insert, in one lookup).
+    #[inline]
+    pub(crate) fn try_insert(&mut self, h: &BlockHash, v: V) -> Result<(), V> {
+        match h {
+            BlockHash::Int(i) => {
+                match self
+                    .ints
+                    .entry(hash_u64(*i), |e| e.0.get() == *i, |e| hash_u64(e.0.get()))
+                {
+                    hashbrown::hash_table::Entry::Occupied(_) => Err(v),
+                    hashbrown::hash_table::Entry::Vacant(slot) => {
+                        slot.insert((H64::new(*i), v));
+                        Ok(())
+                    }
+                }
+            }
+            BlockHash::Bytes(b) => {
+                if self.bytes.contains_key(b.as_slice()) {
+                    return Err(v);
+                }
+                self.bytes.insert(b.clone().into_boxed_slice(), v);
+                Ok(())
+            }
+        }
+    }
+
     pub(crate) fn remove(&mut self, h: &BlockHash) -> Option<V> {
         match h {
             BlockHash::Int(i) => self
                 .ints
-                .find_entry(hash_u64(*i), |e| e.0.get() == *i)
-                .ok()
-                .map(|o| o.remove().0 .1),
+                .remove(hash_u64(*i), |e| e.0.get() == *i)
+                .map(|e| e.1),
             BlockHash::Bytes(b) => self.bytes.remove(b.as_slice()),
         }
     }
@@ -247,13 +394,18 @@ impl<V> EMap<V> {
             )
     }
 
-    pub(crate) fn reserve(&mut self, n: usize) {
-        self.ints.reserve(n, |e| hash_u64(e.0.get()));
+    /// Room for `hashes` (a restore, which knows every hash a worker's table will hold).
+    pub(crate) fn reserve_for(&mut self, hashes: &[BlockHash]) {
+        let ints = hashes.iter().filter_map(|h| match h {
+            BlockHash::Int(i) => Some(hash_u64(*i)),
+            BlockHash::Bytes(_) => None,
+        });
+        self.ints.reserve_hashes(ints, |e| hash_u64(e.0.get()));
     }
 
     /// Bytes the map has allocated (buckets and control bytes; a bytes key's own allocation too).
     pub(crate) fn memory_bytes(&self) -> usize {
-        table_bytes::<(H64, V)>(self.ints.capacity())
+        self.ints.memory_bytes()
             + table_bytes::<(Box<[u8]>, V)>(self.bytes.capacity())
             + self.bytes.keys().map(|k| k.len()).sum::<usize>()
     }
@@ -835,6 +987,71 @@ mod tests {
             );
             assert_eq!(matches(&idx, &[1, 2, 3, 4, 5]), left, "reports {reports}");
         }
+    }
+
+    #[test]
+    fn an_engine_hash_map_is_a_map_across_its_shards() {
+        // Random inserts, overwrites, refused inserts and removals against std's HashMap.
+        let mut m: EMap<u32> = EMap::default();
+        let mut model: std::collections::HashMap<u64, u32> = std::collections::HashMap::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for step in 0..20_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let h = BlockHash::Int(x % 4096);
+            let k = x % 4096;
+            match step % 4 {
+                0 => assert_eq!(m.insert(&h, step), model.insert(k, step)),
+                1 => {
+                    let fresh = !model.contains_key(&k);
+                    assert_eq!(m.try_insert(&h, step).is_ok(), fresh);
+                    model.entry(k).or_insert(step);
+                }
+                2 => assert_eq!(m.remove(&h), model.remove(&k)),
+                _ => assert_eq!(m.get(&h), model.get(&k)),
+            }
+            assert_eq!(m.len(), model.len());
+        }
+        let mut got: Vec<(u64, u32)> = m
+            .iter()
+            .map(|(h, &v)| match h {
+                BlockHash::Int(i) => (i, v),
+                BlockHash::Bytes(_) => unreachable!("ints only"),
+            })
+            .collect();
+        got.sort_unstable();
+        let mut want: Vec<(u64, u32)> = model.into_iter().collect();
+        want.sort_unstable();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn the_shards_take_unequal_slices_and_reserve_their_own_share() {
+        let mut t: Sharded<u64> = Sharded::default();
+        let hashes: Vec<u64> = (0..40_000u64).map(hash_u64).collect();
+        t.reserve_hashes(hashes.iter().copied(), |&h| h);
+        let room: Vec<usize> = t.shards.iter().map(HashTable::capacity).collect();
+        for &h in &hashes {
+            match t.entry(h, |&e| e == h, |&e| e) {
+                hashbrown::hash_table::Entry::Vacant(v) => {
+                    v.insert(h);
+                }
+                hashbrown::hash_table::Entry::Occupied(_) => panic!("distinct hashes"),
+            }
+        }
+        let sizes: Vec<usize> = t.shards.iter().map(HashTable::len).collect();
+        // In proportion 1 : 2^(1/4) : 2^(1/2) : 2^(3/4) of 40,000 (about 7.6k, 9.0k, 10.7k, 12.7k).
+        let want = [7_568.0, 9_000.0, 10_703.0, 12_728.0];
+        for (n, w) in sizes.iter().zip(want) {
+            assert!((*n as f64 - w).abs() < 0.05 * w, "{sizes:?}");
+        }
+        // Reserved exactly: no shard grew while it filled.
+        let after: Vec<usize> = t.shards.iter().map(HashTable::capacity).collect();
+        assert_eq!(room, after);
+        assert_eq!(t.len(), 40_000);
+        assert_eq!(t.remove(hashes[7], |&e| e == hashes[7]), Some(hashes[7]));
+        assert!(t.find(hashes[7], |&e| e == hashes[7]).is_none());
     }
 
     #[test]

@@ -549,7 +549,7 @@ impl<K: WorkerName> Index<K> {
                 return Err(inconsistent());
             }
             let mut grp = Group::new(kind, g.window, g.block_size);
-            grp.blocks.reserve(g.hashes.len());
+            grp.blocks.reserve_for(&g.hashes);
             for h in &g.hashes {
                 if grp.blocks.insert(h, (None, 0)).is_some() {
                     return Err(inconsistent());
@@ -684,7 +684,7 @@ impl<K: WorkerName> Index<K> {
 /// Engine hash -> its position, for distinct `hashes` (None: one appears twice).
 fn positions(hashes: &[BlockHash]) -> Option<EMap<u32>> {
     let mut map = EMap::default();
-    map.reserve(hashes.len());
+    map.reserve_for(hashes);
     for (i, h) in hashes.iter().enumerate() {
         if map.insert(h, i as u32).is_some() {
             return None;

@@ -194,6 +194,11 @@ fn classes_repr(classes: &[Class]) -> String {
     format!("[{}]", parts.join(", "))
 }
 
+/// How many of `hashes` the worker holds (in its primary table).
+fn held_count<K>(w: &Worker<K>, hashes: &[BlockHash]) -> usize {
+    hashes.iter().filter(|h| w.blocks.contains(h)).count()
+}
+
 /// A worker's tier mask on a key from its holder flags there (0: not a holder).
 pub(crate) fn mask_of_flags(f: u8) -> u8 {
     if f & H == 0 {
@@ -543,31 +548,6 @@ impl<K: WorkerName> Index<K> {
         let pos = tier_pos(ev.medium.as_deref());
         let bs = ev.block_size;
         let tokens = &ev.token_ids;
-        // How many of the hashes the worker holds already: one probe each, read by the three
-        // rules below (0 on the hot path: a store of new blocks).
-        let present = if tokens.is_empty() {
-            0
-        } else {
-            hashes.iter().filter(|h| w.blocks.contains(h)).count()
-        };
-        if n == 1 && 0 < bs && bs < w.bs && !tokens.is_empty() {
-            // vLLM's partial entry comes between the full group's store and the other groups'.
-            w.pending = pending;
-        } else if ev.parent_block_hash.is_none()
-            && pos == 0
-            && !tokens.is_empty()
-            && present > 0
-            && !self.root_repeat_is_copy()
-        {
-            let again: Vec<BlockHash> = hashes
-                .iter()
-                .filter(|h| w.blocks.contains(h) && w.special.get(h).is_none_or(|c| c[0] != 0))
-                .cloned()
-                .collect();
-            if !again.is_empty() {
-                w.pending = Some((tokens.clone(), again));
-            }
-        }
         if tokens.is_empty() {
             // A placeholder: names a tier for hashes the worker holds (unknown ones: unclaimable).
             if w.entries() + n > self.limits.max_entries_per_worker {
@@ -580,18 +560,22 @@ impl<K: WorkerName> Index<K> {
             }
             return;
         }
-        if ev.parent_block_hash.is_none() {
-            w.fresh_root.clear();
-            if present < n {
-                w.fresh_root.extend_from_slice(hashes);
-            }
-        }
+        // Read before `admit` may raise the worker's block size.
+        let partial = n == 1 && 0 < bs && bs < w.bs;
+        // The pending and fresh-root rules (`settle`) read how many of the hashes the worker
+        // held before this store. On the hot path, a store of new blocks, that count comes from
+        // the inserts themselves (`store_fresh`: 0 when every one was new); elsewhere from one
+        // probe per hash, taken before anything is stored.
         if bs <= 0 {
             // Never decoded (the wire refuses it); a hand-made event must not divide by zero.
+            let present = held_count(w, hashes);
+            self.settle(w, ev, pending, partial, pos, present);
             return;
         }
         let cls = (bs, la.map_or(0, |l| l[0].len() as i64));
         if !self.admit(w, cls, n) {
+            let present = held_count(w, hashes);
+            self.settle(w, ev, pending, partial, pos, present);
             return;
         }
         let ns = namespaces(ev);
@@ -633,32 +617,52 @@ impl<K: WorkerName> Index<K> {
                 None
             }
         };
-        if let Some(k) = key {
-            if pos == 0
-                && extras.is_none()
-                && ev.lookahead_token_ids.is_none()
-                && full == n
-                && present == 0
-            {
-                self.store_fresh(w, hashes, &k, tokens, bsu);
+        // Plain keys (no extras, no lookahead) of whole GPU blocks: `store_fresh` may take it.
+        let plain = key.filter(|_| {
+            pos == 0 && extras.is_none() && ev.lookahead_token_ids.is_none() && full == n
+        });
+        if let Some(k) = plain {
+            if self.store_fresh(w, hashes, &k, tokens, bsu) {
+                self.settle(w, ev, pending, partial, pos, 0);
                 return;
             }
         }
-        let keys: Vec<Option<Key>> = match key {
-            Some(k) => match chain(&k, tokens, bsu, full, extras.as_ref(), lookahead.as_deref()) {
-                Some(ks) => {
-                    let mut out: Vec<Option<Key>> = ks.into_iter().map(Some).collect();
-                    if full < n {
-                        out.push(None); // SGLang's short last page: held, not a full block to match
+        let present = held_count(w, hashes);
+        self.settle(w, ev, pending, partial, pos, present);
+        let keys: Vec<Option<Key>> = if plain.is_some() {
+            // `store_fresh` chained these keys and stored nothing (a hash was held already, or
+            // came twice in this event).
+            let ks = std::mem::take(&mut self.scratch.keys);
+            if present == 0 {
+                // The same hash twice in one event (never from vLLM): one by one.
+                for (ehash, k) in hashes.iter().zip(&ks) {
+                    self.store_one(w, ehash, Some(*k), 0, false);
+                }
+                self.scratch.keys = ks;
+                return;
+            }
+            let out = ks.iter().map(|&k| Some(k)).collect();
+            self.scratch.keys = ks;
+            out
+        } else {
+            match key {
+                Some(k) => {
+                    match chain(&k, tokens, bsu, full, extras.as_ref(), lookahead.as_deref()) {
+                        Some(ks) => {
+                            let mut out: Vec<Option<Key>> = ks.into_iter().map(Some).collect();
+                            if full < n {
+                                out.push(None); // SGLang's short last page: held, not a full block to match
+                            }
+                            out
+                        }
+                        None => {
+                            self.unhashable += n as u64;
+                            vec![None; n]
+                        }
                     }
-                    out
                 }
-                None => {
-                    self.unhashable += n as u64;
-                    vec![None; n]
-                }
-            },
-            None => vec![None; n],
+                None => vec![None; n],
+            }
         };
         let copy = (parent.is_some() || self.root_repeat_is_copy()) && pos == 0;
         for (ehash, k) in hashes.iter().zip(keys) {
@@ -666,7 +670,48 @@ impl<K: WorkerName> Index<K> {
         }
     }
 
-    /// The hot path: n new engine hashes, one GPU copy each, chained on a known parent.
+    /// The rules of a store with tokens that read how many of its hashes the worker held
+    /// before it (`present`): vLLM's partial entry keeps the pending store; a GPU store from
+    /// block 0 of held blocks may be a reuse report (`pending`, for the groups that follow);
+    /// a store from block 0 naming a new block is the fresh root.
+    fn settle(
+        &self,
+        w: &mut Worker<K>,
+        ev: &BlockStored,
+        pending: Option<(Vec<i64>, Vec<BlockHash>)>,
+        partial: bool,
+        pos: usize,
+        present: usize,
+    ) {
+        let hashes = &ev.block_hashes;
+        if partial {
+            // vLLM's partial entry comes between the full group's store and the other groups'.
+            w.pending = pending;
+        } else if ev.parent_block_hash.is_none()
+            && pos == 0
+            && present > 0
+            && !self.root_repeat_is_copy()
+        {
+            let again: Vec<BlockHash> = hashes
+                .iter()
+                .filter(|h| w.blocks.contains(h) && w.special.get(h).is_none_or(|c| c[0] != 0))
+                .cloned()
+                .collect();
+            if !again.is_empty() {
+                w.pending = Some((ev.token_ids.clone(), again));
+            }
+        }
+        if ev.parent_block_hash.is_none() {
+            w.fresh_root.clear();
+            if present < hashes.len() {
+                w.fresh_root.extend_from_slice(hashes);
+            }
+        }
+    }
+
+    /// The hot path: n whole GPU blocks chained on a known parent, stored when every engine hash
+    /// is new to the worker (true). Otherwise (a hash held already, or twice in the event) it
+    /// stores nothing and returns false, with the chained keys left in `scratch.keys`.
     fn store_fresh(
         &mut self,
         w: &mut Worker<K>,
@@ -674,7 +719,7 @@ impl<K: WorkerName> Index<K> {
         parent: &Key,
         tokens: &[i64],
         bs: usize,
-    ) {
+    ) -> bool {
         let n = hashes.len();
         let slot = w.slot;
         let mut sc = std::mem::take(&mut self.scratch);
@@ -688,23 +733,17 @@ impl<K: WorkerName> Index<K> {
         sc.held.clear();
         sc.held
             .extend(sc.ids.iter().map(|&id| self.table.flags(id, slot) & H != 0));
-        w.blocks.reserve(n);
         for (i, (ehash, &id)) in hashes.iter().zip(&sc.ids).enumerate() {
-            if w.blocks.insert(ehash, id).is_some() {
-                // The same hash twice in one event (never from vLLM): undo, store one by one.
+            if w.blocks.try_insert(ehash, id).is_err() {
+                // Held already, or earlier in this event: undo, for the caller's slow path.
                 for h in &hashes[..i] {
                     w.blocks.remove(h);
                 }
                 for &id in &sc.ids {
                     self.table.release(id);
                 }
-                let ks = std::mem::take(&mut sc.keys);
                 self.scratch = sc;
-                for (ehash, k) in hashes.iter().zip(&ks) {
-                    self.store_one(w, ehash, Some(*k), 0, false);
-                }
-                self.scratch.keys = ks;
-                return;
+                return false;
             }
         }
         self.entries += n as u64;
@@ -718,6 +757,7 @@ impl<K: WorkerName> Index<K> {
             }
         }
         self.scratch = sc;
+        true
     }
 
     fn store_one(

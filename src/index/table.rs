@@ -17,8 +17,8 @@
 //! between the three forms as holders come and go, with hysteresis so it does not flap.
 
 use hashbrown::hash_table::Entry;
-use hashbrown::HashTable;
 
+use super::Sharded;
 use crate::keys::Key;
 
 pub(crate) const H: u8 = 1;
@@ -192,10 +192,11 @@ impl Holders<'_> {
     }
 }
 
-/// Ids by key: the id index holds only the 4-byte ids, hashed and compared through `recs`.
+/// Ids by key: the id index holds only the 4-byte ids, hashed and compared through `recs`
+/// (sharded, so that it does not double all at once: see `Sharded`).
 #[derive(Default)]
 pub(crate) struct KeyTable {
-    ids: HashTable<u32>,
+    ids: Sharded<u32>,
     recs: Vec<Rec>,
     free: Vec<u32>,
     /// holder lists of keys with two or more holders (sorted by slot), and their free places
@@ -294,9 +295,7 @@ impl KeyTable {
     fn maybe_free(&mut self, id: u32) {
         let rec = self.recs[id as usize];
         if rec.refs == 0 && rec.one == NO_HOLDER {
-            if let Ok(entry) = self.ids.find_entry(hash(&rec.key), |&i| i == id) {
-                entry.remove();
-            }
+            self.ids.remove(hash(&rec.key), |&i| i == id);
             self.free.push(id);
         }
     }
@@ -370,6 +369,12 @@ impl KeyTable {
         debug_assert!((slot as usize) < MAX_SLOTS);
         let word = slot << FLAG_BITS | u32::from(flags);
         let one = self.recs[id as usize].one;
+        if one == NO_HOLDER && flags != 0 {
+            // A key's first holder (the store path's common case): nothing to free after it.
+            self.recs[id as usize].one = word;
+            self.count_flags(0, flags);
+            return;
+        }
         let (before, after) = if one == NO_HOLDER {
             if flags != 0 {
                 self.recs[id as usize].one = word;
@@ -443,6 +448,13 @@ impl KeyTable {
             }
             (before, after)
         };
+        self.count_flags(before, after);
+        self.maybe_free(id);
+    }
+
+    /// A key's union of holder flags went from `before` to `after`: count it in `flag_keys`.
+    #[inline]
+    fn count_flags(&mut self, before: u8, after: u8) {
         if before != after {
             for (i, c) in self.flag_keys.iter_mut().enumerate() {
                 match (before >> i & 1, after >> i & 1) {
@@ -452,7 +464,6 @@ impl KeyTable {
                 }
             }
         }
-        self.maybe_free(id);
     }
 
     /// Keys with at least one `H` holder.
@@ -475,7 +486,7 @@ impl KeyTable {
     /// Bytes the table has allocated (capacities, not lengths: what the process holds for it).
     pub(crate) fn memory_bytes(&self) -> usize {
         use std::mem::size_of;
-        super::table_bytes::<u32>(self.ids.capacity())
+        self.ids.memory_bytes()
             + self.recs.capacity() * size_of::<Rec>()
             + self.free.capacity() * size_of::<u32>()
             + self.lists.capacity() * size_of::<Vec<u32>>()
