@@ -252,9 +252,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "untrusted-batch",
         "an unreadable removal or clear resets the worker instead of applying the rest",
-        "kvroute/_transports/zmq/payloads.py",
-        "    if batch.untrusted is not None:",
-        "    if False:",
+        "src/wire.rs",
+        '        .map(|why| ("untrusted batch", why.clone()))',
+        '        .map(|why| ("untrusted batch", why.clone()))\n        .filter(|_| false)',
         ("tests/test_index_groups.py",),
         ("tests/test_index_groups.py::test_an_unreadable_removal_resets_the_worker",),
     ),
