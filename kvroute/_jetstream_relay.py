@@ -296,7 +296,10 @@ class JetStreamRelay:
             await nl.call(ensure_stream(nl.js, self.stream, self._storage, self._max_age, self._duplicate_window))
             self._kv = await nl.call(meta_bucket(nl.js, self.stream, create=True))
             self._store = await nl.call(object_store(nl.js, self.stream, create=True))
-            mirror = JetStreamReplica(self._servers, stream=self.stream, name=f"{self.name}-mirror")
+            # Under the client's limits: the payloads are the engines' own, to be read as the client read them.
+            mirror = JetStreamReplica(
+                self._servers, stream=self.stream, name=f"{self.name}-mirror", limits=self._config.limits
+            )
             async with mirror:
                 self._mirror = mirror
                 task_status.started()
