@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import faulthandler
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -393,6 +396,9 @@ def main() -> None:
         help="cProfile the relay's process (FILE) and one replica's (FILE.replica) during the throughput round",
     )
     args = parser.parse_args()
+    # The relay's warnings (a session restart, a lost lease) explain a slow or stuck round.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid>: where a stuck run waits
     anyio.run(run, args, backend=args.backend)
 
 

@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from types import TracebackType
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -137,26 +138,44 @@ class _LeaseKeeper:
         if kv is None:
             self.lost = "the lease bucket is gone"
             return
+        # A standby takes over once the revision it saw has not moved for ttl; that revision was made
+        # no earlier than the request that made it left here: the lease is ours until then + ttl.
         deadline = time.monotonic() + ttl
         while True:
-            await asyncio.sleep(ttl / 3)
+            await asyncio.sleep(ttl / 6)
             if time.monotonic() - self._beat > relay._lease_stall:
                 self.lost = f"the relay's event loop stalled for over {relay._lease_stall} s"
                 return
+            sent = time.monotonic()
             try:
-                rev = await asyncio.wait_for(kv.update(LEASE_KEY, relay._lease_value(), last=self.rev), ttl / 3)
+                # A slow answer (a loaded server or machine) may take until the deadline, not a fixed share.
+                rev = await asyncio.wait_for(
+                    kv.update(LEASE_KEY, relay._lease_value(), last=self.rev), max(0.05, deadline - sent)
+                )
             except nats.js.errors.APIError as exc:
-                self.lost = f"another relay holds it ({exc!r})"
-                return
+                # Refused: another relay updated it, or an update of ours given up on landed after all.
+                try:
+                    rev = await asyncio.wait_for(self._ours(kv), max(0.05, deadline - time.monotonic()))
+                except Exception:
+                    rev = None
+                if rev is None:
+                    self.lost = f"another relay holds it ({exc!r})"
+                    return
             except Exception as exc:
-                # The server is away: past the ttl another relay may hold it.
+                # The server is away or slow: past the deadline another relay may hold it.
                 if time.monotonic() >= deadline:
                     self.lost = f"not renewed within {ttl} s ({exc!r})"
                     return
                 continue
             self.rev = int(rev)
             self.renewals += 1
-            deadline = time.monotonic() + ttl
+            deadline = sent + ttl
+
+    async def _ours(self, kv: Any) -> int | None:
+        """The lease's revision when this relay wrote its value (names are unique), else None."""
+        entry = await kv.get(LEASE_KEY)
+        holder = json.loads(entry.value or b"{}").get("holder")
+        return int(entry.revision) if holder == self.relay.name else None
 
     async def close(self) -> None:
         """Stop renewing and drop the connection (the lease is released, or not, by the relay)."""
