@@ -3,7 +3,9 @@
 The drivers publish every envelope to one `_Hub` (their `EventSink`); it copies it to each live
 `EventStream`. When a stream's buffer is full the oldest envelope is dropped and counted, and the
 iterator yields an `Overflow` lifecycle event in its place, so a slow consumer loses events but
-never slows indexing down.
+never slows indexing down. One `RawTap` (the JetStream relay's publisher) may listen too: while it
+is the only listener, the ZMQ drivers keep their raw-bytes fast path and hand it each applied
+payload (`Hub.raw`); everything else reaches it as envelopes, in the order the client applied it.
 """
 
 from __future__ import annotations
