@@ -134,9 +134,11 @@ class Hub:
 
     @property
     def active(self) -> bool:
+        """Somebody listens (an iterator or the tap): drivers then publish every applied batch's events."""
         return bool(self._streams) or self._tap is not None
 
     def add(self, stream: EventStream) -> None:
+        """Copy every envelope from now on to ``stream`` too."""
         self._streams.append(weakref.ref(stream))
         self.raw = None
 
@@ -149,6 +151,7 @@ class Hub:
         self.raw = self._tap.raw if self._tap is not None and not self._streams else None
 
     def publish(self, envelope: Envelope) -> None:
+        """Copy ``envelope`` to the tap and every live iterator (a full one drops its oldest)."""
         if self._tap is not None:
             self._tap.push(envelope)
         stale = False
@@ -163,6 +166,7 @@ class Hub:
             self._update_raw()
 
     def close(self) -> None:
+        """End every iterator (the client stopped); the tap stays attached."""
         for ref in self._streams:
             stream = ref()
             if stream is not None:
