@@ -1,7 +1,7 @@
 """`JetStreamRelay`: follow engines like `KvEventClient` and republish what was applied to a JetStream stream.
 
 The log's format is `kvroute._jetstream`'s. High availability: relays for one stream share a lease
-(the meta bucket's ``leader`` key). The holder renews it (a revision-checked update) every third
+(the meta bucket's ``leader`` key). The holder renews it (a revision-checked update) every sixth
 of ``lease_ttl`` from a thread and NATS connection of its own (`_LeaseKeeper`), so a starved event
 loop does not let it lapse (only a loop stalled for ``lease_stall`` seconds does). A standby that
 sees the revision unchanged for ``lease_ttl`` takes it over with a revision-checked update (only
@@ -99,7 +99,8 @@ class _LeaseLost(Exception):
 class _LeaseKeeper:
     """The active relay's lease renewals, on a NATS connection of their own in a thread of their own.
 
-    Every third of ``lease_ttl`` it updates the lease (revision-checked). ``lost`` says why it
+    Every sixth of ``lease_ttl`` it updates the lease (revision-checked; a slow answer may take until
+    the lease's deadline). ``lost`` says why it
     stopped: another relay updated the lease, no renewal succeeded within ``lease_ttl`` (the server
     is away: a standby may hold it by now), or the relay's event loop has not called `beat` for
     ``lease_stall`` seconds. ``rev``: the lease's revision as last renewed.
