@@ -46,6 +46,7 @@ from bench_e2e import index_only, make_payloads
 from kvroute import (
     Envelope,
     EventSource,
+    EventStream,
     JetStreamRelay,
     JetStreamReplica,
     KvEventClient,
@@ -53,7 +54,6 @@ from kvroute import (
     SubscriberConfig,
     WorkerKey,
 )
-from kvroute._transports.jetstream import JetStreamSource
 
 STREAM = "BENCH"
 
@@ -105,10 +105,10 @@ def _replica_process(
 ) -> None:
     """A replica in its own process: reports apply times per (worker, seq) until told to stop.
 
-    ``kind``: "client" is a `KvEventClient` on the JetStream transport, "replica" a `JetStreamReplica`;
-    apply times come from their ``on_applied`` hook (the transport's `JetStreamSource.on_applied`: an
-    ``events()`` listener would cost a decode per batch, which a router does not pay). ``profile``:
-    cProfile the first round into that file.
+    ``kind``: "client" is a `KvEventClient` on the JetStream transport (apply times from an ``events()``
+    listener, attached only for rounds that measure lag: listening costs a decode per batch), "replica"
+    a `JetStreamReplica` (apply times from its ``on_applied`` hook, every round). ``profile``: cProfile
+    the first round into that file.
     """
 
     async def main() -> None:
@@ -119,12 +119,15 @@ def _replica_process(
             if seq is not None:
                 applied[(int(key.worker_id[1:]), seq)] = time.time()
 
+        async def listen(stream: EventStream) -> None:
+            async for env in stream:
+                if env.seq is not None:
+                    applied.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
+
         t0 = time.perf_counter()
         follower: KvEventClient | JetStreamReplica
         if kind == "client":
-            source = JetStreamSource.from_url(f"{url}/{STREAM}")
-            source.on_applied = on_applied
-            follower = KvEventClient(jetstream=source)
+            follower = KvEventClient(jetstream=f"{url}/{STREAM}")
         else:
             follower = JetStreamReplica(url, stream=STREAM)
             follower.on_applied = on_applied
@@ -138,10 +141,13 @@ def _replica_process(
                 if got is None:
                     tg.cancel_scope.cancel()
                     return
-                want, _lag = got
+                want, lag = got
                 profiler = cProfile.Profile() if profile_to else None
                 if profiler is not None:
                     profiler.enable()
+                stream = replica.events(buffer=1_000_000) if lag and isinstance(replica, KvEventClient) else None
+                if stream is not None:
+                    tg.start_soon(listen, stream)
                 # Wait until every worker holds its last seq, then report this round's apply times.
                 with anyio.fail_after(600):
                     while True:
@@ -156,6 +162,8 @@ def _replica_process(
                 if profiler is not None:
                     profiler.disable()
                     profiler.dump_stats(profile_to.pop())
+                if stream is not None:
+                    await stream.aclose()
                 conn.send((done, applied, time.process_time()))
                 applied = {}
 
