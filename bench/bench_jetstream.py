@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import faulthandler
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import index_only, make_payloads
 
 from kvroute import (
+    Envelope,
     EventSource,
     EventStream,
     JetStreamRelay,
@@ -228,10 +232,8 @@ async def run(args: argparse.Namespace) -> None:
         endpoints = parent.recv()
         sources = [EventSource(worker_id=f"w{i}", endpoint=ep, hwm=0) for i, ep in enumerate(endpoints)]
         config = SubscriberConfig(quiet_interval=3600.0)
-        # A long lease: the relay is alone, and a machine this loaded can starve its renewal for seconds.
-        async with JetStreamRelay(
-            url, sources, stream=STREAM, config=config, snapshot_interval=3600.0, lease_ttl=60.0
-        ) as relay:
+        # The default lease (3 s): renewed from its own thread, a loaded machine does not make it lapse.
+        async with JetStreamRelay(url, sources, stream=STREAM, config=config, snapshot_interval=3600.0) as relay:
             await relay.wait_active(20)
             replicas = [
                 _spawn_replica(
@@ -248,14 +250,22 @@ async def run(args: argparse.Namespace) -> None:
                     await anyio.sleep(0.01)
             await anyio.sleep(0.3)  # subscriptions travel after the handshake
 
-            # When the relay's own client applied each batch (an events() listener beside the relay's):
-            # the engines -> client part of the lag, without NATS, in the same run.
+            # When the relay's own client applied each batch: the engines -> client part of the lag, without
+            # NATS, in the same run. Timed inside the relay's raw tap (an events() listener would take the
+            # client off the fast path the relay uses).
             at_relay: dict[tuple[int, int], float] = {}
+            relay_tap = client._hub._tap
+            assert relay_tap is not None
 
-            async def tap() -> None:
-                async for env in client.events(buffer=1_000_000):
+            class TimedTap:
+                def raw(self, source: EventSource, seq: int, ts: float, payload: bytes, blocks: int) -> None:
+                    at_relay.setdefault((int(source.worker_id[1:]), seq), time.time())
+                    relay_tap.raw(source, seq, ts, payload, blocks)
+
+                def push(self, env: Envelope) -> None:
                     if env.seq is not None:
                         at_relay.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
+                    relay_tap.push(env)
 
             # CPU seconds each part used in a round (process times: robust on a loaded machine, unlike wall time).
             cpu_at: dict[str, float] = {}
@@ -329,10 +339,9 @@ async def run(args: argparse.Namespace) -> None:
             seq = await relay.write_snapshot()
             snap_s = time.perf_counter() - t0
             rate = 0.25 * n_batches * n_sources / elapsed  # batches/s: a quarter of the measured maximum
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(tap)
-                _, lags, relay_lags = await round_(n_batches, n_batches + paced, rate)
-                tg.cancel_scope.cancel()
+            client._hub.set_tap(TimedTap())
+            _, lags, relay_lags = await round_(n_batches, n_batches + paced, rate)
+            client._hub.set_tap(relay_tap)
             print(
                 f"apply lag at {rate:,.0f} batches/s (~{rate * blocks / (n_batches * n_sources):,.0f} blocks/s):"
                 f" p50 {_pct(lags, 0.5) * 1e3:.1f} ms, p90 {_pct(lags, 0.9) * 1e3:.1f} ms,"
@@ -387,6 +396,9 @@ def main() -> None:
         help="cProfile the relay's process (FILE) and one replica's (FILE.replica) during the throughput round",
     )
     args = parser.parse_args()
+    # The relay's warnings (a session restart, a lost lease) explain a slow or stuck round.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid>: where a stuck run waits
     anyio.run(run, args, backend=args.backend)
 
 

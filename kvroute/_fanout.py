@@ -3,7 +3,9 @@
 The drivers publish every envelope to one `_Hub` (their `EventSink`); it copies it to each live
 `EventStream`. When a stream's buffer is full the oldest envelope is dropped and counted, and the
 iterator yields an `Overflow` lifecycle event in its place, so a slow consumer loses events but
-never slows indexing down.
+never slows indexing down. One `RawTap` (the JetStream relay's publisher) may listen too: while it
+is the only listener, the ZMQ drivers keep their raw-bytes fast path and hand it each applied
+payload (`Hub.raw`); everything else reaches it as envelopes, in the order the client applied it.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from types import TracebackType
+from typing import Protocol
 
 import anyio
 
 from ._events import Envelope, Overflow
+from ._models import EventSource
 
-__all__ = ["EventStream", "Hub"]
+__all__ = ["EventStream", "Hub", "RawTap"]
 
 
 class EventStream:
@@ -95,33 +100,76 @@ class EventStream:
         await self.aclose()
 
 
+class RawTap(Protocol):
+    """A listener that takes in-order batches as their engine payloads (the JetStream relay's publisher).
+
+    ``raw(source, seq, ts, payload, blocks)``: a batch the ZMQ driver applied from ``payload`` on
+    its fast path; every other envelope (events of batches applied elsewhere, lifecycle facts)
+    goes to ``push``, in the order the client applied them.
+    """
+
+    def raw(self, source: EventSource, seq: int, ts: float, payload: bytes, blocks: int) -> None:
+        """One batch, applied to the index, as the engine's payload bytes."""
+        ...
+
+    def push(self, envelope: Envelope) -> None:
+        """Any other envelope."""
+        ...
+
+
 class Hub:
-    """The drivers' `EventSink`: copies each envelope to every live `EventStream`."""
+    """The drivers' `EventSink`: copies each envelope to every live `EventStream` (and to the raw tap)."""
 
     def __init__(self) -> None:
-        # Weak: an iterator the caller dropped without closing stops costing anything.
-        self._streams: weakref.WeakSet[EventStream] = weakref.WeakSet()
+        # Weak references in a plain list: an iterator the caller dropped without closing stops
+        # costing anything, and publishing walks a list (a WeakSet's iterator costs a guard object
+        # and a set walk per envelope).
+        self._streams: list[weakref.ref[EventStream]] = []
+        self._tap: RawTap | None = None
+        #: The tap's ``raw`` while it is the only listener (drivers then hand it payload bytes on
+        #: their fast path instead of an envelope per event); None otherwise.
+        self.raw: Callable[[EventSource, int, float, bytes, int], None] | None = None
         #: Envelopes dropped by full iterators, all of them (closed ones included).
         self.dropped = 0
 
     @property
     def active(self) -> bool:
-        return bool(self._streams)
+        """Somebody listens (an iterator or the tap): drivers then publish every applied batch's events."""
+        return bool(self._streams) or self._tap is not None
 
     def add(self, stream: EventStream) -> None:
-        self._streams.add(stream)
+        """Copy every envelope from now on to ``stream`` too."""
+        self._streams.append(weakref.ref(stream))
+        self.raw = None
+
+    def set_tap(self, tap: RawTap | None) -> None:
+        """Attach (None: detach) the raw tap (one at a time)."""
+        self._tap = tap
+        self._update_raw()
+
+    def _update_raw(self) -> None:
+        self.raw = self._tap.raw if self._tap is not None and not self._streams else None
 
     def publish(self, envelope: Envelope) -> None:
-        closed: list[EventStream] = []
-        for stream in self._streams:
-            if stream._closed:
-                closed.append(stream)
+        """Copy ``envelope`` to the tap and every live iterator (a full one drops its oldest)."""
+        if self._tap is not None:
+            self._tap.push(envelope)
+        stale = False
+        for ref in self._streams:
+            stream = ref()
+            if stream is None or stream._closed:
+                stale = True
             elif stream._push(envelope):
                 self.dropped += 1
-        for stream in closed:  # not while iterating: a set must not change size under its iterator
-            self._streams.discard(stream)
+        if stale:
+            self._streams = [r for r in self._streams if (s := r()) is not None and not s._closed]
+            self._update_raw()
 
     def close(self) -> None:
-        for stream in list(self._streams):
-            stream._close()
-        self._streams = weakref.WeakSet()
+        """End every iterator (the client stopped); the tap stays attached."""
+        for ref in self._streams:
+            stream = ref()
+            if stream is not None:
+                stream._close()
+        self._streams = []
+        self._update_raw()

@@ -14,14 +14,14 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypedDict
 
 import anyio
 import anyio.lowlevel
 import msgspec
 
-from ._errors import SnapshotError
+from ._errors import ConfigError, SnapshotError
 from ._index import PrefixIndex
 from ._jetstream import (
     SNAPSHOT_FORMAT,
@@ -33,6 +33,7 @@ from ._jetstream import (
     _Present,
     _Removed,
     _Reset,
+    check_stream_name,
     decode_record,
     fetch_object,
     log,
@@ -45,10 +46,59 @@ from ._models import WorkerKey
 from ._snapshot import Cursor
 from ._wire import Limits
 
-__all__ = ["LogReader", "LogRules", "LogWorker", "read_snapshot_object"]
+__all__ = ["LogOptions", "LogReader", "LogRules", "LogSource", "LogWorker", "read_snapshot_object"]
 
 #: Seconds of applying records before the apply loop yields to the event loop's other tasks.
 _SLICE = 0.02
+
+
+class LogOptions(TypedDict, total=False):
+    """`LogSource`'s keyword options (what `JetStreamReplica` passes on)."""
+
+    stream: str
+    use_snapshot: bool
+    connect_timeout: float
+    name: str
+    limits: Limits | None
+
+
+class LogSource:
+    """Where a follower reads a relay's log, and how: one set of options for every follower.
+
+    ``servers`` / ``stream``: where the log is (docs/replicas.md); ``use_snapshot``: start from
+    the newest snapshot (else read the whole log); ``connect_timeout``: of each connect;
+    ``name``: the NATS connection's; ``limits``: the caps payloads are decoded under (give the
+    relay client's ``config.limits`` when it raised them). Raises `ConfigError`.
+    `JetStreamReplica` takes these options; the JetStream transport's `JetStreamSource` is one.
+    """
+
+    def __init__(
+        self,
+        servers: str | Sequence[str] = "nats://127.0.0.1:4222",
+        *,
+        stream: str = "KVROUTE",
+        use_snapshot: bool = True,
+        connect_timeout: float = 5.0,
+        name: str = "kvroute-replica",
+        limits: Limits | None = None,
+    ) -> None:
+        check_stream_name(stream)
+        nats_module()
+        self.servers = [servers] if isinstance(servers, str) else list(servers)
+        if not self.servers:
+            raise ConfigError("a JetStream follower needs at least one NATS server URL")
+        if not connect_timeout > 0:
+            raise ConfigError(f"connect_timeout must be > 0, not {connect_timeout!r}")
+        self.stream = stream
+        self.use_snapshot = use_snapshot
+        self.connect_timeout = connect_timeout
+        self.name = name
+        self.limits = limits or Limits()
+
+    @property
+    def endpoint(self) -> str:
+        """``nats://host:port/<stream>``: the endpoint of the sources this log names (a client's name for it)."""
+        return f"{self.servers[0].rstrip('/')}/{self.stream}"
 
 
 class LogWorker(Protocol):

@@ -42,9 +42,13 @@ class NatsLoop:
         self.js: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def start(self, connect_timeout: float) -> None:
-        """Start the loop (trio) and connect (nats-py then reconnects on its own, forever)."""
-        self.threaded = sniffio.current_async_library() != "asyncio"
+    async def start(self, connect_timeout: float, *, own_thread: bool = False) -> None:
+        """Start the loop (trio, or ``own_thread``) and connect (nats-py then reconnects on its own, forever).
+
+        ``own_thread``: run on an asyncio loop in a thread on asyncio too (the relay's lease
+        renewals: a starved caller's loop must not stop them).
+        """
+        self.threaded = own_thread or sniffio.current_async_library() != "asyncio"
         if self.threaded:
             self.loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self.loop.run_forever, name=f"nats-{self.name}", daemon=True)

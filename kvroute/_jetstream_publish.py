@@ -1,23 +1,27 @@
-"""The relay's publishing: its client's envelopes → log records (`kvroute._jetstream`), published in order.
+"""The relay's publishing: what its client applied → log records (`kvroute._jetstream`), published in order.
 
-Each engine batch's events (from the relay client's `events()` iterator) are encoded back into one
-msgpack payload; each worker's consecutive batches taken in one turn go out as one `_Batches` record
-(a run), and every lifecycle fact after that worker's pending run. `_Outbox` publishes records
-without waiting for each ack, in order, at most `_WINDOW` unacknowledged; the first failure ends the
-session (`_Restart`), which starts over from what the log holds.
+The client hands the relay a `_Tap` (`kvroute._fanout.RawTap`): each batch its ZMQ drivers applied
+on their fast path comes as the engine's payload bytes, republished as they are (no decoding, no
+re-encoding); a batch applied any other way (a replay, a held batch, another transport) comes as
+its events, encoded back into one msgpack payload; lifecycle facts come as envelopes. Each worker's
+consecutive batches taken in one turn go out as one `_Batches` record (a run), and every lifecycle
+fact after that worker's pending run. `_Outbox` publishes records without waiting for each ack, in
+order, at most `_WINDOW` unacknowledged; the first failure ends the session (`_Restart`), which
+starts over from what the log holds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Final
+from collections import deque
+from typing import Final
 
 import anyio
 import anyio.lowlevel
 import msgspec
 
-from ._events import Envelope, Overflow, Partial, Removed, Reset, Synced
+from ._events import Envelope, Partial, Removed, Reset, Synced
 from ._jetstream import (
     _Batches,
     _Partial,
@@ -30,10 +34,10 @@ from ._jetstream import (
     worker_subject,
 )
 from ._jetstream_nats import NatsLoop
-from ._models import WorkerKey
+from ._models import EventSource, WorkerKey
 from ._wire import BlockStored, EngineEvent
 
-__all__ = ["_Publisher", "_Restart", "encode_payload"]
+__all__ = ["_Publisher", "_Restart", "_Tap", "encode_payload"]
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -97,6 +101,9 @@ class _Publisher:
         self._group: list[Envelope] = []
         self._runs: dict[WorkerKey, _Run] = {}
         self._kicked = False
+        # The key of the source of the last raw batch: a driver hands over its batches in clumps.
+        self._last_source: EventSource | None = None
+        self._last_key = WorkerKey("", 0)
 
     def kick(self) -> None:
         """Records were queued from outside the pump: flush them with the next round."""
@@ -137,24 +144,34 @@ class _Publisher:
             return
         self._group = []
         first = group[0]
-        key = first.source.key
         seq = first.seq
         assert seq is not None
         events = [env.event for env in group]
         payload = encode_payload(first.ts, events)  # type: ignore[arg-type]
+        blocks = sum(len(ev.block_hashes) for ev in events if type(ev) is BlockStored)
+        self._add_batch(first.source.key, seq, first.ts, payload, blocks)
+
+    def _add_batch(self, key: WorkerKey, seq: int, ts: float, payload: bytes, blocks: int) -> None:
         run = self._runs.get(key)
         if run is None:
             run = self._runs[key] = _Run(self.prev.get(key))
             self.named.add(key)
         self.prev[key] = seq
-        run.items.append((seq, first.ts, len(payload)))
+        run.items.append((seq, ts, len(payload)))
         run.payloads.append(payload)
         run.size += len(payload)
         if run.size >= _RUN_BYTES:
             self._close_run(key)
         counts = self.counts
         counts["batches"] += 1
-        counts["blocks"] += sum(len(ev.block_hashes) for ev in events if type(ev) is BlockStored)
+        counts["blocks"] += blocks
+
+    def take_raw(self, source: EventSource, seq: int, ts: float, payload: bytes, blocks: int) -> None:
+        """One batch the client applied from ``payload`` (the engine's own bytes): republished as they are."""
+        self._flush_group()
+        if source is not self._last_source:
+            self._last_source, self._last_key = source, source.key
+        self._add_batch(self._last_key, seq, ts, payload, blocks)
 
     def take(self, env: Envelope) -> None:
         """Turn one envelope into records (a batch is closed by the next envelope of another batch)."""
@@ -171,8 +188,6 @@ class _Publisher:
             return
         self._flush_group()
         key = env.source.key
-        if isinstance(ev, Overflow):
-            raise _Restart(f"events buffer overflowed ({ev.dropped} dropped)")
         if isinstance(ev, Reset):
             self.prev[key] = None
             self.counts["resets"] += 1
@@ -186,25 +201,35 @@ class _Publisher:
             self.named.add(key)
             self._lifecycle(key, _Present(key.worker_id, key.dp_rank))
 
-    async def pump(self, stream: Any) -> None:
-        """Read envelopes, publish them in order; raises `_Restart` when the log may have missed one."""
+    async def pump(self, tap: _Tap) -> None:
+        """Publish what the client applied (from ``tap``) in order; `_Restart` when the log may miss some."""
         nl, counts = self.nl, self.counts
+        items = tap.items
+        pop = items.popleft
+        take, take_raw = self.take, self.take_raw
         outbox = _Outbox(nl, self.publish_timeout)
         duplicates_before = counts["duplicates"]
         try:
             while True:
-                if self._group or self._runs or self.out or self._kicked:
-                    # Take what is buffered without waiting (a batch ends where the buffer does).
-                    # Bounded by count and time: the loop's other tasks (the lease renewal) run between turns.
+                if not items and tap.overflowed:
+                    raise _Restart(f"the relay fell behind its client ({tap.overflowed} batches and facts dropped)")
+                if items or self._group or self._runs or self.out or self._kicked:
+                    # Take what is buffered without waiting (a batch ends where the buffer does). Bounded
+                    # by count and time: the loop's other tasks run between turns.
                     taken, deadline = 0, time.monotonic() + _SLICE
-                    while stream.pending and taken < _TURN and time.monotonic() < deadline:
-                        self.take(await stream.__anext__())
+                    while items and taken < _TURN:
+                        item = pop()
+                        if type(item) is tuple:
+                            take_raw(*item)
+                        else:
+                            take(item)  # type: ignore[arg-type]
                         taken += 1
+                        if not taken & 255 and time.monotonic() >= deadline:
+                            break
                 else:
-                    with anyio.move_on_after(0.5):
-                        self.take(await stream.__anext__())
+                    await tap.wait(0.5)
                     continue
-                if not stream.pending:
+                if not items:
                     # The buffer is empty: the batch being grouped is whole (a client publishes a batch's
                     # events at once). A turn cut short keeps it open: its other events come next turn.
                     self._flush_group()
@@ -215,8 +240,7 @@ class _Publisher:
                 if self.out:
                     out, self.out = self.out, []
                     outbox.post(out)
-                # Back-pressure: at most `_WINDOW` records (`_WINDOW_BYTES` bytes) await their acks, so a
-                # request on the same connection (the lease renewal) never queues behind much more.
+                # Back-pressure: at most `_WINDOW` records (`_WINDOW_BYTES` bytes) await their acks.
                 while (  # noqa: ASYNC110 (counters the NATS loop moves)
                     outbox.unacked > _WINDOW or outbox.unacked_bytes > _WINDOW_BYTES
                 ) and outbox.failed is None:
@@ -227,6 +251,46 @@ class _Publisher:
             # Whatever is still in flight lands (or fails) before the next session reads the log.
             with anyio.CancelScope(shield=True), anyio.move_on_after(self.publish_timeout + 1):
                 await nl.call(outbox.drain())
+
+
+class _Tap:
+    """The relay client's raw tap (`kvroute._fanout.RawTap`): what it applied, in order, until the pump takes it.
+
+    Raw batches are kept as ``(source, seq, ts, payload, blocks)``, anything else as its `Envelope`.
+    Past ``capacity`` waiting items nothing more is taken (``overflowed`` counts what was not): the
+    pump publishes what came before, then restarts the session from the log.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.items: deque[Envelope | tuple[EventSource, int, float, bytes, int]] = deque()
+        self.overflowed = 0
+        self._wakeup: anyio.Event | None = None
+
+    def raw(self, source: EventSource, seq: int, ts: float, payload: bytes, blocks: int) -> None:
+        """A batch the client applied from its engine's payload bytes."""
+        self._add((source, seq, ts, payload, blocks))
+
+    def push(self, envelope: Envelope) -> None:
+        """An event of a batch applied off the fast path, or a lifecycle fact."""
+        self._add(envelope)
+
+    def _add(self, item: Envelope | tuple[EventSource, int, float, bytes, int]) -> None:
+        if self.overflowed or len(self.items) >= self.capacity:
+            self.overflowed += 1
+        else:
+            self.items.append(item)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def wait(self, timeout: float) -> None:  # noqa: ASYNC109 (a poll bound)
+        """Wait until something is taken (at most ``timeout`` seconds)."""
+        if self.items or self.overflowed:
+            return
+        self._wakeup = anyio.Event()
+        with anyio.move_on_after(timeout):
+            await self._wakeup.wait()
+        self._wakeup = None
 
 
 #: Records published but not yet acknowledged, at most (the relay's publish pipeline depth; a

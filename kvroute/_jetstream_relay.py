@@ -1,13 +1,15 @@
 """`JetStreamRelay`: follow engines like `KvEventClient` and republish what was applied to a JetStream stream.
 
 The log's format is `kvroute._jetstream`'s. High availability: relays for one stream share a lease
-(the meta bucket's ``leader`` key). The holder renews it (a revision-checked update) every third
-of ``lease_ttl``; a standby that sees the revision unchanged for ``lease_ttl`` takes it over with a
-revision-checked update (only one standby can win). A new holder waits until its mirror (a
-`JetStreamReplica` of the log) has read the whole log, then resumes its engines' sources from the
-positions the log holds (`KvEventClient` warm restart: identity check, replay since there), so no
-batch is lost (the engines' replay buffers cover the handover) and none is doubled (message ids,
-and the replicas' seq rule).
+(the meta bucket's ``leader`` key). The holder renews it (a revision-checked update) every sixth
+of ``lease_ttl`` from a thread and NATS connection of its own (`_LeaseKeeper`), so a starved event
+loop does not let it lapse (only a loop stalled for ``lease_stall`` seconds does). A standby that
+sees the revision unchanged for ``lease_ttl`` takes it over with a revision-checked update (only
+one standby can win). A new holder waits until its mirror (a `JetStreamReplica` of the log) has
+read the whole log, then resumes its engines' sources from the positions the log holds
+(`KvEventClient` warm restart: identity check, replay since there), so no batch is lost (the
+engines' replay buffers cover the handover) and none is doubled (message ids, and the replicas'
+seq rule).
 
 Publishing (the relay client's `events()` → records, async acks) is `kvroute._jetstream_publish`.
 """
@@ -15,12 +17,14 @@ Publishing (the relay client's `events()` → records, async acks) is `kvroute._
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import time
 import uuid
 from collections.abc import Iterable, Sequence
 from types import TracebackType
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -28,7 +32,7 @@ import msgspec
 
 from ._client import KvEventClient
 from ._discovery import DiscoveryOptions
-from ._errors import ConfigError
+from ._errors import ConfigError, JetStreamError
 from ._index import PrefixIndex
 from ._jetstream import (
     LEASE_KEY,
@@ -42,12 +46,15 @@ from ._jetstream import (
     object_store,
 )
 from ._jetstream_nats import NatsLoop
-from ._jetstream_publish import _Publisher, _Restart
+from ._jetstream_publish import _Publisher, _Restart, _Tap
 from ._jetstream_replica import JetStreamReplica
 from ._models import EventSource, WorkerKey
 from ._transports.zmq.config import SubscriberConfig
 
 __all__ = ["JetStreamRelay", "RelayStats"]
+
+#: Batches and facts the relay's client may apply ahead of its publisher before the session restarts.
+_TAP_CAPACITY = 1_000_000
 
 
 # --- the relay ----------------------------------------------------------------------------------------
@@ -86,7 +93,97 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 class _LeaseLost(Exception):
-    """Another relay holds the lease now."""
+    """Another relay holds the lease now (or may: it could not be renewed within its ttl)."""
+
+
+class _LeaseKeeper:
+    """The active relay's lease renewals, on a NATS connection of their own in a thread of their own.
+
+    Every sixth of ``lease_ttl`` it updates the lease (revision-checked; a slow answer may take until
+    the lease's deadline). ``lost`` says why it
+    stopped: another relay updated the lease, no renewal succeeded within ``lease_ttl`` (the server
+    is away: a standby may hold it by now), or the relay's event loop has not called `beat` for
+    ``lease_stall`` seconds. ``rev``: the lease's revision as last renewed.
+    """
+
+    def __init__(self, relay: JetStreamRelay, rev: int) -> None:
+        self.relay = relay
+        self.rev = rev
+        self.lost: str | None = None
+        self.renewals = 0
+        self._beat = time.monotonic()
+        self._nl = NatsLoop(relay._servers, f"{relay.name}-lease")
+        self._task: concurrent.futures.Future[None] | None = None
+
+    def beat(self) -> None:
+        """The relay's event loop runs (called from it)."""
+        self._beat = time.monotonic()
+
+    async def start(self) -> None:
+        """Connect (its own thread) and start renewing."""
+        nl = self._nl
+        await nl.start(self.relay._connect_timeout, own_thread=True)
+        assert nl.loop is not None
+        self._task = asyncio.run_coroutine_threadsafe(self._renew(), nl.loop)
+
+    async def _renew(self) -> None:
+        try:
+            await self._renewals()
+        except Exception as exc:  # the bucket is gone, or nats-py failed otherwise: the lease is not kept
+            self.lost = f"renewals failed: {exc!r}"
+
+    async def _renewals(self) -> None:
+        nats = nats_module()
+        relay, ttl = self.relay, self.relay._lease_ttl
+        kv = await meta_bucket(self._nl.js, relay.stream, create=False)
+        if kv is None:
+            self.lost = "the lease bucket is gone"
+            return
+        # A standby takes over once the revision it saw has not moved for ttl; that revision was made
+        # no earlier than the request that made it left here: the lease is ours until then + ttl.
+        deadline = time.monotonic() + ttl
+        while True:
+            await asyncio.sleep(ttl / 6)
+            if time.monotonic() - self._beat > relay._lease_stall:
+                self.lost = f"the relay's event loop stalled for over {relay._lease_stall} s"
+                return
+            sent = time.monotonic()
+            try:
+                # A slow answer (a loaded server or machine) may take until the deadline, not a fixed share.
+                rev = await asyncio.wait_for(
+                    kv.update(LEASE_KEY, relay._lease_value(), last=self.rev), max(0.05, deadline - sent)
+                )
+            except nats.js.errors.APIError as exc:
+                # Refused: another relay updated it, or an update of ours given up on landed after all.
+                try:
+                    rev = await asyncio.wait_for(self._ours(kv), max(0.05, deadline - time.monotonic()))
+                except Exception:
+                    rev = None
+                if rev is None:
+                    self.lost = f"another relay holds it ({exc!r})"
+                    return
+            except Exception as exc:
+                # The server is away or slow: past the deadline another relay may hold it.
+                if time.monotonic() >= deadline:
+                    self.lost = f"not renewed within {ttl} s ({exc!r})"
+                    return
+                continue
+            self.rev = int(rev)
+            self.renewals += 1
+            deadline = sent + ttl
+
+    async def _ours(self, kv: Any) -> int | None:
+        """The lease's revision when this relay wrote its value (names are unique), else None."""
+        entry = await kv.get(LEASE_KEY)
+        holder = json.loads(entry.value or b"{}").get("holder")
+        return int(entry.revision) if holder == self.relay.name else None
+
+    async def close(self) -> None:
+        """Stop renewing and drop the connection (the lease is released, or not, by the relay)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+        await self._nl.close()
 
 
 class JetStreamRelay:
@@ -96,9 +193,11 @@ class JetStreamRelay:
     ``async with JetStreamRelay(...) as relay:`` (or ``await relay.run()``). Several relays may run
     for one stream: the lease decides which one publishes (see the module docs). Leaving the block
     releases the lease, so a standby takes over at once; a relay that dies keeps it until
-    ``lease_ttl`` passes. The active relay writes a snapshot every ``snapshot_interval`` seconds
-    (when the log moved). ``max_age`` bounds the stream's retention (0: unlimited); keep it well
-    above ``snapshot_interval``.
+    ``lease_ttl`` passes (renewed from a thread of its own: a busy relay keeps it; one whose event
+    loop has not run for ``lease_stall`` seconds, default ``max(30, 10 * lease_ttl)``, lets it go).
+    The active relay writes a snapshot every ``snapshot_interval`` seconds (when the log moved).
+    ``max_age`` bounds the stream's retention (0: unlimited); keep it well above
+    ``snapshot_interval``.
     """
 
     def __init__(
@@ -114,6 +213,7 @@ class JetStreamRelay:
         discovery_options: DiscoveryOptions | None = None,
         snapshot_interval: float = 10.0,
         lease_ttl: float = 3.0,
+        lease_stall: float | None = None,
         storage: str = "file",
         max_age: float = 24 * 3600.0,
         duplicate_window: float = 120.0,
@@ -126,6 +226,10 @@ class JetStreamRelay:
             raise ConfigError(f"storage must be 'file' or 'memory', not {storage!r}")
         if not snapshot_interval > 0 or not lease_ttl > 0 or not publish_timeout > 0 or max_age < 0:
             raise ConfigError("snapshot_interval, lease_ttl and publish_timeout must be > 0, max_age >= 0")
+        # A wedged relay (alive, its loop not running) keeps the lease this long: 10 ttls, 30 s at least.
+        lease_stall = max(30.0, 10 * lease_ttl) if lease_stall is None else lease_stall
+        if not lease_stall >= lease_ttl:
+            raise ConfigError("lease_stall must be >= lease_ttl")
         nats_module()
         self._servers = [servers] if isinstance(servers, str) else list(servers)
         self._sources = list(sources)
@@ -135,6 +239,7 @@ class JetStreamRelay:
         self._discovery = (discovery_interval, discovery_grace, discovery_options)
         self._snapshot_interval = snapshot_interval
         self._lease_ttl = lease_ttl
+        self._lease_stall = lease_stall
         self._storage = storage
         self._max_age = max_age
         self._duplicate_window = duplicate_window
@@ -211,7 +316,10 @@ class JetStreamRelay:
             await nl.call(ensure_stream(nl.js, self.stream, self._storage, self._max_age, self._duplicate_window))
             self._kv = await nl.call(meta_bucket(nl.js, self.stream, create=True))
             self._store = await nl.call(object_store(nl.js, self.stream, create=True))
-            mirror = JetStreamReplica(self._servers, stream=self.stream, name=f"{self.name}-mirror")
+            # Under the client's limits: the payloads are the engines' own, to be read as the client read them.
+            mirror = JetStreamReplica(
+                self._servers, stream=self.stream, name=f"{self.name}-mirror", limits=self._config.limits
+            )
             async with mirror:
                 self._mirror = mirror
                 task_status.started()
@@ -274,29 +382,32 @@ class JetStreamRelay:
                 seen = (rev, now)
             await anyio.sleep(self._lease_ttl / 4)
 
-    async def _renew(self) -> None:
-        nl = self._nats
-        assert nl is not None
-        nats = nats_module()
-        kv = self._kv
-        deadline = anyio.current_time() + self._lease_ttl
-        while True:
-            await anyio.sleep(self._lease_ttl / 3)
-            try:
-                rev = await nl.call(
-                    asyncio.wait_for(
-                        kv.update(LEASE_KEY, self._lease_value(), last=self._lease_rev), self._lease_ttl / 3
-                    )
-                )
-            except nats.js.errors.APIError as exc:
-                raise _LeaseLost() from exc
-            except Exception as exc:
-                # The server is away: the lease cannot be renewed; past its ttl another relay may hold it.
-                if anyio.current_time() >= deadline:
-                    raise _LeaseLost() from exc
-                continue
-            self._lease_rev = int(rev)
-            deadline = anyio.current_time() + self._lease_ttl
+    async def _keep_lease(self, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Renew the lease from its own thread while the term lasts; raise `_LeaseLost` once it is gone.
+
+        The renewals run on their own NATS connection on an asyncio loop in a thread: a relay whose
+        event loop is starved (a long apply, a loaded machine) keeps renewing, as it keeps being the
+        only relay that publishes. This task only proves the loop alive (`_LeaseKeeper.beat`): a
+        loop stalled for ``lease_stall`` seconds lets the lease lapse (the process is wedged, a
+        standby should take over).
+        """
+        keeper = _LeaseKeeper(self, self._lease_rev)
+        try:
+            await keeper.start()
+        except JetStreamError as exc:
+            await keeper.close()
+            raise _LeaseLost(f"cannot renew it: {exc}") from exc
+        task_status.started()
+        try:
+            while True:
+                keeper.beat()
+                if keeper.lost is not None:
+                    raise _LeaseLost(keeper.lost)
+                await anyio.sleep(min(0.1, self._lease_ttl / 10))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await keeper.close()
+                self._lease_rev = keeper.rev if keeper.lost is None else 0
 
     async def _release(self) -> None:
         nl, rev = self._nats, self._lease_rev
@@ -315,7 +426,7 @@ class JetStreamRelay:
         log.info("relay %s: holds the lease of %s", self.name, self.stream)
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._renew)
+                await tg.start(self._keep_lease)
                 tg.start_soon(self._snapshots)
                 while True:
                     try:
@@ -373,7 +484,7 @@ class JetStreamRelay:
             known,
             publish_timeout=self._publish_timeout,
         )
-        async with KvEventClient(
+        client = KvEventClient(
             self._sources,
             targets=self._targets,
             index=index,
@@ -381,9 +492,12 @@ class JetStreamRelay:
             discovery_interval=interval,
             discovery_grace=grace,
             discovery_options=options,
-        ) as client:
+        )
+        # Tapped before it starts: the log holds every batch the client applies, from its first.
+        tap = _Tap(_TAP_CAPACITY)
+        client._hub.set_tap(tap)
+        async with client:
             self.client = client
-            stream = client.events(buffer=1_000_000)
             # Workers the log names that no static source feeds are gone (with targets, the
             # discovered sources are only known later: the reconciler below handles them).
             static = {s.key for s in self._sources}
@@ -393,7 +507,7 @@ class JetStreamRelay:
             async with anyio.create_task_group() as tg:
                 if self._targets:
                     tg.start_soon(self._reconcile, client, pub, known)
-                await pub.pump(stream)
+                await pub.pump(tap)
 
     async def _reconcile(self, client: KvEventClient, pub: _Publisher, known: set[WorkerKey]) -> None:
         """Once discovery answered: the log's workers no target feeds are removed from the log."""

@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -22,12 +23,14 @@ import msgspec
 
 from ._errors import SnapshotError
 from ._index import PrefixIndex
-from ._jetstream import SNAPSHOT_FORMAT, SnapshotInfo, check_stream_name, log, nats_module
-from ._jetstream_log import LogReader, LogRules, LogWorker
+from ._jetstream import SNAPSHOT_FORMAT, SnapshotInfo, log
+from ._jetstream_log import LogOptions, LogReader, LogRules, LogSource, LogWorker
 from ._jetstream_nats import NatsLoop
 from ._models import WorkerKey, WorkerStatus
 from ._snapshot import Cursor, check_header, refuse_unreadable
-from ._wire import Limits
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["JetStreamReplica", "ReplicaStats"]
 
@@ -100,32 +103,22 @@ class JetStreamReplica:
     ``KvEventClient(jetstream="nats://host:4222/<stream>")``.
     """
 
-    def __init__(
-        self,
-        servers: str | Sequence[str] = "nats://127.0.0.1:4222",
-        *,
-        stream: str = "KVROUTE",
-        use_snapshot: bool = True,
-        connect_timeout: float = 5.0,
-        name: str = "kvroute-replica",
-        limits: Limits | None = None,
-    ) -> None:
-        check_stream_name(stream)
-        nats_module()
-        self._servers = [servers] if isinstance(servers, str) else list(servers)
-        self.stream = stream
-        self._connect_timeout = connect_timeout
-        self._name = name
+    def __init__(self, servers: str | Sequence[str] = "nats://127.0.0.1:4222", **options: Unpack[LogOptions]) -> None:
+        #: Where the log is and how it is read (`LogSource`: ``stream``, ``use_snapshot``,
+        #: ``connect_timeout``, ``name``, ``limits``; the JetStream transport's options too).
+        self.source = LogSource(servers, **options)
+        self.stream = self.source.stream
+        self._name = name = self.source.name
         self._workers: dict[WorkerKey, _WorkerState] = {}
         self._rules = LogRules(
             PrefixIndex(),
-            limits or Limits(),
+            self.source.limits,
             f"replica {name}",
             worker=self._worker,
             workers=lambda: list(self._workers.items()),
             remove=self._remove,
         )
-        self._reader = LogReader(stream, f"replica {name}", self._rules, use_snapshot=use_snapshot)
+        self._reader = LogReader(self.stream, f"replica {name}", self._rules, use_snapshot=self.source.use_snapshot)
         self._snapshot_seq = 0
         self._nats: NatsLoop | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -174,8 +167,8 @@ class JetStreamReplica:
 
     async def start(self) -> None:
         """Connect, load the latest snapshot, subscribe from the sequence after it and start applying."""
-        nl = NatsLoop(self._servers, self._name)
-        await nl.start(self._connect_timeout)
+        nl = NatsLoop(self.source.servers, self._name)
+        await nl.start(self.source.connect_timeout)
         self._nats = nl
         tg = anyio.create_task_group()
         await tg.__aenter__()
@@ -286,25 +279,22 @@ class JetStreamReplica:
 
 
 def _restore(data: bytes) -> tuple[PrefixIndex, dict[WorkerKey, Cursor]]:
-    """A new index from a snapshot's bytes, and its workers' positions (`PrefixIndex.restore`)."""
-    with tempfile.TemporaryDirectory(prefix="kvroute-js-") as tmp:
-        path = Path(tmp) / "index.snapshot"
-        path.write_bytes(data)
-        index = PrefixIndex.restore(path)
-    cursors, index.restored_cursors = index.restored_cursors, {}
-    return index, cursors
+    """A new index from a snapshot's bytes (read by the core, no file), and its workers' positions."""
+    index = PrefixIndex()
+    return index, restore_into(index, data, None)
 
 
-def restore_into(index: PrefixIndex, data: bytes, keys: Collection[WorkerKey]) -> dict[WorkerKey, Cursor]:
-    """Import the snapshot's workers among ``keys`` into ``index`` (an index a client already holds).
+def restore_into(index: PrefixIndex, data: bytes, keys: Collection[WorkerKey] | None) -> dict[WorkerKey, Cursor]:
+    """Import the snapshot's workers among ``keys`` (None: all of them) into ``index``.
 
     Each is replaced whole; one whose tables are inconsistent is dropped with a warning, as
     `PrefixIndex.restore` drops it. Returns the imported workers' positions. Raises `SnapshotError`.
     """
     where = "a JetStream snapshot"
     try:
-        # The core reads the file (GIL released) and replaces each kept worker whole.
-        saved, dropped = index._core.restore(data, WorkerKey, functools.partial(check_header, where), set(keys))
+        # The core reads the bytes (GIL released) and replaces each kept worker whole.
+        only = set(keys) if keys is not None else None
+        saved, dropped = index._core.restore(data, WorkerKey, functools.partial(check_header, where), only)
     except ValueError as exc:
         refuse_unreadable(where, data, str(exc))
     for key, problem in dropped:

@@ -232,3 +232,26 @@ def test_the_relays_payloads_are_the_engines_batches() -> None:
         a, b = engine.apply_payload(w, wire), relayed.apply_payload(w, ours)
         assert a.ok and b.ok and a.stored_blocks == b.stored_blocks
     assert digest(engine) == digest(relayed)
+
+
+def test_the_replica_and_the_transport_take_one_set_of_options() -> None:
+    from kvroute import Limits
+    from kvroute._jetstream_log import LogSource
+
+    limits = Limits(max_events_per_batch=7)
+    replica = JetStreamReplica(
+        ["nats://a:4222", "nats://b:4222"], stream="S", use_snapshot=False, connect_timeout=2.0, name="r", limits=limits
+    )
+    source = JetStreamSource(
+        ["nats://a:4222", "nats://b:4222"], stream="S", use_snapshot=False, connect_timeout=2.0, name="r", limits=limits
+    )
+    assert isinstance(replica.source, LogSource) and isinstance(source, LogSource)
+    assert vars(replica.source) == {k: v for k, v in vars(source).items() if not k.startswith("_")}
+    assert replica.stream == source.stream == "S" and source.endpoint == "nats://a:4222/S"
+    for kind in (JetStreamReplica, JetStreamSource):
+        with pytest.raises(ConfigError):
+            kind("nats://a:4222", stream="bad.name")
+        with pytest.raises(ConfigError):
+            kind([])
+        with pytest.raises(ConfigError):
+            kind("nats://a:4222", connect_timeout=0)

@@ -23,7 +23,7 @@ then, and so until the client's pending stream is settled, the workers are "sync
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -33,8 +33,8 @@ import anyio.to_thread
 from .._errors import ConfigError, JetStreamError, SnapshotError
 from .._events import Connected, Envelope, Partial, ResetReason
 from .._index import PrefixIndex
-from .._jetstream import SnapshotInfo, check_stream_name, nats_module
-from .._jetstream_log import LogReader, LogRules, LogWorker
+from .._jetstream import SnapshotInfo
+from .._jetstream_log import LogReader, LogRules, LogSource, LogWorker
 from .._jetstream_nats import NatsLoop
 from .._jetstream_replica import ReplicaStats, restore_into
 from .._models import EventSource, WorkerKey
@@ -72,16 +72,18 @@ class SourceFeed:
     pending: Callable[[str, str | None], None]
 
 
-class JetStreamSource:
+class JetStreamSource(LogSource):
     """A relay's JetStream log as the source of a `KvEventClient` (``KvEventClient(jetstream=...)``).
 
     The client's public form is a URL, ``jetstream="nats://host:4222/KVROUTE"`` (`from_url`); this
-    object is that URL's meaning, with the options a test or benchmark may set. ``servers`` /
-    ``stream``: where the log is (docs/replicas.md); ``use_snapshot``: start from the newest
-    snapshot (else read the whole log); ``limits``: the caps payloads are decoded under (the
-    client's ``config.limits``). One client at a time uses a source; `stats` are the log's counters
-    of the client currently (or last) using it.
+    object is that URL's meaning, with the options a test or benchmark may set (`LogSource`'s:
+    ``servers``, ``stream``, ``use_snapshot``, ``connect_timeout``, ``name``, ``limits``). One
+    client at a time uses a source; `stats` are the log's counters of the client currently (or
+    last) using it.
     """
+
+    _transport: JetStreamTransport | None = None
+    _on_applied: Callable[[int, WorkerKey, int | None], None] | None = None
 
     @classmethod
     def from_url(cls, url: str, *, limits: Limits | None = None) -> JetStreamSource:
@@ -91,31 +93,6 @@ class JetStreamSource:
         if scheme not in ("nats", "tls") or not sep or not host:
             raise ConfigError(f"jetstream {url!r} is not nats://host[:port][/stream]")
         return cls(f"{scheme}://{host}", stream=stream.rstrip("/") or "KVROUTE", limits=limits)
-
-    def __init__(
-        self,
-        servers: str | Sequence[str] = "nats://127.0.0.1:4222",
-        *,
-        stream: str = "KVROUTE",
-        use_snapshot: bool = True,
-        connect_timeout: float = 5.0,
-        name: str = "kvroute-replica",
-        limits: Limits | None = None,
-    ) -> None:
-        check_stream_name(stream)
-        nats_module()
-        self.servers = [servers] if isinstance(servers, str) else list(servers)
-        if not self.servers:
-            raise ConfigError("JetStreamSource needs at least one NATS server URL")
-        self.stream = stream
-        self.use_snapshot = use_snapshot
-        self.connect_timeout = connect_timeout
-        self.name = name
-        self.limits = limits or Limits()
-        #: The endpoint of the sources this log names (and the name the client waits for while reading it).
-        self.endpoint = f"{self.servers[0].rstrip('/')}/{stream}"
-        self._transport: JetStreamTransport | None = None
-        self._on_applied: Callable[[int, WorkerKey, int | None], None] | None = None
 
     def attach(self, feed: SourceFeed) -> JetStreamTransport:
         """The transport of one client run (`KvEventClient` calls this on entering ``async with``)."""

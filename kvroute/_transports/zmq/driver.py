@@ -354,8 +354,10 @@ class SourceDriver(DriverBase):
         machine = self.machine
         in_order, on_applied, on_live = machine.in_order, machine.on_applied, machine.on_live
         # The fast path builds no EventBatch for listeners: with an events() iterator (or
-        # once stopped) every message takes the general path.
-        fast = not self._sink.active and not self._stopped
+        # once stopped) every message takes the general path. A raw tap alone (the JetStream
+        # relay, `kvroute._fanout.Hub.raw`) keeps it and is handed each applied payload as is.
+        raw = getattr(self._sink, "raw", None)
+        fast = (raw is not None or not self._sink.active) and not self._stopped
         index, key, decoder = self._index, self.key, self._decoder
         nan = math.nan
         newest_ts = nan
@@ -372,6 +374,8 @@ class SourceDriver(DriverBase):
                     on_applied(seq, report.ts)
                     counters.blocks += report.stored_blocks
                     newest_ts = report.ts
+                    if raw is not None:
+                        raw(self.source, seq, report.ts, payload, report.stored_blocks)
                     continue
                 self._bad_payload(report.error_kind, report.error)
                 actions = on_live(seq, nan, None, len(payload))

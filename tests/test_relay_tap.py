@@ -1,0 +1,91 @@
+"""The relay's raw tap (`kvroute._fanout.Hub.raw`): what a `KvEventClient` applied, as the engines' own bytes.
+
+A real client follows a real ZMQ publisher (kvroute.sim). With the relay's tap the only listener, every
+in-order batch reaches it as the payload the engine sent, byte for byte, in seq order (no decoding, no
+re-encoding: what the relay republishes); with an ``events()`` iterator open beside it the tap gets
+the decoded envelopes instead (the relay then encodes them back), and raw bytes again once it is closed.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from _publisher_helpers import FAST, Workload
+
+from kvroute import BlockStored, Envelope, KvEventClient, WorkerKey
+from kvroute._jetstream_publish import _Publisher, _Tap
+from kvroute._wire import encode_batch
+from kvroute.sim import EventPublisher
+
+
+async def _until(tap: _Tap, n: int) -> None:
+    with anyio.fail_after(10):
+        while len(tap.items) < n:  # noqa: ASYNC110 (the client's task fills it)
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.anyio
+async def test_the_tap_gets_the_engines_payload_bytes_in_order() -> None:
+    wl = Workload(seed=5)
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        client = KvEventClient([src], config=FAST)
+        tap = _Tap(10_000)
+        client._hub.set_tap(tap)
+        async with client:
+            await client.wait_synced(10)
+            tap.items.clear()  # the lifecycle facts of connecting
+            for _ in range(30):
+                pub.publish(wl.batch())
+            await _until(tap, 30)
+            items = list(tap.items)
+            tap.items.clear()
+            assert all(type(i) is tuple for i in items), items
+            assert [i[1] for i in items] == list(range(30))
+            for source, seq, ts, payload, blocks in items:  # type: ignore[misc]
+                batch = pub.history[seq]
+                assert source.key == WorkerKey("w", 0)
+                assert payload == encode_batch(batch, form=pub.form, signed_hashes=pub.signed_hashes)
+                assert ts == batch.ts
+                assert blocks == sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
+
+            # A listener beside the tap: the general path, events as envelopes (the relay encodes them).
+            stream = client.events()
+            for _ in range(5):
+                pub.publish(wl.batch())
+            with anyio.fail_after(10):
+                while not any(isinstance(i, Envelope) and i.seq == 34 for i in tap.items):  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            assert all(isinstance(i, Envelope) for i in tap.items)
+            assert {i.seq for i in tap.items if isinstance(i, Envelope)} == set(range(30, 35))
+
+            # The relay's publisher turns both forms into the same runs: one record per worker here.
+            counts = dict.fromkeys(("records", "batches", "blocks", "removals", "resets", "partials"), 0)
+            publisher = _Publisher(None, "S", counts, "s", {}, set(), publish_timeout=1.0)  # type: ignore[arg-type]
+            for item in items:
+                publisher.take_raw(*item)  # type: ignore[misc]
+            while tap.items:
+                publisher.take(tap.items.popleft())  # type: ignore[arg-type]
+            publisher._flush_group()
+            publisher.close_runs()
+            assert counts["batches"] == 35 and counts["records"] == 1
+
+            # Closed: publishing the next envelope cleans the closed iterator up; from then on, raw bytes again.
+            await stream.aclose()
+            for _ in range(5):
+                pub.publish(wl.batch())
+            with anyio.fail_after(10):
+                while not any((i.seq if isinstance(i, Envelope) else i[1]) == 39 for i in tap.items):  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            tap.items.clear()
+            pub.publish(wl.batch())
+            await _until(tap, 1)
+            assert type(tap.items[0]) is tuple and tap.items[0][1] == 40
+
+
+def test_a_full_tap_takes_nothing_more() -> None:
+    tap = _Tap(2)
+    for seq in range(4):
+        tap.raw(None, seq, 0.0, b"", 0)  # type: ignore[arg-type]
+    assert [i[1] for i in tap.items] == [0, 1]  # type: ignore[index]
+    assert tap.overflowed == 2
