@@ -18,19 +18,9 @@ import msgspec
 import pytest
 from _publisher_helpers import served
 
-from kvroute import (
-    GATEWAY_SERVICES,
-    EngineLoad,
-    EngineLoads,
-    KvEventClient,
-    LoadPolicy,
-    MultimodalItem,
-    PrefixIndex,
-    Router,
-    WorkerKey,
-    decode_batch,
-    discover,
-)
+from kvroute import KvEventClient, LoadPolicy, MultimodalItem, PrefixIndex, Router, WorkerKey, decode_batch, discover
+from kvroute._load import EngineLoad, EngineLoads
+from kvroute._models import GATEWAY_SERVICES
 from kvroute._proto import smg_common_pb2 as pb
 from kvroute._source import Apply, ResetWorker, SourceMachine
 from kvroute._wire import AllBlocksCleared, BlockStored, EventBatch, Limits

@@ -724,8 +724,9 @@ async def test_scrapes_during_source_churn_are_whole_and_consistent() -> None:
 
 
 async def test_config_mistakes_are_kvroute_errors_and_secrets_stay_hidden() -> None:
-    from kvroute import ClientStateError, ConfigError, KvRouteError
+    from kvroute import ConfigError, KvRouteError
     from kvroute._discovery import DiscoveryOptions, InvalidOptionsError, TlsConfig, discover_with
+    from kvroute._errors import ClientStateError
     from kvroute._metrics import KvRouteCollector
     from kvroute._transports.zmq.sockets import curve_keypair
 
