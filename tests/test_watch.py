@@ -6,6 +6,7 @@ import io
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import msgspec
@@ -14,7 +15,7 @@ import pytest
 from kvroute._events import Envelope, Overflow, Reset
 from kvroute._models import EventSource, WorkerKey
 from kvroute._wire import AllBlocksCleared, BlockRemoved, BlockStored
-from kvroute.cli import TierTally, main, plain_table, watch
+from kvroute.cli import TierTally, WatchRow, main, plain_table, watch
 from kvroute.sim._engine import SimConfig, SimEngine
 
 # Fast steps: the tests check what is shown, not realistic timing.
@@ -37,14 +38,39 @@ async def traffic(v: SimEngine, s: SimEngine) -> None:
         await s.complete(prompt, 4)
 
 
+async def watch_beside_traffic(
+    v: SimEngine, s: SimEngine, targets: list[str], duration: float, **options: Any
+) -> tuple[list[WatchRow], io.StringIO]:
+    """`watch` for ``duration`` while `traffic` runs beside it; the rows and what it wrote.
+
+    What is shown is compared with the engines' caches after the traffic, so the traffic must end
+    inside the window, with time left for its events to arrive (half the window). On a loaded host
+    it can take longer than the window: then again (a new watch, more traffic) with twice the window.
+    """
+
+    async def run(ended: list[float]) -> None:
+        await traffic(v, s)
+        ended.append(anyio.current_time())
+
+    while True:
+        out = io.StringIO()
+        ended: list[float] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, ended)
+            rows = await watch(targets, duration=duration, out=out, **options)
+            stopped = anyio.current_time()
+        if ended[0] <= stopped - duration / 2:
+            return rows, out
+        duration *= 2
+        assert duration <= 40, "the traffic never ended inside the watch window"
+
+
 @pytest.mark.anyio
 async def test_table_rows_match_the_engines() -> None:
     async with fleet() as (v, s):
         assert v.grpc_target is not None and s.grpc_target is not None
-        out = io.StringIO()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(traffic, v, s)
-            rows = await watch([v.grpc_target, s.grpc_target], duration=1.2, interval=0.2, out=out)
+        targets = [v.grpc_target, s.grpc_target]
+        rows, out = await watch_beside_traffic(v, s, targets, 1.2, interval=0.2)
         assert [(r.worker_id, r.dp_rank) for r in rows] == sorted(
             [(v.grpc_target, 0), (v.grpc_target, 1), (s.grpc_target, 0)]
         )
@@ -83,10 +109,7 @@ async def test_an_idle_fleet_climbs_in_checks_not_replays() -> None:
 async def test_json_lines_stream_every_event() -> None:
     async with fleet() as (v, s):
         assert v.grpc_target is not None
-        out = io.StringIO()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(traffic, v, s)
-            await watch([v.grpc_target], json_lines=True, duration=1.0, interval=0.2, out=out)
+        _, out = await watch_beside_traffic(v, s, [v.grpc_target], 1.0, json_lines=True, interval=0.2)
         decoder = msgspec.json.Decoder(Envelope)
         envelopes = [decoder.decode(line) for line in out.getvalue().splitlines()]
         kinds = [getattr(e.event, "kind", type(e.event).__name__) for e in envelopes]
