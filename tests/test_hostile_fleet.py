@@ -578,12 +578,31 @@ async def test_an_engine_on_ipv6_loopback_is_followed() -> None:
 # --- row 7: hundreds of sources -----------------------------------------------------------------
 
 
+async def synced_while_progressing(client: KvEventClient, count: int, stall: float = 30.0) -> None:
+    """Wait until ``count`` sources are synced, failing only if none syncs for ``stall`` seconds (a hang).
+
+    The time 300 cold replays take through one publisher is the host's (3 s at load average 12, over
+    a minute at 20+ when replays time out): what this bounds is progress, not speed.
+    """
+    done, since = -1, time.perf_counter()
+    while (now := client.stats().totals.synced) < count:
+        if now > done:
+            done, since = now, time.perf_counter()
+        assert time.perf_counter() - since < stall, f"no source synced in {stall} s: {client.stats().totals}"
+        await anyio.sleep(0.05)
+
+
 async def test_three_hundred_sources_fit_the_context_and_the_descriptors() -> None:
+    # One publisher answers all 300 cold replays, one at a time: on a loaded host the 8th in line can
+    # wait past FLEET's 0.5 s replay_timeout, and a cold replay that fails against an idle engine
+    # waits for its next live batch or the quiet probe (60 s here, recovery.md rule 6). Replay
+    # timeouts are not what this test is about (the descriptors and the context are), so it waits 10 s.
+    config = msgspec.structs.replace(FLEET, replay_timeout=10.0)
     async with Honest(8) as honest:
         honest.steps(10)
         sources = [honest.source(f"w{i}") for i in range(300)]
-        async with KvEventClient(sources, config=FLEET) as client:
-            await client.wait_synced(60)
+        async with KvEventClient(sources, config=config) as client:
+            await synced_while_progressing(client, len(sources))
             honest.steps(5)
             await until(lambda: all(honest.exact(client.index, s.key) for s in sources[::50]), limit=60)
             st = client.stats()
@@ -705,8 +724,9 @@ async def test_scrapes_during_source_churn_are_whole_and_consistent() -> None:
 
 
 async def test_config_mistakes_are_kvroute_errors_and_secrets_stay_hidden() -> None:
-    from kvroute import ClientStateError, ConfigError, KvRouteError
+    from kvroute import ConfigError, KvRouteError
     from kvroute._discovery import DiscoveryOptions, InvalidOptionsError, TlsConfig, discover_with
+    from kvroute._errors import ClientStateError
     from kvroute._metrics import KvRouteCollector
     from kvroute._transports.zmq.sockets import curve_keypair
 

@@ -260,8 +260,11 @@ def test_extra_keys_match_only_the_same_keys() -> None:
     w = WorkerKey("w", 0)
     idx.apply(w, BlockStored(block_hashes=[1, 2], token_ids=[1, 2, 3, 4], block_size=2, extra_keys=[None, ["img1"]]))
     assert idx.find_matches([1, 2, 3, 4, 5])[w] == 1
-    assert idx.find_matches([1, 2, 3, 4, 5], extra_keys=[None, ["img2"]])[w] == 1
-    assert idx.find_matches([1, 2, 3, 4, 5], extra_keys=[None, ["img1"]])[w] == 2
+    # The extra_keys= argument is deprecated (cache_salt= and mm_items= replace it): it warns, and still works.
+    with pytest.warns(DeprecationWarning, match=r"find_matches\(extra_keys=\.\.\.\) is deprecated"):
+        assert idx.find_matches([1, 2, 3, 4, 5], extra_keys=[None, ["img2"]])[w] == 1
+    with pytest.warns(DeprecationWarning, match=r"find_matches\(extra_keys=\.\.\.\) is deprecated"):
+        assert idx.find_matches([1, 2, 3, 4, 5], extra_keys=[None, ["img1"]])[w] == 2
 
 
 def test_unknown_parent_never_claims_and_descendants_stay_unclaimable() -> None:

@@ -10,18 +10,9 @@ import msgspec
 import pytest
 from _publisher_helpers import FAST, settle
 
-from kvroute import (
-    BlockRemoved,
-    BlockStored,
-    Cursor,
-    IndexLimits,
-    IndexLimitsError,
-    PrefixIndex,
-    Router,
-    SnapshotError,
-    WorkerKey,
-)
+from kvroute import BlockRemoved, BlockStored, Cursor, IndexLimits, PrefixIndex, Router, SnapshotError, WorkerKey
 from kvroute._client import KvEventClient
+from kvroute._index import IndexLimitsError
 from kvroute._snapshot import _Snapshot
 from kvroute.sim._publisher import EventPublisher
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute import BatchDecoder, BlockStored, MultimodalItem, PrefixIndex, WorkerKey
+from kvroute import BlockStored, MultimodalItem, PrefixIndex, WorkerKey
+from kvroute._wire import BatchDecoder
 
 GOLDEN: dict[str, str] = {
     "vllm-lora": (

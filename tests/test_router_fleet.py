@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from _publisher_helpers import served, wait_for
 
-from kvroute import EngineLoad, KvEventClient, PrefixIndex, Router, SubscriberConfig, WorkerKey
+from kvroute import KvEventClient, PrefixIndex, Router, SubscriberConfig, WorkerKey
+from kvroute._load import EngineLoad
 from kvroute.sim import SimConfig, SimEngine
 
 pytestmark = pytest.mark.anyio

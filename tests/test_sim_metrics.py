@@ -6,8 +6,15 @@ import anyio
 import pytest
 from _publisher_helpers import wait_for
 
-from kvroute import EngineLoad, EngineLoads, KvEventClient, Router, SubscriberConfig, WorkerKey
-from kvroute._load import ENGINE_METRICS, MetricsError, follow_engine_metrics, parse_engine_metrics
+from kvroute import KvEventClient, Router, SubscriberConfig, WorkerKey
+from kvroute._load import (
+    ENGINE_METRICS,
+    EngineLoad,
+    EngineLoads,
+    MetricsError,
+    follow_engine_metrics,
+    parse_engine_metrics,
+)
 from kvroute.sim import SimConfig, SimEngine
 
 # What vLLM 0.34.0's PrometheusStatLogger exposes for two data-parallel engines (other families trimmed).

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from kvroute import (
     AllBlocksCleared,
-    BatchDecoder,
     BlockRemoved,
     BlockStored,
     DecodeError,
@@ -21,6 +20,7 @@ from kvroute import (
     decode_batch,
     encode_batch,
 )
+from kvroute._wire import BatchDecoder
 
 # docs/protocol.md §3: vLLM 0.33.0, map form, 291 bytes.
 GOLDEN_VLLM = bytes.fromhex(
