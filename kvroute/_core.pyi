@@ -1,6 +1,6 @@
 """Type stubs of the compiled extension `kvroute._core` (the Rust crate at the repository root)."""
 
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from ._hashing import MultimodalItem
@@ -87,14 +87,27 @@ def select(
     extra_keys: Sequence[Sequence[Any] | None] | None,
     model: Any,
     unit: int,
-    universe: set[WorkerKey],
+    universe: set[WorkerKey] | None,
+    registered: set[WorkerKey],
     states: Any,
     trust_partial: bool,
-    loads: Mapping[WorkerKey, float],
+    loads: Mapping[WorkerKey, float] | Loads,
     scale: float,
     routed: dict[WorkerKey, int] | None,
 ) -> tuple[Scored, int, float, list[int], int, int]:
-    """Match and price for `Router.select`: ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens)``."""
+    """Match and price for `Router.select`: ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens)``.
+
+    ``universe`` None: every worker the index holds blocks for, plus ``registered``."""
+
+class Loads(MutableMapping[WorkerKey, int]):
+    """The router's tracked load in tokens per worker, in insertion order (read by `select` without Python calls)."""
+
+    def __init__(self) -> None: ...
+    def __getitem__(self, worker: WorkerKey) -> int: ...
+    def __setitem__(self, worker: WorkerKey, tokens: int) -> None: ...
+    def __delitem__(self, worker: WorkerKey) -> None: ...
+    def __iter__(self) -> Iterator[WorkerKey]: ...
+    def __len__(self) -> int: ...
 
 class Scored:
     """The candidates `select` priced, kept compact until `RoutingDecision.candidates` is read."""

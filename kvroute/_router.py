@@ -39,7 +39,7 @@ import random
 import time
 import warnings
 from bisect import bisect_left
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
 from itertools import accumulate, islice
 from typing import Any, Protocol, runtime_checkable
 
@@ -59,6 +59,9 @@ from ._scoring import ReferenceScoring, _Approx, _Query
 __all__ = ["SELECT_BUCKETS", "CandidateScore", "CostModel", "Router", "RouterError", "RouterStats", "RoutingDecision"]
 
 _log = logging.getLogger("kvroute.router")
+
+# The core's load table is a mapping in every way `EngineLoads.blend` and the reference path use it.
+MutableMapping.register(_core.Loads)
 
 
 @runtime_checkable
@@ -153,7 +156,9 @@ class Router(ReferenceScoring):
         self.engine_loads = engine_loads if engine_loads is not None else found
         self._registered: set[WorkerKey] = set()
         self._approx: dict[WorkerKey, _Approx] = {}
-        self._load: dict[WorkerKey, int] = {}  # tokens the active requests added per worker
+        # tokens the active requests added per worker: a table in the core, which `select` reads
+        # without a Python call per worker (a dict in insertion order otherwise)
+        self._load = _core.Loads()
         self._active: dict[WorkerKey, dict[Hashable, int]] = {}
         self._request_worker: dict[Hashable, WorkerKey] = {}
         self._routed = RoutedPrefixes(float(routed_ttl), routed_per_worker)
@@ -255,9 +260,12 @@ class Router(ReferenceScoring):
             raise RouterError(f"request_id must be hashable, got {type(request_id).__name__}") from None
         if known:
             self.on_finish(request_id)
+        try:
+            self._load[worker] = self._load.get(worker, 0) + tokens
+        except TypeError:  # the table keys workers as the index does: (str, int)
+            raise RouterError(f"not a WorkerKey (worker_id, dp_rank): {worker!r}") from None
         self._request_worker[request_id] = worker
         self._active.setdefault(worker, {})[request_id] = tokens
-        self._load[worker] = self._load.get(worker, 0) + tokens
 
     def on_prefill_done(self, request_id: Hashable) -> bool:
         """The request's prompt is prefilled (its first token came out): its tokens leave the worker's load.
@@ -476,14 +484,20 @@ class Router(ReferenceScoring):
             ntok = len(token_ids)
         except TypeError as exc:
             raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
-        universe = self._universe(candidates)
-        if not universe:
-            # bad input is reported before the fleet's state
-            self._check_query(token_ids, lora_name, cache_salt, mm_items, extra_keys)
-            if candidates is None:
-                raise NoWorkersError("no live or registered worker to route to")
-            raise NoWorkersError("none of the given candidates is a live or registered worker")
-        loads, scale, universe = self._loads(load, universe)
+        universe: set[WorkerKey] | None
+        loads: Mapping[WorkerKey, float] | _core.Loads
+        if candidates is None and self.states is None and (load is None and not self._engine_reporting()):
+            # Every worker the index holds, plus the registered ones: the core reads that
+            # membership under its lock instead of this call building the set (~60 µs at 1,024
+            # workers). No candidate and no idle worker back means the universe was empty.
+            universe, loads, scale = None, self._load, 1.0 / self.block_size
+        else:
+            universe = self._universe(candidates)
+            if not universe:
+                # bad input is reported before the fleet's state
+                self._check_query(token_ids, lora_name, cache_salt, mm_items, extra_keys)
+                self._no_workers(candidates)
+            loads, scale, universe = self._loads(load, universe)
         model = self.cost_model
         credits: dict[WorkerKey, int] | None = None
         routed_keys: list[bytes] = []
@@ -501,6 +515,7 @@ class Router(ReferenceScoring):
                 model,
                 self.block_size,
                 universe,
+                self._registered,
                 self.states,
                 self.trust_partial,
                 loads,
@@ -509,6 +524,8 @@ class Router(ReferenceScoring):
             )
         except (TypeError, AttributeError, msgspec.EncodeError) as exc:
             raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
+        if not idle_count and not len(scored):
+            self._no_workers(candidates)
         if model.temperature > 0.0:
             at = self._pick_at(scored.costs(), idle_count, idle_cost, model.temperature)
         else:
@@ -516,7 +533,14 @@ class Router(ReferenceScoring):
             at = tied[r] if r < len(tied) else None
         tail = None
         if at is None:
+            if universe is None:
+                universe = self.workers()  # the idle group won: the set is built only now
             idle = universe.difference(scored.workers())
+            if not idle:
+                # another thread's ingest changed the fleet between the core's read and now
+                return self._select_reference(
+                    started, token_ids, lora_name, cache_salt, mm_items, candidates, load, request_id, extra_keys
+                )
             chosen_w = next(islice(iter(idle), self._rng.randrange(len(idle)), None))
             pick: CandidateScore = CandidateScore(
                 worker=chosen_w,
@@ -533,6 +557,17 @@ class Router(ReferenceScoring):
         else:
             pick = scored.candidate(at)
         return self._decide(started, pick, (scored, tail), idle_count, idle_cost, ntok, request_id, routed_keys)
+
+    def _engine_reporting(self) -> bool:
+        """Whether `_loads` blends engine-reported load in (it may veto workers)."""
+        return self.engine_loads is not None and self.engine_loads.reporting
+
+    @staticmethod
+    def _no_workers(candidates: Iterable[WorkerKey] | None) -> None:
+        """Raise `NoWorkersError`: the universe is empty."""
+        if candidates is None:
+            raise NoWorkersError("no live or registered worker to route to")
+        raise NoWorkersError("none of the given candidates is a live or registered worker")
 
     def _check_query(
         self,

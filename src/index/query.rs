@@ -300,6 +300,23 @@ impl<K: WorkerName> Index<K> {
         }
     }
 
+    /// Whether `worker` holds any block (a member of `workers()`).
+    pub fn holds(&self, worker: &K) -> bool {
+        self.by_key
+            .get(worker)
+            .and_then(|&slot| self.workers[slot as usize].as_ref())
+            .is_some_and(|w| !w.holds_nothing())
+    }
+
+    /// How many workers hold any block (`workers().len()` without building the list).
+    pub fn holding_count(&self) -> usize {
+        self.workers
+            .iter()
+            .flatten()
+            .filter(|w| !w.holds_nothing())
+            .count()
+    }
+
     /// How many leading full blocks of the query each worker holds (`find_matches`).
     pub fn find_matches(&self, q: &mut Query) -> MatchResult<K> {
         let mut scores = Scores::default();

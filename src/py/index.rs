@@ -29,12 +29,18 @@ pub struct PyKey(Arc<PyKeyInner>);
 struct PyKeyInner {
     worker_id: String,
     dp_rank: i64,
+    /// the key's hash, computed once: `select` looks every loaded worker up in the router's
+    /// load table and the index, and hashing the string each time was most of a lookup
+    hash: u64,
     obj: Py<PyAny>,
 }
 
 impl PartialEq for PyKey {
     fn eq(&self, other: &Self) -> bool {
-        self.0.dp_rank == other.0.dp_rank && self.0.worker_id == other.0.worker_id
+        Arc::ptr_eq(&self.0, &other.0)
+            || (self.0.hash == other.0.hash
+                && self.0.dp_rank == other.0.dp_rank
+                && self.0.worker_id == other.0.worker_id)
     }
 }
 
@@ -42,8 +48,7 @@ impl Eq for PyKey {}
 
 impl Hash for PyKey {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        self.0.worker_id.hash(state);
-        self.0.dp_rank.hash(state);
+        state.write_u64(self.0.hash);
     }
 }
 
@@ -66,7 +71,11 @@ impl PyKey {
         }
         let worker_id: String = t.get_item(0)?.extract().map_err(|_| bad())?;
         let dp_rank: i64 = t.get_item(1)?.extract().map_err(|_| bad())?;
+        let mut h = rustc_hash::FxHasher::default();
+        worker_id.hash(&mut h);
+        dp_rank.hash(&mut h);
         Ok(PyKey(Arc::new(PyKeyInner {
+            hash: h.finish(),
             worker_id,
             dp_rank,
             obj: obj.clone().unbind(),

@@ -4,11 +4,13 @@
 //! (kvroute/_router.py) takes it when its model is exactly `CostModel` and no worker is
 //! approximate; the Python path stays the reference and serves subclasses.
 
+use indexmap::IndexMap;
+use pyo3::exceptions::PyKeyError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple, PyType};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use super::index::{convert, PyIndex, PyKey};
 use crate::scoring::{self, Claim, CostParams};
@@ -48,6 +50,122 @@ fn routed_of(routed: &Bound<'_, PyDict>, w: &Bound<'_, PyAny>) -> PyResult<i64> 
         Some(v) => v.extract()?,
         None => 0,
     })
+}
+
+/// The router's tracked load: tokens per worker (`Router.on_start` / `on_finish`), a mapping in
+/// insertion order as the dict it replaces was (the load-only candidates come in this order).
+/// `select` reads it without a Python call per worker: at 1,024 loaded workers the dict's
+/// `get` per candidate and the pass over its items cost ~150 µs, the table's lookups a few.
+#[pyclass(module = "kvroute._core", name = "Loads", mapping)]
+#[derive(Default)]
+pub struct Loads {
+    map: IndexMap<PyKey, i64, FxBuildHasher>,
+}
+
+impl Loads {
+    fn key_error(w: &Bound<'_, PyAny>) -> PyErr {
+        PyKeyError::new_err(w.clone().unbind())
+    }
+
+    /// `w`'s entry, None when `w` is not a worker key (a dict would hold no such key either).
+    fn find(&self, w: &Bound<'_, PyAny>) -> Option<(&PyKey, i64)> {
+        let k = PyKey::extract(w).ok()?;
+        self.map.get_key_value(&k).map(|(k, &v)| (k, v))
+    }
+}
+
+#[pymethods]
+impl Loads {
+    #[new]
+    fn new() -> Self {
+        Loads::default()
+    }
+
+    fn __len__(&self) -> usize {
+        self.map.len()
+    }
+
+    fn __contains__(&self, w: &Bound<'_, PyAny>) -> bool {
+        self.find(w).is_some()
+    }
+
+    fn __getitem__(&self, w: &Bound<'_, PyAny>) -> PyResult<i64> {
+        self.find(w)
+            .map(|(_, v)| v)
+            .ok_or_else(|| Loads::key_error(w))
+    }
+
+    /// Set ``w``'s tokens; a worker already present keeps its place and its key object.
+    fn __setitem__(&mut self, w: &Bound<'_, PyAny>, tokens: i64) -> PyResult<()> {
+        let k = PyKey::extract(w)?;
+        match self.map.get_mut(&k) {
+            Some(v) => *v = tokens,
+            None => {
+                self.map.insert(k, tokens);
+            }
+        }
+        Ok(())
+    }
+
+    fn __delitem__(&mut self, w: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = PyKey::extract(w).map_err(|_| Loads::key_error(w))?;
+        // shift: the order of the rest is the dict's (a worker re-added goes last)
+        self.map
+            .shift_remove(&k)
+            .map(|_| ())
+            .ok_or_else(|| Loads::key_error(w))
+    }
+
+    /// ``w``'s tokens, or ``default``.
+    #[pyo3(signature = (w, default=None))]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        w: &Bound<'py, PyAny>,
+        default: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        Ok(match self.find(w) {
+            Some((_, v)) => v.into_pyobject(py)?.into_any(),
+            None => default.unwrap_or_else(|| py.None().into_bound(py)),
+        })
+    }
+
+    /// Remove ``w`` and return its tokens, or ``default`` when absent (`dict.pop`).
+    #[pyo3(signature = (w, *default))]
+    fn pop<'py>(
+        &mut self,
+        py: Python<'py>,
+        w: &Bound<'py, PyAny>,
+        default: &Bound<'py, PyTuple>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let got = PyKey::extract(w)
+            .ok()
+            .and_then(|k| self.map.shift_remove(&k));
+        match got {
+            Some(v) => Ok(v.into_pyobject(py)?.into_any()),
+            None if !default.is_empty() => default.get_item(0),
+            None => Err(Loads::key_error(w)),
+        }
+    }
+
+    /// The workers, in order.
+    fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.map.keys().map(|k| k.obj(py)))
+    }
+
+    /// The tokens, in order.
+    fn values(&self) -> Vec<i64> {
+        self.map.values().copied().collect()
+    }
+
+    /// (worker, tokens) pairs, in order.
+    fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.map.iter().map(|(k, v)| (k.obj(py), *v)))
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.keys(py)?.try_iter().map(Bound::into_any)
+    }
 }
 
 /// Whether the router believes `w`'s index claim (`Router._scored`'s rule).
@@ -188,16 +306,62 @@ fn candidate<'py>(
     cls.call1(PyTuple::new(py, args)?)
 }
 
+/// Where a worker's load comes from: the router's own table (no Python call per worker), a
+/// mapping the caller or the engine-load blend built, or nobody (every load 0).
+enum LoadSource<'a, 'py> {
+    None,
+    Table(&'a Loads),
+    Mapping(&'a Bound<'py, PyAny>),
+}
+
+/// Per-call state of the load pass: which table entries a candidate already took.
+struct LoadPass<'a, 'py> {
+    source: LoadSource<'a, 'py>,
+    scale: f64,
+    /// table positions priced already (scored or hint-only), for the load-only pass to skip
+    taken: Vec<bool>,
+}
+
+impl LoadPass<'_, '_> {
+    /// `w`'s load in cost blocks (``loads.get(w, 0) * scale``); `key` is its index key if known.
+    fn of(&mut self, w: &Bound<'_, PyAny>, key: Option<&PyKey>) -> PyResult<f64> {
+        match &self.source {
+            LoadSource::None => Ok(0.0),
+            LoadSource::Mapping(loads) => load_of(loads, w, self.scale),
+            LoadSource::Table(t) => {
+                let found = match key {
+                    Some(k) => t.map.get_full(k),
+                    None => match PyKey::extract(w) {
+                        Ok(k) => t.map.get_full(&k),
+                        Err(_) => None,
+                    },
+                };
+                Ok(match found {
+                    Some((pos, _, &tokens)) => {
+                        self.taken[pos] = true;
+                        tokens as f64 * self.scale
+                    }
+                    None => 0.0,
+                })
+            }
+        }
+    }
+}
+
 /// Match ``token_ids`` (checked as `find_matches` checks them) and price the candidates for
-/// `Router.select` with the built-in cost model ``model``. ``universe``: the candidate set;
-/// ``states``: the worker-state provider or None; ``loads`` / ``scale``: load per worker and the
-/// factor to cost blocks (the load-only candidates come in ``loads``' order);
-/// ``routed``: the routing hint's credit in tokens per worker (kvroute/_routed.py; None: none).
+/// `Router.select` with the built-in cost model ``model``. ``universe``: the candidate set, or
+/// None for every worker the index holds blocks for plus ``registered`` (`Router.workers()`
+/// without states, read here under the index's lock instead of built as a set per call);
+/// ``states``: the worker-state provider or None; ``loads`` / ``scale``: load per worker (a
+/// `Loads` table or a mapping) and the factor to cost blocks (the load-only candidates come in
+/// ``loads``' order); ``routed``: the routing hint's credit in tokens per worker
+/// (kvroute/_routed.py; None: none).
 /// Returns ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens)``: the candidates
 /// (`Scored`) in the Python path's order, the idle workers and their cost, and the
 /// indices of the entries tied at the least cost with the number of idle workers tied with them.
+/// No candidate and no idle worker: the universe is empty.
 #[pyfunction]
-#[pyo3(signature = (index, token_ids, lora_name, cache_salt, mm_items, extra_keys, model, unit, universe, states, trust_partial, loads, scale, routed))]
+#[pyo3(signature = (index, token_ids, lora_name, cache_salt, mm_items, extra_keys, model, unit, universe, registered, states, trust_partial, loads, scale, routed))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn select<'py>(
     py: Python<'py>,
@@ -209,7 +373,8 @@ fn select<'py>(
     extra_keys: &Bound<'py, PyAny>,
     model: &Bound<'py, PyAny>,
     unit: i64,
-    universe: &Bound<'py, PySet>,
+    universe: Option<&Bound<'py, PySet>>,
+    registered: &Bound<'py, PySet>,
     states: Option<&Bound<'py, PyAny>>,
     trust_partial: bool,
     loads: &Bound<'py, PyAny>,
@@ -225,9 +390,32 @@ fn select<'py>(
         external_credit: weight(model, intern!(py, "external_credit"))?,
     };
     let want_tiers = !params.full_credit();
+    let table = loads.cast::<Loads>().ok().map(|t| t.borrow());
+    let source = match &table {
+        Some(t) => LoadSource::Table(t),
+        None if loads.len()? > 0 => LoadSource::Mapping(loads),
+        None => LoadSource::None,
+    };
+    // Without a universe set, membership is the index's (a worker holding blocks) or the
+    // registration: the keys whose membership the index decides are read before the lock.
+    let (reg_keys, routed_keys): (Vec<PyKey>, Vec<Option<PyKey>>) = if universe.is_none() {
+        let reg = registered
+            .iter()
+            .map(|w| PyKey::extract(&w))
+            .collect::<PyResult<_>>()?;
+        let routed_keys = match routed {
+            Some(r) => r.keys().iter().map(|w| PyKey::extract(&w).ok()).collect(),
+            None => Vec::new(),
+        };
+        (reg, routed_keys)
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let table_map = table.as_deref().map(|t| &t.map);
+    let whole = universe.is_none();
     // Match and, when some held block is off GPU and tiers are priced below GPU, the tier runs
     // too: one locked section, one consistent view of the index.
-    let (result, tiers) = index.get().with_query(py, ntok, move |idx| {
+    let (result, tiers, held) = index.get().with_query(py, ntok, move |idx| {
         let mut q = idx.query(input);
         let r = idx.find_matches(&mut q);
         let mut tiers: [FxHashMap<PyKey, i64>; 3] = Default::default();
@@ -241,20 +429,42 @@ fn select<'py>(
                 *t = idx.tier_scores(&mut q, pos + 1, &any).into_iter().collect();
             }
         }
-        (r, tiers)
+        let held = whole.then(|| Held {
+            count: idx.holding_count(),
+            registered_elsewhere: reg_keys.iter().filter(|k| !idx.holds(k)).count(),
+            // a worker without load is never a load-only candidate: no lookup for it
+            table: table_map.map_or_else(Vec::new, |m| {
+                m.iter().map(|(k, &t)| t != 0 && idx.holds(k)).collect()
+            }),
+            routed: routed_keys
+                .iter()
+                .map(|k| k.as_ref().is_some_and(|k| idx.holds(k)))
+                .collect(),
+        });
+        (r, tiers, held)
     });
+    // Is `w` a candidate? `by_index`: whether the index holds it (known when `universe` is None).
+    let member = |w: &Bound<'py, PyAny>, by_index: bool| -> PyResult<bool> {
+        match universe {
+            Some(u) => u.contains(w),
+            None => Ok(by_index || registered.contains(w)?),
+        }
+    };
 
     let ntok_i = ntok as i64;
-    let unit_f = unit as f64;
-    let idle_prefill = ntok_i as f64 / unit_f;
-    let mut workers: Vec<Py<PyAny>> = Vec::new();
-    let mut rows: Vec<Row> = Vec::new();
-    // the scored workers, for the hint-only and load-only passes to skip (only kept when there is one)
-    let loaded = loads.len()? > 0;
-    let seen = if loaded || routed.is_some() {
-        Some(PySet::empty(py)?)
-    } else {
-        None
+    let idle_prefill = ntok_i as f64 / unit as f64;
+    let most = result.scores.len() + table_map.map_or(0, IndexMap::len);
+    let mut workers: Vec<Py<PyAny>> = Vec::with_capacity(most);
+    let mut rows: Vec<Row> = Vec::with_capacity(most);
+    let mut pass = LoadPass {
+        taken: vec![false; table_map.map_or(0, IndexMap::len)],
+        source,
+        scale,
+    };
+    // the scored workers, for the hint-only pass to skip (only kept when there is a hint)
+    let seen = match routed {
+        Some(_) => Some(PySet::empty(py)?),
+        None => None,
     };
     let gpu_of: Option<FxHashMap<u32, i64>> = result
         .gpu
@@ -262,14 +472,11 @@ fn select<'py>(
         .map(|g| g.iter().map(|s| (s.slot, s.blocks)).collect());
     for s in &result.scores {
         let w = s.worker.obj(py);
-        if !universe.contains(&w)? {
+        // a worker the index scores holds blocks
+        if !member(&w, true)? {
             continue;
         }
-        let load = if loaded {
-            load_of(loads, &w, scale)?
-        } else {
-            0.0
-        };
+        let load = pass.of(&w, Some(&s.worker))?;
         let claim = Claim {
             claimed: s.blocks,
             block_size: s.block_size,
@@ -305,16 +512,13 @@ fn select<'py>(
 
     // Workers only the routing hint credits, in its order (`Router._routed_only`).
     if let (Some(routed), Some(seen)) = (routed, &seen) {
-        for (w, hint) in routed.iter() {
-            if seen.contains(&w)? || !universe.contains(&w)? {
+        for (i, (w, hint)) in routed.iter().enumerate() {
+            let by_index = held.as_ref().is_some_and(|h| h.routed[i]);
+            if seen.contains(&w)? || !member(&w, by_index)? {
                 continue;
             }
             let hint: i64 = hint.extract()?;
-            let load = if loaded {
-                load_of(loads, &w, scale)?
-            } else {
-                0.0
-            };
+            let load = pass.of(&w, None)?;
             let prefill = scoring::routed_prefill(ntok_i, unit, hint);
             let cost = params.cost(prefill, load);
             seen.add(&w)?;
@@ -334,40 +538,67 @@ fn select<'py>(
 
     // Load-only workers: nothing claimed, the whole prompt to prefill.
     let idle_cost = params.cost(idle_prefill, 0.0);
-    if let (true, Some(seen)) = (loaded, &seen) {
-        let mut load_only = |w: Bound<'py, PyAny>, t: Bound<'py, PyAny>| -> PyResult<()> {
-            if !t.is_truthy()? || !universe.contains(&w)? || seen.contains(&w)? {
-                return Ok(());
-            }
-            let load = t.extract::<f64>()? * scale;
-            workers.push(w.unbind());
-            rows.push(Row {
-                claimed: 0,
-                overlap: 0,
-                block_size: None,
-                prefill: idle_prefill,
-                load,
-                cost: idle_cost + load,
-                overlap_tokens: 0,
-                routed_tokens: 0,
-            });
-            Ok(())
-        };
-        match loads.cast::<PyDict>() {
-            Ok(d) => {
-                for (w, t) in d.iter() {
-                    load_only(w, t)?;
+    let idle_row = |load: f64| Row {
+        claimed: 0,
+        overlap: 0,
+        block_size: None,
+        prefill: idle_prefill,
+        load,
+        cost: idle_cost + load,
+        overlap_tokens: 0,
+        routed_tokens: 0,
+    };
+    match &pass.source {
+        LoadSource::None => {}
+        LoadSource::Table(t) => {
+            for (pos, (k, &tokens)) in t.map.iter().enumerate() {
+                if tokens == 0 || pass.taken[pos] {
+                    continue;
+                }
+                let w = k.obj(py);
+                let by_index = held.as_ref().is_some_and(|h| h.table[pos]);
+                if member(&w, by_index)? {
+                    workers.push(w.unbind());
+                    rows.push(idle_row(tokens as f64 * scale));
                 }
             }
-            Err(_) => {
-                for item in loads.call_method0(intern!(py, "items"))?.try_iter()? {
-                    let (w, t): (Bound<'py, PyAny>, Bound<'py, PyAny>) = item?.extract()?;
-                    load_only(w, t)?;
+        }
+        LoadSource::Mapping(loads) => {
+            // the scored and hint-only workers, for this pass to skip
+            let priced = PySet::new(py, workers.iter().map(|w| w.bind(py)))?;
+            let mut visit = |w: Bound<'py, PyAny>, t: Bound<'py, PyAny>| -> PyResult<()> {
+                if !t.is_truthy()? || priced.contains(&w)? {
+                    return Ok(());
+                }
+                let by_index = universe.is_none() && index_holds(py, index, &w);
+                if member(&w, by_index)? {
+                    let load = t.extract::<f64>()? * scale;
+                    workers.push(w.unbind());
+                    rows.push(idle_row(load));
+                }
+                Ok(())
+            };
+            match loads.cast::<PyDict>() {
+                Ok(d) => {
+                    for (w, t) in d.iter() {
+                        visit(w, t)?;
+                    }
+                }
+                Err(_) => {
+                    for item in loads.call_method0(intern!(py, "items"))?.try_iter()? {
+                        let (w, t): (Bound<'py, PyAny>, Bound<'py, PyAny>) = item?.extract()?;
+                        visit(w, t)?;
+                    }
                 }
             }
         }
     }
-    let idle_count = universe.len() - rows.len();
+    let universe_len = match (universe, &held) {
+        (Some(u), _) => u.len(),
+        (None, Some(h)) => h.count + h.registered_elsewhere,
+        (None, None) => 0, // unreachable: `held` is read whenever `universe` is None
+    };
+    let idle_count = universe_len.saturating_sub(rows.len());
     let costs: Vec<f64> = rows.iter().map(|r| r.cost).collect();
     let (tied, idle_tied) = scoring::ties(&costs, idle_count, idle_cost);
     Ok((
@@ -380,10 +611,30 @@ fn select<'py>(
     ))
 }
 
+/// What the index held when `select` ran without a universe set.
+struct Held {
+    /// workers holding blocks
+    count: usize,
+    /// registered workers the index does not hold
+    registered_elsewhere: usize,
+    /// per `Loads` entry, per routing-hint entry: whether the index holds it
+    table: Vec<bool>,
+    routed: Vec<bool>,
+}
+
+/// Whether the index holds blocks for `w` (a mapping's key; not a worker key: no).
+fn index_holds(py: Python<'_>, index: &Bound<'_, PyIndex>, w: &Bound<'_, PyAny>) -> bool {
+    match PyKey::extract(w) {
+        Ok(k) => index.get().with_query(py, 0, move |idx| idx.holds(&k)),
+        Err(_) => false,
+    }
+}
+
 /// Add the router's functions to `kvroute._core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_candidate_type, m)?)?;
     m.add_function(wrap_pyfunction!(select, m)?)?;
     m.add_class::<Scored>()?;
+    m.add_class::<Loads>()?;
     Ok(())
 }
