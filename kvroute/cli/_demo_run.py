@@ -82,12 +82,13 @@ _TRACE_CAPACITY = 32768
 # A generated trace (--trace-shape) is a minute or two of one fleet's traffic, whose reuse comes 1-60 s
 # apart. At 32,768 blocks per rank the fleet held twice everything the trace ever computed: nothing was
 # evicted, session affinity sat at the infinite-cache bound and no policy could be told apart from it on
-# hits. A production fleet's caches turn over within its sessions' reuse distance (a busy rank prefills
-# its 512k-token cache in tens of seconds), so the default holds this share of the trace's distinct
-# blocks across the fleet: content is evicted within about half the trace's span (README, "Routing quality").
+# hits. The demo's fleet carries the trace's 7-10 % load; a production rank runs several times busier, so
+# its cache turns over within its sessions' reuse distance. The default scales the cache down instead:
+# the fleet holds this share of the trace's distinct blocks (README, "Routing quality, measured") ...
 _TRACE_SHAPE_CACHE_SHARE = 0.5
-# ... but never fewer than this many of the largest requests per rank (a request that cannot fit waits).
-_TRACE_SHAPE_MIN_REQUESTS = 2
+# ... but a rank always holds this many mean-sized requests (prompt and output), so admission (a request
+# waiting for free blocks) does not become the bottleneck where a real rank would still admit.
+_TRACE_SHAPE_MIN_REQUESTS = 8
 # A trace replays 10x faster than recorded, engines included (`DemoOptions.speedup`): minutes of
 # trace in a demo's time, at the load the trace put on its fleet.
 _TRACE_SPEEDUP = 10.0
@@ -581,13 +582,15 @@ def _recovery(t: float, fault: _Fault, lifecycle: Sequence[_Lifecycle]) -> Fault
 def pressure_capacity(workload: Sequence[WorkloadRequest], options: DemoOptions) -> int:
     """KV blocks per rank for a generated trace: the fleet holds half the workload's distinct blocks.
 
-    Never below `_TRACE_SHAPE_MIN_REQUESTS` of the workload's largest requests (prompt and output).
+    Never below `_TRACE_SHAPE_MIN_REQUESTS` of the workload's mean request (prompt and output), nor below
+    its largest request.
     """
     bs = options.block_size
     distinct = distinct_blocks(workload, bs)
     ranks = sum(cfg.ranks for cfg in _fleet(options, 1, 1.0))
-    largest = max((-(-(len(r.token_ids) + r.max_tokens) // bs) for r in workload), default=1)
-    return max(math.ceil(_TRACE_SHAPE_CACHE_SHARE * distinct / ranks), _TRACE_SHAPE_MIN_REQUESTS * largest)
+    sizes = [-(-(len(r.token_ids) + r.max_tokens) // bs) for r in workload] or [1]
+    floor = max(math.ceil(_TRACE_SHAPE_MIN_REQUESTS * sum(sizes) / len(sizes)), max(sizes))
+    return max(math.ceil(_TRACE_SHAPE_CACHE_SHARE * distinct / ranks), floor)
 
 
 def _workload(options: DemoOptions) -> tuple[list[WorkloadRequest], int, float]:
