@@ -112,7 +112,8 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     ``rate``: synthetic arrivals per second. ``max_tokens``: output tokens per synthetic
     request, and the cap on a trace's output lengths. ``capacity_blocks``: KV blocks per rank
     (default 1,024 synthetic; 32,768 for a trace, an 80 GB GPU's worth for an 8B model; for a
-    generated trace `pressure_capacity`: the fleet holds half the trace's distinct blocks).
+    generated trace `pressure_capacity`: the fleet holds half the trace's distinct blocks, a rank at
+    least 8 mean-sized requests).
     ``replicas``: with more than 1, kvroute runs as that many router processes, the requests spread
     over them (`ReplicaPolicy`), twice: pricing only their own requests, then the engines' reported
     load too; the fleet serves gateway streams (the engines' load records) for both.
