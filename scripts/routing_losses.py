@@ -107,6 +107,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default="kvroute,session_affinity")
     p.add_argument("--overlap-weight", type=float, default=CostModel().overlap_weight)
+    p.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per rank (default: the demo's)")
     args = p.parse_args()
     recorders: dict[str, _Recorder] = {}
 
@@ -121,6 +122,7 @@ def main() -> None:
         seed=args.seed,
         policies=tuple(args.policies.split(",")),
         overlap_weight=args.overlap_weight,
+        capacity_blocks=args.capacity_blocks,
     )
     workload, _, _ = _demo_run._workload(options)
     reach = _reach(workload)

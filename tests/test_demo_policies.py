@@ -60,6 +60,7 @@ async def test_the_oracle_never_picks_a_worker_holding_fewer_blocks_at_equal_loa
         assert set(d.blocks) == {WorkerKey(t, 0) for t in engines}
         chosen_load = d.load.get(d.chosen, 0)
         for w, held in d.blocks.items():
+            assert d.cached[w] <= held  # credited: the cache, or more where the engine computes more
             if d.load.get(w, 0) == chosen_load:
                 assert held <= d.blocks[d.chosen], d
         contested += len(set(d.blocks.values())) > 1
@@ -70,6 +71,40 @@ async def test_the_oracle_never_picks_a_worker_holding_fewer_blocks_at_equal_loa
     for d in oracle.decisions:
         costs = {w: -weight * held + d.load.get(w, 0) / 16 for w, held in d.blocks.items()}
         assert costs[d.chosen] == min(costs.values())
+
+
+async def test_the_oracle_credits_what_an_engine_is_computing() -> None:
+    # A prefix still being prefilled is in no cache yet: the oracle reads the engines' running and queued
+    # prompts too (what the Router's routing hint remembers, known exactly) and sends a request sharing it
+    # there, as kvroute with its hint would; the load it adds is still the prompt minus the true cache.
+    rng = random.Random(5)
+    slow = {"prefill_time_per_token": 2e-3, "max_batched_tokens": 256}
+    async with (
+        SimEngine(SimConfig(name="a", seed=1, **slow)) as a,
+        SimEngine(SimConfig(name="b", seed=2, **slow)) as b,
+    ):
+        engines = {e.grpc_target: e for e in (a, b) if e.grpc_target is not None}
+        async with KvEventClient(targets=list(engines), config=FAST) as client:
+            await client.wait_synced(20)
+            oracle = OraclePolicy(client, engines, block_size=16, seed=0)
+            document = _tokens(rng, 16 * 50)
+            first = oracle.choose("first", [*document, *_tokens(rng, 7)])
+            engine = engines[first.worker_id]
+            running = engine.submit([*document, *_tokens(rng, 7)], 4, rank=first.dp_rank)
+            try:
+                second = [*document, *_tokens(rng, 9)]
+                assert oracle.in_flight_blocks(first, second) == 50
+                assert oracle.choose("second", second) == first
+                d = oracle.decisions[-1]
+                assert d.cached == {w: 0 for w in d.blocks}  # nothing computed yet: caches hold none of it
+                assert d.blocks[first] == 50 and sum(d.blocks.values()) == 50
+                # Charged as uncached: the second request adds its whole prompt to the worker's load.
+                assert oracle.decisions[-1].load == {first: 16 * 50 + 7}
+                # A prompt sharing less than a block with it gets no credit; the prompt's last token never counts.
+                assert oracle.in_flight_blocks(first, _tokens(rng, 16 * 50)) == 0
+                assert oracle.in_flight_blocks(first, document[: 16 * 3]) == 2
+            finally:
+                engine.abort(running)
 
 
 async def test_session_affinity_is_sticky_and_least_load_spreads() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ from kvroute.cli import (
     reachable_hits,
     read_mooncake_trace,
 )
+from kvroute.cli._demo_run import DemoOptions, _workload
+from kvroute.cli._workload import TRACE_SHAPES, distinct_blocks
 
 SMALL = WorkloadConfig(requests=300, seed=7)
 
@@ -302,3 +305,36 @@ def test_generated_trace_rejects_an_unknown_shape() -> None:
 
     with pytest.raises(ValueError, match="shape"):
         generate_mooncake_trace("bursty")
+
+
+def test_distinct_blocks_count_each_prefix_once() -> None:
+    def req(i: int, tokens: list[int]) -> WorkloadRequest:
+        return WorkloadRequest(id=i, arrival=float(i), token_ids=tokens, max_tokens=1, kind="trace")
+
+    a, b, c = [1] * 4, [2] * 4, [3] * 4
+    # Blocks of 4: [a], [a b], [a b c] (a partial tail never counts), then [b] — a prefix names its whole chain,
+    # so b after a and b at the start are two blocks.
+    workload = [req(0, [*a, *b]), req(1, [*a, *b, *c, 9]), req(2, [*b, 5, 5])]
+    assert distinct_blocks(workload, 4) == 4
+    assert distinct_blocks([], 4) == 0
+    with pytest.raises(ValueError):
+        distinct_blocks(workload, 0)
+
+
+@pytest.mark.parametrize("shape", TRACE_SHAPES)
+def test_generated_traces_run_on_caches_under_pressure(shape: str) -> None:
+    # The demo's default for a generated trace: the fleet holds half the trace's distinct blocks, or 8 mean-sized
+    # requests a rank where that is more (the tool-agent and document shapes: few long prefixes); never less than
+    # its largest request.
+    options = DemoOptions(trace_shape=shape, seed=1)
+    workload, capacity, _ = _workload(options)
+    ranks = 6  # the default fleet: 4 engines, 2 of them with 2 ranks
+    sizes = [-(-(len(r.token_ids) + r.max_tokens) // 16) for r in workload]
+    distinct = distinct_blocks(workload, 16)
+    assert capacity == max(math.ceil(distinct / 2 / ranks), math.ceil(8 * sum(sizes) / len(sizes)), max(sizes))
+    # The old default (32,768 a rank) held every shape whole, twice over.
+    assert distinct < 32768 * ranks / 2
+    if shape == "conversation":
+        # Sessions keep coming: the fleet holds about half of what the trace computes.
+        assert capacity * ranks < 0.6 * distinct
+    assert _workload(DemoOptions(trace_shape=shape, capacity_blocks=999))[1] == 999

@@ -69,7 +69,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=int,
         default=None,
         help="KV blocks per rank (default 1024: ten conversations, so caches evict; with --trace 32768 of 16 tokens,"
-        " what an 80 GB GPU holds for an 8B model)",
+        " what an 80 GB GPU holds for an 8B model; with --trace-shape half the trace's distinct blocks over the"
+        " fleet's ranks, at least 8 mean-sized requests a rank, so caches turn over within the sessions' reuse, as a"
+        " busy fleet's do)",
     )
     p.add_argument(
         "--replicas",

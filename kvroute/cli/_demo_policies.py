@@ -2,9 +2,11 @@
 
 - ``kvroute``: `kvroute.Router` over the client's index (learned from the engines' KV events only).
 - ``oracle``: the same cost model and load tracking as the Router, but each worker's overlap is read
-  from the simulated engine's own cache (`PrefixCache.match_blocks`) at the moment of the decision:
-  no event lag, no loss, nothing the index could get wrong. Its hit rate is what kvroute's policy
-  could reach on this fleet, with its capacity, eviction and timing: the *capacity-aware* reachable.
+  from the simulated engine itself at the moment of the decision: what its cache holds
+  (`PrefixCache.match_blocks`), or, where longer, what it is computing now (the prompts it runs or
+  has queued, `SimEngine.in_flight`): no event lag, no loss, nothing the index or the router's own
+  memory could get wrong. Its hit rate is what kvroute's policy could reach on this fleet, with its
+  capacity, eviction and timing: the *capacity-aware* reachable.
 - ``session_affinity``: consistent hashing on the prompt's leading tokens (a ring of virtual nodes, as
   Envoy's ring hash or a session-sticky gateway does): a conversation's turns, which share their
   leading blocks, land on one worker whatever its load.
@@ -91,21 +93,27 @@ class KvRoutePolicy:
 
 
 class OracleDecision(msgspec.Struct, frozen=True):
-    """One oracle decision: every candidate's true cached blocks and tracked load (tokens), and the pick."""
+    """One oracle decision: every candidate's credited and cached blocks, tracked load (tokens), and the pick.
+
+    ``blocks``: the leading blocks of the prompt the worker's engine holds or is computing (the
+    larger), which the oracle prices; ``cached``: those its cache holds now.
+    """
 
     blocks: dict[WorkerKey, int]
     load: dict[WorkerKey, int]
     chosen: WorkerKey
+    cached: dict[WorkerKey, int]
 
 
 class OraclePolicy:
     """kvroute's cost model and load tracking over the engines' true caches (module docstring).
 
     Cost per worker = ``cost.cost(prefill_blocks, load_blocks)`` as `Router` prices it: prefill is the
-    prompt minus the worker's cached leading blocks, load the tokens its in-flight requests did not
-    find cached (until their first token, `Router.on_prefill_done`), both in blocks of ``block_size``.
-    Lowest wins; exact ties at random. ``decisions`` keeps every decision's figures
-    (`OracleDecision`), so a test can check it.
+    prompt minus the worker's credited leading blocks (cached, or being computed there, whichever is
+    longer: the Router's index overlap and routing hint, known exactly), load the tokens its in-flight
+    requests did not find cached (until their first token, `Router.on_prefill_done`), both in blocks
+    of ``block_size``. Lowest wins; exact ties at random. ``decisions`` keeps every decision's
+    figures (`OracleDecision`), so a test can check it.
     """
 
     def __init__(
@@ -131,23 +139,47 @@ class OraclePolicy:
         engine = self._engines[worker.worker_id]
         return engine.cache(worker.dp_rank).match_blocks(token_ids), engine.config.block_size
 
+    def in_flight_blocks(self, worker: WorkerKey, token_ids: Sequence[int]) -> int:
+        """Leading blocks of the prompt a request ``worker``'s engine runs or has queued shares (engine blocks).
+
+        Capped below the prompt's last token, as an engine caps a hit: what this request could find
+        there once the engine has computed them.
+        """
+        engine = self._engines[worker.worker_id]
+        bs = engine.config.block_size
+        prompt = token_ids if isinstance(token_ids, list) else list(token_ids)
+        most = 0
+        for other in engine.in_flight(worker.dp_rank):
+            n = min(len(prompt) - 1, len(other)) // bs
+            i = most
+            # Only a longer shared run can change the answer: compare from the best so far.
+            if n <= most or prompt[: most * bs] != other[: most * bs]:
+                continue
+            while i < n and prompt[i * bs : (i + 1) * bs] == other[i * bs : (i + 1) * bs]:
+                i += 1
+            most = i
+        return most
+
     def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
         ntok = len(token_ids)
         unit = self._unit
         best: list[tuple[WorkerKey, int]] = []
         best_cost = 0.0
         blocks: dict[WorkerKey, int] = {}
+        cached_blocks: dict[WorkerKey, int] = {}
         for w in sorted(self._client.live_workers()):
             held, bs = self.cached_blocks(w, token_ids)
-            blocks[w] = held
+            credited = max(held, self.in_flight_blocks(w, token_ids))
+            blocks[w], cached_blocks[w] = credited, held
+            cost = self._cost.cost((ntok - min(ntok, credited * bs)) / unit, self._load.get(w, 0) / unit)
+            # The load it adds is what the cache does not hold now, as the Router counts it.
             cached = min(ntok, held * bs)
-            cost = self._cost.cost((ntok - cached) / unit, self._load.get(w, 0) / unit)
             if not best or cost < best_cost:
                 best, best_cost = [(w, cached)], cost
             elif cost == best_cost:
                 best.append((w, cached))
         worker, cached = best[self._rng.randrange(len(best))]
-        self.decisions.append(OracleDecision(blocks, dict(self._load), worker))
+        self.decisions.append(OracleDecision(blocks, dict(self._load), worker, cached_blocks))
         tokens = ntok - cached
         self._active[request_id] = (worker, tokens)
         self._load[worker] = self._load.get(worker, 0) + tokens

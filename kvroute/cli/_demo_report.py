@@ -57,8 +57,8 @@ class PolicyResult(msgspec.Struct, frozen=True, kw_only=True):
     the workload's infinite-cache bound (`reachable_hits`), the same for every policy;
     ``reachable_share``: ``hit_rate`` as a share of it. ``oracle_hit_rate``: the oracle policy's hit
     rate in the same demo (the capacity-aware reachable: kvroute's cost model over the engines' true
-    caches, on this fleet), ``oracle_share``: ``hit_rate`` as a share of it, ``oracle_ttft_ratio``:
-    ``ttft_p50`` over the oracle's (None when the oracle did not run). ``prefill_tokens``:
+    caches and in-flight prompts, on this fleet), ``oracle_share``: ``hit_rate`` as a share of it,
+    ``oracle_ttft_ratio``: ``ttft_p50`` over the oracle's (None when the oracle did not run). ``prefill_tokens``:
     prompt tokens computed. TTFT and latency are the engines' (queueing included).
     ``load_imbalance``: requests on the busiest worker / mean per worker (1.0 is even).
     ``decision_*_us``: measured wall time of the policy's ``select``. ``index_*``: the client's
@@ -365,8 +365,9 @@ def _notes(result: DemoResult) -> list[str]:
     """The footnotes the table's rows refer to, and what the run was (so nothing needs --help to read)."""
     first = next(iter(result.policies.values()), None)
     notes = [
-        "¹ oracle: kvroute's cost model over the engines' true caches (no event lag, nothing missed): the"
-        " hit rate this fleet's capacity, evictions and timing allow a cache-aware router.",
+        "¹ oracle: kvroute's cost model over the engines' true caches and the prompts they are computing (no"
+        " event lag, nothing missed): what a cache-aware router deciding one request at a time reaches on this"
+        " fleet's capacity, evictions and timing.",
         "² infinite cache: every earlier prompt still cached, wherever it ran: no router on any fleet does better.",
         "Requests run concurrently: the same --seed gives figures a few percent apart from run to run.",
     ]

@@ -6,7 +6,7 @@ discovery servers, subscribes with a KvEventClient, waits until every source is 
 the workload. Arrivals follow the workload's times (a conversation's next turn also waits for the
 previous one to finish); every request is its own task, so requests overlap and load matters. The
 policies: kvroute (the Router, learning only from the engines' KV events, with its load tracking);
-oracle (the same cost model over the engines' true caches: what kvroute could reach on this fleet);
+oracle (the same cost model over the engines' true caches and the prompts they are computing);
 session_affinity (consistent hashing of the prompt's first 1,024 tokens); least_load (fewest
 requests in flight); round_robin and random. A request that dies with a restarting engine is routed
 again (at most 3 times). Hit rates are given as a share of the oracle's (capacity-aware: this
@@ -24,6 +24,7 @@ rebuilt), and reports when kvroute noticed and when the worker was synced again.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from collections import Counter
@@ -53,6 +54,7 @@ from ._workload import (
     TRACE_SHAPES,
     WorkloadConfig,
     WorkloadRequest,
+    distinct_blocks,
     generate_mooncake_trace,
     generate_workload,
     reachable_hits,
@@ -77,6 +79,16 @@ _SYNTHETIC_CAPACITY = 1024
 # prompts average ~12k tokens: 8,192 blocks held ~10 of them, too few for the trace's reuse
 # (minutes apart) to survive eviction.
 _TRACE_CAPACITY = 32768
+# A generated trace (--trace-shape) is a minute or two of one fleet's traffic, whose reuse comes 1-60 s
+# apart. At 32,768 blocks per rank the fleet held twice everything the trace ever computed: nothing was
+# evicted, session affinity sat at the infinite-cache bound and no policy could be told apart from it on
+# hits. The demo's fleet carries the trace's 7-10 % load; a production rank runs several times busier, so
+# its cache turns over within its sessions' reuse distance. The default scales the cache down instead:
+# the fleet holds this share of the trace's distinct blocks (README, "Routing quality, measured") ...
+_TRACE_SHAPE_CACHE_SHARE = 0.5
+# ... but a rank always holds this many mean-sized requests (prompt and output), so admission (a request
+# waiting for free blocks) does not become the bottleneck where a real rank would still admit.
+_TRACE_SHAPE_MIN_REQUESTS = 8
 # A trace replays 10x faster than recorded, engines included (`DemoOptions.speedup`): minutes of
 # trace in a demo's time, at the load the trace put on its fleet.
 _TRACE_SPEEDUP = 10.0
@@ -99,7 +111,9 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     decode step times are all divided by it, so the fleet carries the trace's own load.
     ``rate``: synthetic arrivals per second. ``max_tokens``: output tokens per synthetic
     request, and the cap on a trace's output lengths. ``capacity_blocks``: KV blocks per rank
-    (default 1,024 synthetic; 32,768 for a trace, an 80 GB GPU's worth for an 8B model).
+    (default 1,024 synthetic; 32,768 for a trace, an 80 GB GPU's worth for an 8B model; for a
+    generated trace `pressure_capacity`: the fleet holds half the trace's distinct blocks, a rank at
+    least 8 mean-sized requests).
     ``replicas``: with more than 1, kvroute runs as that many router processes, the requests spread
     over them (`ReplicaPolicy`), twice: pricing only their own requests, then the engines' reported
     load too; the fleet serves gateway streams (the engines' load records) for both.
@@ -566,6 +580,20 @@ def _recovery(t: float, fault: _Fault, lifecycle: Sequence[_Lifecycle]) -> Fault
 # --- the whole demo -------------------------------------------------------------------------------
 
 
+def pressure_capacity(workload: Sequence[WorkloadRequest], options: DemoOptions) -> int:
+    """KV blocks per rank for a generated trace: the fleet holds half the workload's distinct blocks.
+
+    Never below `_TRACE_SHAPE_MIN_REQUESTS` of the workload's mean request (prompt and output), nor below
+    its largest request.
+    """
+    bs = options.block_size
+    distinct = distinct_blocks(workload, bs)
+    ranks = sum(cfg.ranks for cfg in _fleet(options, 1, 1.0))
+    sizes = [-(-(len(r.token_ids) + r.max_tokens) // bs) for r in workload] or [1]
+    floor = max(math.ceil(_TRACE_SHAPE_MIN_REQUESTS * sum(sizes) / len(sizes)), max(sizes))
+    return max(math.ceil(_TRACE_SHAPE_CACHE_SHARE * distinct / ranks), floor)
+
+
 def _workload(options: DemoOptions) -> tuple[list[WorkloadRequest], int, float]:
     """The requests, KV blocks per rank, and how much faster than recorded the run goes."""
     speedup = options.speedup or _TRACE_SPEEDUP
@@ -585,7 +613,7 @@ def _workload(options: DemoOptions) -> tuple[list[WorkloadRequest], int, float]:
         workload = trace_requests(
             records, block_tokens=options.trace_block_tokens, speedup=speedup, max_tokens=options.max_tokens
         )
-        return workload, options.capacity_blocks or _TRACE_CAPACITY, speedup
+        return workload, options.capacity_blocks or pressure_capacity(workload, options), speedup
     config = WorkloadConfig(
         requests=options.requests or _DEFAULT_REQUESTS,
         seed=options.seed,

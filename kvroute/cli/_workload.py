@@ -49,6 +49,7 @@ __all__ = [
     "TraceRecord",
     "WorkloadConfig",
     "WorkloadRequest",
+    "distinct_blocks",
     "generate_mooncake_trace",
     "generate_workload",
     "iter_mooncake_records",
@@ -492,3 +493,20 @@ def reachable_hits(workload: list[WorkloadRequest], block_size: int) -> Reachabl
             stored.add(key)
         cached += hits * block_size
     return Reachable(prompt_tokens=prompt, cached_tokens=cached)
+
+
+def distinct_blocks(workload: Sequence[WorkloadRequest], block_size: int) -> int:
+    """Distinct full blocks (each keyed by its whole prefix, as engines key them) the workload's prompts contain.
+
+    What an infinite cache holds at the end of the workload (outputs aside): its working set.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, not {block_size}")
+    seen: set[bytes] = set()
+    for req in workload:
+        tokens = req.token_ids
+        key = b""
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            key = xxhash.xxh3_128_digest(key + array("I", tokens[start : start + block_size]).tobytes())
+            seen.add(key)
+    return len(seen)

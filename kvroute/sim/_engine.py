@@ -25,7 +25,8 @@ Outputs are deterministic: token i of a completion is a hash of the prompt and i
 Fault knobs: `drop_rate`, `pause` / `resume` (a slow subscriber), `restart` (seq back to 0,
 cache lost, in-flight requests fail; optionally on new ports), `kill_replay` /
 `revive_replay`, `reset_prefix_cache` (AllBlocksCleared). Ground truth: `cache`
-(`PrefixCache.block_hashes`, `held_prefixes`, `match_blocks`) and `publisher` (its history).
+(`PrefixCache.block_hashes`, `held_prefixes`, `match_blocks`), `in_flight` (the prompts each rank is
+computing) and `publisher` (its history).
 """
 
 from __future__ import annotations
@@ -437,6 +438,11 @@ class SimEngine(AsyncService):
         if self._pubs is None:
             raise RuntimeError("the engine is not running (or is restarting)")
         return self._pubs[rank]
+
+    def in_flight(self, rank: int = 0) -> list[list[int]]:
+        """The prompts rank ``rank`` is running or has queued, oldest first: ground truth of what it is computing."""
+        r = self._ranks[rank]
+        return [q.prompt for q in (*r.running, *r.waiting)]
 
     def load(self, rank: int) -> tuple[int, int]:
         """(running, waiting) requests on ``rank``."""
