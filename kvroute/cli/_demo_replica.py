@@ -42,7 +42,6 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from kvroute import (
     CostModel,
-    EngineLoads,
     JetStreamRelay,
     KvEventClient,
     KvRouteError,
@@ -52,6 +51,7 @@ from kvroute import (
     SubscriberConfig,
     WorkerKey,
 )
+from kvroute._load import EngineLoads
 
 __all__ = ["LOAD_MODES", "ReplicaPolicy", "index_digest", "nats_server"]
 
