@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+import socket
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import anyio
+import pytest
 import zmq
 
 from kvroute._client import EventStream, KvEventClient
@@ -293,3 +295,16 @@ async def wait_for(condition: Callable[[], bool], what: str) -> None:
         while not condition():  # noqa: ASYNC110 (nothing to wait on: the state is polled)
             await anyio.sleep(0.005)
     assert condition(), what
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+#: For a test that runs an engine or server on [::1]: skipped where the machine has no IPv6 loopback.
+needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")

@@ -17,6 +17,7 @@ import anyio.to_thread
 import grpc
 import pytest
 import trustme
+from _publisher_helpers import needs_ipv6
 
 from kvroute._discovery import (
     DiscoveryOptions,
@@ -51,17 +52,6 @@ from kvroute.sim._grpc import ServerTls, SglangService, VllmControlService, serv
 
 pytestmark = pytest.mark.anyio
 
-
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 
 
 def free_port() -> int:

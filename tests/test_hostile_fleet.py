@@ -27,7 +27,7 @@ import anyio.to_thread
 import msgspec
 import pytest
 import zmq
-from _publisher_helpers import served
+from _publisher_helpers import needs_ipv6, served
 
 from kvroute import KvEventClient, PrefixIndex, SubscriberConfig, WorkerKey
 from kvroute._models import EventSource
@@ -549,16 +549,7 @@ async def test_a_host_name_is_resolved_to_judge_it_and_connected_to_as_judged() 
 # --- row 6: an engine on [::1] --------------------------------------------------------------------
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@needs_ipv6
 async def test_an_engine_on_ipv6_loopback_is_followed() -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     ctx.setsockopt(zmq.IPV6, 1)

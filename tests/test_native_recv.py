@@ -8,7 +8,6 @@ the Python recovery machine. Each test ends with the index checked against the e
 from __future__ import annotations
 
 import contextlib
-import socket
 
 import anyio
 import msgspec
@@ -19,6 +18,7 @@ from _publisher_helpers import (
     Workload,
     assert_index_equal,
     assert_index_subset,
+    needs_ipv6,
     settle,
     truth_index,
     wait_for,
@@ -335,16 +335,7 @@ async def test_a_source_waiting_for_its_replay_is_not_read_and_holds_nothing() -
             assert driver.native_batches >= before + 10
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@needs_ipv6
 async def test_an_engine_on_ipv6_loopback_is_followed_by_the_thread() -> None:
     # The thread's SUBs are its own libzmq's (IPv4 only unless told): an engine on [::1] never connected.
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
