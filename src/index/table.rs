@@ -376,10 +376,7 @@ impl KeyTable {
             return;
         }
         let (before, after) = if one == NO_HOLDER {
-            if flags != 0 {
-                self.recs[id as usize].one = word;
-            }
-            (0, flags)
+            (0, 0) // nothing held and nothing set (a first holder returned above)
         } else if one & MANY == 0 {
             let before = flags_of(one);
             if slot_of(one) == slot {
