@@ -140,7 +140,7 @@ class Hub:
     def add(self, stream: EventStream) -> None:
         """Copy every envelope from now on to ``stream`` too."""
         self._streams.append(weakref.ref(stream))
-        self.raw = None
+        self._update_raw()
 
     def set_tap(self, tap: RawTap | None) -> None:
         """Attach (None: detach) the raw tap (one at a time)."""
