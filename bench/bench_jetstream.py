@@ -254,7 +254,7 @@ async def run(args: argparse.Namespace) -> None:
             # NATS, in the same run. Timed inside the relay's raw tap (an events() listener would take the
             # client off the fast path the relay uses).
             at_relay: dict[tuple[int, int], float] = {}
-            relay_tap = client._hub._tap
+            relay_tap = client.raw_tap
             assert relay_tap is not None
 
             class TimedTap:
@@ -339,9 +339,9 @@ async def run(args: argparse.Namespace) -> None:
             seq = await relay.write_snapshot()
             snap_s = time.perf_counter() - t0
             rate = 0.25 * n_batches * n_sources / elapsed  # batches/s: a quarter of the measured maximum
-            client._hub.set_tap(TimedTap())
+            client.set_raw_tap(TimedTap())
             _, lags, relay_lags = await round_(n_batches, n_batches + paced, rate)
-            client._hub.set_tap(relay_tap)
+            client.set_raw_tap(relay_tap)
             print(
                 f"apply lag at {rate:,.0f} batches/s (~{rate * blocks / (n_batches * n_sources):,.0f} blocks/s):"
                 f" p50 {_pct(lags, 0.5) * 1e3:.1f} ms, p90 {_pct(lags, 0.9) * 1e3:.1f} ms,"

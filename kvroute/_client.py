@@ -31,7 +31,7 @@ import zmq
 from ._discovery import DiscoveryOptions, diff_sources, follow_target, parse_target
 from ._errors import ClientStateError, ConfigError, DiscoveryError, KvRouteError, NotSyncedError
 from ._events import Envelope, Removed
-from ._fanout import EventStream, Hub
+from ._fanout import EventStream, Hub, RawTap
 from ._index import PrefixIndex
 from ._load import EngineLoads
 from ._models import EventSource, WorkerKey, WorkerStatus
@@ -615,6 +615,22 @@ class KvEventClient:
         else:
             self._hub.add(stream)
         return stream
+
+    @property
+    def raw_tap(self) -> RawTap | None:
+        """The raw tap attached with `set_raw_tap` (None: none)."""
+        return self._hub._tap
+
+    def set_raw_tap(self, tap: RawTap | None) -> None:
+        """Attach (None: detach) one `RawTap`: every batch the client applies, in order, as its engine's bytes.
+
+        For a republisher (the JetStream relay): while the tap is the only listener (no ``events()``
+        iterator open), the ZMQ drivers keep their fast path and hand ``tap.raw`` each applied
+        payload as the engine sent it; anything applied another way, and every lifecycle fact,
+        reaches ``tap.push`` as envelopes, in the order applied. Attach it before entering the
+        client to see every batch from the first. One tap at a time; it must not block.
+        """
+        self._hub.set_tap(tap)
 
     def stats(self) -> ClientStats:
         """A snapshot of every source's counters, their totals, and the client's own."""

@@ -72,6 +72,10 @@ class Index:
         check_header: Callable[[str, int, int], None],
         only: Collection[WorkerKey] | None = None,
     ) -> tuple[list[tuple[str, int, int, float]], list[tuple[WorkerKey, str]]]: ...
+    # the JetStream relay's and replica's (kvroute/_snapshot.py's `encode_snapshot`)
+    def snapshot_bytes(
+        self, cursors: Sequence[tuple[str, int, int, float]], header: tuple[str, int, int, float]
+    ) -> bytes: ...
 
 def set_query_error(cls: type[Exception]) -> None: ...
 

@@ -495,7 +495,7 @@ class JetStreamRelay:
         )
         # Tapped before it starts: the log holds every batch the client applies, from its first.
         tap = _Tap(_TAP_CAPACITY)
-        client._hub.set_tap(tap)
+        client.set_raw_tap(tap)
         async with client:
             self.client = client
             # Workers the log names that no static source feeds are gone (with targets, the

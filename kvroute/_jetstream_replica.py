@@ -10,9 +10,7 @@ source of its snapshots and of the positions a new active relay resumes from).
 from __future__ import annotations
 
 import functools
-import tempfile
 from collections.abc import Callable, Collection, Sequence
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -27,7 +25,7 @@ from ._jetstream import SNAPSHOT_FORMAT, SnapshotInfo, log
 from ._jetstream_log import LogOptions, LogReader, LogRules, LogSource, LogWorker
 from ._jetstream_nats import NatsLoop
 from ._models import WorkerKey, WorkerStatus
-from ._snapshot import Cursor, check_header, refuse_unreadable
+from ._snapshot import Cursor, check_header, encode_snapshot, refuse_unreadable
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -265,10 +263,7 @@ class JetStreamReplica:
 
     def snapshot_bytes(self) -> tuple[bytes, SnapshotInfo]:
         """The index in kvroute's snapshot format, with the stream sequence it covers (taken at one instant)."""
-        with tempfile.TemporaryDirectory(prefix="kvroute-js-") as tmp:
-            path = Path(tmp) / "index.snapshot"
-            self.index.snapshot(path, cursors=self.cursors())
-            data = path.read_bytes()
+        data = encode_snapshot(self.index, self.cursors())
         info = SnapshotInfo(
             format=SNAPSHOT_FORMAT,
             stream_seq=self.position,

@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
 
@@ -24,11 +25,15 @@ from ._hashing import HASH_VERSION
 from ._models import WorkerKey
 from ._wire import BlockHash
 
+if TYPE_CHECKING:  # _index imports this module
+    from ._index import PrefixIndex
+
 __all__ = [
     "Cursor",
     "SnapGroup",
     "SnapWorker",
     "check_header",
+    "encode_snapshot",
     "read_snapshot",
     "refuse_unreadable",
     "snapshot_bytes",
@@ -119,6 +124,16 @@ def write_snapshot(path: str | os.PathLike[str], workers: list[SnapWorker], curs
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def encode_snapshot(index: PrefixIndex, cursors: Mapping[WorkerKey, Cursor]) -> bytes:
+    """``index`` and ``cursors`` as a snapshot file's bytes (what `write_snapshot` would write), without a file.
+
+    The core exports the tables under one read lock and writes msgspec's encoding of `_Snapshot`
+    itself (no Python object per entry): the JetStream relay and replica put it in the object store.
+    """
+    rows = [(k.worker_id, k.dp_rank, c.seq, c.ts) for k, c in cursors.items()]
+    return index._core.snapshot_bytes(rows, (_FORMAT, _VERSION, HASH_VERSION, time.time()))
 
 
 def snapshot_bytes(path: str | os.PathLike[str]) -> bytes:

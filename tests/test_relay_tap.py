@@ -31,7 +31,7 @@ async def test_the_tap_gets_the_engines_payload_bytes_in_order() -> None:
         src = pub.source("w")
         client = KvEventClient([src], config=FAST)
         tap = _Tap(10_000)
-        client._hub.set_tap(tap)
+        client.set_raw_tap(tap)
         async with client:
             await client.wait_synced(10)
             tap.items.clear()  # the lifecycle facts of connecting

@@ -28,6 +28,7 @@ async def relay(
     name: str | None = None,
     snapshot_interval: float = 10.0,
     lease_ttl: float = 3.0,
+    lease_stall: float | None = None,
     storage: str = "file",
     max_age: float = 24 * 3600.0,
     status_interval: float = 5.0,
@@ -45,6 +46,7 @@ async def relay(
         discovery_options=DiscoveryOptions(engine=engine, timeout=timeout),
         snapshot_interval=snapshot_interval,
         lease_ttl=lease_ttl,
+        lease_stall=lease_stall,
         storage=storage,
         max_age=max_age,
         name=name,
@@ -79,6 +81,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--name", default=None, help="this relay's name in the lease (default: random)")
     p.add_argument("--snapshot-interval", type=float, default=10.0, metavar="S", help="default 10 s")
     p.add_argument("--lease-ttl", type=float, default=3.0, metavar="S", help="takeover after S s (default 3)")
+    p.add_argument(
+        "--lease-stall",
+        type=float,
+        default=None,
+        metavar="S",
+        help="let the lease go when this relay's event loop has not run for S s (>= --lease-ttl;"
+        " default max(30, 10 x ttl))",
+    )
     p.add_argument("--storage", choices=("file", "memory"), default="file", help="stream storage (default file)")
     p.add_argument("--max-age", type=float, default=24 * 3600.0, metavar="S", help="retention (default 1 day)")
     p.add_argument("--status-interval", type=float, default=5.0, metavar="S", help="status line every S s")
@@ -90,6 +100,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _main(args: argparse.Namespace) -> int:
     if not (args.snapshot_interval > 0 and args.lease_ttl > 0 and args.status_interval > 0 and args.timeout > 0):
         return error("relay", "--snapshot-interval, --lease-ttl, --status-interval, --timeout must be > 0", EXIT_USAGE)
+    if args.lease_stall is not None and not args.lease_stall >= args.lease_ttl:
+        return error("relay", "--lease-stall must be >= --lease-ttl", EXIT_USAGE)
     try:
         anyio.run(
             lambda: relay(
@@ -100,6 +112,7 @@ def _main(args: argparse.Namespace) -> int:
                 name=args.name,
                 snapshot_interval=args.snapshot_interval,
                 lease_ttl=args.lease_ttl,
+                lease_stall=args.lease_stall,
                 storage=args.storage,
                 max_age=args.max_age,
                 status_interval=args.status_interval,

@@ -420,6 +420,125 @@ pub fn read(data: &[u8]) -> Result<SnapFile, SnapReadError> {
     .file()
 }
 
+// --- writing the file ----------------------------------------------------------------------
+//
+// The same bytes kvroute/_snapshot.py's `write_snapshot` has msgspec write for `_Snapshot` (a map;
+// workers and cursors array-like, every field written), so a snapshot can be taken without a Python
+// object per entry and without a file (the JetStream relay puts it in an object store). Writes go
+// to a `Vec`, which grows and cannot fail: their `Result`s carry nothing.
+
+fn put_hash(out: &mut Vec<u8>, h: &BlockHash) {
+    match h {
+        BlockHash::Int(i) => drop(rmp::encode::write_uint(out, *i)),
+        BlockHash::Bytes(b) => drop(rmp::encode::write_bin(out, b)),
+    }
+}
+
+fn put_hashes(out: &mut Vec<u8>, hs: &[BlockHash]) {
+    let _ = rmp::encode::write_array_len(out, hs.len() as u32);
+    hs.iter().for_each(|h| put_hash(out, h));
+}
+
+fn put_keys(out: &mut Vec<u8>, ks: &[SnapKey]) {
+    let _ = rmp::encode::write_array_len(out, ks.len() as u32);
+    for k in ks {
+        // A malformed key is never exported (the index holds 16 bytes or nothing): written empty.
+        let _ = rmp::encode::write_bin(out, if let SnapKey::Key(k) = k { k } else { b"" });
+    }
+}
+
+fn put_ints(out: &mut Vec<u8>, vs: &[i64]) {
+    let _ = rmp::encode::write_array_len(out, vs.len() as u32);
+    vs.iter().for_each(|&v| drop(rmp::encode::write_sint(out, v)));
+}
+
+fn put_opt(out: &mut Vec<u8>, v: Option<i64>) {
+    match v {
+        Some(v) => drop(rmp::encode::write_sint(out, v)),
+        None => drop(rmp::encode::write_nil(out)),
+    }
+}
+
+/// An int the file holds as msgspec writes a Python int (int64, else uint64); None beyond both.
+fn put_int(out: &mut Vec<u8>, v: i128) -> Option<()> {
+    match (i64::try_from(v), u64::try_from(v)) {
+        (Ok(v), _) => drop(rmp::encode::write_sint(out, v)),
+        (_, Ok(v)) => drop(rmp::encode::write_uint(out, v)),
+        _ => return None,
+    }
+    Some(())
+}
+
+fn put_worker(out: &mut Vec<u8>, worker_id: &str, dp_rank: i64, sw: &SnapWorker) {
+    use rmp::encode as e;
+    let _ = e::write_array_len(out, 10);
+    let _ = e::write_str(out, worker_id);
+    let _ = e::write_sint(out, dp_rank);
+    let _ = e::write_array_len(out, sw.classes.len() as u32);
+    for &(a, b) in &sw.classes {
+        let _ = e::write_array_len(out, 2);
+        let _ = e::write_sint(out, a);
+        let _ = e::write_sint(out, b);
+    }
+    put_opt(out, sw.primary);
+    let _ = e::write_sint(out, sw.lookahead);
+    put_hashes(out, &sw.hashes);
+    put_keys(out, &sw.keys);
+    let _ = e::write_array_len(out, sw.special.len() as u32);
+    for (h, copies) in &sw.special {
+        let _ = e::write_array_len(out, 2);
+        put_hash(out, h);
+        put_ints(out, copies);
+    }
+    let _ = e::write_array_len(out, sw.groups.len() as u32);
+    for g in &sw.groups {
+        let _ = e::write_array_len(out, 7);
+        let _ = e::write_sint(out, g.group_idx);
+        let _ = e::write_str(out, &g.kind);
+        put_opt(out, g.window);
+        let _ = e::write_sint(out, g.block_size);
+        put_hashes(out, &g.hashes);
+        put_keys(out, &g.keys);
+        put_ints(out, &g.masks);
+    }
+    let _ = e::write_bool(out, sw.bigram);
+}
+
+impl SnapFile {
+    /// The file's bytes (``created``: its creation time), as `read` reads them back; None when
+    /// an int (version, hash version, a cursor's seq) is outside what msgpack holds.
+    pub fn to_bytes(&self, created: f64) -> Option<Vec<u8>> {
+        use rmp::encode as e;
+        let mut out = Vec::with_capacity(64 + 64 * self.workers.len());
+        let o = &mut out;
+        let _ = e::write_map_len(o, 6);
+        let _ = e::write_str(o, "format");
+        let _ = e::write_str(o, &self.format);
+        let _ = e::write_str(o, "version");
+        put_int(o, self.version)?;
+        let _ = e::write_str(o, "hash_version");
+        put_int(o, self.hash_version)?;
+        let _ = e::write_str(o, "created");
+        let _ = e::write_f64(o, created);
+        let _ = e::write_str(o, "workers");
+        let _ = e::write_array_len(o, self.workers.len() as u32);
+        for (worker_id, dp_rank, sw) in &self.workers {
+            put_worker(o, worker_id, *dp_rank, sw);
+        }
+        let _ = e::write_str(o, "cursors");
+        let _ = e::write_array_len(o, self.cursors.len() as u32);
+        for (worker_id, dp_rank, seq, ts) in &self.cursors {
+            let _ = e::write_array_len(o, 3);
+            let _ = e::write_str(o, worker_id);
+            let _ = e::write_sint(o, *dp_rank);
+            let _ = e::write_array_len(o, 2);
+            put_int(o, *seq)?;
+            let _ = e::write_f64(o, *ts);
+        }
+        Some(out)
+    }
+}
+
 // --- exporting and importing a worker ------------------------------------------------------
 
 impl<K: WorkerName> Index<K> {
@@ -869,6 +988,32 @@ mod tests {
         };
         assert_eq!(multi(&back), multi(&idx));
         assert!(!multi(&idx).is_empty(), "the sample holds a key twice");
+    }
+
+    #[test]
+    fn to_bytes_writes_what_read_reads_back() {
+        let workers: Vec<(String, i64, SnapWorker)> = sample()
+            .export()
+            .into_iter()
+            .map(|(w, sw)| (w.0, w.1, sw))
+            .collect();
+        let f = SnapFile {
+            format: "kvroute-index".into(),
+            version: 1,
+            hash_version: 2,
+            workers,
+            // A seq past int64 is written as msgpack's uint64, as msgspec writes a Python int.
+            cursors: vec![("a".into(), 0, 41, 2.5), ("b".into(), 1, i128::from(u64::MAX), 1.0)],
+        };
+        let data = f.to_bytes(1.5).expect("every int fits");
+        assert_eq!(read(&data).expect("readable"), f);
+        // The same tables as the format's other writer (the tests' `file`, msgspec's layout) restore.
+        assert_eq!(restored(&data).export(), restored(&file(&sample().export(), &[])).export());
+        let too_big = SnapFile {
+            cursors: vec![("a".into(), 0, i128::from(u64::MAX) + 1, 0.0)],
+            ..SnapFile::default()
+        };
+        assert_eq!(too_big.to_bytes(0.0), None);
     }
 
     #[test]

@@ -518,6 +518,39 @@ impl PyIndex {
             .collect();
         Ok((file.cursors, dropped))
     }
+
+    // --- snapshot bytes (the JetStream relay's and replica's; kvroute/_snapshot.py) -------------
+
+    /// The index as a snapshot file's bytes (what `restore` reads), no file and no Python object
+    /// per entry: every worker's tables taken under one read lock, then encoded, both with the GIL
+    /// released. ``cursors``: (worker_id, dp_rank, seq, ts) each; ``header``: (format, version,
+    /// hash_version, created). Raises ValueError when a seq does not fit msgpack's int64/uint64.
+    fn snapshot_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        cursors: Vec<(String, i64, i128, f64)>,
+        header: (String, i64, i64, f64),
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let (format, version, hash_version, created) = header;
+        let workers = self.with_read(py, |idx| {
+            idx.export()
+                .into_iter()
+                .map(|(k, sw)| (k.0.worker_id.clone(), k.0.dp_rank, sw))
+                .collect()
+        });
+        let file = crate::index::SnapFile {
+            format,
+            version: version.into(),
+            hash_version: hash_version.into(),
+            workers,
+            cursors,
+        };
+        let data = py
+            .detach(|| file.to_bytes(created))
+            .ok_or_else(|| PyValueError::new_err("a cursor's seq is outside int64 and uint64"))?;
+        Ok(PyBytes::new(py, &data))
+    }
+    // --- end of snapshot bytes ------------------------------------------------------------------
 }
 
 fn hash_obj<'py>(py: Python<'py>, h: &crate::protocols::BlockHash) -> PyResult<Bound<'py, PyAny>> {
