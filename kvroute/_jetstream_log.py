@@ -255,6 +255,24 @@ class LogRules:
 # --- reading the stream ------------------------------------------------------------------------------
 
 
+def ack_sequences(reply: str) -> tuple[int, int] | None:
+    """A JetStream delivery's (stream, consumer) sequences, from its ack subject; None when it is not one.
+
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<tm>.<pending>`` (9 tokens), or with
+    ``<domain>.<account hash>`` after ``$JS.ACK`` and a trailing token (11 or 12): what nats-py's
+    ``Msg.metadata`` reads, without its dataclasses and datetime (35 µs a record, a tenth of that here).
+    """
+    tokens = reply.split(".")
+    n = len(tokens)
+    at = 5 if n == 9 else 7 if n >= 11 else 0
+    if not at or tokens[0] != "$JS" or tokens[1] != "ACK":
+        return None
+    try:
+        return int(tokens[at]), int(tokens[at + 1])
+    except ValueError:
+        return None
+
+
 class _Follower:
     """An ordered push consumer of the whole stream, run on the NATS loop (nats-py's own answers flow control
     only every 250 ms, which stalls a busy stream; this one answers at once).
@@ -314,13 +332,16 @@ class _Follower:
                 if stalled:
                     await nc.publish(stalled, b"")
                 return
-            meta = msg.metadata.sequence
-            if meta.consumer != self.cseq + 1:
+            got = ack_sequences(reply)
+            if got is None:
+                return  # not a delivery of this consumer (nats-py's `metadata` would refuse it too)
+            sseq, cseq = got
+            if cseq != self.cseq + 1:
                 await self._create()  # a delivery was lost: start over after the last one taken
                 return
-            self.cseq = meta.consumer
-            self.sseq = meta.stream
-            self.queue.append((meta.stream, msg.data))
+            self.cseq = cseq
+            self.sseq = sseq
+            self.queue.append((sseq, msg.data))
             self.ready.set()
 
         self.cseq = 0

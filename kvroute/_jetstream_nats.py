@@ -24,6 +24,9 @@ __all__ = ["NatsLoop", "Signal"]
 
 T = TypeVar("T")
 
+#: nats-py's cap on unacknowledged `publish_async` calls (its default, 4,000, is the relay's window).
+_PUBLISH_ASYNC_MAX = 1 << 20
+
 
 class NatsLoop:
     """One NATS connection, callable from any anyio backend.
@@ -75,7 +78,9 @@ class NatsLoop:
                 ),
                 connect_timeout,
             )
-            self.js = self.nc.jetstream(timeout=connect_timeout)
+            # The relay bounds its unacknowledged records itself (`_jetstream_publish._WINDOW`), far below
+            # this: nats-py's own bound must never make `publish_async` wait (see `_Outbox._publish`).
+            self.js = self.nc.jetstream(timeout=connect_timeout, publish_async_max_pending=_PUBLISH_ASYNC_MAX)
 
         try:
             await self.call(connect())

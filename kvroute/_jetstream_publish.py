@@ -358,9 +358,11 @@ class _Outbox:
             for subject, data, msg_id in msgs:
                 if self.failed is not None:
                     return  # the session restarts: publish nothing after a failure
-                futures.append(
-                    await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id}, wait_stall=self.timeout)
-                )
+                # No wait_stall: with one, nats-py runs its semaphore's acquire through asyncio.wait_for,
+                # which (Python < 3.12) makes a Task and yields to the loop for every record, so a job of
+                # n records took n turns of the loop (behind the client's and the mirror's slices):
+                # that was most of the apply lag. The relay's window keeps the semaphore from blocking.
+                futures.append(await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id}))
             sent.set()
             acks = await asyncio.wait_for(asyncio.gather(*futures), self.timeout)
         except Exception as exc:
