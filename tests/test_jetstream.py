@@ -501,6 +501,16 @@ def test_relay_command_exit_codes() -> None:
     assert main(["relay", "127.0.0.1:1", "--nats", f"nats://127.0.0.1:{_free_port()}", "--duration", "1"]) == 1
 
 
+def test_relay_command_takes_lease_stall() -> None:
+    from kvroute.cli import main
+
+    # Below the ttl it is refused as usage, like JetStreamRelay(lease_stall=) refuses it.
+    assert main(["relay", "127.0.0.1:1", "--lease-ttl", "3", "--lease-stall", "2"]) == 2
+    # Accepted, and handed to the relay (which then fails on the absent server as without it).
+    port = _free_port()
+    assert main(["relay", "127.0.0.1:1", "--nats", f"nats://127.0.0.1:{port}", "--lease-stall", "40"]) == 1
+
+
 def test_demo_replicas_follow_one_relay_over_jetstream(capsys: pytest.CaptureFixture[str]) -> None:
     if NATS is None:
         pytest.skip("nats-server is not installed (apt-get install nats-server)")
