@@ -338,7 +338,8 @@ async def run(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             seq = await relay.write_snapshot()
             snap_s = time.perf_counter() - t0
-            rate = 0.25 * n_batches * n_sources / elapsed  # batches/s: a quarter of the measured maximum
+            # batches/s: a quarter of the measured maximum, or a fixed rate (comparable across loads)
+            rate = args.lag_rate or 0.25 * n_batches * n_sources / elapsed
             client.set_raw_tap(TimedTap())
             _, lags, relay_lags = await round_(n_batches, n_batches + paced, rate)
             client.set_raw_tap(relay_tap)
@@ -389,6 +390,13 @@ def main() -> None:
         choices=("client", "replica"),
         default="client",
         help="the three replicas: KvEventClient(jetstream=...) (default) or JetStreamReplica",
+    )
+    parser.add_argument(
+        "--lag-rate",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="pace the lag round at N batches/s (default: a quarter of the throughput round's rate)",
     )
     parser.add_argument(
         "--profile",
