@@ -449,7 +449,8 @@ fn put_keys(out: &mut Vec<u8>, ks: &[SnapKey]) {
 
 fn put_ints(out: &mut Vec<u8>, vs: &[i64]) {
     let _ = rmp::encode::write_array_len(out, vs.len() as u32);
-    vs.iter().for_each(|&v| drop(rmp::encode::write_sint(out, v)));
+    vs.iter()
+        .for_each(|&v| drop(rmp::encode::write_sint(out, v)));
 }
 
 fn put_opt(out: &mut Vec<u8>, v: Option<i64>) {
@@ -1003,12 +1004,18 @@ mod tests {
             hash_version: 2,
             workers,
             // A seq past int64 is written as msgpack's uint64, as msgspec writes a Python int.
-            cursors: vec![("a".into(), 0, 41, 2.5), ("b".into(), 1, i128::from(u64::MAX), 1.0)],
+            cursors: vec![
+                ("a".into(), 0, 41, 2.5),
+                ("b".into(), 1, i128::from(u64::MAX), 1.0),
+            ],
         };
         let data = f.to_bytes(1.5).expect("every int fits");
         assert_eq!(read(&data).expect("readable"), f);
         // The same tables as the format's other writer (the tests' `file`, msgspec's layout) restore.
-        assert_eq!(restored(&data).export(), restored(&file(&sample().export(), &[])).export());
+        assert_eq!(
+            restored(&data).export(),
+            restored(&file(&sample().export(), &[])).export()
+        );
         let too_big = SnapFile {
             cursors: vec![("a".into(), 0, i128::from(u64::MAX) + 1, 0.0)],
             ..SnapFile::default()
