@@ -126,3 +126,46 @@ def test_an_empty_fleet_reports_bad_input_first_then_no_workers() -> None:
     r.add_worker(A)
     d = r.select([1, 2, 3])
     assert d.worker == A and d.candidates[0].load_blocks == 3 / 16 and d.idle_workers == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(["store", "remove", "load", "finish"]), st.integers(0, 7), st.integers(1, 6)),
+        min_size=1,
+        max_size=25,
+    ),
+    seed=st.integers(0, 3),
+)
+def test_select_finds_loaded_workers_again_as_the_fleet_changes(steps: list[tuple[str, int, int]], seed: int) -> None:
+    # The core keeps where it last found each loaded worker in the index (its slot) to skip the
+    # lookup by name; workers leaving the index free slots that others then take. After every
+    # change both paths must still agree, selecting between changes (so kept slots go stale).
+    workers = [WorkerKey(f"w{i}", i % 3) for i in range(8)]
+    prompt = [(i * 7919) % 50_000 for i in range(96)]
+    index = PrefixIndex()
+    routers = [Router(index, cost=model, seed=seed) for model in (CostModel(), _PythonModel())]
+    routers[0].add_worker(workers[7])
+    routers[1].add_worker(workers[7])
+    started = 0
+    for op, i, n in steps:
+        w = workers[i]
+        if op == "store":
+            index.apply(w, BlockStored(block_hashes=[i * 1000 + j for j in range(n)], token_ids=prompt[: n * 16],
+                                       block_size=16))
+        elif op == "remove":
+            index.remove_worker(w)
+        elif op == "load":
+            for r in routers:
+                r.on_start(("req", started), w, prompt[: n * 10])
+            started += 1
+        else:
+            for r in routers:
+                r.on_finish(("req", n % max(1, started)))
+        got = []
+        for r in routers:
+            try:
+                got.append(r.select(prompt))
+            except NoWorkersError as exc:
+                got.append((type(exc), str(exc)))  # type: ignore[arg-type]
+        assert got[0] == got[1]
