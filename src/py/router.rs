@@ -194,25 +194,50 @@ impl Loads {
     }
 }
 
-/// Whether the router believes `w`'s index claim (`Router._scored`'s rule).
-fn trusted(
-    states: Option<&Bound<'_, PyAny>>,
-    w: &Bound<'_, PyAny>,
+/// Whether the router believes a worker's index claim (`Router._scored`'s rule), through the
+/// states provider's `worker_status`, looked up once per `select` rather than once per worker
+/// with overlap (a production router asks a `KvEventClient` for every such worker, every call).
+struct Trust<'py> {
+    /// the provider (None: no provider, every claim is believed)
+    states: Option<&'py Bound<'py, PyAny>>,
+    /// its bound `worker_status`, looked up at the first worker with overlap
+    status: std::cell::OnceCell<Bound<'py, PyAny>>,
     trust_partial: bool,
-) -> PyResult<bool> {
-    let Some(states) = states else {
-        return Ok(true); // no states provider: the index is trusted for every worker
-    };
-    let py = w.py();
-    let status = states.call_method1(intern!(py, "worker_status"), (w,))?;
-    if status.is_none()
-        || !status
-            .getattr(intern!(py, "state"))?
-            .eq(intern!(py, "synced"))?
-    {
-        return Ok(false);
+}
+
+impl<'py> Trust<'py> {
+    fn new(states: Option<&'py Bound<'py, PyAny>>, trust_partial: bool) -> Self {
+        Trust {
+            states,
+            status: std::cell::OnceCell::new(),
+            trust_partial,
+        }
     }
-    Ok(trust_partial || !status.getattr(intern!(py, "partial"))?.is_truthy()?)
+
+    fn of(&self, w: &Bound<'py, PyAny>) -> PyResult<bool> {
+        let Some(states) = self.states else {
+            return Ok(true);
+        };
+        let status_of = match self.status.get() {
+            Some(f) => f,
+            None => {
+                let f = states.getattr(intern!(states.py(), "worker_status"))?;
+                self.status.get_or_init(|| f)
+            }
+        };
+        let py = w.py();
+        let status = status_of.call1((w,))?;
+        if status.is_none() {
+            return Ok(false);
+        }
+        let state = status.getattr(intern!(py, "state"))?;
+        let synced = intern!(py, "synced");
+        // the provider's literal is the interned "synced" itself: an identity check first
+        if !(state.is(synced) || state.eq(synced)?) {
+            return Ok(false);
+        }
+        Ok(self.trust_partial || !status.getattr(intern!(py, "partial"))?.is_truthy()?)
+    }
 }
 
 /// One candidate's figures (`CandidateScore` less the worker and source, always "index" here).
@@ -436,6 +461,7 @@ fn select<'py>(
     routed: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<(Scored, usize, f64, Vec<usize>, usize, usize)> {
     let input = convert::query_input(token_ids, lora_name, cache_salt, mm_items, extra_keys)?;
+    let trust = Trust::new(states, trust_partial);
     let ntok = input.tokens.len();
     let params = CostParams {
         overlap_weight: weight(model, intern!(py, "overlap_weight"))?,
@@ -564,7 +590,7 @@ fn select<'py>(
             cpu: tiers[0].get(&s.worker).copied().unwrap_or(0),
             disk: tiers[1].get(&s.worker).copied().unwrap_or(0),
             external: tiers[2].get(&s.worker).copied().unwrap_or(0),
-            trusted: trusted(states, &w, trust_partial)?,
+            trusted: trust.of(&w)?,
         };
         let hint = match routed {
             Some(r) => routed_of(r, &w)?,
