@@ -169,3 +169,50 @@ def test_select_finds_loaded_workers_again_as_the_fleet_changes(steps: list[tupl
             except NoWorkersError as exc:
                 got.append((type(exc), str(exc)))  # type: ignore[arg-type]
         assert got[0] == got[1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["update", "update", "remove", "tick"]),
+            st.integers(0, 3),
+            st.integers(0, 3),
+            st.integers(0, 4000),
+            st.sampled_from([None, 0, 40_000]),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+)
+def test_engine_loads_patched_in_place_blend_as_recomputed(steps: list[tuple[str, int, int, int, int | None]]) -> None:
+    # `EngineLoads.update` carries a fresh worker's new record into the cached engine part instead
+    # of dropping the cache; every `blend` must equal one computed from scratch, order included.
+    from kvroute._load import EngineLoad, EngineLoads
+
+    now = [100.0]
+    patched, fresh = EngineLoads(clock=lambda: now[0]), EngineLoads(clock=lambda: now[0])
+    workers = [WorkerKey(f"e{i}", 0) for i in range(4)]
+    own = {workers[0]: 64, workers[3]: 160}
+    for op, i, kind, tokens, silence in steps:
+        w = workers[i]
+        if op == "update":
+            age = [0.0, 5.0, 20.0, 0.0][kind]  # 20 s: already stale (stale_after 15)
+            rec = EngineLoad(
+                running_requests=kind,
+                waiting_requests=1,
+                waiting_uncached_tokens=tokens if kind != 3 else None,  # 3: priced by request count
+                engine_silence_ms=silence,
+                received=now[0] - age,
+            )
+            patched.update(w, rec)
+            fresh.update(w, rec)
+        elif op == "remove":
+            patched.remove(w)
+            fresh.remove(w)
+        else:
+            now[0] += tokens / 1000.0  # up to 4 s: records go stale after a few
+        # a blend after every step: the patched side always has a cache for the next update
+        fresh._cache = None  # the reference recomputes the engine part every time
+        got, want = patched.blend(own, 16), fresh.blend(own, 16)
+        assert list(got[0].items()) == list(want[0].items()) and got[1] == want[1]
