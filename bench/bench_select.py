@@ -195,8 +195,9 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
         print(f"  {name:22} p10 {p10:8.1f}  p50 {p50:8.1f}  p90 {p90:8.1f}  p99 {p99:8.1f}   "
               f"÷ find_matches p50 {p50 / b50:5.2f}")
     print(f"  target: select p99 <= 100 µs; now idle {got['select, idle fleet'][1]:.0f} µs, "
-          f"loaded {got['select, loaded fleet'][1]:.0f} µs, with client states {got['select, client states'][1]:.0f} µs, "
-          f"client states and engine loads {got['select, client+loads'][1]:.0f} µs")
+          f"loaded {got['select, loaded fleet'][1]:.0f} µs, with client states "
+          f"{got['select, client states'][1]:.0f} µs, client states and engine loads "
+          f"{got['select, client+loads'][1]:.0f} µs")
 
 
 def figure_ingest(seconds: float, repeat: int) -> None:
