@@ -531,7 +531,40 @@ unsafe fn read_small_run(
     let base = out.len();
     let dst = out.as_mut_ptr().add(base);
     let mut i = from;
-    while i < n {
+    loop {
+        // Four at a time: one branch for four type checks and one for four tags (the compares
+        // are combined without short-circuiting), the digits read only once both pass.
+        while i + 4 <= n {
+            let it = [
+                *items.add(i),
+                *items.add(i + 1),
+                *items.add(i + 2),
+                *items.add(i + 3),
+            ];
+            let ints = ((*it[0]).ob_type == long)
+                & ((*it[1]).ob_type == long)
+                & ((*it[2]).ob_type == long)
+                & ((*it[3]).ob_type == long);
+            if !ints {
+                break;
+            }
+            let h = it.map(|x| x as *const IntHead);
+            if !(((*h[0]).word == one)
+                & ((*h[1]).word == one)
+                & ((*h[2]).word == one)
+                & ((*h[3]).word == one))
+            {
+                break;
+            }
+            for (k, &hk) in h.iter().enumerate() {
+                *dst.add(i + k - from) = *(std::ptr::addr_of!((*hk).digits) as *const u32);
+            }
+            i += 4;
+        }
+        // One at a time (a zero, the tail, or where the four stopped), back to four after it.
+        if i >= n {
+            break;
+        }
         let item = *items.add(i);
         if (*item).ob_type != long {
             break;
