@@ -9,7 +9,10 @@ Figures, each printed with absolute numbers and as a ratio within this run (the 
    `CostModel` subclass, which `Router` prices in Python) ÷ ``find_matches``. Target: compiled <= 1.1.
 2. ``select`` p50 / p99 with 1,024 workers and 1M (block, worker) entries, an 8k-token prompt: a quarter of
    the workers hold a prefix of it at random depths (one all of it), every worker holds filler chains; on an
-   idle fleet and with four requests tracked on every worker. Target: p99 <= 100 µs.
+   idle fleet and with four requests tracked on every worker. Target: p99 <= 100 µs. Then the production
+   path: a states provider built as `KvEventClient` is (`ClientLikeStates`: ``live_workers()`` a new set per
+   call, ``worker_status`` a `WorkerStatus` per call from a dict of sources), alone and with every engine
+   reporting load (`EngineLoads`, one record refreshed per call, as a stream of reports does).
 3. ``select`` p99 while two threads ingest through ``PrefixIndex.apply_payload`` at full speed ÷ its p99 idle,
    64 workers; then the same with two more threads calling ``select`` concurrently. Target: <= 3.
 
@@ -28,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvroute import BlockStored, CostModel, PrefixIndex, Router, WorkerKey
+from kvroute._load import EngineLoad, EngineLoads
+from kvroute._models import WorkerStatus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_core import make_stream  # vLLM-style payloads for the ingest threads
@@ -39,6 +44,43 @@ PROMPT_TOKENS = 8192
 
 class PythonPath(CostModel, frozen=True, kw_only=True):
     """The stock weights through the Python scoring path (every CostModel subclass takes it)."""
+
+
+class _Source:
+    """One source as `KvEventClient` keeps it: a status built from its machine's state per call."""
+
+    def __init__(self) -> None:
+        self._link = "up"
+        self._held: list[object] = []
+        self.partial = False
+
+    @property
+    def state(self) -> str:
+        # the shape of `RecoveryMachine.state`: a few attribute reads per call
+        if self._link != "up":
+            return "syncing"
+        return "resyncing" if self._held else "synced"
+
+    def status(self) -> WorkerStatus:
+        return WorkerStatus(state=self.state, partial=self.partial)  # type: ignore[arg-type]
+
+
+class ClientLikeStates:
+    """A states provider with `KvEventClient`'s per-call costs (its ``worker_status`` and
+    ``live_workers`` bodies over a dict of sources), every worker synced; ``engine_loads`` when
+    the engines report load. The real client needs a live source per worker; the router calls only these."""
+
+    def __init__(self, workers: list[WorkerKey], engine_loads: EngineLoads | None = None) -> None:
+        self._subs = {w: _Source() for w in workers}
+        if engine_loads is not None:
+            self.engine_loads = engine_loads
+
+    def worker_status(self, worker: WorkerKey) -> WorkerStatus | None:
+        sub = self._subs.get(worker)
+        return sub.status() if sub is not None else None
+
+    def live_workers(self) -> set[WorkerKey]:
+        return set(self._subs)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -122,10 +164,29 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
     for i, w in enumerate(workers):
         for j in range(4):
             busy.on_start((i, j), w, prompt[: rng.randrange(256, 4096)])
+    client = Router(index, states=ClientLikeStates(workers), seed=0)
+    loads = EngineLoads()
+    now = time.monotonic()
+    for i, w in enumerate(workers):
+        loads.update(w, EngineLoad(running_requests=4, waiting_requests=i % 3, waiting_uncached_tokens=(i % 7) * 512,
+                                   received=now))
+    reporting = Router(index, states=ClientLikeStates(workers, loads), seed=0)
+    tick = [0]
+
+    def select_reported() -> object:
+        # one engine's record refreshed per call, as a stream of load reports does
+        tick[0] += 1
+        w = workers[tick[0] % len(workers)]
+        loads.update(w, EngineLoad(running_requests=4, waiting_requests=tick[0] % 3,
+                                   waiting_uncached_tokens=(tick[0] % 7) * 512, received=time.monotonic()))
+        return reporting.select(prompt)
+
     got = interleaved({"find_matches": lambda: index.find_matches(prompt),
                        "select, idle fleet": lambda: idle.select(prompt),
                        "select, loaded fleet": lambda: busy.select(prompt),
-                       "select, Python path": lambda: python.select(prompt)}, iters, repeat, (0.5, 0.99, 0.1, 0.9))
+                       "select, Python path": lambda: python.select(prompt),
+                       "select, client states": lambda: client.select(prompt),
+                       "select, client+loads": select_reported}, iters, repeat, (0.5, 0.99, 0.1, 0.9))
     print(f"\n2. {n_workers:,} workers, {index.num_blocks():,} (block, worker) entries (built in {built:.0f} s), "
           f"{PROMPT_TOKENS}-token prompt, {n_workers // 4} workers hold a prefix of it (µs, best of {repeat}; "
           "p10 and p90 beside p50 and p99, which a loaded machine's preemptions set)")
@@ -134,7 +195,9 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
         print(f"  {name:22} p10 {p10:8.1f}  p50 {p50:8.1f}  p90 {p90:8.1f}  p99 {p99:8.1f}   "
               f"÷ find_matches p50 {p50 / b50:5.2f}")
     print(f"  target: select p99 <= 100 µs; now idle {got['select, idle fleet'][1]:.0f} µs, "
-          f"loaded {got['select, loaded fleet'][1]:.0f} µs")
+          f"loaded {got['select, loaded fleet'][1]:.0f} µs, with client states "
+          f"{got['select, client states'][1]:.0f} µs, client states and engine loads "
+          f"{got['select, client+loads'][1]:.0f} µs")
 
 
 def figure_ingest(seconds: float, repeat: int) -> None:

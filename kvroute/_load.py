@@ -260,8 +260,45 @@ class EngineLoads:
         silence = -1.0 if record.engine_silence_ms is None else float(record.engine_silence_ms)
         by_count = record.waiting_uncached_tokens is None and record.prefill_pending_tokens is None
         requests = record.running_requests + record.waiting_requests if by_count else -1
-        self._figures[worker] = (record.received, record.queued_tokens, requests, silence, allowance)
+        figures = (record.received, record.queued_tokens, requests, silence, allowance)
+        self._figures[worker] = figures
         self._version += 1
+        if self._cache is not None and not self._patch(worker, figures):
+            self._cache = None
+
+    def _patch(self, worker: WorkerKey, figures: tuple[float, int, int, float, float]) -> bool:
+        """Carry one worker's new record into the cached engine part, if that is all that changed.
+
+        A fleet of engines each reporting every second changes a record about as often as a router
+        selects, so recomputing the engine part over every worker on each change would cost
+        `blend` a pass over the fleet per call. Only a fresh worker that stays fresh and priced the
+        same way (in tokens, or by request count) is patched, in place, so every dict keeps the
+        order a recomputation would give it; anything else (new, stale, switching) says False.
+        """
+        assert self._cache is not None
+        (_, unit), until, engine, wedged, stale = self._cache
+        received, queued, requests, silence, allowance = figures
+        expires = received + self.policy.stale_after
+        now = self.clock()
+        if expires < now or now >= until:
+            return False
+        if requests > 0:
+            if worker not in self._counts:
+                return False
+            self._counts[worker] = requests
+        else:
+            if worker not in engine:
+                return False
+            engine[worker] = queued / unit
+            # only ever set here: with no zero left, filtering them out is a copy all the same
+            self._zeros = self._zeros or not queued
+        if silence > allowance:
+            wedged.add(worker)
+        else:
+            wedged.discard(worker)
+        # `until` may stay earlier than needed (the replaced record's expiry): a recomputation then
+        self._cache = ((self._version, unit), min(until, expires), engine, wedged, stale)
+        return True
 
     def remove(self, worker: WorkerKey) -> None:
         """Forget ``worker``'s records (its source was removed)."""

@@ -137,3 +137,18 @@ def test_every_form_accepts_exactly_the_uint32_tokens(tokens: list[int]) -> None
                 idx.find_matches(form)
         with pytest.raises(RouterError, match=re.escape(f"token_ids[{bad}]")):
             router.select(tokens)
+
+
+@pytest.mark.parametrize("offset", range(5))
+def test_every_token_of_a_list_is_read_as_its_value_whatever_its_neighbours(offset: int) -> None:
+    # Lists are read four tokens at a time while all four are one-digit ints, one at a time
+    # otherwise (a zero, a two-digit int, the tail): every token must come out right in each case.
+    pattern = [5, 0, 7, 2**30 + 3, 9, 11, 13, 2**32 - 1, 0, 0, 17, 19, 23, 29, 31, 37, 41]
+    tokens = ([3] * offset + pattern * 4)[:64]
+    idx = _index(tokens)
+    # the whole prompt held: one block short of it (the engine never serves the last token)
+    assert idx.find_matches(tokens) == idx.find_matches(array("I", tokens)) == {W: 31}
+    for j in range(len(tokens) - 2):
+        changed = list(tokens)
+        changed[j] = tokens[j] + 1 if tokens[j] < 2**32 - 1 else 0
+        assert idx.find_matches(changed) == ({W: j // 2} if j >= 2 else {}), j

@@ -126,3 +126,93 @@ def test_an_empty_fleet_reports_bad_input_first_then_no_workers() -> None:
     r.add_worker(A)
     d = r.select([1, 2, 3])
     assert d.worker == A and d.candidates[0].load_blocks == 3 / 16 and d.idle_workers == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(["store", "remove", "load", "finish"]), st.integers(0, 7), st.integers(1, 6)),
+        min_size=1,
+        max_size=25,
+    ),
+    seed=st.integers(0, 3),
+)
+def test_select_finds_loaded_workers_again_as_the_fleet_changes(steps: list[tuple[str, int, int]], seed: int) -> None:
+    # The core keeps where it last found each loaded worker in the index (its slot) to skip the
+    # lookup by name; workers leaving the index free slots that others then take. After every
+    # change both paths must still agree, selecting between changes (so kept slots go stale).
+    workers = [WorkerKey(f"w{i}", i % 3) for i in range(8)]
+    prompt = [(i * 7919) % 50_000 for i in range(96)]
+    index = PrefixIndex()
+    routers = [Router(index, cost=model, seed=seed) for model in (CostModel(), _PythonModel())]
+    routers[0].add_worker(workers[7])
+    routers[1].add_worker(workers[7])
+    started = 0
+    for op, i, n in steps:
+        w = workers[i]
+        if op == "store":
+            index.apply(w, BlockStored(block_hashes=[i * 1000 + j for j in range(n)], token_ids=prompt[: n * 16],
+                                       block_size=16))
+        elif op == "remove":
+            index.remove_worker(w)
+        elif op == "load":
+            for r in routers:
+                r.on_start(("req", started), w, prompt[: n * 10])
+            started += 1
+        else:
+            for r in routers:
+                r.on_finish(("req", n % max(1, started)))
+        got = []
+        for r in routers:
+            try:
+                got.append(r.select(prompt))
+            except NoWorkersError as exc:
+                got.append((type(exc), str(exc)))  # type: ignore[arg-type]
+        assert got[0] == got[1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["update", "update", "remove", "tick"]),
+            st.integers(0, 3),
+            st.integers(0, 3),
+            st.integers(0, 4000),
+            st.sampled_from([None, 0, 40_000]),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+)
+def test_engine_loads_patched_in_place_blend_as_recomputed(steps: list[tuple[str, int, int, int, int | None]]) -> None:
+    # `EngineLoads.update` carries a fresh worker's new record into the cached engine part instead
+    # of dropping the cache; every `blend` must equal one computed from scratch, order included.
+    from kvroute._load import EngineLoad, EngineLoads
+
+    now = [100.0]
+    patched, fresh = EngineLoads(clock=lambda: now[0]), EngineLoads(clock=lambda: now[0])
+    workers = [WorkerKey(f"e{i}", 0) for i in range(4)]
+    own = {workers[0]: 64, workers[3]: 160}
+    for op, i, kind, tokens, silence in steps:
+        w = workers[i]
+        if op == "update":
+            age = [0.0, 5.0, 20.0, 0.0][kind]  # 20 s: already stale (stale_after 15)
+            rec = EngineLoad(
+                running_requests=kind,
+                waiting_requests=1,
+                waiting_uncached_tokens=tokens if kind != 3 else None,  # 3: priced by request count
+                engine_silence_ms=silence,
+                received=now[0] - age,
+            )
+            patched.update(w, rec)
+            fresh.update(w, rec)
+        elif op == "remove":
+            patched.remove(w)
+            fresh.remove(w)
+        else:
+            now[0] += tokens / 1000.0  # up to 4 s: records go stale after a few
+        # a blend after every step: the patched side always has a cache for the next update
+        fresh._cache = None  # the reference recomputes the engine part every time
+        got, want = patched.blend(own, 16), fresh.blend(own, 16)
+        assert list(got[0].items()) == list(want[0].items()) and got[1] == want[1]

@@ -308,6 +308,21 @@ impl<K: WorkerName> Index<K> {
             .is_some_and(|w| !w.holds_nothing())
     }
 
+    /// `worker`'s slot and its key as the index stores it: `select` keeps both to find the
+    /// worker again by slot (`at_slot`) instead of hashing and comparing its name each call.
+    pub fn slot_key(&self, worker: &K) -> Option<(u32, &K)> {
+        let &slot = self.by_key.get(worker)?;
+        self.workers[slot as usize].as_ref().map(|w| (slot, &w.key))
+    }
+
+    /// The worker at `slot`: its key and whether it holds any block (None: a free slot).
+    pub fn at_slot(&self, slot: u32) -> Option<(&K, bool)> {
+        self.workers
+            .get(slot as usize)?
+            .as_ref()
+            .map(|w| (&w.key, !w.holds_nothing()))
+    }
+
     /// How many workers hold any block (`workers().len()` without building the list).
     pub fn holding_count(&self) -> usize {
         self.workers

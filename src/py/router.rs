@@ -13,6 +13,7 @@ use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple, PyType};
 use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use super::index::{convert, PyIndex, PyKey};
+use crate::index::Index;
 use crate::scoring::{self, Claim, CostParams};
 
 /// `kvroute._router.CandidateScore`, registered when kvroute._router is imported.
@@ -59,7 +60,32 @@ fn routed_of(routed: &Bound<'_, PyDict>, w: &Bound<'_, PyAny>) -> PyResult<i64> 
 #[pyclass(module = "kvroute._core", name = "Loads", mapping)]
 #[derive(Default)]
 pub struct Loads {
-    map: IndexMap<PyKey, i64, FxBuildHasher>,
+    map: IndexMap<PyKey, Entry, FxBuildHasher>,
+}
+
+/// A worker's tracked tokens, and where `select` last found it in the index: its slot and the
+/// index's own key object there. While that slot still holds that very key (`PyKey::same`), the
+/// worker is found without hashing and comparing its name: at 1,024 loaded workers the lookups
+/// by name were ~100 instructions a worker, a third of `select`'s cost on a loaded fleet.
+struct Entry {
+    tokens: i64,
+    seen: Option<(u32, PyKey)>,
+}
+
+impl Entry {
+    /// Whether the index holds blocks for `key` (this entry's worker), and its slot there.
+    fn locate(&mut self, idx: &Index<PyKey>, key: &PyKey) -> Option<(u32, bool)> {
+        if let Some((slot, kept)) = &self.seen {
+            if let Some((at, holds)) = idx.at_slot(*slot) {
+                if at.same(kept) {
+                    return Some((*slot, holds));
+                }
+            }
+        }
+        self.seen = idx.slot_key(key).map(|(slot, k)| (slot, k.clone()));
+        let slot = self.seen.as_ref()?.0;
+        idx.at_slot(slot).map(|(_, holds)| (slot, holds))
+    }
 }
 
 impl Loads {
@@ -70,7 +96,7 @@ impl Loads {
     /// `w`'s entry, None when `w` is not a worker key (a dict would hold no such key either).
     fn find(&self, w: &Bound<'_, PyAny>) -> Option<(&PyKey, i64)> {
         let k = PyKey::extract(w).ok()?;
-        self.map.get_key_value(&k).map(|(k, &v)| (k, v))
+        self.map.get_key_value(&k).map(|(k, v)| (k, v.tokens))
     }
 }
 
@@ -99,9 +125,9 @@ impl Loads {
     fn __setitem__(&mut self, w: &Bound<'_, PyAny>, tokens: i64) -> PyResult<()> {
         let k = PyKey::extract(w)?;
         match self.map.get_mut(&k) {
-            Some(v) => *v = tokens,
+            Some(v) => v.tokens = tokens,
             None => {
-                self.map.insert(k, tokens);
+                self.map.insert(k, Entry { tokens, seen: None });
             }
         }
         Ok(())
@@ -142,7 +168,7 @@ impl Loads {
             .ok()
             .and_then(|k| self.map.shift_remove(&k));
         match got {
-            Some(v) => Ok(v.into_pyobject(py)?.into_any()),
+            Some(v) => Ok(v.tokens.into_pyobject(py)?.into_any()),
             None if !default.is_empty() => default.get_item(0),
             None => Err(Loads::key_error(w)),
         }
@@ -155,12 +181,12 @@ impl Loads {
 
     /// The tokens, in order.
     fn values(&self) -> Vec<i64> {
-        self.map.values().copied().collect()
+        self.map.values().map(|e| e.tokens).collect()
     }
 
     /// (worker, tokens) pairs, in order.
     fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.map.iter().map(|(k, v)| (k.obj(py), *v)))
+        PyList::new(py, self.map.iter().map(|(k, v)| (k.obj(py), v.tokens)))
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -168,25 +194,50 @@ impl Loads {
     }
 }
 
-/// Whether the router believes `w`'s index claim (`Router._scored`'s rule).
-fn trusted(
-    states: Option<&Bound<'_, PyAny>>,
-    w: &Bound<'_, PyAny>,
+/// Whether the router believes a worker's index claim (`Router._scored`'s rule), through the
+/// states provider's `worker_status`, looked up once per `select` rather than once per worker
+/// with overlap (a production router asks a `KvEventClient` for every such worker, every call).
+struct Trust<'py> {
+    /// the provider (None: no provider, every claim is believed)
+    states: Option<&'py Bound<'py, PyAny>>,
+    /// its bound `worker_status`, looked up at the first worker with overlap
+    status: std::cell::OnceCell<Bound<'py, PyAny>>,
     trust_partial: bool,
-) -> PyResult<bool> {
-    let Some(states) = states else {
-        return Ok(true); // no states provider: the index is trusted for every worker
-    };
-    let py = w.py();
-    let status = states.call_method1(intern!(py, "worker_status"), (w,))?;
-    if status.is_none()
-        || !status
-            .getattr(intern!(py, "state"))?
-            .eq(intern!(py, "synced"))?
-    {
-        return Ok(false);
+}
+
+impl<'py> Trust<'py> {
+    fn new(states: Option<&'py Bound<'py, PyAny>>, trust_partial: bool) -> Self {
+        Trust {
+            states,
+            status: std::cell::OnceCell::new(),
+            trust_partial,
+        }
     }
-    Ok(trust_partial || !status.getattr(intern!(py, "partial"))?.is_truthy()?)
+
+    fn of(&self, w: &Bound<'py, PyAny>) -> PyResult<bool> {
+        let Some(states) = self.states else {
+            return Ok(true);
+        };
+        let status_of = match self.status.get() {
+            Some(f) => f,
+            None => {
+                let f = states.getattr(intern!(states.py(), "worker_status"))?;
+                self.status.get_or_init(|| f)
+            }
+        };
+        let py = w.py();
+        let status = status_of.call1((w,))?;
+        if status.is_none() {
+            return Ok(false);
+        }
+        let state = status.getattr(intern!(py, "state"))?;
+        let synced = intern!(py, "synced");
+        // the provider's literal is the interned "synced" itself: an identity check first
+        if !(state.is(synced) || state.eq(synced)?) {
+            return Ok(false);
+        }
+        Ok(self.trust_partial || !status.getattr(intern!(py, "partial"))?.is_truthy()?)
+    }
 }
 
 /// One candidate's figures (`CandidateScore` less the worker and source, always "index" here).
@@ -207,8 +258,25 @@ struct Row {
 /// only when it is read.
 #[pyclass(frozen, module = "kvroute._core", name = "Scored")]
 pub struct Scored {
-    workers: Vec<Py<PyAny>>,
+    workers: Vec<Who>,
     rows: Vec<Row>,
+}
+
+/// A candidate's worker: a key (the index's or the load table's, holding its object), or an
+/// object from a mapping the caller gave. Keys are dropped without pyo3's deferred-decref check
+/// (a thread-local read per object, ~20 instructions: 1,024 of them per loaded-fleet decision).
+enum Who {
+    Key(PyKey),
+    Obj(Py<PyAny>),
+}
+
+impl Who {
+    fn bind<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
+        match self {
+            Who::Key(k) => k.obj(py),
+            Who::Obj(o) => o.bind(py).clone(),
+        }
+    }
 }
 
 #[pymethods]
@@ -224,7 +292,7 @@ impl Scored {
                 "candidate index out of range",
             ));
         };
-        candidate(&candidate_type(py)?, w.bind(py).clone(), r)
+        candidate(&candidate_type(py)?, w.bind(py), r)
     }
 
     /// Every candidate as a `CandidateScore`, in order.
@@ -232,7 +300,7 @@ impl Scored {
         let cls = candidate_type(py)?;
         let out = PyList::empty(py);
         for (w, r) in self.workers.iter().zip(&self.rows) {
-            out.append(candidate(&cls, w.bind(py).clone(), r)?)?;
+            out.append(candidate(&cls, w.bind(py), r)?)?;
         }
         Ok(out)
     }
@@ -310,7 +378,7 @@ fn candidate<'py>(
 /// mapping the caller or the engine-load blend built, or nobody (every load 0).
 enum LoadSource<'a, 'py> {
     None,
-    Table(&'a Loads),
+    Table(&'a IndexMap<PyKey, Entry, FxBuildHasher>),
     Mapping(&'a Bound<'py, PyAny>),
 }
 
@@ -320,26 +388,37 @@ struct LoadPass<'a, 'py> {
     scale: f64,
     /// table positions priced already (scored or hint-only), for the load-only pass to skip
     taken: Vec<bool>,
+    /// index slot -> position of that worker's entry in the table (`NONE`: no entry with
+    /// tokens), from the entries' kept slots: a scored worker's load without a lookup by name
+    pos_of_slot: Vec<u32>,
 }
 
+/// No table position.
+const NONE: u32 = u32::MAX;
+
 impl LoadPass<'_, '_> {
-    /// `w`'s load in cost blocks (``loads.get(w, 0) * scale``); `key` is its index key if known.
-    fn of(&mut self, w: &Bound<'_, PyAny>, key: Option<&PyKey>) -> PyResult<f64> {
+    /// `w`'s load in cost blocks (``loads.get(w, 0) * scale``); `slot` is its index slot if known.
+    fn of(&mut self, w: &Bound<'_, PyAny>, slot: Option<u32>) -> PyResult<f64> {
         match &self.source {
             LoadSource::None => Ok(0.0),
             LoadSource::Mapping(loads) => load_of(loads, w, self.scale),
             LoadSource::Table(t) => {
-                let found = match key {
-                    Some(k) => t.map.get_full(k),
+                let found = match slot {
+                    Some(s) => match self.pos_of_slot.get(s as usize) {
+                        Some(&pos) if pos != NONE => {
+                            t.get_index(pos as usize).map(|(_, e)| (pos as usize, e))
+                        }
+                        _ => None,
+                    },
                     None => match PyKey::extract(w) {
-                        Ok(k) => t.map.get_full(&k),
+                        Ok(k) => t.get_full(&k).map(|(pos, _, e)| (pos, e)),
                         Err(_) => None,
                     },
                 };
                 Ok(match found {
-                    Some((pos, _, &tokens)) => {
+                    Some((pos, e)) => {
                         self.taken[pos] = true;
-                        tokens as f64 * self.scale
+                        e.tokens as f64 * self.scale
                     }
                     None => 0.0,
                 })
@@ -382,6 +461,7 @@ fn select<'py>(
     routed: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<(Scored, usize, f64, Vec<usize>, usize, usize)> {
     let input = convert::query_input(token_ids, lora_name, cache_salt, mm_items, extra_keys)?;
+    let trust = Trust::new(states, trust_partial);
     let ntok = input.tokens.len();
     let params = CostParams {
         overlap_weight: weight(model, intern!(py, "overlap_weight"))?,
@@ -390,12 +470,12 @@ fn select<'py>(
         external_credit: weight(model, intern!(py, "external_credit"))?,
     };
     let want_tiers = !params.full_credit();
-    let table = loads.cast::<Loads>().ok().map(|t| t.borrow());
-    let source = match &table {
-        Some(t) => LoadSource::Table(t),
-        None if loads.len()? > 0 => LoadSource::Mapping(loads),
-        None => LoadSource::None,
+    // mutable: the entries keep where they were found in the index (`Entry::locate`)
+    let mut table = match loads.cast::<Loads>() {
+        Ok(t) => Some(t.try_borrow_mut()?),
+        Err(_) => None,
     };
+    let mapping_has_items = table.is_none() && loads.len()? > 0;
     // Without a universe set, membership is the index's (a worker holding blocks) or the
     // registration: the keys whose membership the index decides are read before the lock.
     let (reg_keys, routed_keys): (Vec<PyKey>, Vec<Option<PyKey>>) = if universe.is_none() {
@@ -411,11 +491,11 @@ fn select<'py>(
     } else {
         (Vec::new(), Vec::new())
     };
-    let table_map = table.as_deref().map(|t| &t.map);
+    let table_mut = table.as_deref_mut().map(|t| &mut t.map);
     let whole = universe.is_none();
     // Match and, when some held block is off GPU and tiers are priced below GPU, the tier runs
     // too: one locked section, one consistent view of the index.
-    let (result, tiers, held) = index.get().with_query(py, ntok, move |idx| {
+    let (result, tiers, held, pos_of_slot) = index.get().with_query(py, ntok, move |idx| {
         let mut q = idx.query(input);
         let r = idx.find_matches(&mut q);
         let mut tiers: [FxHashMap<PyKey, i64>; 3] = Default::default();
@@ -429,20 +509,42 @@ fn select<'py>(
                 *t = idx.tier_scores(&mut q, pos + 1, &any).into_iter().collect();
             }
         }
+        // Each loaded worker's slot (a worker without load is never a load-only candidate
+        // and its load is 0 wherever it is scored: no lookup for it), and whether it holds blocks.
+        let mut table_holds = Vec::new();
+        let mut pos_of_slot = Vec::new();
+        if let Some(m) = table_mut {
+            table_holds.reserve(m.len());
+            pos_of_slot = vec![NONE; idx.workers.len()];
+            for (pos, (k, e)) in m.iter_mut().enumerate() {
+                let found = if e.tokens != 0 {
+                    e.locate(idx, k)
+                } else {
+                    None
+                };
+                if let Some((slot, _)) = found {
+                    pos_of_slot[slot as usize] = pos as u32;
+                }
+                table_holds.push(found.is_some_and(|(_, holds)| holds));
+            }
+        }
         let held = whole.then(|| Held {
             count: idx.holding_count(),
             registered_elsewhere: reg_keys.iter().filter(|k| !idx.holds(k)).count(),
-            // a worker without load is never a load-only candidate: no lookup for it
-            table: table_map.map_or_else(Vec::new, |m| {
-                m.iter().map(|(k, &t)| t != 0 && idx.holds(k)).collect()
-            }),
+            table: table_holds,
             routed: routed_keys
                 .iter()
                 .map(|k| k.as_ref().is_some_and(|k| idx.holds(k)))
                 .collect(),
         });
-        (r, tiers, held)
+        (r, tiers, held, pos_of_slot)
     });
+    let table_map = table.as_deref().map(|t| &t.map);
+    let source = match table_map {
+        Some(t) => LoadSource::Table(t),
+        None if mapping_has_items => LoadSource::Mapping(loads),
+        None => LoadSource::None,
+    };
     // Is `w` a candidate? `by_index`: whether the index holds it (known when `universe` is None).
     let member = |w: &Bound<'py, PyAny>, by_index: bool| -> PyResult<bool> {
         match universe {
@@ -454,12 +556,13 @@ fn select<'py>(
     let ntok_i = ntok as i64;
     let idle_prefill = ntok_i as f64 / unit as f64;
     let most = result.scores.len() + table_map.map_or(0, IndexMap::len);
-    let mut workers: Vec<Py<PyAny>> = Vec::with_capacity(most);
+    let mut workers: Vec<Who> = Vec::with_capacity(most);
     let mut rows: Vec<Row> = Vec::with_capacity(most);
     let mut pass = LoadPass {
         taken: vec![false; table_map.map_or(0, IndexMap::len)],
         source,
         scale,
+        pos_of_slot,
     };
     // the scored workers, for the hint-only pass to skip (only kept when there is a hint)
     let seen = match routed {
@@ -476,7 +579,7 @@ fn select<'py>(
         if !member(&w, true)? {
             continue;
         }
-        let load = pass.of(&w, Some(&s.worker))?;
+        let load = pass.of(&w, Some(s.slot))?;
         let claim = Claim {
             claimed: s.blocks,
             block_size: s.block_size,
@@ -487,7 +590,7 @@ fn select<'py>(
             cpu: tiers[0].get(&s.worker).copied().unwrap_or(0),
             disk: tiers[1].get(&s.worker).copied().unwrap_or(0),
             external: tiers[2].get(&s.worker).copied().unwrap_or(0),
-            trusted: trusted(states, &w, trust_partial)?,
+            trusted: trust.of(&w)?,
         };
         let hint = match routed {
             Some(r) => routed_of(r, &w)?,
@@ -497,7 +600,7 @@ fn select<'py>(
         if let Some(seen) = &seen {
             seen.add(&w)?;
         }
-        workers.push(w.unbind());
+        workers.push(Who::Key(s.worker.clone()));
         rows.push(Row {
             claimed: s.blocks,
             overlap: p.overlap_blocks,
@@ -522,7 +625,7 @@ fn select<'py>(
             let prefill = scoring::routed_prefill(ntok_i, unit, hint);
             let cost = params.cost(prefill, load);
             seen.add(&w)?;
-            workers.push(w.unbind());
+            workers.push(Who::Obj(w.unbind()));
             rows.push(Row {
                 claimed: 0,
                 overlap: 0,
@@ -551,15 +654,16 @@ fn select<'py>(
     match &pass.source {
         LoadSource::None => {}
         LoadSource::Table(t) => {
-            for (pos, (k, &tokens)) in t.map.iter().enumerate() {
-                if tokens == 0 || pass.taken[pos] {
+            for (pos, (k, e)) in t.iter().enumerate() {
+                if e.tokens == 0 || pass.taken[pos] {
                     continue;
                 }
-                let w = k.obj(py);
                 let by_index = held.as_ref().is_some_and(|h| h.table[pos]);
-                if member(&w, by_index)? {
-                    workers.push(w.unbind());
-                    rows.push(idle_row(tokens as f64 * scale));
+                // the index or the registration vouches for it without a Python call
+                let known = universe.is_none() && by_index;
+                if known || member(&k.obj(py), by_index)? {
+                    workers.push(Who::Key(k.clone()));
+                    rows.push(idle_row(e.tokens as f64 * scale));
                 }
             }
         }
@@ -573,7 +677,7 @@ fn select<'py>(
                 let by_index = universe.is_none() && index_holds(py, index, &w);
                 if member(&w, by_index)? {
                     let load = t.extract::<f64>()? * scale;
-                    workers.push(w.unbind());
+                    workers.push(Who::Obj(w.unbind()));
                     rows.push(idle_row(load));
                 }
                 Ok(())
