@@ -506,3 +506,19 @@ def test_a_move_onto_a_busy_cache_pays_for_what_it_evicts() -> None:
             assert by_worker[holder].cost == 2.0 * 10 + 60 + eviction * 0.2 * 10
             move = 2.0 * 39 + (eviction * usage * 39 if usage else 0.0)
             assert by_worker[other].cost == move
+
+
+def test_the_usage_read_follows_new_and_stale_reports() -> None:
+    """`Router._usage` is kept between selects, and still follows a new record and one turning stale."""
+    now = [10.0]
+    loads = EngineLoads(clock=lambda: now[0])
+    a, b = WorkerKey("a", 0), WorkerKey("b", 0)
+    loads.update(a, EngineLoad(token_usage=0.5, received=10.0))
+    loads.update(b, EngineLoad(token_usage=0.0, received=5.0))
+    r = Router(PrefixIndex(), engine_loads=loads)
+    assert r._usage() == {a: 0.5}
+    loads.update(b, EngineLoad(token_usage=2.0, received=10.0))  # above 1: read as a full cache
+    assert r._usage() == {a: 0.5, b: 1.0}
+    now[0] = 10.0 + loads.policy.stale_after + 1.0  # both records stale now
+    assert r._usage() is None
+    assert Router(PrefixIndex(), engine_loads=loads, cost=CostModel(eviction_weight=0.0))._usage() is None
