@@ -98,6 +98,7 @@ def select(
     loads: Mapping[WorkerKey, float] | Loads,
     scale: float,
     routed: dict[WorkerKey, int] | None,
+    usage: dict[WorkerKey, float] | None = None,
 ) -> tuple[Scored, int, float, list[int], int, int]:
     """Match and price for `Router.select`: ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens)``.
 

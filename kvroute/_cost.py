@@ -64,6 +64,14 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     default to 0.5: loading from them is slower than PCIe but still well below recomputing.
     ``temperature`` (0.0, Dynamo's default): 0 picks the cheapest worker; above 0 samples with
     probability ∝ exp(-cost / temperature), cost in blocks of the router's ``block_size``.
+    ``eviction_weight`` (8.0): what a candidate's prefill evicts, `eviction`: each block it must
+    compute there costs ``eviction_weight * usage`` more, ``usage`` the worker's engine-reported
+    KV-cache usage in [0, 1] (`EngineLoads`: gateway streams, or `follow_engine_metrics` on plain
+    engines; 0 where none is reported, so a router without reports prices as before). A move
+    off the worker holding a conversation copies its history into a cache whose running requests
+    leave it no free room, evicting another session's; the holder, with little to prefill, pays
+    little. Measured in ``kvroute demo`` (README, "Routing quality"): under cache pressure it kept
+    the sessions that 2.0 alone moved for load. 0 turns it off.
 
     Overrides must be pure functions of their arguments: the router evaluates the cost of all
     idle workers once. The built-in model is priced in the compiled core (its weights read off
@@ -76,6 +84,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     disk_credit: float = 0.5
     external_credit: float = 0.5
     temperature: float = 0.0
+    eviction_weight: float = 8.0
 
     def __post_init__(self) -> None:
         _check_range("overlap_weight", self.overlap_weight, 0.0)
@@ -83,6 +92,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         _check_range("disk_credit", self.disk_credit, 0.0, 1.0)
         _check_range("external_credit", self.external_credit, 0.0, 1.0)
         _check_range("temperature", self.temperature, 0.0)
+        _check_range("eviction_weight", self.eviction_weight, 0.0)
 
     @property
     def full_credit(self) -> bool:
@@ -115,6 +125,11 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     def cost(self, prefill_blocks: float, load_blocks: float) -> float:
         """A candidate's cost: ``overlap_weight * prefill_blocks + load_blocks`` (lower is better)."""
         return self.overlap_weight * prefill_blocks + load_blocks
+
+    def eviction(self, prefill_blocks: float, usage: float) -> float:
+        """What computing ``prefill_blocks`` on a worker at KV ``usage`` (in [0, 1]) evicts, added to
+        `cost` where the worker reports usage above 0: ``eviction_weight * usage * prefill_blocks``."""
+        return self.eviction_weight * usage * prefill_blocks
 
 
 class CandidateScore(msgspec.Struct, frozen=True, gc=False):

@@ -21,6 +21,7 @@ from ._cost import CandidateScore, CostModel, RoutingDecision
 from ._errors import NoWorkersError, RouterError
 from ._hashing import MultimodalItem, chain_keys
 from ._index import OverlapScores, PrefixIndex
+from ._load import EngineLoads
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, WorkerStates
 
 # Costs computed by different paths (index overlap, approximate store, idle) can differ in the
@@ -112,14 +113,18 @@ class _RouterParts(Protocol):
     index: PrefixIndex
     states: WorkerStates | None
     cost_model: CostModel
+    engine_loads: EngineLoads | None
     block_size: int
     trust_partial: bool
     approximate_ttl: float
     _rng: random.Random
     _clock: Callable[[], float]
     _approx: dict[WorkerKey, _Approx]
+    _usage_memo: tuple[EngineLoads, int, float, dict[WorkerKey, float] | None] | None
 
     def _universe(self, candidates: Iterable[WorkerKey] | None) -> set[WorkerKey]: ...
+
+    def _usage(self) -> dict[WorkerKey, float] | None: ...
 
     def _routed_query(
         self, query: _Query, ntok: int, record: bool
@@ -152,6 +157,7 @@ class _RouterParts(Protocol):
         loads: Mapping[WorkerKey, float],
         scale: float,
         credits: dict[WorkerKey, int] | None,
+        usage: dict[WorkerKey, float] | None,
     ) -> None: ...
 
     def _routed_only(
@@ -163,6 +169,7 @@ class _RouterParts(Protocol):
         ntok: int,
         loads: Mapping[WorkerKey, float],
         scale: float,
+        usage: dict[WorkerKey, float] | None,
     ) -> None: ...
 
     def _pick(
@@ -174,6 +181,36 @@ class _RouterParts(Protocol):
 
 class ReferenceScoring:
     """`Router`'s Python scoring path (a mixin: its methods read the router through `_RouterParts`)."""
+
+    # (the EngineLoads read, its version, until when the answer holds, the answer) of `_usage`
+    _usage_memo: tuple[EngineLoads, int, float, dict[WorkerKey, float] | None] | None = None
+
+    def _usage(self: _RouterParts) -> dict[WorkerKey, float] | None:
+        """Engine-reported KV usage per worker, for `CostModel.eviction`: fresh reports above 0 (at
+        most 1), in report order; None when the model prices no eviction or no engine reports.
+        Both scoring paths price these figures (the compiled one gets them as ``usage``). Kept
+        until a record changes or the next fresh one turns stale: it runs on every `select`,
+        and a pass over 1,024 records costs about a millisecond."""
+        loads = self.engine_loads
+        if loads is None or not loads.reporting or not self.cost_model.eviction_weight:
+            return None
+        now = loads.clock()
+        version = loads._version  # kvroute._load bumps it on every record change
+        memo = self._usage_memo
+        if memo is not None and memo[0] is loads and memo[1] == version and now < memo[2]:
+            return memo[3]
+        stale_after = loads.policy.stale_after
+        usage: dict[WorkerKey, float] = {}
+        until = math.inf
+        for w, rec in loads.records().items():
+            expires = rec.received + stale_after
+            if now - rec.received <= stale_after:
+                until = min(until, expires)
+                if rec.token_usage > 0.0:  # NaN is never > 0
+                    usage[w] = min(1.0, rec.token_usage)
+        answer = usage or None
+        self._usage_memo = (loads, version, until, answer)
+        return answer
 
     def _select_reference(
         self: _RouterParts,
@@ -215,6 +252,8 @@ class ReferenceScoring:
         seen: set[WorkerKey] = set()  # listed by the approximate or the index pass
         loads, scale, universe = self._loads(load, universe)
         load_get = loads.get
+        usage = self._usage()
+        usage_get = usage.get if usage else None
 
         approx = self._approx
         if approx:
@@ -225,10 +264,14 @@ class ReferenceScoring:
                 store.purge(now)
                 held = store.leading(query.keys(store.block_size)) if store.expiry else 0
                 w_load = load_get(w, 0) * scale
-                if not held and not w_load:
+                u = usage_get(w, 0.0) if usage_get else 0.0
+                if not held and not w_load and not u:
                     continue
                 bs = store.block_size
                 prefill = (ntok - held * bs) / unit
+                cost = cost_of(prefill, w_load)
+                if u > 0.0:
+                    cost += model.eviction(prefill, u)
                 seen.add(w)
                 entries.append(
                     CandidateScore(
@@ -239,15 +282,15 @@ class ReferenceScoring:
                         block_size=bs,
                         prefill_blocks=prefill,
                         load_blocks=w_load,
-                        cost=cost_of(prefill, w_load),
+                        cost=cost,
                         overlap_tokens=min(ntok, held * bs),
                     )
                 )
 
         if scores:
-            self._scored(entries, scores, universe, seen, ntok, idle_prefill, loads, scale, credits)
+            self._scored(entries, scores, universe, seen, ntok, idle_prefill, loads, scale, credits, usage)
         if credits:
-            self._routed_only(entries, credits, universe, seen, ntok, loads, scale)
+            self._routed_only(entries, credits, universe, seen, ntok, loads, scale, usage)
 
         # Load-only workers: nothing claimed, so the prefill is the whole prompt. Approximate
         # workers with load were all listed above. The stock model's cost is inlined: this
@@ -257,6 +300,11 @@ class ReferenceScoring:
         for w, t in loads.items():
             if t and w in universe and w not in seen:
                 w_load = t * scale
+                cost = idle_cost + w_load if stock else cost_of(idle_prefill, w_load)
+                u = usage_get(w, 0.0) if usage_get else 0.0
+                if u > 0.0:
+                    cost += model.eviction(idle_prefill, u)
+                seen.add(w)
                 entries.append(
                     CandidateScore(
                         worker=w,
@@ -266,9 +314,26 @@ class ReferenceScoring:
                         block_size=None,
                         prefill_blocks=idle_prefill,
                         load_blocks=w_load,
-                        cost=idle_cost + w_load if stock else cost_of(idle_prefill, w_load),
+                        cost=cost,
                     )
                 )
+        # Usage-only workers: a report above 0, nothing claimed, no load (as src/py/router.rs lists them).
+        if usage:
+            for w, u in usage.items():
+                if w in universe and w not in seen:
+                    seen.add(w)
+                    entries.append(
+                        CandidateScore(
+                            worker=w,
+                            source="index",  # an approximate worker with usage was listed above
+                            claimed_blocks=0,
+                            overlap_blocks=0,
+                            block_size=None,
+                            prefill_blocks=idle_prefill,
+                            load_blocks=0.0,
+                            cost=idle_cost + model.eviction(idle_prefill, u),
+                        )
+                    )
 
         idle_count = len(universe) - len(entries)
         pick = self._pick(entries, idle_count, idle_cost, model.temperature)
@@ -307,9 +372,11 @@ class ReferenceScoring:
         loads: Mapping[WorkerKey, float],
         scale: float,
         credits: dict[WorkerKey, int] | None,
+        usage: dict[WorkerKey, float] | None,
     ) -> None:
         """Append the figures of the workers the index claims overlap for (approximate ones excluded);
-        ``credits``: the routing hint's tokens per worker, credited where they exceed the index's."""
+        ``credits``: the routing hint's tokens per worker, credited where they exceed the index's;
+        ``usage``: engine-reported KV usage per worker (`CostModel.eviction`)."""
         unit = self.block_size
         model = self.cost_model
         cost_of = model.cost
@@ -355,6 +422,10 @@ class ReferenceScoring:
             routed = credits.get(w, 0) if credits else 0
             if routed:
                 prefill = min(prefill, (ntok - routed) / unit)
+            cost = weight * prefill + w_load if stock else cost_of(prefill, w_load)
+            u = usage.get(w, 0.0) if usage else 0.0
+            if u > 0.0:
+                cost += model.eviction(prefill, u)
             seen.add(w)
             out.append(
                 CandidateScore(
@@ -365,7 +436,7 @@ class ReferenceScoring:
                     block_size=bs,
                     prefill_blocks=prefill,
                     load_blocks=w_load,
-                    cost=weight * prefill + w_load if stock else cost_of(prefill, w_load),
+                    cost=cost,
                     overlap_tokens=min(ntok, overlap * bs) if bs is not None else 0,
                     routed_tokens=routed,
                 )
@@ -380,6 +451,7 @@ class ReferenceScoring:
         ntok: int,
         loads: Mapping[WorkerKey, float],
         scale: float,
+        usage: dict[WorkerKey, float] | None,
     ) -> None:
         """Append the workers only the routing hint credits (no index claim), in the hint's order."""
         unit = self.block_size
@@ -392,6 +464,10 @@ class ReferenceScoring:
                 continue
             w_load = load_get(w, 0) * scale
             prefill = (ntok - routed) / unit
+            cost = weight * prefill + w_load if stock else model.cost(prefill, w_load)
+            u = usage.get(w, 0.0) if usage else 0.0
+            if u > 0.0:
+                cost += model.eviction(prefill, u)
             seen.add(w)
             out.append(
                 CandidateScore(
@@ -402,7 +478,7 @@ class ReferenceScoring:
                     block_size=None,
                     prefill_blocks=prefill,
                     load_blocks=w_load,
-                    cost=weight * prefill + w_load if stock else model.cost(prefill, w_load),
+                    cost=cost,
                     routed_tokens=routed,
                 )
             )

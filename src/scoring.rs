@@ -13,6 +13,8 @@ pub struct CostParams {
     pub cpu_credit: f64,
     pub disk_credit: f64,
     pub external_credit: f64,
+    /// weight of what a candidate's prefill evicts on a cache under pressure (`CostModel.eviction_weight`)
+    pub eviction_weight: f64,
 }
 
 /// Costs closer than this relative margin are a tie (`_TIE_EPS`).
@@ -66,6 +68,23 @@ impl CostParams {
     pub fn cost(&self, prefill_blocks: f64, load_blocks: f64) -> f64 {
         self.overlap_weight * prefill_blocks + load_blocks
     }
+
+    /// What the prefill's copy evicts (`CostModel.eviction`): ``eviction_weight * usage *
+    /// prefill_blocks``, `usage` the worker's engine-reported KV usage in [0, 1]; 0 without a report.
+    pub fn eviction(&self, prefill_blocks: f64, usage: f64) -> f64 {
+        self.eviction_weight * usage * prefill_blocks
+    }
+
+    /// `cost` plus `eviction`, the latter added only where the worker reports usage (so a fleet
+    /// without reports prices exactly as before the term existed).
+    pub fn cost_at(&self, prefill_blocks: f64, load_blocks: f64, usage: f64) -> f64 {
+        let cost = self.cost(prefill_blocks, load_blocks);
+        if usage > 0.0 {
+            cost + self.eviction(prefill_blocks, usage)
+        } else {
+            cost
+        }
+    }
 }
 
 /// What the index says of one candidate, and whether its state lets the router believe it.
@@ -98,8 +117,17 @@ pub fn needs_tiers(p: &CostParams, c: &Claim) -> bool {
 
 /// Price one candidate the index claims overlap for (`Router._scored`'s loop body):
 /// `ntok` the prompt's tokens, `unit` the router's block size, `load` in cost blocks, `routed`
-/// the routing hint's tokens (kvroute/_routed.py), credited where they exceed the index's.
-pub fn price(p: &CostParams, c: &Claim, ntok: i64, unit: i64, load: f64, routed: i64) -> Priced {
+/// the routing hint's tokens (kvroute/_routed.py), credited where they exceed the index's;
+/// `usage` the worker's engine-reported KV usage (0: none reported).
+pub fn price(
+    p: &CostParams,
+    c: &Claim,
+    ntok: i64,
+    unit: i64,
+    load: f64,
+    routed: i64,
+    usage: f64,
+) -> Priced {
     let unit_f = unit as f64;
     let (overlap, prefill) = if c.trusted {
         let prefill = if p.full_credit() || c.gpu >= c.claimed {
@@ -121,7 +149,7 @@ pub fn price(p: &CostParams, c: &Claim, ntok: i64, unit: i64, load: f64, routed:
     Priced {
         overlap_blocks: overlap,
         prefill_blocks: prefill,
-        cost: p.cost(prefill, load),
+        cost: p.cost_at(prefill, load, usage),
         overlap_tokens: ntok.min(overlap * c.block_size),
     }
 }
@@ -163,6 +191,7 @@ mod tests {
         cpu_credit: 0.8,
         disk_credit: 0.5,
         external_credit: 0.5,
+        eviction_weight: 8.0,
     };
 
     #[test]
@@ -185,7 +214,7 @@ mod tests {
             trusted: false,
             ..Claim::default()
         };
-        let got = price(&STOCK, &c, 100, 16, 2.0, 0);
+        let got = price(&STOCK, &c, 100, 16, 2.0, 0, 0.0);
         assert_eq!(got.overlap_blocks, 0);
         assert_eq!(got.prefill_blocks, 100.0 / 16.0);
         assert_eq!(got.cost, 100.0 / 16.0 + 2.0);
@@ -201,7 +230,7 @@ mod tests {
             trusted: true,
             ..Claim::default()
         };
-        let got = price(&STOCK, &c, 100, 16, 0.0, 0);
+        let got = price(&STOCK, &c, 100, 16, 0.0, 0, 0.0);
         assert_eq!((got.prefill_blocks, got.overlap_tokens), (0.0, 100));
     }
 
@@ -215,15 +244,43 @@ mod tests {
             ..Claim::default()
         };
         // the hint's 64 tokens beat the index's 32: 36 left to prefill
-        let got = price(&STOCK, &c, 100, 16, 0.0, 64);
+        let got = price(&STOCK, &c, 100, 16, 0.0, 64, 0.0);
         assert_eq!(got.prefill_blocks, 36.0 / 16.0);
         // the index claim is unchanged: the hint is not a claim
         assert_eq!((got.overlap_blocks, got.overlap_tokens), (2, 32));
         // a smaller hint changes nothing
         assert_eq!(
-            price(&STOCK, &c, 100, 16, 0.0, 16),
-            price(&STOCK, &c, 100, 16, 0.0, 0)
+            price(&STOCK, &c, 100, 16, 0.0, 16, 0.0),
+            price(&STOCK, &c, 100, 16, 0.0, 0, 0.0)
         );
+    }
+
+    #[test]
+    fn a_move_onto_a_busy_cache_pays_for_what_it_evicts() {
+        let c = Claim {
+            claimed: 2,
+            block_size: 16,
+            gpu: 2,
+            trusted: true,
+            ..Claim::default()
+        };
+        // 100 tokens, 32 held: 68 / 16 blocks to prefill; at usage 0.25 they cost 8 * 0.25 more each
+        let got = price(&STOCK, &c, 100, 16, 1.0, 0, 0.25);
+        let prefill = 68.0 / 16.0;
+        assert_eq!(got.prefill_blocks, prefill);
+        assert_eq!(got.cost, (prefill + 1.0) + 8.0 * 0.25 * prefill);
+        // no report (usage 0): exactly the cost without the term
+        assert_eq!(
+            price(&STOCK, &c, 100, 16, 1.0, 0, 0.0).cost,
+            STOCK.cost(prefill, 1.0)
+        );
+        // nothing to prefill evicts nothing, however full the cache
+        let whole = Claim {
+            claimed: 7,
+            gpu: 7,
+            ..c
+        };
+        assert_eq!(price(&STOCK, &whole, 100, 16, 0.0, 0, 1.0).cost, 0.0);
     }
 
     #[test]

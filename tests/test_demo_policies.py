@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import Counter
 
@@ -11,11 +12,13 @@ import pytest
 from kvroute import CostModel, KvEventClient, SubscriberConfig, WorkerKey
 from kvroute.cli._demo_policies import (
     POLICIES,
+    KvRoutePolicy,
     LeastLoadPolicy,
     OraclePolicy,
     SessionAffinityPolicy,
     make_policy,
 )
+from kvroute.cli._demo_run import _scraped_usage
 from kvroute.sim import SimConfig, SimEngine
 
 pytestmark = pytest.mark.anyio
@@ -131,3 +134,32 @@ async def test_session_affinity_is_sticky_and_least_load_spreads() -> None:
                 policy = make_policy(name, client, [a, b], block_size=16, seed=0)
                 assert policy.choose(("x", name), [5] * 40) in client.live_workers()
                 policy.finished(("x", name))
+
+
+async def test_kvroute_prices_the_kv_usage_the_engines_serve_on_a_zmq_fleet() -> None:
+    # On a plain (ZMQ) fleet the demo's kvroute follows the engines' /metrics, as a router on plain vLLM /
+    # SGLang would (`follow_engine_metrics`): a rank running a long prompt reports KV usage above 0, and the
+    # Router gets it for `CostModel.eviction`; load stays the router's own.
+    rng = random.Random(7)
+    slow = {"prefill_time_per_token": 2e-3, "max_batched_tokens": 256}
+    async with SimEngine(SimConfig(name="a", seed=1, **slow)) as a, contextlib.AsyncExitStack() as stack:
+        loads = await _scraped_usage(stack, [a], 10.0)  # a scrape every 0.1 s
+        assert loads.policy.mode == "router"
+        worker = WorkerKey(str(a.grpc_target), 0)
+        running = a.submit(_tokens(rng, 16 * 40), 2_000, rank=0, stream=True)  # runs until aborted
+        try:
+            with anyio.fail_after(20):
+                while (rec := loads.get(worker)) is None or rec.token_usage <= 0.0:  # noqa: ASYNC110 (a scrape, no event)
+                    await anyio.sleep(0.05)
+            async with KvEventClient(targets=[str(a.grpc_target)], config=FAST) as client:
+                await client.wait_synced(20)
+                policy = make_policy("kvroute", client, [a], block_size=16, seed=0, engine_loads=loads)
+                assert isinstance(policy, KvRoutePolicy)
+                usage = policy.router._usage()
+                assert usage is not None and 0.0 < usage[worker] <= 1.0
+                d = policy.router.select(_tokens(rng, 64))
+                (only,) = d.candidates
+                # the whole prompt to prefill there, at the usage reported: cost = 2 x 4 + 8 x usage x 4
+                assert only.cost > 2.0 * 4
+        finally:
+            a.abort(running)

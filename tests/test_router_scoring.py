@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute._index import PrefixIndex
+from kvroute._load import EngineLoad, EngineLoads
 from kvroute._models import WorkerKey, WorkerStatus
 from kvroute._router import CostModel, Router, RouterError
 from kvroute._wire import BlockRemoved, BlockStored
@@ -394,3 +395,130 @@ def test_a_decision_with_lazy_candidates_reads_as_an_eager_one() -> None:
     router = Router(index, seed=0)
     d = router.select(list(range(5000, 5100)), candidates=[workers[3], workers[4]])
     assert [c.worker for c in d.candidates] == [d.worker] and d.idle_workers == 1
+
+
+_pressured = st.fixed_dictionaries(
+    {
+        "block_size": st.sampled_from([4, 8, 16]),
+        "held": st.integers(0, 40),
+        "usage": st.one_of(st.none(), st.sampled_from([0.0, 0.05, 0.3, 0.9, 1.0, 1.5, float("nan")])),
+        "queued": st.one_of(st.none(), st.integers(0, 300)),  # engine-reported waiting uncached tokens
+        "stale": st.booleans(),
+        "own": st.integers(0, 3),  # requests this router started there
+        "state": st.sampled_from(["synced", "synced", "syncing", "gone"]),
+    }
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fleet=st.lists(_pressured, min_size=1, max_size=7),
+    unit=st.sampled_from([4, 8, 16]),
+    weight=st.sampled_from([0.0, 1.0, 2.0]),
+    eviction=st.sampled_from([0.0, 1.0, 8.0]),
+    temperature=st.sampled_from([0.0, 0.0, 0.7]),
+    prompt_len=st.integers(0, PROMPT_LEN),
+    hint=st.booleans(),
+    restrict=st.booleans(),
+    seed=st.integers(0, 3),
+)
+def test_eviction_is_priced_alike_on_both_paths(
+    fleet: list[dict],
+    unit: int,
+    weight: float,
+    eviction: float,
+    temperature: float,
+    prompt_len: int,
+    hint: bool,
+    restrict: bool,
+    seed: int,
+) -> None:
+    """Engine-reported KV usage (`CostModel.eviction`) is priced alike on both paths: on scored,
+    hint-only, load-only and usage-only workers, stale and out-of-range reports included."""
+    prompt = [(i * 7919) % 50_000 for i in range(PROMPT_LEN)]
+    index = PrefixIndex()
+    statuses: dict[WorkerKey, WorkerStatus | None] = {}
+    live: set[WorkerKey] = set()
+    now = [100.0]
+    loads = EngineLoads(clock=lambda: now[0])
+    workers = [WorkerKey(f"w{i}", i % 2) for i in range(len(fleet))]
+    for i, (w, spec) in enumerate(zip(workers, fleet)):
+        bs = spec["block_size"]
+        held = min(spec["held"], PROMPT_LEN // bs)
+        if held:
+            hashes = [i * 1000 + j for j in range(held)]
+            index.apply(w, BlockStored(block_hashes=hashes, token_ids=prompt[: held * bs], block_size=bs))
+        statuses[w] = WorkerStatus(state="syncing" if spec["state"] == "syncing" else "synced", partial=False)
+        if spec["state"] != "gone":
+            live.add(w)
+        if spec["usage"] is not None:
+            received = now[0] - (60.0 if spec["stale"] else 1.0)
+            loads.update(
+                w,
+                EngineLoad(token_usage=spec["usage"], waiting_uncached_tokens=spec["queued"], received=received),
+            )
+    routers = []
+    for model in (
+        CostModel(overlap_weight=weight, eviction_weight=eviction, temperature=temperature),
+        _PythonModel(overlap_weight=weight, eviction_weight=eviction, temperature=temperature),
+    ):
+        r = Router(
+            index,
+            states=_States(statuses, live),
+            cost=model,
+            block_size=unit,
+            seed=seed,
+            engine_loads=loads,
+            routed_ttl=10.0 if hint else 0.0,
+        )
+        for i, (w, spec) in enumerate(zip(workers, fleet)):
+            for j in range(spec["own"]):
+                r.on_start(("own", i, j), w, prompt[: 17 * (j + 1) + i])
+        routers.append(r)
+    kwargs: dict = {}
+    if restrict:
+        kwargs["candidates"] = [*workers[::2], WorkerKey("x", 9)]
+    for k in range(3):
+        got = [_decide(r, prompt[:prompt_len], {**kwargs, "request_id": ("q", k)}) for r in routers]
+        assert got[0] == got[1]
+
+
+def test_a_move_onto_a_busy_cache_pays_for_what_it_evicts() -> None:
+    """The worker holding a conversation's history keeps its next turn when the only other
+    worker is free of queue but runs a cache full of other requests; with that worker's cache
+    empty, or the term off, the same queue gap moves the turn."""
+    prompt = list(range(1_000, 1_640))  # 40 blocks of 16
+    index = PrefixIndex()
+    holder, other = WorkerKey("holder", 0), WorkerKey("other", 0)
+    index.apply(holder, BlockStored(block_hashes=list(range(30)), token_ids=prompt[:480], block_size=16))
+    index.apply(other, BlockStored(block_hashes=[9_999], token_ids=prompt[:16], block_size=16))
+    # The holder's queue: 60 blocks, past twice the 29 blocks a move recomputes (2 * 29 = 58).
+    for usage, eviction, expected in ((0.9, 8.0, holder), (0.0, 8.0, other), (0.9, 0.0, other)):
+        for model in (CostModel(eviction_weight=eviction), _PythonModel(eviction_weight=eviction)):
+            loads = EngineLoads(clock=lambda: 5.0)
+            loads.update(holder, EngineLoad(waiting_uncached_tokens=960, token_usage=0.2, received=5.0))
+            loads.update(other, EngineLoad(waiting_uncached_tokens=0, token_usage=usage, received=5.0))
+            r = Router(index, cost=model, engine_loads=loads, seed=0)
+            d = r.select(prompt)
+            assert d.worker == expected, (usage, eviction, type(model).__name__, d)
+            by_worker = {c.worker: c for c in d.candidates}
+            # the holder's 10 blocks to prefill and the mover's 39, each at its own usage
+            assert by_worker[holder].cost == 2.0 * 10 + 60 + eviction * 0.2 * 10
+            move = 2.0 * 39 + (eviction * usage * 39 if usage else 0.0)
+            assert by_worker[other].cost == move
+
+
+def test_the_usage_read_follows_new_and_stale_reports() -> None:
+    """`Router._usage` is kept between selects, and still follows a new record and one turning stale."""
+    now = [10.0]
+    loads = EngineLoads(clock=lambda: now[0])
+    a, b = WorkerKey("a", 0), WorkerKey("b", 0)
+    loads.update(a, EngineLoad(token_usage=0.5, received=10.0))
+    loads.update(b, EngineLoad(token_usage=0.0, received=5.0))
+    r = Router(PrefixIndex(), engine_loads=loads)
+    assert r._usage() == {a: 0.5}
+    loads.update(b, EngineLoad(token_usage=2.0, received=10.0))  # above 1: read as a full cache
+    assert r._usage() == {a: 0.5, b: 1.0}
+    now[0] = 10.0 + loads.policy.stale_after + 1.0  # both records stale now
+    assert r._usage() is None
+    assert Router(PrefixIndex(), engine_loads=loads, cost=CostModel(eviction_weight=0.0))._usage() is None

@@ -29,6 +29,7 @@ import msgspec
 import xxhash
 
 from kvroute import CostModel, KvEventClient, Router, WorkerKey
+from kvroute._load import EngineLoads
 from kvroute.sim import SimEngine
 
 __all__ = [
@@ -294,16 +295,27 @@ def make_policy(
     block_size: int,
     seed: int | None,
     cost: CostModel | None = None,
+    engine_loads: EngineLoads | None = None,
 ) -> Policy:
     """The policy called ``name`` (one of `POLICIES`) for a fleet of ``engines`` followed by ``client``.
 
     ``cost``: the cost model of ``kvroute`` and ``oracle`` (default `CostModel()`). ``kvroute_index_only``
     is kvroute without its routing hint (the `Router` default): the index alone, for comparison.
+    ``engine_loads``: the engines' reports kvroute's `Router` reads (default: the client's, which a
+    gateway stream fills); the demo passes the engines' scraped ``/metrics`` on plain ZMQ fleets.
     """
     if name in ("kvroute", "kvroute_index_only"):
         ttl = ROUTED_TTL if name == "kvroute" else 0.0
         return KvRoutePolicy(
-            Router(client.index, states=client, block_size=block_size, seed=seed, cost=cost, routed_ttl=ttl)
+            Router(
+                client.index,
+                states=client,
+                block_size=block_size,
+                seed=seed,
+                cost=cost,
+                routed_ttl=ttl,
+                engine_loads=engine_loads,
+            )
         )
     if name == "oracle":
         by_target = {e.grpc_target: e for e in engines if e.grpc_target is not None}

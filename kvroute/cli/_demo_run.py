@@ -29,12 +29,14 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Hashable, Sequence
+from functools import partial
 from typing import NamedTuple, Protocol, TextIO
 
 import anyio
 import msgspec
 
 from kvroute import CostModel, Envelope, KvEventClient, Reset, SubscriberConfig, Synced, WorkerKey
+from kvroute._load import EngineLoads, LoadPolicy, follow_engine_metrics
 from kvroute.sim import CapacityError, Completion, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
 
 from ._demo_policies import EXTRA_POLICIES, POLICIES, Policy, make_policy
@@ -395,6 +397,23 @@ class _PolicyRun:
         self.reporter.update(self.name, len(tally.records), tally.hit_rate, percentile(tally.ttfts, 50))
 
 
+# How often kvroute scrapes the engines' /metrics on a ZMQ fleet, in the trace's time: a router's
+# scrape interval (`follow_engine_metrics`' default).
+_SCRAPE_INTERVAL = 1.0
+
+
+async def _scraped_usage(stack: contextlib.AsyncExitStack, engines: Sequence[SimEngine], speedup: float) -> EngineLoads:
+    """The engines' ``/metrics`` followed for kvroute on a ZMQ fleet, as a router on plain engines does
+    (`follow_engine_metrics`), until ``stack`` closes: their KV usage prices eviction
+    (`CostModel.eviction_weight`). Load stays the router's own ("router" mode), as without reports."""
+    loads = EngineLoads(LoadPolicy(mode="router"))
+    urls = {e.grpc_target: f"{e.http_url}/metrics" for e in engines if e.grpc_target and e.http_url}
+    tg = await stack.enter_async_context(anyio.create_task_group())
+    stack.callback(tg.cancel_scope.cancel)
+    tg.start_soon(partial(follow_engine_metrics, loads, urls, interval=_SCRAPE_INTERVAL / speedup))
+    return loads
+
+
 async def _run_policy(
     policy_name: str,
     options: DemoOptions,
@@ -433,6 +452,9 @@ async def _run_policy(
             )
             policy = replicas
         else:
+            scraped = None
+            if policy_name in ("kvroute", "kvroute_index_only") and not options.gateway_stream:
+                scraped = await _scraped_usage(stack, engines, speedup)
             policy = _InProcess(
                 make_policy(
                     policy_name,
@@ -441,6 +463,7 @@ async def _run_policy(
                     block_size=options.block_size,
                     seed=options.seed,
                     cost=CostModel(overlap_weight=options.overlap_weight),
+                    engine_loads=scraped,
                 )
             )
         run = _PolicyRun(policy_name, policy, engines, client, reporter)

@@ -45,6 +45,17 @@ fn load_of(loads: &Bound<'_, PyAny>, w: &Bound<'_, PyAny>, scale: f64) -> PyResu
     })
 }
 
+/// `w`'s engine-reported KV usage (`Router` passes only reports above 0; none: 0).
+fn usage_of(usage: Option<&Bound<'_, PyDict>>, w: &Bound<'_, PyAny>) -> PyResult<f64> {
+    Ok(match usage {
+        Some(u) => match u.get_item(w)? {
+            Some(v) => v.extract()?,
+            None => 0.0,
+        },
+        None => 0.0,
+    })
+}
+
 /// The routing hint's tokens for `w` (0: none).
 fn routed_of(routed: &Bound<'_, PyDict>, w: &Bound<'_, PyAny>) -> PyResult<i64> {
     Ok(match routed.get_item(w)? {
@@ -434,13 +445,14 @@ impl LoadPass<'_, '_> {
 /// ``states``: the worker-state provider or None; ``loads`` / ``scale``: load per worker (a
 /// `Loads` table or a mapping) and the factor to cost blocks (the load-only candidates come in
 /// ``loads``' order); ``routed``: the routing hint's credit in tokens per worker
-/// (kvroute/_routed.py; None: none).
+/// (kvroute/_routed.py; None: none); ``usage``: engine-reported KV usage per worker, above 0
+/// (`CostModel.eviction`; None: none), a usage-only worker listed after the load-only ones.
 /// Returns ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens)``: the candidates
 /// (`Scored`) in the Python path's order, the idle workers and their cost, and the
 /// indices of the entries tied at the least cost with the number of idle workers tied with them.
 /// No candidate and no idle worker: the universe is empty.
 #[pyfunction]
-#[pyo3(signature = (index, token_ids, lora_name, cache_salt, mm_items, extra_keys, model, unit, universe, registered, states, trust_partial, loads, scale, routed))]
+#[pyo3(signature = (index, token_ids, lora_name, cache_salt, mm_items, extra_keys, model, unit, universe, registered, states, trust_partial, loads, scale, routed, usage=None))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn select<'py>(
     py: Python<'py>,
@@ -459,6 +471,7 @@ fn select<'py>(
     loads: &Bound<'py, PyAny>,
     scale: f64,
     routed: Option<&Bound<'py, PyDict>>,
+    usage: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<(Scored, usize, f64, Vec<usize>, usize, usize)> {
     let input = convert::query_input(token_ids, lora_name, cache_salt, mm_items, extra_keys)?;
     let trust = Trust::new(states, trust_partial);
@@ -468,6 +481,7 @@ fn select<'py>(
         cpu_credit: weight(model, intern!(py, "cpu_credit"))?,
         disk_credit: weight(model, intern!(py, "disk_credit"))?,
         external_credit: weight(model, intern!(py, "external_credit"))?,
+        eviction_weight: weight(model, intern!(py, "eviction_weight"))?,
     };
     let want_tiers = !params.full_credit();
     // mutable: the entries keep where they were found in the index (`Entry::locate`)
@@ -596,7 +610,8 @@ fn select<'py>(
             Some(r) => routed_of(r, &w)?,
             None => 0,
         };
-        let p = scoring::price(&params, &claim, ntok_i, unit, load, hint);
+        let u = usage_of(usage, &w)?;
+        let p = scoring::price(&params, &claim, ntok_i, unit, load, hint, u);
         if let Some(seen) = &seen {
             seen.add(&w)?;
         }
@@ -623,7 +638,7 @@ fn select<'py>(
             let hint: i64 = hint.extract()?;
             let load = pass.of(&w, None)?;
             let prefill = scoring::routed_prefill(ntok_i, unit, hint);
-            let cost = params.cost(prefill, load);
+            let cost = params.cost_at(prefill, load, usage_of(usage, &w)?);
             seen.add(&w)?;
             workers.push(Who::Obj(w.unbind()));
             rows.push(Row {
@@ -641,13 +656,18 @@ fn select<'py>(
 
     // Load-only workers: nothing claimed, the whole prompt to prefill.
     let idle_cost = params.cost(idle_prefill, 0.0);
-    let idle_row = |load: f64| Row {
+    // a worker with nothing claimed: the whole prompt to prefill, its load and what that evicts
+    let idle_row = |load: f64, u: f64| Row {
         claimed: 0,
         overlap: 0,
         block_size: None,
         prefill: idle_prefill,
         load,
-        cost: idle_cost + load,
+        cost: if u > 0.0 {
+            idle_cost + load + params.eviction(idle_prefill, u)
+        } else {
+            idle_cost + load
+        },
         overlap_tokens: 0,
         routed_tokens: 0,
     };
@@ -662,8 +682,12 @@ fn select<'py>(
                 // the index or the registration vouches for it without a Python call
                 let known = universe.is_none() && by_index;
                 if known || member(&k.obj(py), by_index)? {
+                    let u = match usage {
+                        Some(_) => usage_of(usage, &k.obj(py))?,
+                        None => 0.0,
+                    };
                     workers.push(Who::Key(k.clone()));
-                    rows.push(idle_row(e.tokens as f64 * scale));
+                    rows.push(idle_row(e.tokens as f64 * scale, u));
                 }
             }
         }
@@ -677,8 +701,9 @@ fn select<'py>(
                 let by_index = universe.is_none() && index_holds(py, index, &w);
                 if member(&w, by_index)? {
                     let load = t.extract::<f64>()? * scale;
+                    let u = usage_of(usage, &w)?;
                     workers.push(Who::Obj(w.unbind()));
-                    rows.push(idle_row(load));
+                    rows.push(idle_row(load, u));
                 }
                 Ok(())
             };
@@ -694,6 +719,21 @@ fn select<'py>(
                         visit(w, t)?;
                     }
                 }
+            }
+        }
+    }
+    // Usage-only workers (a report above 0, nothing claimed, no load): priced apart from the idle group.
+    if let Some(usage) = usage {
+        let priced = PySet::new(py, workers.iter().map(|w| w.bind(py)))?;
+        for (w, u) in usage.iter() {
+            if priced.contains(&w)? {
+                continue;
+            }
+            let by_index = universe.is_none() && index_holds(py, index, &w);
+            if member(&w, by_index)? {
+                let u: f64 = u.extract()?;
+                workers.push(w.unbind());
+                rows.push(idle_row(0.0, u));
             }
         }
     }
