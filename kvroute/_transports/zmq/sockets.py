@@ -279,9 +279,7 @@ _SPARE_REPLAYS = 16
 _REAP_ROOM = 1024
 
 
-def fit_sources(
-    ctx: zmq.Context[zmq.Socket[bytes]], wanted: int | None, *, own_context: bool, replays: int = 64
-) -> int:
+def fit_sources(ctx: zmq.Context[zmq.Socket[bytes]], wanted: int | None, *, own_context: bool, replays: int = 8) -> int:
     """How many sources this context and process can hold: ``wanted``, or what fits when it is None.
 
     ``replays``: the client's replay slots (``max_concurrent_replays``), each holding a DEALER
