@@ -18,9 +18,14 @@ against the time the index applied it), event-loop lag p99 (a task sleeping 5 ms
 how late it wakes), client CPU (this process, libzmq's I/O thread included) and peak RSS, the
 client CPU time per applied batch (the per-message cost, whatever share of its core the
 machine left the client), the quiet probes sent to sources (all healthy here: every probe is
-kvroute's own slowness) and what bounded the run: the publishers (they sent < 95 % of the
-rate), the client (it applied < 95 % of what was sent: its CPU, or its share of the core when
-the machine is loaded), or nothing (it kept up). ``--then 50000:20`` adds a phase at another
+kvroute's own slowness) and what bounded the run. The client is behind when it applied < 95 %
+of what the publishers sent (or its apply lag p50 is over 1 s); then the bound is the replays
+when at least 1 % of the sources waited on one on average (their SUBs are not read meanwhile),
+else the client's CPU when it used >= 90 % of its core, else its share of the core (other
+processes on a loaded machine: the load average is printed); a client that kept up says so.
+Publishers that sent < 95 % of the offered rate are named beside it either way. A line after
+each row counts what the recovery machines did in the phase (gaps, replays, probes, ...).
+``--then 50000:20`` adds a phase at another
 rate (each measured the same way, with the apply lag p99 per second), e.g. 4x the ceiling for
 20 s then 0.5x to see the client recover.
 
@@ -200,6 +205,22 @@ class _LagIndex(PrefixIndex):
             self.lags.append(time.time() - batch.ts)
 
 
+# What the recovery machines did in a phase (every one of them is a cost the fast path avoids).
+_RECOVERY_COUNTERS = (
+    "gaps",
+    "replays",
+    "probes",
+    "identity_checks",
+    "replay_failures",
+    "overflows",
+    "duplicates",
+    "stale",
+    "restarts",
+    "resets",
+    "replay_cutoffs",
+)
+
+
 def _rss() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -227,6 +248,9 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
     ticking = [False]
     peak_rss = [0]
     peak_held = [0]
+    # Sources with a replay asked and not answered yet (queued for a slot or running), one
+    # count per sample: their SUBs are parked meanwhile (native), so a long queue is lag.
+    waiting: list[int] = []
     subs: dict[Any, Any] = {}
 
     async def ticker() -> None:
@@ -240,7 +264,10 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
         while True:
             peak_rss[0] = max(peak_rss[0], _rss())
             # Live batches the recovery machines hold behind replays (decoded: ~7x their payload).
-            peak_held[0] = max(peak_held[0], sum(s.driver.machine.held for s in list(subs.values())))
+            drivers = [s.driver for s in list(subs.values())]
+            peak_held[0] = max(peak_held[0], sum(d.machine.held for d in drivers))
+            if ticking[0]:
+                waiting.append(sum(d.machine.replay_in_flight is not None for d in drivers))
             await anyio.sleep(0.25)
 
     config = SubscriberConfig(native_receive=args.native)
@@ -303,6 +330,7 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             cpu0 = time.process_time()
             index.lags = array("d")
             loop_lags.clear()
+            waiting.clear()
             index.recording = ticking[0] = True
             t0 = time.perf_counter()
             per_second: list[str] = []
@@ -321,17 +349,23 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             probes = st1.totals.probes - st0.probes
             subscribed = st1.totals.sources
             offered_real = pub / wall
-            # The client is behind when it applied < 95 % of what was sent; then its core is the
-            # bound (its share of it, when other processes on the machine take the rest).
+            # The client is behind when it applied < 95 % of what was sent (or is working off a
+            # backlog), whatever the publishers managed. Then what held it: sources waiting on
+            # replays (their SUBs unread meanwhile), its CPU, or, when it used neither, its share
+            # of the core (other processes on a loaded machine), which this process cannot see.
             lags = index.lags
-            behind = applied_in_window < 0.95 * pub or _pct(lags, 0.5) > 1.0  # or working off a backlog
-            bound = (
-                "publishers"
-                if offered_real < 0.95 * offered
-                else f"client CPU ({cpu * 100:.0f} % of its core)"
-                if behind
-                else "nothing (kept up)"
-            )
+            behind = applied_in_window < 0.95 * pub or _pct(lags, 0.5) > 1.0
+            mean_waiting = sum(waiting) / max(1, len(waiting))
+            if not behind:
+                bound = "nothing (kept up)"
+            elif mean_waiting >= 0.01 * len(sources):
+                bound = f"replays (mean {mean_waiting:,.0f} sources waiting on one, CPU {cpu * 100:.0f} %)"
+            elif cpu >= 0.9:
+                bound = f"client CPU ({cpu * 100:.0f} % of its core)"
+            else:
+                bound = f"client's share of its core ({cpu * 100:.0f} % CPU, load average {os.getloadavg()[0]:.1f})"
+            if offered_real < 0.95 * offered:
+                bound += f"; publishers sent {offered_real / offered:.2f} of the offered rate"
             print(
                 f"| {len(sources):,} ({subscribed:,}) | {offered / 1000:,.0f}k (sent {offered_real / 1000:,.0f}k) "
                 f"| {applied_in_window / wall / 1000:,.0f}k, ÷ sent {applied_in_window / max(1, pub):.2f} "
@@ -342,12 +376,13 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             )
             if len(phases) > 1:
                 print(f"#   phase {phase}: apply lag p99 per second: {', '.join(per_second)}", flush=True)
-        held = sum(s.overflows for s in st1.sources.values())
-        print(
-            f"# overflows {held}, replays {st1.totals.replays}, gaps {st1.totals.gaps}, "
-            f"peak held batches (last phase) {peak_held[0]:,}",
-            flush=True,
-        )
+            t1 = st1.totals
+            print(
+                "#   recovery in this phase: "
+                + ", ".join(f"{name} {getattr(t1, name) - getattr(st0, name):,}" for name in _RECOVERY_COUNTERS)
+                + f"; peak held batches {peak_held[0]:,}",
+                flush=True,
+            )
         tg.cancel_scope.cancel()
 
 

@@ -18,10 +18,11 @@ position (identity check first, docs/recovery.md rule 7) and drops the restored 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 
 import anyio
@@ -499,6 +500,30 @@ class KvEventClient:
         right after a reset until something is applied), partial ones included. Restored
         positions not yet taken by a source are not listed.
         """
+        # (fleet) A receive thread (`native_receive`) applies outside the event loop: it is held
+        # until the loop's next turn, so code that reads these positions and then the index,
+        # without awaiting in between, sees the index as of these positions, as it would with
+        # every batch applied on the event loop.
+        tg = self._tg
+        held = [t for t in self._transports if hasattr(t, "hold")]
+        for transport in held:
+            transport.hold()
+        try:
+            return self._cursors()
+        finally:
+            if tg is None:
+                for transport in held:
+                    transport.release()  # type: ignore[attr-defined]
+            elif held:
+                tg.start_soon(self._release_receivers, held)
+
+    @staticmethod
+    async def _release_receivers(held: list[Transport]) -> None:
+        """(fleet) Release the receive threads `cursors` held, at the event loop's next turn."""
+        for transport in held:
+            transport.release()  # type: ignore[attr-defined]
+
+    def _cursors(self) -> dict[WorkerKey, Cursor]:
         out: dict[WorkerKey, Cursor] = {}
         for key, sub in self._subs.items():
             cursor = sub.driver.cursor()
@@ -518,12 +543,27 @@ class KvEventClient:
         """
         # Given none, PrefixIndex.snapshot falls back to the index's restored_cursors: the
         # client emptied those on construction, so an empty dict really writes none.
-        self._index.snapshot(path, cursors=self._positions())
+        with self._receivers_held():
+            self._index.snapshot(path, cursors=self._positions())
+
+    @contextlib.contextmanager
+    def _receivers_held(self) -> Iterator[None]:
+        """(fleet) Hold every receive thread (`SubscriberConfig.native_receive`) with what it applied recorded.
+
+        The thread applies to the index before the source's machine records the seq; held,
+        the index and the positions agree (a snapshot does not re-apply a batch on restore).
+        """
+        with contextlib.ExitStack() as stack:
+            for transport in self._transports:
+                held = getattr(transport, "held", None)
+                if held is not None:
+                    stack.enter_context(held())
+            yield
 
     def _positions(self) -> dict[WorkerKey, Cursor]:
         """The positions a snapshot saves: every non-partial source's, and restored ones not yet taken."""
         return self._restored.saved(
-            {k: c for k, c in self.cursors().items() if not self._subs[k].driver.machine.partial}
+            {k: c for k, c in self._cursors().items() if not self._subs[k].driver.machine.partial}
         )
 
     # --- state --------------------------------------------------------------------------------------

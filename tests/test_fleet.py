@@ -229,3 +229,79 @@ async def test_the_receive_loop_outlives_the_source_that_ran_it() -> None:
             await client.wait_synced(20)
             assert receiver._leading and len(receiver._entries) == 2
         assert receiver._selector is None  # every source left: the selector is closed
+
+
+class _HeldReplays:
+    """One ROUTER serving many sources' replay endpoint: it answers nothing until ``want`` requests wait at once.
+
+    Then (or after ``limit`` seconds) it answers every waiting request with the end marker alone
+    (an empty buffer) and every later one at once. ``peak``: the most requests it held at once.
+    """
+
+    def __init__(self, want: int, limit: float = 15.0) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self._router.bind_to_random_port('tcp://127.0.0.1')}"
+        self._want, self._limit = want, limit
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        held: list[bytes] = []
+        release = time.monotonic() + self._limit
+        released = False
+        while not self._stop.is_set():
+            if dict(poller.poll(5)):
+                frames = self._router.recv_multipart()
+                if len(frames) == 3 and len(frames[2]) == 8:
+                    held.append(frames[0])
+                    self.peak = max(self.peak, len(held))
+            if not released and (len(held) >= self._want or time.monotonic() >= release):
+                released = True
+            if released:
+                for ident in held:
+                    self._router.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
+                held.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._router.close(0)
+        self._ctx.term()
+
+
+async def test_a_cold_fleet_replays_through_more_than_eight_slots_at_once() -> None:
+    # 24 sources start cold, each asking the one replay endpoint, which answers none until
+    # 16 requests wait at once. With the default slots they all run together (through 8, as
+    # before, 8 would be the most ever waiting and the endpoint would answer only after 15 s).
+    # No slice yields and no timeouts here: only the slots bound how many run at once.
+    n = 24
+    replays = _HeldReplays(want=16)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pubs = []
+    try:
+        sources = []
+        for i in range(n):
+            pub = ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            port = pub.bind_to_random_port("tcp://127.0.0.1")
+            pubs.append(pub)
+            sources.append(
+                EventSource(worker_id=f"w{i}", endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=replays.endpoint)
+            )
+        config = msgspec.structs.replace(FAST, replay_timeout=30.0, replay_slice=30.0, quiet_interval=30.0)
+        assert config.max_concurrent_replays >= 16
+        async with KvEventClient(sources, config=config) as client:
+            await client.wait_synced(30)
+            assert replays.peak >= 16
+            assert client.stats().totals.replay_failures == 0
+    finally:
+        replays.close()
+        for pub in pubs:
+            pub.close(0)
+        ctx.term()

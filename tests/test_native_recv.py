@@ -354,3 +354,33 @@ async def test_an_engine_on_ipv6_loopback_is_followed_by_the_thread() -> None:
                 assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
     finally:
         ctx.term()
+
+
+async def test_cursors_match_the_index_while_the_thread_applies() -> None:
+    # The thread applies outside the event loop, before the source's machine records the seq.
+    # `cursors()` holds it (until the loop's next turn) with every applied seq recorded, so
+    # code that reads the positions and then the index sees the index as of those positions:
+    # each batch stores one new block, so the worker holds exactly seq + 1 blocks.
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        async with KvEventClient([src], config=NATIVE) as client:
+            await client.wait_synced(20)
+            driver = _driver(client, src)
+            seq = -1
+            checks = 0
+            for burst in range(20):
+                for i in range(50):
+                    n = burst * 50 + i
+                    seq = pub.publish(
+                        [BlockStored(block_hashes=[n + 1], token_ids=list(range(n * 16, n * 16 + 16)), block_size=16)]
+                    )
+                while True:
+                    cursor = client.cursors().get(src.key)
+                    if cursor is not None:
+                        assert client.index.num_blocks(src.key) == cursor.seq + 1
+                        checks += 1
+                    if cursor is not None and cursor.seq == seq:
+                        break
+                    await anyio.sleep(0.001)
+            assert checks >= 20
+            assert driver.native_batches > 0

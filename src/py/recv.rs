@@ -218,10 +218,24 @@ impl PyNativeReceiver {
         Ok((applied, handovers, out.logs, out.dead))
     }
 
+    /// Hold the thread between two visits (the GIL released while it gets there): until
+    /// `release`, it applies nothing, so after a `drain` the index holds exactly what the
+    /// drained records say the thread applied (a snapshot's positions match its entries).
+    fn hold(&self, py: Python<'_>) {
+        py.detach(|| self.shared.hold());
+    }
+
+    /// Let a held thread apply again.
+    fn release(&self) {
+        self.shared.release();
+    }
+
     /// End the thread and close every socket (idempotent).
     fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
             self.shared.command(Command::Stop);
+            // A thread still held would never see the Stop.
+            self.shared.release();
         }
     }
 }

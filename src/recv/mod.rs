@@ -25,7 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::index::{Index, WorkerName};
 use crate::wire;
@@ -236,10 +236,24 @@ fn zmq_error() -> String {
     }
 }
 
+/// A hold on the thread's applying (`Shared::hold`): asked by Python, taken by the thread
+/// between two visits, so the index and the records handed to Python agree while it lasts.
+#[derive(Default)]
+struct Hold {
+    /// Python wants the thread held.
+    wanted: bool,
+    /// The thread is waiting, applying nothing, until `wanted` clears.
+    holding: bool,
+    /// The thread has ended: it applies nothing more, which is as good as held.
+    exited: bool,
+}
+
 /// What Python and the thread share.
 pub struct Shared<K> {
     pub outbox: Mutex<Outbox>,
     commands: Mutex<Vec<Command<K>>>,
+    hold: Mutex<Hold>,
+    hold_cv: Condvar,
     waker: Waker,
     /// The pipe's write end: one byte when the outbox turns non-empty.
     notify_w: RawFd,
@@ -253,6 +267,48 @@ impl<K> Shared<K> {
         self.commands.lock().push(cmd);
         // A failed wake means the thread is gone; its `dead` says why.
         let _ = self.waker.wake();
+    }
+
+    /// Stop the thread applying until `release`: returns once it waits between two visits (or
+    /// has ended), so everything it applied is in the outbox, and nothing more is applied.
+    pub fn hold(&self) {
+        let mut h = self.hold.lock();
+        h.wanted = true;
+        let _ = self.waker.wake();
+        while !(h.holding || h.exited) {
+            // Woken by the thread; the timeout only re-checks (a wake lost to a busy thread).
+            self.hold_cv.wait_for(&mut h, Duration::from_millis(50));
+            if !(h.holding || h.exited) {
+                let _ = self.waker.wake();
+            }
+        }
+    }
+
+    /// End a `hold`: the thread applies again.
+    pub fn release(&self) {
+        let mut h = self.hold.lock();
+        h.wanted = false;
+        self.hold_cv.notify_all();
+    }
+
+    /// Called by the thread between visits: wait while Python holds it.
+    fn held(&self) {
+        let mut h = self.hold.lock();
+        if !h.wanted {
+            return;
+        }
+        h.holding = true;
+        self.hold_cv.notify_all();
+        while h.wanted {
+            self.hold_cv.wait(&mut h);
+        }
+        h.holding = false;
+    }
+
+    fn exited(&self) {
+        let mut h = self.hold.lock();
+        h.exited = true;
+        self.hold_cv.notify_all();
     }
 
     /// Take everything waiting; empties the notify pipe first, so a later push signals again.
@@ -338,6 +394,8 @@ pub fn start<K: WorkerName + 'static>(
     let shared = Arc::new(Shared {
         outbox: Mutex::new(Outbox::default()),
         commands: Mutex::new(Vec::new()),
+        hold: Mutex::new(Hold::default()),
+        hold_cv: Condvar::new(),
         waker,
         notify_w,
         notify_r,
@@ -361,6 +419,7 @@ pub fn start<K: WorkerName + 'static>(
                 }
                 .run()
             }));
+            sh.exited();
             let why = match result {
                 Ok(Ok(())) => return,
                 Ok(Err(e)) => e,
@@ -452,6 +511,7 @@ impl<K: WorkerName> Loop<K> {
             if caught_up {
                 caught_up_look = looked;
             }
+            self.shared.held();
             if !self.commands()? {
                 return Ok(());
             }
@@ -590,6 +650,7 @@ impl<K: WorkerName> Loop<K> {
                 break;
             };
             self.in_backlog.remove(&token);
+            self.shared.held();
             match self.visit(token) {
                 Visit::Done => {}
                 Visit::More => {

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 
 import anyio
 
@@ -55,6 +57,8 @@ class NativeReceiver(_LoopLeader):
         self._dead: str | None = None
         # Set while `_drain` feeds drivers: they open their fast paths at its end, not per action.
         self.draining = False
+        # The core receiver whose thread this side holds (`hold`), if any.
+        self._held: _core.NativeReceiver | None = None
 
     @staticmethod
     def eligible(source: EventSource) -> bool:
@@ -106,6 +110,7 @@ class NativeReceiver(_LoopLeader):
         if not self._drivers:
             # The client may be leaving: no thread, no sockets while no source runs.
             anyio.notify_closing(self._fd)
+            self.release()
             core.close()
             self._core, self._fd = None, -1
 
@@ -128,6 +133,39 @@ class NativeReceiver(_LoopLeader):
         """Leave ``token``'s messages unread while ``parked`` (a replay of it is in flight), or read them again."""
         if self._core is not None and token in self._drivers:
             self._core.park(token, parked)
+
+    def hold(self) -> None:
+        """Stop the thread applying until `release`, with every batch it applied recorded by its source's machine.
+
+        For a reader of the index and the positions together (a snapshot, `cursors`): the thread
+        is held between two visits (`kvroute._core.NativeReceiver.hold`), then its outbox is
+        drained into the drivers, so no batch is in the index ahead of its source's seq.
+        Holding a held thread only drains again.
+        """
+        core = self._core
+        if core is None:
+            return
+        if self._held is not core:
+            core.hold()
+            self._held = core
+        self._drain()
+
+    def release(self) -> None:
+        """Let a held thread apply again."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.release()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """`hold` for the body of the ``with`` (released after it, unless it was held before)."""
+        was = self._held is not None
+        self.hold()
+        try:
+            yield
+        finally:
+            if not was:
+                self.release()
 
     async def _loop(self) -> None:
         while True:
