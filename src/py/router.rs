@@ -732,7 +732,7 @@ fn select<'py>(
             let by_index = universe.is_none() && index_holds(py, index, &w);
             if member(&w, by_index)? {
                 let u: f64 = u.extract()?;
-                workers.push(w.unbind());
+                workers.push(Who::Obj(w.unbind()));
                 rows.push(idle_row(0.0, u));
             }
         }
