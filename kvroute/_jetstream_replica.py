@@ -263,7 +263,7 @@ class JetStreamReplica:
 
     def snapshot_bytes(self) -> tuple[bytes, SnapshotInfo]:
         """The index in kvroute's snapshot format, with the stream sequence it covers (taken at one instant)."""
-        data = encode_snapshot(self.index, self.cursors())
+        data = encode_snapshot(self.index._core, self.cursors())
         info = SnapshotInfo(
             format=SNAPSHOT_FORMAT,
             stream_seq=self.position,

@@ -16,17 +16,16 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import msgspec
+
+import kvroute._core as _core
 
 from ._errors import SnapshotError
 from ._hashing import HASH_VERSION
 from ._models import WorkerKey
 from ._wire import BlockHash
-
-if TYPE_CHECKING:  # _index imports this module
-    from ._index import PrefixIndex
 
 __all__ = [
     "Cursor",
@@ -126,14 +125,16 @@ def write_snapshot(path: str | os.PathLike[str], workers: list[SnapWorker], curs
         raise
 
 
-def encode_snapshot(index: PrefixIndex, cursors: Mapping[WorkerKey, Cursor]) -> bytes:
-    """``index`` and ``cursors`` as a snapshot file's bytes (what `write_snapshot` would write), without a file.
+def encode_snapshot(core: _core.Index, cursors: Mapping[WorkerKey, Cursor]) -> bytes:
+    """A `PrefixIndex`'s core (``index._core``) and ``cursors`` as a snapshot file's bytes, without a file.
+
+    What `write_snapshot` would write for them.
 
     The core exports the tables under one read lock and writes msgspec's encoding of `_Snapshot`
     itself (no Python object per entry): the JetStream relay and replica put it in the object store.
     """
     rows = [(k.worker_id, k.dp_rank, c.seq, c.ts) for k, c in cursors.items()]
-    return index._core.snapshot_bytes(rows, (_FORMAT, _VERSION, HASH_VERSION, time.time()))
+    return core.snapshot_bytes(rows, (_FORMAT, _VERSION, HASH_VERSION, time.time()))
 
 
 def snapshot_bytes(path: str | os.PathLike[str]) -> bytes:

@@ -36,7 +36,7 @@ def _index() -> PrefixIndex:
 def test_the_core_writes_msgspecs_bytes_of_the_file_the_index_writes(tmp_path: Path) -> None:
     index = _index()
     cursors = {WorkerKey("a", 0): Cursor(41, 1.0), WorkerKey("b", 1): Cursor(2**63 + 5, 2.0)}
-    data = encode_snapshot(index, cursors)
+    data = encode_snapshot(index._core, cursors)
     snap = msgspec.msgpack.decode(data, type=_Snapshot)
     # Exactly msgspec's encoding of what it holds (every field, the same int and map forms).
     assert msgspec.msgpack.encode(snap) == data
@@ -51,7 +51,7 @@ def test_the_bytes_restore_the_same_index(tmp_path: Path) -> None:
     index = _index()
     cursors = {WorkerKey("a", 0): Cursor(3, 1.5)}
     path = tmp_path / "s"
-    path.write_bytes(encode_snapshot(index, cursors))
+    path.write_bytes(encode_snapshot(index._core, cursors))
     back = PrefixIndex.restore(path)
     assert back.restored_cursors == cursors
     assert back.stats().entries == index.stats().entries
