@@ -275,10 +275,10 @@ class _HeldReplays:
         self._ctx.term()
 
 
-async def test_a_cold_fleet_replays_through_more_than_eight_slots_at_once() -> None:
+async def test_a_cold_fleet_replays_through_all_its_slots_at_once() -> None:
     # 24 sources start cold, each asking the one replay endpoint, which answers none until
-    # 16 requests wait at once. With the default slots they all run together (through 8, as
-    # before, 8 would be the most ever waiting and the endpoint would answer only after 15 s).
+    # 16 requests wait at once. With 24 slots they all run together (through the default 8,
+    # 8 would be the most ever waiting and the endpoint would answer only after 15 s).
     # No slice yields and no timeouts here: only the slots bound how many run at once.
     n = 24
     replays = _HeldReplays(want=16)
@@ -294,8 +294,9 @@ async def test_a_cold_fleet_replays_through_more_than_eight_slots_at_once() -> N
             sources.append(
                 EventSource(worker_id=f"w{i}", endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=replays.endpoint)
             )
-        config = msgspec.structs.replace(FAST, replay_timeout=30.0, replay_slice=30.0, quiet_interval=30.0)
-        assert config.max_concurrent_replays >= 16
+        config = msgspec.structs.replace(
+            FAST, replay_timeout=30.0, replay_slice=30.0, quiet_interval=30.0, max_concurrent_replays=n
+        )
         async with KvEventClient(sources, config=config) as client:
             await client.wait_synced(30)
             assert replays.peak >= 16

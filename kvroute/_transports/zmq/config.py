@@ -73,12 +73,8 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
       source waits for one (its replies so far are applied; it queues again for the rest);
       one streaming decodable batches (>= 200/s) keeps it for 10 slices. So a few slow or
       hostile replay endpoints cannot starve the others.
-    - ``max_concurrent_replays`` 64: replay slots shared by all sources (one request per
-      source at a time, so each engine serves one at a time). A replay is a round trip to an
-      engine (~10-50 ms under load), so the slots bound how fast a cold fleet syncs: 4,096
-      cold sources through 8 slots took 512 serial turns (12 s), and every source whose
-      replay waits for a slot is not read meanwhile (its live messages wait in libzmq's and
-      the engine's queues). The slots also bound the replay answers held at once (below).
+    - ``max_concurrent_replays`` 8: replay slots shared by all sources; each engine serves
+      one at a time, and a reconnect storm must not stall every pump at once.
     - ``quiet_interval`` 2.0: a source silent this long gets a replay probe (docs/recovery.md rules
       7-8: lost tail, silent restart); one small request per source per interval. Silent means
       its SUB had nothing to read: a client that is slow itself probes nobody for it.
@@ -122,7 +118,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     replay_deadline: float = 30.0
     replay_budget: int = 100_000
     replay_slice: float = 0.1
-    max_concurrent_replays: int = 64
+    max_concurrent_replays: int = 8
     quiet_interval: float = 2.0
     recv_batch: int = 1024
     events_buffer: int = 10_000
