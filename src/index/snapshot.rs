@@ -549,7 +549,7 @@ impl<K: WorkerName> Index<K> {
         let mut live: Vec<&super::Worker<K>> = self
             .workers
             .iter()
-            .flatten()
+            .filter_map(Option::as_deref)
             .filter(|w| !w.holds_nothing())
             .collect();
         // In creation order, as the Python index lists them: a restore adds block-size classes

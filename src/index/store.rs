@@ -267,14 +267,14 @@ impl<K: WorkerName> Index<K> {
     }
 
     /// Take a worker out of its slot to work on it beside the shared tables; `put` brings it back.
-    pub(crate) fn take(&mut self, slot: u32) -> Worker<K> {
+    pub(crate) fn take(&mut self, slot: u32) -> Box<Worker<K>> {
         self.workers[slot as usize].take().expect("live worker")
     }
 
     /// Put a worker back, or forget it when it holds nothing any more (`_maybe_release`).
-    pub(crate) fn put(&mut self, w: Worker<K>) {
+    pub(crate) fn put(&mut self, w: Box<Worker<K>>) {
         if w.holds_nothing() {
-            self.release(w);
+            self.release(&w);
         } else {
             let slot = w.slot as usize;
             self.workers[slot] = Some(w);
@@ -282,7 +282,7 @@ impl<K: WorkerName> Index<K> {
     }
 
     /// Forget a worker that holds nothing any more (`_release`; its slot is reused).
-    fn release(&mut self, w: Worker<K>) {
+    fn release(&mut self, w: &Worker<K>) {
         self.by_key.remove(&w.key);
         let slot = w.slot;
         for cls in &w.classes {
@@ -311,7 +311,7 @@ impl<K: WorkerName> Index<K> {
         self.free_slots.push(slot);
     }
 
-    fn clear(&mut self, w: Worker<K>) {
+    fn clear(&mut self, w: Box<Worker<K>>) {
         let slot = w.slot;
         if w.special.is_empty() && w.multi.is_empty() {
             for &id in w.blocks.values() {
@@ -333,7 +333,7 @@ impl<K: WorkerName> Index<K> {
             }
         }
         self.entries -= w.entries() as u64;
-        self.release(w);
+        self.release(&w);
     }
 
     // --- the shared tables ---------------------------------------------------------------
