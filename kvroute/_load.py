@@ -241,6 +241,8 @@ class EngineLoads:
         self._counts: dict[WorkerKey, int] = {}
         self._cache: tuple[tuple[int, int], float, dict[WorkerKey, float], set[WorkerKey], set[WorkerKey]] | None = None
         self._per_request = self.policy.request_tokens
+        # What `usage` answers, and until when: fresh reports above 0, in record order.
+        self._usage: tuple[float, dict[WorkerKey, float]] | None = None
         #: Veto decisions taken (a worker vetoed in one `blend` call counts once).
         self.vetoes = 0
 
@@ -265,6 +267,8 @@ class EngineLoads:
         self._version += 1
         if self._cache is not None and not self._patch(worker, figures):
             self._cache = None
+        if self._usage is not None and not self._patch_usage(worker, record):
+            self._usage = None
 
     def _patch(self, worker: WorkerKey, figures: tuple[float, int, int, float, float]) -> bool:
         """Carry one worker's new record into the cached engine part, if that is all that changed.
@@ -300,11 +304,53 @@ class EngineLoads:
         self._cache = ((self._version, unit), min(until, expires), engine, wedged, stale)
         return True
 
+    def _patch_usage(self, worker: WorkerKey, record: EngineLoad) -> bool:
+        """Carry one worker's new record into the cached `usage` answer, if that is all that changed.
+
+        Engines report about as often as a router selects: recomputing over the fleet on every
+        record would cost `select` a pass over 1,024 records (about a millisecond). Only a worker
+        already listed whose fresh record still reports usage, or one leaving the list, is patched
+        in place, so the dict keeps the order a recomputation would give; anything else says False.
+        """
+        assert self._usage is not None
+        until, usage = self._usage
+        now = self.clock()
+        if now >= until:
+            return False
+        fresh = now - record.received <= self.policy.stale_after
+        if fresh and record.token_usage > 0.0:  # NaN is never > 0
+            if worker not in usage:
+                return False
+            usage[worker] = min(1.0, record.token_usage)
+        else:
+            usage.pop(worker, None)
+        return True
+
+    def usage(self) -> dict[WorkerKey, float]:
+        """Engine-reported KV-cache usage per worker: fresh reports above 0 (capped at 1), in record
+        order. Kept until a record changes in a way `update` cannot patch in place, or the first
+        listed report turns stale: `Router.select` reads it on every call (`CostModel.eviction`)."""
+        now = self.clock()
+        cached = self._usage
+        if cached is not None and now < cached[0]:
+            return cached[1]
+        stale_after = self.policy.stale_after
+        usage: dict[WorkerKey, float] = {}
+        until = math.inf
+        for w, rec in self._records.items():
+            if now - rec.received <= stale_after and rec.token_usage > 0.0:
+                until = min(until, rec.received + stale_after)
+                usage[w] = min(1.0, rec.token_usage)
+        self._usage = (until, usage)
+        return usage
+
     def remove(self, worker: WorkerKey) -> None:
         """Forget ``worker``'s records (its source was removed)."""
         self._records.pop(worker, None)
         self._figures.pop(worker, None)
         self._version += 1
+        if self._usage is not None:
+            self._usage[1].pop(worker, None)
 
     def get(self, worker: WorkerKey) -> EngineLoad | None:
         """The newest record of ``worker``, fresh or not."""

@@ -120,7 +120,6 @@ class _RouterParts(Protocol):
     _rng: random.Random
     _clock: Callable[[], float]
     _approx: dict[WorkerKey, _Approx]
-    _usage_memo: tuple[EngineLoads, int, float, dict[WorkerKey, float] | None] | None
 
     def _universe(self, candidates: Iterable[WorkerKey] | None) -> set[WorkerKey]: ...
 
@@ -182,35 +181,14 @@ class _RouterParts(Protocol):
 class ReferenceScoring:
     """`Router`'s Python scoring path (a mixin: its methods read the router through `_RouterParts`)."""
 
-    # (the EngineLoads read, its version, until when the answer holds, the answer) of `_usage`
-    _usage_memo: tuple[EngineLoads, int, float, dict[WorkerKey, float] | None] | None = None
-
     def _usage(self: _RouterParts) -> dict[WorkerKey, float] | None:
-        """Engine-reported KV usage per worker, for `CostModel.eviction`: fresh reports above 0 (at
-        most 1), in report order; None when the model prices no eviction or no engine reports.
-        Both scoring paths price these figures (the compiled one gets them as ``usage``). Kept
-        until a record changes or the next fresh one turns stale: it runs on every `select`,
-        and a pass over 1,024 records costs about a millisecond."""
+        """Engine-reported KV usage per worker, for `CostModel.eviction` (`EngineLoads.usage`); None
+        when the model prices no eviction or no engine reports. Both scoring paths price these
+        figures (the compiled one gets them as ``usage``)."""
         loads = self.engine_loads
         if loads is None or not loads.reporting or not self.cost_model.eviction_weight:
             return None
-        now = loads.clock()
-        version = loads._version  # kvroute._load bumps it on every record change
-        memo = self._usage_memo
-        if memo is not None and memo[0] is loads and memo[1] == version and now < memo[2]:
-            return memo[3]
-        stale_after = loads.policy.stale_after
-        usage: dict[WorkerKey, float] = {}
-        until = math.inf
-        for w, rec in loads.records().items():
-            expires = rec.received + stale_after
-            if now - rec.received <= stale_after:
-                until = min(until, expires)
-                if rec.token_usage > 0.0:  # NaN is never > 0
-                    usage[w] = min(1.0, rec.token_usage)
-        answer = usage or None
-        self._usage_memo = (loads, version, until, answer)
-        return answer
+        return loads.usage() or None
 
     def _select_reference(
         self: _RouterParts,

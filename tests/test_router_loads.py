@@ -177,6 +177,43 @@ def test_select_finds_loaded_workers_again_as_the_fleet_changes(steps: list[tupl
         st.tuples(
             st.sampled_from(["update", "update", "remove", "tick"]),
             st.integers(0, 3),
+            st.integers(0, 2),
+            st.sampled_from([0.0, 0.2, 0.7, 1.5, float("nan")]),
+            st.integers(0, 4000),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+)
+def test_engine_loads_usage_patched_in_place_as_recomputed(steps: list[tuple[str, int, int, float, int]]) -> None:
+    # `EngineLoads.update` carries a listed worker's new usage into the cached `usage` answer
+    # instead of dropping it; every answer must equal one computed from scratch, order included.
+    from kvroute._load import EngineLoad, EngineLoads
+
+    now = [100.0]
+    patched, fresh = EngineLoads(clock=lambda: now[0]), EngineLoads(clock=lambda: now[0])
+    workers = [WorkerKey(f"e{i}", 0) for i in range(4)]
+    for op, i, kind, usage, ms in steps:
+        w = workers[i]
+        if op == "update":
+            rec = EngineLoad(token_usage=usage, received=now[0] - [0.0, 5.0, 20.0][kind])  # 20 s: stale
+            patched.update(w, rec)
+            fresh.update(w, rec)
+        elif op == "remove":
+            patched.remove(w)
+            fresh.remove(w)
+        else:
+            now[0] += ms / 1000.0  # up to 4 s: records go stale after a few
+        fresh._usage = None  # the reference recomputes every time
+        assert list(patched.usage().items()) == list(fresh.usage().items())
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["update", "update", "remove", "tick"]),
+            st.integers(0, 3),
             st.integers(0, 3),
             st.integers(0, 4000),
             st.sampled_from([None, 0, 40_000]),
