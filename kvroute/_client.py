@@ -500,7 +500,7 @@ class KvEventClient:
         right after a reset until something is applied), partial ones included. Restored
         positions not yet taken by a source are not listed.
         """
-        # (fleet) A receive thread (`native_receive`) applies outside the event loop: it is held
+        # A receive thread (`native_receive`) applies outside the event loop: it is held
         # until the loop's next turn, so code that reads these positions and then the index,
         # without awaiting in between, sees the index as of these positions, as it would with
         # every batch applied on the event loop.
@@ -519,7 +519,7 @@ class KvEventClient:
 
     @staticmethod
     async def _release_receivers(held: list[Transport]) -> None:
-        """(fleet) Release the receive threads `cursors` held, at the event loop's next turn."""
+        """Release the receive threads `cursors` held, at the event loop's next turn."""
         for transport in held:
             transport.release()  # type: ignore[attr-defined]
 
@@ -548,7 +548,7 @@ class KvEventClient:
 
     @contextlib.contextmanager
     def _receivers_held(self) -> Iterator[None]:
-        """(fleet) Hold every receive thread (`SubscriberConfig.native_receive`) with what it applied recorded.
+        """Hold every receive thread (`SubscriberConfig.native_receive`) with what it applied recorded.
 
         The thread applies to the index before the source's machine records the seq; held,
         the index and the positions agree (a snapshot does not re-apply a batch on restore).

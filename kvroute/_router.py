@@ -521,7 +521,7 @@ class Router(ReferenceScoring):
                 loads,
                 scale,
                 credits,
-                self._usage(),  # issue 21 (routing): engine KV usage for `CostModel.eviction`
+                self._usage(),  # engine KV usage, for `CostModel.eviction`
             )
         except (TypeError, AttributeError, msgspec.EncodeError) as exc:
             raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None

@@ -258,6 +258,15 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_index_groups.py",),
         ("tests/test_index_groups.py::test_an_unreadable_removal_resets_the_worker",),
     ),
+    Mutation(
+        "unheld-cursors",
+        "with the native receive loop on, cursors() and the index agree (the thread is held while they are read)",
+        "kvroute/_client.py",
+        '        held = [t for t in self._transports if hasattr(t, "hold")]\n',
+        "        held: list[Transport] = []\n",
+        ("tests/test_native_recv.py",),
+        ("tests/test_native_recv.py::test_cursors_match_the_index_while_the_thread_applies",),
+    ),
     # --- the gateway stream ---
     Mutation(
         "data-loss-kept",
