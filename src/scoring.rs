@@ -205,15 +205,20 @@ mod tests {
         assert_eq!(STOCK.credited_blocks(6, 2, 0, 0, 0), 2.0 + 4.0 * 0.5);
     }
 
+    /// `blocks` leading blocks of 16 tokens, all on GPU.
+    fn on_gpu(blocks: i64, trusted: bool) -> Claim {
+        Claim {
+            claimed: blocks,
+            block_size: 16,
+            gpu: blocks,
+            trusted,
+            ..Claim::default()
+        }
+    }
+
     #[test]
     fn untrusted_claims_price_the_whole_prompt() {
-        let c = Claim {
-            claimed: 5,
-            block_size: 16,
-            gpu: 5,
-            trusted: false,
-            ..Claim::default()
-        };
+        let c = on_gpu(5, false);
         let got = price(&STOCK, &c, 100, 16, 2.0, 0, 0.0);
         assert_eq!(got.overlap_blocks, 0);
         assert_eq!(got.prefill_blocks, 100.0 / 16.0);
@@ -223,26 +228,14 @@ mod tests {
 
     #[test]
     fn a_claim_never_prices_below_zero_prefill() {
-        let c = Claim {
-            claimed: 8,
-            block_size: 16,
-            gpu: 8,
-            trusted: true,
-            ..Claim::default()
-        };
+        let c = on_gpu(8, true);
         let got = price(&STOCK, &c, 100, 16, 0.0, 0, 0.0);
         assert_eq!((got.prefill_blocks, got.overlap_tokens), (0.0, 100));
     }
 
     #[test]
     fn the_routing_hint_counts_only_beyond_the_index() {
-        let c = Claim {
-            claimed: 2,
-            block_size: 16,
-            gpu: 2,
-            trusted: true,
-            ..Claim::default()
-        };
+        let c = on_gpu(2, true);
         // the hint's 64 tokens beat the index's 32: 36 left to prefill
         let got = price(&STOCK, &c, 100, 16, 0.0, 64, 0.0);
         assert_eq!(got.prefill_blocks, 36.0 / 16.0);
@@ -257,13 +250,7 @@ mod tests {
 
     #[test]
     fn a_move_onto_a_busy_cache_pays_for_what_it_evicts() {
-        let c = Claim {
-            claimed: 2,
-            block_size: 16,
-            gpu: 2,
-            trusted: true,
-            ..Claim::default()
-        };
+        let c = on_gpu(2, true);
         // 100 tokens, 32 held: 68 / 16 blocks to prefill; at usage 0.25 they cost 8 * 0.25 more each
         let got = price(&STOCK, &c, 100, 16, 1.0, 0, 0.25);
         let prefill = 68.0 / 16.0;
