@@ -9,6 +9,8 @@ the Python reference path (a `CostModel` subclass), which reads the same table a
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -171,6 +173,18 @@ def test_select_finds_loaded_workers_again_as_the_fleet_changes(steps: list[tupl
         assert got[0] == got[1]
 
 
+def _step_both(pair: tuple[Any, Any], now: list[float], op: str, worker: WorkerKey, record: Any, ms: int) -> None:
+    """One step of a patched-versus-recomputed `EngineLoads` test, on both: a record (``update``),
+    ``remove``, or the clock moved on by up to 4 s (``tick``: records go stale after a few)."""
+    for loads in pair:
+        if op == "update":
+            loads.update(worker, record)
+        elif op == "remove":
+            loads.remove(worker)
+    if op == "tick":
+        now[0] += ms / 1000.0
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     steps=st.lists(
@@ -194,16 +208,8 @@ def test_engine_loads_usage_patched_in_place_as_recomputed(steps: list[tuple[str
     patched, fresh = EngineLoads(clock=lambda: now[0]), EngineLoads(clock=lambda: now[0])
     workers = [WorkerKey(f"e{i}", 0) for i in range(4)]
     for op, i, kind, usage, ms in steps:
-        w = workers[i]
-        if op == "update":
-            rec = EngineLoad(token_usage=usage, received=now[0] - [0.0, 5.0, 20.0][kind])  # 20 s: stale
-            patched.update(w, rec)
-            fresh.update(w, rec)
-        elif op == "remove":
-            patched.remove(w)
-            fresh.remove(w)
-        else:
-            now[0] += ms / 1000.0  # up to 4 s: records go stale after a few
+        rec = EngineLoad(token_usage=usage, received=now[0] - [0.0, 5.0, 20.0][kind])  # 20 s: stale
+        _step_both((patched, fresh), now, op, workers[i], rec, ms)
         fresh._usage = None  # the reference recomputes every time
         assert list(patched.usage().items()) == list(fresh.usage().items())
 
@@ -232,23 +238,15 @@ def test_engine_loads_patched_in_place_blend_as_recomputed(steps: list[tuple[str
     workers = [WorkerKey(f"e{i}", 0) for i in range(4)]
     own = {workers[0]: 64, workers[3]: 160}
     for op, i, kind, tokens, silence in steps:
-        w = workers[i]
-        if op == "update":
-            age = [0.0, 5.0, 20.0, 0.0][kind]  # 20 s: already stale (stale_after 15)
-            rec = EngineLoad(
-                running_requests=kind,
-                waiting_requests=1,
-                waiting_uncached_tokens=tokens if kind != 3 else None,  # 3: priced by request count
-                engine_silence_ms=silence,
-                received=now[0] - age,
-            )
-            patched.update(w, rec)
-            fresh.update(w, rec)
-        elif op == "remove":
-            patched.remove(w)
-            fresh.remove(w)
-        else:
-            now[0] += tokens / 1000.0  # up to 4 s: records go stale after a few
+        age = [0.0, 5.0, 20.0, 0.0][kind]  # 20 s: already stale (stale_after 15)
+        rec = EngineLoad(
+            running_requests=kind,
+            waiting_requests=1,
+            waiting_uncached_tokens=tokens if kind != 3 else None,  # 3: priced by request count
+            engine_silence_ms=silence,
+            received=now[0] - age,
+        )
+        _step_both((patched, fresh), now, op, workers[i], rec, tokens)
         # a blend after every step: the patched side always has a cache for the next update
         fresh._cache = None  # the reference recomputes the engine part every time
         got, want = patched.blend(own, 16), fresh.blend(own, 16)
