@@ -2,8 +2,9 @@
 # Builds the engines' venvs for the conformance suite, once: ~/.cache/kvroute-engines/<engine>-<version>/.
 # Idempotent: a venv whose stamp matches what builds it (the build function, the engine, its package list)
 # is reused as is; an edit to one engine's list rebuilds that engine's venv only.
-# Each venv gets torch 2.13.0 from the package index (a CUDA build that runs on the CPU; pip's cache under
-# ~/.cache/pip keeps the 4.7 GB of it and its nvidia-* libraries for the next venv), the engine with --no-deps and only
+# Each venv gets torch 2.13.0 from the package index (a CUDA build that runs on the CPU, 4.7 GB with its nvidia-*
+# libraries; each venv downloads it again: this machine's index answers are not kept in pip's HTTP cache, so
+# ~/.cache/pip stays empty — the built venvs themselves are the cache), the engine with --no-deps and only
 # the packages its cache, request and event-publisher modules import, and kvroute itself (editable), so
 # one process drives the engine's cache code and kvroute's subscriber side by side.
 set -euo pipefail
