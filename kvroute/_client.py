@@ -164,9 +164,6 @@ class KvEventClient:
         self._discovery_interval = discovery_interval
         self._discovery_grace = discovery_grace
         self._discovery_options = discovery_options or DiscoveryOptions()
-        # Warm restart: positions not yet handed to a source, and the restored workers no
-        # source has claimed yet (removed once discovery has had its first say).
-        self._restored = Restored(self._index)
         self._subs: dict[WorkerKey, _Subscription] = {}
         self._targets: dict[str, anyio.CancelScope] = {}
         # Targets whose first discovery has not answered yet: not synced (see wait_synced).
@@ -174,6 +171,10 @@ class KvEventClient:
         # The last discovery error of each target whose latest round failed.
         self._discovery_errors: dict[str, str] = {}
         self._hub = Hub()
+        # Warm restart: positions not yet handed to a source, and the restored workers no
+        # source has claimed yet (removed once discovery has had its first say). Restored state
+        # a source cannot resume is announced on the hub (a Reset), so a republisher passes it on.
+        self._restored = Restored(self._index, self._hub.publish)
         self._tg: anyio.abc.TaskGroup | None = None
         self._max_sources = self._config.max_sources or DEFAULT_MAX_SOURCES
         self._changed: anyio.Event | None = None
@@ -659,7 +660,7 @@ class KvEventClient:
     @property
     def raw_tap(self) -> RawTap | None:
         """The raw tap attached with `set_raw_tap` (None: none)."""
-        return self._hub._tap
+        return self._hub.tap
 
     def set_raw_tap(self, tap: RawTap | None) -> None:
         """Attach (None: detach) one `RawTap`: every batch the client applies, in order, as its engine's bytes.

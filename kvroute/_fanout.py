@@ -137,6 +137,11 @@ class Hub:
         """Somebody listens (an iterator or the tap): drivers then publish every applied batch's events."""
         return bool(self._streams) or self._tap is not None
 
+    @property
+    def tap(self) -> RawTap | None:
+        """The raw tap attached with `set_tap` (None: none)."""
+        return self._tap
+
     def add(self, stream: EventStream) -> None:
         """Copy every envelope from now on to ``stream`` too."""
         self._streams.append(weakref.ref(stream))

@@ -221,7 +221,11 @@ class LogRules:
         if w is None:
             self.counts["refused"] += 1
             return
-        counts, index, limits, on_applied = self.counts, self.index, self.limits, self.on_applied
+        counts, index, on_applied = self.counts, self.index, self.on_applied
+        # The core's call itself, not `PrefixIndex.apply_payload`: no `ApplyReport` per batch (the rules
+        # read only the error and the stored count), the limits unpacked once per run.
+        apply, lim = index._core.apply_payload, self.limits
+        caps = (lim.max_events_per_batch, lim.max_blocks_per_event, lim.max_block_size)
         prev = rec.prev
         for seq, ts, length in rec.items:
             payload = data[at : at + length]
@@ -238,16 +242,16 @@ class LogRules:
                 index.remove_worker(key)
                 w.lost("gap", f"the log lost batches between seq {item_prev} and {seq}", seq)
             w.last = Cursor(seq, ts)
-            report = index.apply_payload(key, payload, limits)
-            if not report.ok:
+            _, error_kind, error, stored, _ = apply(key, payload, *caps)
+            if error_kind:
                 # Nothing of it was applied: blocks it removed may still be held, so none are trusted.
                 # The chain goes on from it (what follows is applied to the emptied worker).
                 counts["undecodable"] += 1
                 index.remove_worker(key)
-                w.lost("undecodable", f"seq {seq}: {report.error_kind}: {report.error}", seq + 1)
+                w.lost("undecodable", f"seq {seq}: {error_kind}: {error}", seq + 1)
                 continue
             counts["batches"] += 1
-            w.applied(seq, ts, payload, report.stored_blocks)
+            w.applied(seq, ts, payload, stored)
             if on_applied is not None:
                 on_applied(sseq, key, seq)
 

@@ -6,15 +6,19 @@ A client given ``index=PrefixIndex.restore(path)`` resumes each source whose wor
 every other worker: one whose source cannot check its position (no replay endpoint), one no configured or
 discovered source feeds once discovery has had its say, one whose position is out of range. `Restored`
 keeps that bookkeeping; `KvEventClient` asks it at each step (a source added, discovery answered, the
-client left).
+client left). A source that takes no position while its worker had restored state (or a position) gets a
+`Reset` envelope first, published to the client's listeners: a republisher (the JetStream relay's tap)
+must tell its followers that the state went, or they would keep what the client's index no longer has.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Container, Mapping
+import time
+from collections.abc import Callable, Container, Mapping
 
+from ._events import Envelope, Reset
 from ._index import PrefixIndex
 from ._models import EventSource, WorkerKey
 from ._recovery import REPLAY_END_SEQ
@@ -34,9 +38,13 @@ class Restored:
     that worker's restored state, with a warning; the other workers keep theirs.
     """
 
-    def __init__(self, index: PrefixIndex) -> None:
+    def __init__(self, index: PrefixIndex, publish: Callable[[Envelope], None]) -> None:
         self._index = index
+        self._publish = publish
         self._positions: dict[WorkerKey, Cursor] = {}
+        # Workers whose restored state went at construction, before anybody listened: their
+        # source announces it when it starts (`take`).
+        self._dropped: dict[WorkerKey, str] = {}
         for key, cursor in index.restored_cursors.items():
             if isinstance(cursor.seq, int) and 0 <= cursor.seq < REPLAY_END_SEQ and math.isfinite(cursor.ts):
                 self._positions[key] = cursor
@@ -44,6 +52,7 @@ class Restored:
                 # One bad position costs that worker its restored state, never the fleet's.
                 log.warning("%s: restored state dropped: invalid position seq %r, ts %r", key, cursor.seq, cursor.ts)
                 index.remove_worker(key)
+                self._dropped[key] = f"restored state dropped: invalid position seq {cursor.seq!r}"
         index.restored_cursors = {}
         self._unclaimed: set[WorkerKey] = index.workers() | set(self._positions)
 
@@ -51,16 +60,23 @@ class Restored:
         """The position ``source`` resumes from, if any; the worker's restored state goes when there is none.
 
         `RecoveryMachine.start` assumes an empty slate, and a position is usable only with a
-        replay endpoint to check it against.
+        replay endpoint to check it against. When restored state (or a restored position) goes
+        here, a ``Reset("no-replay")`` envelope for ``source`` is published first, before any of
+        the source's own events.
         """
         key = source.key
         self._unclaimed.discard(key)
         cursor = self._positions.pop(key, None)
+        why = self._dropped.pop(key, None)
         if cursor is not None and source.replay_endpoint is None:
             log.info("%s: restored state dropped: no replay endpoint to check it against", key)
+            why = f"restored state through seq {cursor.seq} cannot be checked without replay"
             cursor = None
         if cursor is None and self._index.num_blocks(key):
             self._index.remove_worker(key)
+            why = why or "restored state without a position"
+        if why is not None:
+            self._publish(Envelope(source=source, seq=None, ts=time.time(), event=Reset("no-replay", why)))
         return cursor
 
     def drop_unclaimed(self, fed: Container[WorkerKey]) -> None:
@@ -71,6 +87,8 @@ class Restored:
                 self._index.remove_worker(key)
                 self._positions.pop(key, None)
         self._unclaimed.clear()
+        for key in [k for k in self._dropped if k not in fed]:
+            del self._dropped[key]
 
     @property
     def pending(self) -> bool:

@@ -320,6 +320,35 @@ async def test_three_replicas_and_a_direct_client_agree(nats_server: NatsServer)
 
 
 @pytest.mark.anyio
+async def test_a_new_relay_resets_what_it_cannot_resume_on_every_replica(nats_server: NatsServer) -> None:
+    # Sources without a replay endpoint: a relay that takes over cannot check the log's positions, so
+    # its client starts them from nothing (`Restored.take`). The replicas must drop the log's state of
+    # those workers too: the batches between the two relays are lost, and may have removed blocks.
+    async with EventPublisher() as p0, EventPublisher() as p1:
+        fleet = Fleet([p0, p1])
+        sources = [msgspec.structs.replace(s, replay_endpoint=None) for s in fleet.sources()]
+        async with JetStreamReplica(nats_server.url, stream="N") as replica:
+            async with JetStreamRelay(nats_server.url, sources, stream="N", config=FAST) as first:
+                await first.wait_synced(10)
+                await _steady(fleet, 10)
+                await replica_at(replica, fleet.last())
+                assert replica.index.num_blocks(WorkerKey("w0", 0)) > 0
+            fleet.step(10)  # nobody follows the engines: these batches are lost
+            async with JetStreamRelay(nats_server.url, sources, stream="N", config=FAST) as second:
+                await second.wait_synced(10)
+                await _steady(fleet, 10)
+                last = fleet.last()
+                client = second.client
+                assert client is not None
+                await client_at(client, last)
+                await replica_at(replica, last)
+                st = second.stats()
+                assert st.resets >= 2, st
+                # The replica holds what the relay's client holds: nothing from before the handover.
+                assert_same(replica.index, client.index, fleet.queries(), note=(replica.stats(), st))
+
+
+@pytest.mark.anyio
 async def test_nats_server_restart_loses_and_doubles_nothing(nats_server: NatsServer) -> None:
     async with EventPublisher() as p0, EventPublisher() as p1:
         fleet = Fleet([p0, p1])

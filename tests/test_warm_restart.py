@@ -36,7 +36,7 @@ from test_source import (
 
 from kvroute._client import KvEventClient
 from kvroute._errors import SnapshotError
-from kvroute._events import Partial, Replayed, Reset
+from kvroute._events import Envelope, Partial, Replayed, Reset
 from kvroute._index import PrefixIndex
 from kvroute._models import EventSource, WorkerKey
 from kvroute._snapshot import Cursor
@@ -487,3 +487,50 @@ async def test_a_forged_restored_position_leaves_the_other_sources_resuming_wher
                 st = client.stats().sources[key]
                 assert (st.resets, st.batches, st.partial) == (0, 7, False), (key, st)
             assert forged not in client.index.workers()
+
+
+class _RecordingTap:
+    """A raw tap (`kvroute._fanout.RawTap`) that keeps what it is handed, in order."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[WorkerKey, object]] = []
+
+    def raw(self, source: EventSource, seq: int, ts: float, payload: bytes, blocks: int) -> None:
+        self.items.append((source.key, seq))
+
+    def push(self, envelope: Envelope) -> None:
+        self.items.append((envelope.source.key, envelope.seq if envelope.seq is not None else envelope.event))
+
+
+@pytest.mark.anyio
+async def test_restored_state_a_source_cannot_resume_is_announced_with_a_reset(tmp_path: Path) -> None:
+    # A republisher (the JetStream relay) sees every index change through its tap: restored state
+    # dropped because the source has no replay endpoint, or because its position was invalid, comes
+    # as a Reset before that source's first batch, not silently.
+    wl_a, wl_b = Workload(43), Workload(44)
+    path, forged_path = tmp_path / "index.kvs", tmp_path / "forged.kvs"
+    async with EventPublisher(replay_endpoint=None) as pa, EventPublisher() as pb:
+        a, b = pa.source("a"), pb.source("b")
+        async with KvEventClient([a, b], config=FAST) as client:
+            stream = client.events()
+            await joined(client, pa, a)
+            await joined(client, pb, b)
+            for _ in range(5):
+                pa.publish(wl_a.batch())
+                pb.publish(wl_b.batch())
+            await settle(client, stream, {a.key: pa.next_seq - 1, b.key: pb.next_seq - 1})
+            client.snapshot(path)
+        saved = PrefixIndex.restore(path)
+        saved.snapshot(forged_path, cursors={**saved.restored_cursors, b.key: Cursor(-5, math.nan)})
+        index = PrefixIndex.restore(forged_path)
+        assert index.num_blocks(a.key) > 0 and a.key in index.restored_cursors
+        client = KvEventClient([a, b], config=FAST, index=index)
+        tap = _RecordingTap()
+        client.set_raw_tap(tap)
+        async with client:
+            assert client.index.num_blocks(a.key) == 0 and client.index.num_blocks(b.key) == 0
+            for key in (a.key, b.key):
+                first = next(ev for k, ev in tap.items if k == key)
+                assert isinstance(first, Reset) and first.reason == "no-replay", (key, tap.items)
+            # One each, at entry (nothing else reset them).
+            assert sum(isinstance(ev, Reset) for _, ev in tap.items) == 2, tap.items
