@@ -267,6 +267,18 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_recv.py",),
         ("tests/test_native_recv.py::test_cursors_match_the_index_while_the_thread_applies",),
     ),
+    Mutation(
+        "silent-restore-drop",
+        "restored state a source cannot resume is announced with a Reset, so replicas of the log drop it too",
+        "kvroute/_restore.py",
+        "        if why is not None:\n",
+        "        if False:\n",
+        ("tests/test_warm_restart.py", "tests/test_jetstream.py"),
+        (
+            "tests/test_jetstream.py::test_a_new_relay_resets_what_it_cannot_resume_on_every_replica",
+            "tests/test_warm_restart.py::test_restored_state_a_source_cannot_resume_is_announced_with_a_reset",
+        ),
+    ),
     # --- the gateway stream ---
     Mutation(
         "data-loss-kept",
