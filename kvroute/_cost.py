@@ -75,16 +75,17 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     ``footprint`` (True): spread new sessions, `Router`'s footprint; False turns it off. A *new
     placement* is a prompt no candidate holds ``footprint_new_share`` (0.5) of, by the index's
     counted overlap or the routing hint. It goes to the candidate with the fewest recent new
-    placements among those costing at most ``1 + footprint_band`` times the cheapest
-    (`footprint_limit`; ties: the cheaper, then at random), instead of a random one of the cheapest.
-    Workers whose caches took the most new sessions evict the earlier sessions' histories before
-    their next turn; cost alone sends new sessions to any idle worker at random (9-39 a rank in one
-    demo run). ``footprint_band`` (0.0): 0 chooses among the cheapest only (equal cost: on a lightly
-    loaded fleet, the idle workers), so load balance is untouched; above 0 it may take a dearer
-    worker, trading load (and, at equal load, a cached prefix under ``band / (1 + band)`` of the
-    prompt: a third at 0.5) for spread. Counts decay by half every ``footprint_half_life`` (64) new
-    placements the router makes. Applies at ``temperature`` 0. Measured in ``kvroute demo`` (README,
-    "Routing quality").
+    placements among those costing at most ``1 + footprint_band`` (1.5) times the cheapest
+    (`footprint_limit`) and carrying no more load than the cheapest (ties: the cheaper, then at
+    random), instead of the cheapest. Workers whose caches took the most new sessions evict the
+    earlier sessions' histories before their next turn; cost alone sends a new session to whichever
+    idle worker reports the least KV usage, or at random (in one demo run 31-49 a rank against
+    40-43 with the footprint). The band trades only what the cost adds beside load: what the
+    prefill evicts (`eviction`) and a short cached prefix (at equal load, under ``band / (1 +
+    band)`` of the prompt: a third at 0.5); load balance is what it was. 0 chooses among the
+    cheapest only. Counts decay by half every ``footprint_half_life`` (64) new placements the
+    router makes. Applies at ``temperature`` 0. Measured in ``kvroute demo`` (README, "Routing
+    quality").
 
     Overrides must be pure functions of their arguments: the router evaluates the cost of all
     idle workers once. The built-in model is priced in the compiled core (its weights read off
@@ -99,7 +100,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float = 0.0
     eviction_weight: float = 8.0
     footprint: bool = True
-    footprint_band: float = 0.0
+    footprint_band: float = 0.5
     footprint_new_share: float = 0.5
     footprint_half_life: float = 64.0
 

@@ -8,7 +8,7 @@ started in; the ranks that took many evict the earlier sessions' histories befor
 conversation shape). The footprint is a count per worker of the new placements the router made
 there, each decaying by half every ``CostModel.footprint_half_life`` new placements (decay by
 placements, not by time: the count compares workers, and a clock-free count means the same at any
-request rate). `CostModel.footprint_band` bounds what it may override.
+request rate). `CostModel.footprint_band` bounds what it may override, and it never trades load.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class Footprint:
     def pick(
         self,
         costs: Sequence[float],
+        loads: Sequence[float],
         workers: Sequence[WorkerKey],
         idle_cost: float,
         idle: Callable[[], Iterable[WorkerKey]] | None,
@@ -65,24 +66,31 @@ class Footprint:
         rng: random.Random,
     ) -> tuple[int | None, WorkerKey] | None:
         """The new placement's worker: fewest recent new placements among the candidates whose cost is
-        within ``limit(cheapest)``; ties go to the cheaper, then at random.
+        within ``limit(cheapest)`` and whose load is no more than the cheapest's; ties go to the
+        cheaper, then at random.
 
-        ``costs`` / ``workers``: the priced candidates; ``idle``: the idle workers, all at
-        ``idle_cost`` (None: there are none), called only when that cost is within the limit.
-        Returns the winner's position in ``costs`` (None: an idle worker) and the worker; None when
-        no worker is left (the idle group was the cheapest and ``idle`` found none: another thread
-        changed the fleet meanwhile).
+        The band trades what the cost adds beside load (prefill still to do: a short cached prefix;
+        what the prefill evicts, `CostModel.eviction`), never load: a new session never goes to a
+        busier worker than cost alone would send it to, so load balance is what it was.
+        ``costs`` / ``loads`` / ``workers``: the priced candidates (load in cost blocks); ``idle``:
+        the idle workers, all at ``idle_cost`` and no load (None: there are none), called only when
+        eligible. Returns the winner's position in ``costs`` (None: an idle worker) and the worker;
+        None when no worker is left (the idle group was the cheapest and ``idle`` found none:
+        another thread changed the fleet meanwhile).
         """
         cheapest = min(costs, default=math.inf)
         if idle is not None:
             cheapest = min(cheapest, idle_cost)
         # Costs from different paths can differ in the last bits (kvroute._scoring's _TIE_EPS).
+        tie = cheapest * (1.0 + 1e-9)
+        # The cheapest's load (of several at that cost, the largest: each was eligible without the footprint).
+        load_cap = max((x for c, x in zip(costs, loads) if c <= tie), default=0.0)
         bound = limit(cheapest) * (1.0 + 1e-9)
         raw = self._raw
         best: tuple[float, float] | None = None
         tied: list[tuple[int | None, WorkerKey]] = []
-        for i, (c, w) in enumerate(zip(costs, workers)):
-            if c <= bound:
+        for i, (c, x, w) in enumerate(zip(costs, loads, workers)):
+            if c <= bound and x <= load_cap:
                 key = (raw.get(w, 0.0), c)
                 if best is None or key < best:
                     best, tied = key, [(i, w)]

@@ -541,9 +541,11 @@ class Router(ReferenceScoring):
             def idle_of() -> set[WorkerKey]:
                 return (universe if universe is not None else self.workers()).difference(scored.workers())
 
+            listed = scored.workers()
             got = self._footprint.pick(
                 scored.costs(),
-                scored.workers(),
+                [loads.get(w, 0) * scale for w in listed],  # as the core priced them
+                listed,
                 idle_cost,
                 idle_of if idle_count else None,
                 model.footprint_limit,

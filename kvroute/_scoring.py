@@ -330,6 +330,7 @@ class ReferenceScoring:
             listed = [e.worker for e in entries]
             got = self._footprint.pick(
                 [e.cost for e in entries],
+                [e.load_blocks for e in entries],
                 listed,
                 idle_cost,
                 (lambda: universe.difference(listed)) if idle_count else None,

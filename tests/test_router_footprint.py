@@ -73,21 +73,19 @@ def test_a_burst_of_new_sessions_is_spread_evenly(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
-@pytest.mark.parametrize("band", [0.0, 0.5])
-def test_a_wider_band_trades_load_for_spread_and_no_more(kind: str, band: float) -> None:
-    router = _router(kind, footprint_band=band)
+def test_the_footprint_never_sends_a_new_session_to_a_busier_worker(kind: str) -> None:
+    router = _router(kind)
     for n, w in enumerate(WORKERS[:3] * 2):  # two sessions started on each of w0-w2
         router.select(_session(n), request_id=("old", n), candidates=[w])
         router.on_finish(("old", n))
-    # w3 is busy (its cost 2·P + L, P = 8.3 blocks, L = 4) and started none: at band 0.5 it is within
-    # the band (L ≤ 0.5·2·P) and preferred to an idle worker that started two; at 0 the load decides.
-    load = {WORKERS[3]: 4.0}
-    d = router.select(_session(100), load=load, candidates=WORKERS[:4])
-    assert (d.worker == WORKERS[3]) is (band == 0.5)
-    # Beyond the band the load wins: the footprint never sends a request to a worker costing more.
-    load = {WORKERS[3]: 10.0}
-    d = router.select(_session(101), load=load, candidates=WORKERS[:4])
+    # w3 started none, but it is busy (cost 2·P + L, P = 8.3 blocks, L = 4: within the band of the idle
+    # workers' 2·P): the footprint trades no load, so an idle worker that started two sessions wins.
+    d = router.select(_session(100), load={WORKERS[3]: 4.0}, candidates=WORKERS[:4])
     assert d.worker in WORKERS[:3]
+    # Among workers equally busy, the one that started fewest wins.
+    load = dict.fromkeys(WORKERS[:4], 4.0)
+    d = router.select(_session(101), load=load, candidates=WORKERS[:4])
+    assert d.worker == WORKERS[3]
 
 
 def _hold(index: PrefixIndex, worker: WorkerKey, prompt: list[int], blocks: int, first_hash: int) -> None:
@@ -100,7 +98,7 @@ def _hold(index: PrefixIndex, worker: WorkerKey, prompt: list[int], blocks: int,
 @pytest.mark.parametrize(
     ("held", "moved"),
     [
-        (1, False),  # at the default band 0 any cached prefix wins (see the band 0.5 cases below)
+        (1, False),  # at band 0 any cached prefix wins (the others: the default 0.5)
         (2, True),  # 2 of 12.3 blocks: 2·10.3 = 20.6, 1.5 x that = 30.9 ≥ 2·12.3 = 24.6, within the band
         (4, True),  # 2·8.3 = 16.6, 1.5 x that = 24.9 ≥ 24.6: within the band still (a third of the prompt)
         (5, False),  # 2·7.3 = 14.6, 1.5 x that = 21.9 < 24.6: the holder's prefix wins
@@ -108,7 +106,7 @@ def _hold(index: PrefixIndex, worker: WorkerKey, prompt: list[int], blocks: int,
     ],
 )
 def test_the_footprint_moves_a_cached_prefix_only_within_the_band(kind: str, held: int, moved: bool) -> None:
-    router = _router(kind, footprint_band=0.0 if held == 1 else 0.5)
+    router = _router(kind) if held > 1 else _router(kind, footprint_band=0.0)
     holder = WORKERS[0]
     for n in range(30):  # the holder started many sessions: the footprint would send anything elsewhere
         router.select(_session(n), request_id=n, candidates=[holder])
@@ -136,6 +134,9 @@ def test_the_chosen_cost_stays_within_the_band_of_the_cheapest(kind: str, band: 
         new = max(max(c.overlap_tokens, c.routed_tokens) for c in d.candidates) < 0.5 * len(prompt)
         if new:
             assert d.cost <= model.footprint_limit(cheapest) * (1 + 1e-9)
+            at_cheapest = [c.load_blocks for c in d.candidates if c.cost <= cheapest * (1 + 1e-9)]
+            chosen = next(c for c in d.candidates if c.worker == d.worker)
+            assert chosen.load_blocks <= max(at_cheapest, default=0.0)  # the footprint trades no load
         else:
             assert d.cost == pytest.approx(cheapest)
 
