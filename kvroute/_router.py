@@ -16,7 +16,9 @@ Cost of a candidate (the model of NVIDIA Dynamo's KV router; its defaults are ke
   brought a shared prefix ends first, the prefix stays pinned by the others but leaves the count.
 
 Lowest cost wins; exact ties are broken uniformly at random; a positive ``temperature`` samples
-instead from the softmax of ``-cost / temperature``, spreading load.
+instead from the softmax of ``-cost / temperature``, spreading load. A new session (a prompt no
+candidate holds half of) goes instead where the fewest new sessions started recently, within
+`CostModel.footprint_band` of the lowest cost and never to a busier worker (`kvroute._footprint`).
 
 Trust: a worker's index overlap counts only when its state is "synced" (and, unless
 ``trust_partial``, not partial) — a worker not yet synced, resyncing or partial counts as
@@ -123,8 +125,9 @@ class Router(ReferenceScoring):
     the README's routing section for what it gains and costs).
 
     New sessions are spread by the footprint (`CostModel.footprint`, `kvroute._footprint`): a prompt
-    no candidate holds much of goes to the worker with the fewest recent new placements among the
-    cheapest (or within ``footprint_band`` of it); a `select` given a ``request_id`` counts its placement.
+    no candidate holds half of goes to the worker with the fewest recent new placements among those
+    within ``footprint_band`` of the cheapest cost and no busier than it; a `select` given a
+    ``request_id`` counts its placement (`on_start` does not: it cannot tell a new session).
 
     Not thread-safe: use it from one thread (or one event loop), like the index it reads.
     """
