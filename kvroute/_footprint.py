@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
+from itertools import islice
 
 from ._models import WorkerKey
 
@@ -61,7 +62,7 @@ class Footprint:
         loads: Sequence[float],
         workers: Sequence[WorkerKey],
         idle_cost: float,
-        idle: Callable[[], Iterable[WorkerKey]] | None,
+        idle: Callable[[], set[WorkerKey]] | None,
         limit: Callable[[float], float],
         rng: random.Random,
     ) -> tuple[int | None, WorkerKey] | None:
@@ -88,24 +89,37 @@ class Footprint:
         bound = limit(cheapest) * (1.0 + 1e-9)
         raw = self._raw
         best: tuple[float, float] | None = None
-        tied: list[tuple[int | None, WorkerKey]] = []
+        at: dict[WorkerKey, int] = {}  # the tied listed candidates' positions
+        tied: list[WorkerKey] = []
         for i, (c, x, w) in enumerate(zip(costs, loads, workers)):
             if c <= bound and x <= load_cap:
                 key = (raw.get(w, 0.0), c)
                 if best is None or key < best:
-                    best, tied = key, [(i, w)]
+                    best, tied, at = key, [w], {w: i}
                 elif key == best:
-                    tied.append((i, w))
+                    tied.append(w)
+                    at[w] = i
+        group: set[WorkerKey] = set()
         if idle is not None and idle_cost <= bound:
-            for w in idle():
-                key = (raw.get(w, 0.0), idle_cost)
+            pool = idle()
+            # Set operations, not a loop per worker: a fleet of 1,024 idle workers is the common case.
+            group = pool.difference(raw)
+            low = 0.0
+            if not group and pool:
+                low = min(raw[w] for w in pool)
+                group = {w for w in pool if raw[w] == low}
+            if group:
+                key = (low, idle_cost)
                 if best is None or key < best:
-                    best, tied = key, [(None, w)]
-                elif key == best:
-                    tied.append((None, w))
-        if not tied:
+                    best, tied, at = key, [], {}
+                elif key != best:
+                    group = set()
+        if not tied and not group:
             return None
-        # Sorted before the draw: the idle workers come from a set, whose order is not the seed's,
-        # and both scoring paths list candidates in their own order.
-        tied.sort(key=lambda t: t[1])
-        return tied[rng.randrange(len(tied))]
+        # The listed ties sorted (both scoring paths list candidates in their own order), then the idle
+        # ones drawn as `Router` draws an idle worker: by position in the set both paths build alike.
+        tied.sort()
+        r = rng.randrange(len(tied) + len(group))
+        if r < len(tied):
+            return at[tied[r]], tied[r]
+        return None, next(islice(iter(group), r - len(tied), None))
