@@ -79,8 +79,8 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     (`footprint_limit`) and carrying no more load than the cheapest (ties: the cheaper, then at
     random), instead of the cheapest. Workers whose caches took the most new sessions evict the
     earlier sessions' histories before their next turn; cost alone sends a new session to whichever
-    idle worker reports the least KV usage, or at random (in one demo run 31-49 a rank against
-    40-43 with the footprint). The band trades only what the cost adds beside load: what the
+    idle worker reports the least KV usage, or at random (in one demo run 25-71 a rank against
+    41-43 with the footprint). The band trades only what the cost adds beside load: what the
     prefill evicts (`eviction`) and a short cached prefix (at equal load, under ``band / (1 +
     band)`` of the prompt: a third at 0.5); load balance is what it was. 0 chooses among the
     cheapest only. Counts decay by half every ``footprint_half_life`` (64) new placements the
