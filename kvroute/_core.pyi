@@ -126,6 +126,8 @@ class Scored:
         """The candidates' workers, in order."""
     def costs(self) -> list[float]:
         """The candidates' costs, in order."""
+    def best_overlap(self) -> int:
+        """The longest prefix (tokens) any candidate holds by counted overlap or routing hint."""
 
 def block_keys(
     parent: bytes,

@@ -72,6 +72,20 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     leave it no free room, evicting another session's; the holder, with little to prefill, pays
     little. Measured in ``kvroute demo`` (README, "Routing quality"): under cache pressure it kept
     the sessions that 2.0 alone moved for load. 0 turns it off.
+    ``footprint`` (True): spread new sessions, `Router`'s footprint; False turns it off. A *new
+    placement* is a prompt no candidate holds ``footprint_new_share`` (0.5) of, by the index's
+    counted overlap or the routing hint. It goes to the candidate with the fewest recent new
+    placements among those costing at most ``1 + footprint_band`` (1.5) times the cheapest
+    (`footprint_limit`) and carrying no more load than the cheapest (ties: the cheaper, then at
+    random), instead of the cheapest. Workers whose caches took the most new sessions evict the
+    earlier sessions' histories before their next turn; cost alone sends a new session to whichever
+    idle worker reports the least KV usage, or at random (in one demo run 25-71 a rank against
+    41-43 with the footprint). The band trades only what the cost adds beside load: what the
+    prefill evicts (`eviction`) and a short cached prefix (at equal load, under ``band / (1 +
+    band)`` of the prompt: a third at 0.5); load balance is what it was. 0 chooses among the
+    cheapest only. Counts decay by half every ``footprint_half_life`` (64) new placements the
+    router makes. Applies at ``temperature`` 0. Measured in ``kvroute demo`` (README, "Routing
+    quality").
 
     Overrides must be pure functions of their arguments: the router evaluates the cost of all
     idle workers once. The built-in model is priced in the compiled core (its weights read off
@@ -85,6 +99,10 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     external_credit: float = 0.5
     temperature: float = 0.0
     eviction_weight: float = 8.0
+    footprint: bool = True
+    footprint_band: float = 0.5
+    footprint_new_share: float = 0.5
+    footprint_half_life: float = 64.0
 
     def __post_init__(self) -> None:
         _check_range("overlap_weight", self.overlap_weight, 0.0)
@@ -93,6 +111,11 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         _check_range("external_credit", self.external_credit, 0.0, 1.0)
         _check_range("temperature", self.temperature, 0.0)
         _check_range("eviction_weight", self.eviction_weight, 0.0)
+        if not isinstance(self.footprint, bool):
+            raise RouterError(f"footprint must be a bool, got {self.footprint!r}")
+        _check_range("footprint_band", self.footprint_band, 0.0)
+        _check_range("footprint_new_share", self.footprint_new_share, 0.0, 1.0)
+        _check_range("footprint_half_life", self.footprint_half_life, 0.0, low_open=True)
 
     @property
     def full_credit(self) -> bool:
@@ -130,6 +153,11 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         """What computing ``prefill_blocks`` on a worker at KV ``usage`` (in [0, 1]) evicts, added to
         `cost` where the worker reports usage above 0: ``eviction_weight * usage * prefill_blocks``."""
         return self.eviction_weight * usage * prefill_blocks
+
+    def footprint_limit(self, cheapest: float) -> float:
+        """The highest cost a new placement may take to reach a worker with fewer recent new placements:
+        ``(1 + footprint_band) * cheapest``, ``cheapest`` the lowest candidate cost (`Router`'s footprint)."""
+        return (1.0 + self.footprint_band) * cheapest
 
 
 class CandidateScore(msgspec.Struct, frozen=True, gc=False):

@@ -16,7 +16,9 @@ Cost of a candidate (the model of NVIDIA Dynamo's KV router; its defaults are ke
   brought a shared prefix ends first, the prefix stays pinned by the others but leaves the count.
 
 Lowest cost wins; exact ties are broken uniformly at random; a positive ``temperature`` samples
-instead from the softmax of ``-cost / temperature``, spreading load.
+instead from the softmax of ``-cost / temperature``, spreading load. A new session (a prompt no
+candidate holds half of) goes instead where the fewest new sessions started recently, within
+`CostModel.footprint_band` of the lowest cost and never to a busier worker (`kvroute._footprint`).
 
 Trust: a worker's index overlap counts only when its state is "synced" (and, unless
 ``trust_partial``, not partial) — a worker not yet synced, resyncing or partial counts as
@@ -49,6 +51,7 @@ import kvroute._core as _core
 
 from ._cost import CandidateScore, CostModel, RoutingDecision, _check_block_size, _check_range, _key
 from ._errors import NoWorkersError, RouterError
+from ._footprint import Footprint
 from ._hashing import MultimodalItem
 from ._index import PrefixIndex
 from ._load import EngineLoads
@@ -121,6 +124,11 @@ class Router(ReferenceScoring):
     engine is still prefilling it and no event has told the index yet (10 s is a good value: see
     the README's routing section for what it gains and costs).
 
+    New sessions are spread by the footprint (`CostModel.footprint`, `kvroute._footprint`): a prompt
+    no candidate holds half of goes to the worker with the fewest recent new placements among those
+    within ``footprint_band`` of the cheapest cost and no busier than it; a `select` given a
+    ``request_id`` counts its placement (`on_start` does not: it cannot tell a new session).
+
     Not thread-safe: use it from one thread (or one event loop), like the index it reads.
     """
 
@@ -162,6 +170,7 @@ class Router(ReferenceScoring):
         self._active: dict[WorkerKey, dict[Hashable, int]] = {}
         self._request_worker: dict[Hashable, WorkerKey] = {}
         self._routed = RoutedPrefixes(float(routed_ttl), routed_per_worker)
+        self._footprint = Footprint()  # new placements per worker (`CostModel.footprint`)
         self._selections = 0
         self._unknown_finishes = 0
         self._select_seconds = 0.0
@@ -199,6 +208,7 @@ class Router(ReferenceScoring):
         self._approx.pop(worker, None)
         self._load.pop(worker, None)
         self._routed.discard_worker(worker)
+        self._footprint.discard(worker)
         for rid in self._active.pop(worker, {}):
             del self._request_worker[rid]
 
@@ -527,22 +537,48 @@ class Router(ReferenceScoring):
             raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
         if not idle_count and not len(scored):
             self._no_workers(candidates)
-        if model.temperature > 0.0:
+        new = self._new_placement(ntok, scored.best_overlap())
+        placed: WorkerKey | None = None  # the footprint's idle worker, when it picks one
+        if new:
+
+            def idle_of() -> set[WorkerKey]:
+                return (universe if universe is not None else self.workers()).difference(scored.workers())
+
+            listed = scored.workers()
+            got = self._footprint.pick(
+                scored.costs(),
+                [loads.get(w, 0) * scale for w in listed],  # as the core priced them
+                listed,
+                idle_cost,
+                idle_of if idle_count else None,
+                model.footprint_limit,
+                self._rng,
+            )
+            if got is None:
+                # another thread's ingest changed the fleet between the core's read and now
+                return self._select_reference(
+                    started, token_ids, lora_name, cache_salt, mm_items, candidates, load, request_id, extra_keys
+                )
+            at, placed = got
+        elif model.temperature > 0.0:
             at = self._pick_at(scored.costs(), idle_count, idle_cost, model.temperature)
         else:
             r = self._rng.randrange(len(tied) + idle_tied)  # as `_pick` draws
             at = tied[r] if r < len(tied) else None
         tail = None
         if at is None:
-            if universe is None:
-                universe = self.workers()  # the idle group won: the set is built only now
-            idle = universe.difference(scored.workers())
-            if not idle:
-                # another thread's ingest changed the fleet between the core's read and now
-                return self._select_reference(
-                    started, token_ids, lora_name, cache_salt, mm_items, candidates, load, request_id, extra_keys
-                )
-            chosen_w = next(islice(iter(idle), self._rng.randrange(len(idle)), None))
+            if placed is not None:
+                chosen_w = placed
+            else:
+                if universe is None:
+                    universe = self.workers()  # the idle group won: the set is built only now
+                idle = universe.difference(scored.workers())
+                if not idle:
+                    # another thread's ingest changed the fleet between the core's read and now
+                    return self._select_reference(
+                        started, token_ids, lora_name, cache_salt, mm_items, candidates, load, request_id, extra_keys
+                    )
+                chosen_w = next(islice(iter(idle), self._rng.randrange(len(idle)), None))
             pick: CandidateScore = CandidateScore(
                 worker=chosen_w,
                 source="index",
@@ -557,6 +593,8 @@ class Router(ReferenceScoring):
             idle_count -= 1
         else:
             pick = scored.candidate(at)
+        if new and request_id is not None:
+            self._footprint.add(pick.worker, model.footprint_half_life)
         return self._decide(started, pick, (scored, tail), idle_count, idle_cost, ntok, request_id, routed_keys)
 
     def _engine_reporting(self) -> bool:

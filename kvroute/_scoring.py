@@ -19,6 +19,7 @@ import msgspec
 
 from ._cost import CandidateScore, CostModel, RoutingDecision
 from ._errors import NoWorkersError, RouterError
+from ._footprint import Footprint
 from ._hashing import MultimodalItem, chain_keys
 from ._index import OverlapScores, PrefixIndex
 from ._load import EngineLoads
@@ -120,6 +121,9 @@ class _RouterParts(Protocol):
     _rng: random.Random
     _clock: Callable[[], float]
     _approx: dict[WorkerKey, _Approx]
+    _footprint: Footprint
+
+    def _new_placement(self, ntok: int, best_overlap: int) -> bool: ...
 
     def _universe(self, candidates: Iterable[WorkerKey] | None) -> set[WorkerKey]: ...
 
@@ -189,6 +193,12 @@ class ReferenceScoring:
         if loads is None or not loads.reporting or not self.cost_model.eviction_weight:
             return None
         return loads.usage() or None
+
+    def _new_placement(self: _RouterParts, ntok: int, best_overlap: int) -> bool:
+        """Whether a prompt is a new placement for the footprint (`CostModel.footprint`): on, at
+        temperature 0, and no candidate holds ``footprint_new_share`` of it (``best_overlap`` tokens)."""
+        model = self.cost_model
+        return model.footprint and model.temperature == 0.0 and best_overlap < model.footprint_new_share * ntok
 
     def _select_reference(
         self: _RouterParts,
@@ -314,10 +324,28 @@ class ReferenceScoring:
                     )
 
         idle_count = len(universe) - len(entries)
-        pick = self._pick(entries, idle_count, idle_cost, model.temperature)
+        best_overlap = max((max(e.overlap_tokens, e.routed_tokens) for e in entries), default=0)
+        new = self._new_placement(ntok, best_overlap)
+        if new:
+            listed = [e.worker for e in entries]
+            got = self._footprint.pick(
+                [e.cost for e in entries],
+                [e.load_blocks for e in entries],
+                listed,
+                idle_cost,
+                (lambda: universe.difference(listed)) if idle_count else None,
+                model.footprint_limit,
+                self._rng,
+            )
+            assert got is not None  # the universe is this call's own: idle_count > 0 means idle workers exist
+            at, chosen_w = got
+            pick = None if at is None else entries[at]
+        else:
+            pick = self._pick(entries, idle_count, idle_cost, model.temperature)
         if pick is None:
-            idle = universe.difference([e.worker for e in entries])
-            chosen_w = next(islice(iter(idle), self._rng.randrange(len(idle)), None))
+            if not new:
+                idle = universe.difference([e.worker for e in entries])
+                chosen_w = next(islice(iter(idle), self._rng.randrange(len(idle)), None))
             chosen = CandidateScore(
                 worker=chosen_w,
                 source="approximate" if chosen_w in approx else "index",
@@ -337,6 +365,8 @@ class ReferenceScoring:
         chosen_store = approx.get(worker)
         if chosen_store is not None:
             chosen_store.note(query.keys(chosen_store.block_size), self._clock() + self.approximate_ttl)
+        if new and request_id is not None:
+            self._footprint.add(worker, model.footprint_half_life)
         return self._decide(started, chosen, entries, idle_count, idle_cost, ntok, request_id, routed_keys)
 
     def _scored(

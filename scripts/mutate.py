@@ -279,6 +279,16 @@ MUTATIONS: list[Mutation] = [
             "tests/test_warm_restart.py::test_restored_state_a_source_cannot_resume_is_announced_with_a_reset",
         ),
     ),
+    # --- the router ---
+    Mutation(
+        "footprint-unrecorded",
+        "a new session the Router places counts on its worker's footprint, so the next goes where fewest started",
+        "kvroute/_router.py",
+        "            self._footprint.add(pick.worker, model.footprint_half_life)\n",
+        "            pass\n",
+        ("tests/test_router_footprint.py",),
+        ("tests/test_router_footprint.py::test_sessions_started_on_live_engines_spread_over_their_ranks",),
+    ),
     # --- the gateway stream ---
     Mutation(
         "data-loss-kept",

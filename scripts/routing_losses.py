@@ -19,6 +19,10 @@ prompt shares with a request the policy has in flight on that worker. After the 
 The demo's kvroute credits its own in-flight prompts (`Router(routed_ttl=)`, the routing hint), which
 addresses the last two; ``kvroute_index_only`` is kvroute without it. Figures are shares of the run's
 prompt tokens. Concurrency makes runs differ by a few tenths of a point.
+
+Each policy's line also gives its new sessions per worker: requests no engine held nor was computing
+half of when they were routed (the footprint's "new placement", `CostModel.footprint_band`, judged
+by the engines' truth), counted per chosen worker. ``kvroute_no_footprint`` is kvroute without it.
 """
 
 from __future__ import annotations
@@ -107,12 +111,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default="kvroute,session_affinity")
     p.add_argument("--overlap-weight", type=float, default=CostModel().overlap_weight)
+    p.add_argument("--footprint-band", type=float, default=CostModel().footprint_band, help="CostModel.footprint_band")
     p.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per rank (default: the demo's)")
     args = p.parse_args()
     recorders: dict[str, _Recorder] = {}
 
     def make_policy(name: str, client: KvEventClient, engines: Sequence[SimEngine], **kw: Any) -> _Recorder:
-        kw["cost"] = CostModel(overlap_weight=args.overlap_weight)
+        kw["cost"] = CostModel(overlap_weight=args.overlap_weight, footprint_band=args.footprint_band)
         rec = recorders[name] = _Recorder(_make_policy(name, client, engines, **kw), client, engines)
         return rec
 
@@ -131,6 +136,7 @@ def main() -> None:
         log = recorders[name].log
         total = sum(r.prompt_tokens for r in records)
         lost: collections.Counter[str] = collections.Counter()
+        starts: collections.Counter[WorkerKey] = collections.Counter({w: 0 for w in log[records[0].id]["truth"]})
         moves = 0
         for r in records:
             d = log[r.id]
@@ -144,6 +150,8 @@ def main() -> None:
 
             best = max(d["truth"], key=anywhere)
             chosen = d["chosen"]
+            if max(max(d["truth"][w], d["flight"][w]) for w in d["truth"]) < n / 2:
+                starts[chosen] += 1
             lost["nowhere"] += max(0, reach[r.id] - anywhere(best))
             gap = anywhere(best) - anywhere(chosen)
             if gap > 0:
@@ -158,7 +166,8 @@ def main() -> None:
         res = result.policies[name]
         print(
             f"{name}: hit rate {res.hit_rate:.1%}, infinite cache {res.reachable_hit_rate:.1%}, TTFT p50 "
-            f"{res.ttft_p50 * 1e3:.1f} ms; {moves} requests moved off a worker the index knew held more"
+            f"{res.ttft_p50 * 1e3:.1f} ms; {moves} requests moved off a worker the index knew held more; "
+            f"new sessions per worker {sorted(starts.values())}"
         )
         for cause, tokens in sorted(lost.items()):
             print(f"  {cause:<40} {tokens / total:7.2%}")

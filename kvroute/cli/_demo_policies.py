@@ -45,8 +45,9 @@ __all__ = [
 ]
 
 POLICIES = ("kvroute", "oracle", "session_affinity", "least_load", "round_robin", "random")
-#: Policies run only when named: ``kvroute_index_only`` is kvroute without its routing hint.
-EXTRA_POLICIES = ("kvroute_index_only",)
+#: Policies run only when named: ``kvroute_index_only`` is kvroute without its routing hint,
+#: ``kvroute_no_footprint`` kvroute without its footprint (``CostModel(footprint=False)``).
+EXTRA_POLICIES = ("kvroute_index_only", "kvroute_no_footprint")
 #: ``Router(routed_ttl=)`` of the demo's kvroute: the routing hint on (README, "Routing quality").
 ROUTED_TTL = 10.0
 
@@ -300,12 +301,15 @@ def make_policy(
     """The policy called ``name`` (one of `POLICIES`) for a fleet of ``engines`` followed by ``client``.
 
     ``cost``: the cost model of ``kvroute`` and ``oracle`` (default `CostModel()`). ``kvroute_index_only``
-    is kvroute without its routing hint (the `Router` default): the index alone, for comparison.
+    is kvroute without its routing hint (the `Router` default): the index alone, for comparison;
+    ``kvroute_no_footprint`` kvroute with ``cost``'s ``footprint`` off (new sessions not spread).
     ``engine_loads``: the engines' reports kvroute's `Router` reads (default: the client's, which a
     gateway stream fills); the demo passes the engines' scraped ``/metrics`` on plain ZMQ fleets.
     """
-    if name in ("kvroute", "kvroute_index_only"):
-        ttl = ROUTED_TTL if name == "kvroute" else 0.0
+    if name in ("kvroute", "kvroute_index_only", "kvroute_no_footprint"):
+        ttl = 0.0 if name == "kvroute_index_only" else ROUTED_TTL
+        if name == "kvroute_no_footprint":
+            cost = msgspec.structs.replace(cost or CostModel(), footprint=False)
         return KvRoutePolicy(
             Router(
                 client.index,

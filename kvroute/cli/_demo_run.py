@@ -453,7 +453,7 @@ async def _run_policy(
             policy = replicas
         else:
             scraped = None
-            if policy_name in ("kvroute", "kvroute_index_only") and not options.gateway_stream:
+            if policy_name in ("kvroute", "kvroute_index_only", "kvroute_no_footprint") and not options.gateway_stream:
                 scraped = await _scraped_usage(stack, engines, speedup)
             policy = _InProcess(
                 make_policy(

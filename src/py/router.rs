@@ -325,6 +325,16 @@ impl Scored {
     fn costs(&self) -> Vec<f64> {
         self.rows.iter().map(|r| r.cost).collect()
     }
+
+    /// The longest prefix, in tokens, any candidate holds by the index's counted overlap or the
+    /// routing hint (0 when none): whether the prompt is a new placement (`Router`'s footprint).
+    fn best_overlap(&self) -> i64 {
+        self.rows
+            .iter()
+            .map(|r| r.overlap_tokens.max(r.routed_tokens))
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 /// The registered `CandidateScore` class.
