@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 import time
 import warnings
 from bisect import bisect_left
@@ -121,7 +122,11 @@ class Router(ReferenceScoring):
     engine is still prefilling it and no event has told the index yet (10 s is a good value: see
     the README's routing section for what it gains and costs).
 
-    Not thread-safe: use it from one thread (or one event loop), like the index it reads.
+    Threads: one Router may serve several threads. `select` may run on worker threads while
+    the client ingests and others call `on_start` / `on_finish`; concurrent `select` calls do
+    not wait for each other while they match and price (the core does that with the GIL
+    released for long prompts, from its own copy of the tracked load). The router's own
+    bookkeeping (requests, load, registrations, counters) changes under one lock.
     """
 
     def __init__(
@@ -167,6 +172,11 @@ class Router(ReferenceScoring):
         self._select_seconds = 0.0
         # One count per SELECT_BUCKETS bound, plus one for slower calls.
         self._select_buckets = [0] * (len(SELECT_BUCKETS) + 1)
+        # Guards the bookkeeping above against threads: each change of it is several steps
+        # (read, add, write back; a request in two tables) that another thread must not split.
+        # Re-entrant: `_start` finishes a request id that is started again. Never held while the
+        # core matches, so concurrent `select` calls run side by side.
+        self._lock = threading.RLock()
 
     # --- workers -------------------------------------------------------------------------
 
@@ -182,25 +192,27 @@ class Router(ReferenceScoring):
         if block_size is not None:
             _check_block_size(block_size)
         worker = _key(worker)
-        self._registered.add(worker)
         bs = block_size or self.block_size
-        store = self._approx.get(worker)
-        if approximate != (store is not None):
-            self._routed.discard_worker(worker)  # a worker is routed by its index or its history, not both
-        if not approximate:
-            self._approx.pop(worker, None)
-        elif store is None or store.block_size != bs:
-            self._approx[worker] = _Approx(bs)
+        with self._lock:
+            self._registered.add(worker)
+            store = self._approx.get(worker)
+            if approximate != (store is not None):
+                self._routed.discard_worker(worker)  # a worker is routed by its index or its history, not both
+            if not approximate:
+                self._approx.pop(worker, None)
+            elif store is None or store.block_size != bs:
+                self._approx[worker] = _Approx(bs)
 
     def remove_worker(self, worker: WorkerKey) -> None:
         """Forget a registered worker: its registration, approximate store and tracked load."""
         worker = _key(worker)
-        self._registered.discard(worker)
-        self._approx.pop(worker, None)
-        self._load.pop(worker, None)
-        self._routed.discard_worker(worker)
-        for rid in self._active.pop(worker, {}):
-            del self._request_worker[rid]
+        with self._lock:
+            self._registered.discard(worker)
+            self._approx.pop(worker, None)
+            self._load.pop(worker, None)
+            self._routed.discard_worker(worker)
+            for rid in self._active.pop(worker, {}):
+                del self._request_worker[rid]
 
     def is_approximate(self, worker: WorkerKey) -> bool:
         """Whether ``worker`` is routed in approximate mode."""
@@ -247,13 +259,15 @@ class Router(ReferenceScoring):
         keys = query.keys(store.block_size) if store is not None else None
         # an approximate worker's own store already assumes it holds the prompt
         routed = query.keys(self.block_size) if self._routed.enabled and store is None else []
-        self._start(request_id, worker, max(0, ntok - cached_tokens))
-        if store is not None and keys is not None:
-            store.note(keys, self._clock() + self.approximate_ttl)
-        if routed:
-            self._routed.add(request_id, worker, routed, self._clock())
+        with self._lock:
+            self._start(request_id, worker, max(0, ntok - cached_tokens))
+            if store is not None and keys is not None:
+                store.note(keys, self._clock() + self.approximate_ttl)
+            if routed:
+                self._routed.add(request_id, worker, routed, self._clock())
 
     def _start(self, request_id: Hashable, worker: WorkerKey, tokens: int) -> None:
+        """Record a started request's tokens as load on ``worker`` (the caller holds ``_lock``)."""
         try:
             known = request_id in self._request_worker
         except TypeError:
@@ -276,36 +290,38 @@ class Router(ReferenceScoring):
         (``mark_prefill_completed``); the request stays active until `on_finish`. Returns False,
         changing nothing, when the id is not active.
         """
-        try:
-            worker = self._request_worker.get(request_id)
-        except TypeError:
-            return False
-        if worker is None:
-            return False
-        active = self._active[worker]
-        self._load[worker] -= active[request_id]
-        active[request_id] = 0
-        return True
+        with self._lock:
+            try:
+                worker = self._request_worker.get(request_id)
+            except TypeError:
+                return False
+            if worker is None:
+                return False
+            active = self._active[worker]
+            self._load[worker] -= active[request_id]
+            active[request_id] = 0
+            return True
 
     def on_finish(self, request_id: Hashable) -> bool:
         """Release a request's load; False (counted, logged at debug) when the id is not active."""
-        try:
-            worker = self._request_worker.pop(request_id, None)
-        except TypeError:
-            worker = None
-        if worker is None:
-            self._unknown_finishes += 1
-            _log.debug("on_finish for unknown request %r ignored", request_id)
-            return False
-        self._routed.discard(request_id)
-        active = self._active[worker]
-        left = self._load[worker] - active.pop(request_id)
-        if active:
-            self._load[worker] = left
-        else:
-            del self._active[worker]
-            del self._load[worker]
-        return True
+        with self._lock:
+            try:
+                worker = self._request_worker.pop(request_id, None)
+            except TypeError:
+                worker = None
+            if worker is None:
+                self._unknown_finishes += 1
+                _log.debug("on_finish for unknown request %r ignored", request_id)
+                return False
+            self._routed.discard(request_id)
+            active = self._active[worker]
+            left = self._load[worker] - active.pop(request_id)
+            if active:
+                self._load[worker] = left
+            else:
+                del self._active[worker]
+                del self._load[worker]
+            return True
 
     def load_blocks(self, worker: WorkerKey) -> float:
         """The load tracked on ``worker``, in blocks of ``block_size`` tokens."""
@@ -313,15 +329,16 @@ class Router(ReferenceScoring):
 
     def stats(self) -> RouterStats:
         """A snapshot of the router's counters."""
-        return RouterStats(
-            selections=self._selections,
-            active_requests=len(self._request_worker),
-            approximate_workers=len(self._approx),
-            approximate_blocks=sum(len(s.expiry) for s in self._approx.values()),
-            unknown_finishes=self._unknown_finishes,
-            select_seconds_sum=self._select_seconds,
-            select_seconds_buckets=tuple(accumulate(self._select_buckets[:-1])),
-        )
+        with self._lock:
+            return RouterStats(
+                selections=self._selections,
+                active_requests=len(self._request_worker),
+                approximate_workers=len(self._approx),
+                approximate_blocks=sum(len(s.expiry) for s in self._approx.values()),
+                unknown_finishes=self._unknown_finishes,
+                select_seconds_sum=self._select_seconds,
+                select_seconds_buckets=tuple(accumulate(self._select_buckets[:-1])),
+            )
 
     # --- selection -----------------------------------------------------------------------
 
@@ -379,10 +396,11 @@ class Router(ReferenceScoring):
         bad argument.
         """
         routed = self._routed
-        if routed:
-            routed.purge(self._clock())
         unit = self.block_size
-        look = min((ntok - 1) // unit, routed.longest()) if ntok else 0
+        with self._lock:
+            if routed:
+                routed.purge(self._clock())
+            look = min((ntok - 1) // unit, routed.longest()) if ntok else 0
         record = record and routed.enabled
         if not look and not record:
             return None, []
@@ -390,7 +408,8 @@ class Router(ReferenceScoring):
             keys = query.keys(unit)
         except RouterError:
             return None, []
-        credits = routed.credits(keys[:look]) if look else None
+        with self._lock:
+            credits = routed.credits(keys[:look]) if look else None
         return ({w: b * unit for w, b in credits.items()} if credits else None), (keys if record else [])
 
     def _decide(
@@ -408,16 +427,17 @@ class Router(ReferenceScoring):
         call's time; the decision. ``entries``: the candidates, or the compiled path's (`Scored`,
         the idle worker drawn or None), built into candidates only when read."""
         worker = chosen.worker
-        if request_id is not None:
-            # Load counts what the index says is cached there: the hint guides the choice only
-            # (the shared prefix is already counted on the request that brought it).
-            self._start(request_id, worker, ntok - chosen.overlap_tokens)
-            if routed_keys and worker not in self._approx:
-                self._routed.add(request_id, worker, routed_keys, self._clock())
-        self._selections += 1
-        took = time.perf_counter() - started
-        self._select_seconds += took
-        self._select_buckets[bisect_left(SELECT_BUCKETS, took)] += 1
+        with self._lock:
+            if request_id is not None:
+                # Load counts what the index says is cached there: the hint guides the choice only
+                # (the shared prefix is already counted on the request that brought it).
+                self._start(request_id, worker, ntok - chosen.overlap_tokens)
+                if routed_keys and worker not in self._approx:
+                    self._routed.add(request_id, worker, routed_keys, self._clock())
+            self._selections += 1
+            took = time.perf_counter() - started
+            self._select_seconds += took
+            self._select_buckets[bisect_left(SELECT_BUCKETS, took)] += 1
         fields: dict[str, Any] = dict(
             worker=worker,
             overlap_blocks=chosen.overlap_blocks,
@@ -444,8 +464,9 @@ class Router(ReferenceScoring):
         unit = self.block_size
         if load is None and self.engine_loads is not None and self.engine_loads.reporting:
             # Engines report load: blend it in (a fleet without reports keeps the plain path).
-            in_flight = {w: len(active) for w, active in self._active.items()}
-            loads, vetoed = self.engine_loads.blend(self._load, unit, in_flight)
+            with self._lock:  # the requests and their tokens as of one moment
+                in_flight = {w: len(active) for w, active in self._active.items()}
+                loads, vetoed = self.engine_loads.blend(self._load, unit, in_flight)
             if vetoed and universe - vetoed:
                 universe = universe - vetoed
             return loads, 1.0, universe

@@ -82,12 +82,6 @@ impl PyKey {
         })))
     }
 
-    /// Whether `self` and `other` are the same key object (not merely equal): a key kept from
-    /// the index's own table is still that worker's entry while the slot holds this very key.
-    pub(crate) fn same(&self, other: &PyKey) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-
     pub(crate) fn obj<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
         self.0.obj.bind(py).clone()
     }

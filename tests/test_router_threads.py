@@ -1,0 +1,138 @@
+"""One Router served from several threads: `select` from worker threads while another thread ingests.
+
+A router in a threaded server calls `select` from its request threads while the client's thread
+applies the engines' events and others start and finish requests. Each test runs real threads on
+one real `Router` and `PrefixIndex` (payloads through `apply_payload`, as the subscriber applies
+them) and requires every call to succeed and the router's bookkeeping to add up afterwards.
+
+Prompts are longer than the core keeps the GIL for (`HOLD_GIL_TOKENS`, src/py/index.rs), so every
+compiled `select` releases the GIL in the middle of its call and the threads truly interleave there;
+the interpreter's switch interval is shortened so that Python code is interrupted at many more
+points than its default 5 ms allows (a lost update needs a switch inside a read-modify-write).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvroute import EventBatch, PrefixIndex, WorkerKey, encode_batch
+from kvroute._load import EngineLoad, EngineLoads
+from kvroute._router import CostModel, Router
+from kvroute._wire import BlockStored
+
+BS = 16
+WORKERS = [WorkerKey(f"w{i}", 0) for i in range(8)]
+# Above the core's GIL-holding bound (32,768 tokens): the match runs with the GIL released.
+PROMPT = list(range(40_000))
+SECONDS = 1.5
+
+
+class _Python(CostModel, frozen=True, kw_only=True):
+    """The stock weights through the Python scoring path (every CostModel subclass takes it)."""
+
+
+def _payload(ts: float, depth: int) -> bytes:
+    """A batch storing the first ``depth`` blocks of PROMPT."""
+    store = BlockStored(block_hashes=list(range(1, depth + 1)), token_ids=PROMPT[: depth * BS], block_size=BS)
+    return encode_batch(EventBatch(ts, [store]))
+
+
+@pytest.fixture(autouse=True)
+def _switch_often() -> Iterator[None]:
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+def _run(workers: list[Callable[[threading.Event], None]]) -> None:
+    """Run each function on its own thread for SECONDS; re-raise the first error any of them hit."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def guard(fn: Callable[[threading.Event], None]) -> None:
+        try:
+            fn(stop)
+        except BaseException as exc:  # reported on the main thread below
+            errors.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=guard, args=(fn,)) for fn in workers]
+    for t in threads:
+        t.start()
+    time.sleep(SECONDS)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("model", [CostModel(), _Python()], ids=["compiled", "python"])
+@pytest.mark.parametrize("engine_load", [False, True], ids=["tracked-load", "engine-load"])
+def test_select_from_threads_while_another_thread_ingests(model: CostModel, engine_load: bool) -> None:
+    index = PrefixIndex()
+    for i, w in enumerate(WORKERS):
+        assert index.apply_payload(w, _payload(0.0, 1 + i * 300)).ok
+    loads = EngineLoads() if engine_load else None
+    router = Router(index, cost=model, block_size=BS, seed=1, engine_loads=loads)
+    ids = itertools.count()
+    calls = {"select": 0}
+    counted = threading.Lock()
+
+    def selector(stop: threading.Event) -> None:
+        done = 0
+        while not stop.is_set():
+            rid = ("s", next(ids))
+            d = router.select(PROMPT, request_id=rid)
+            assert d.worker in WORKERS
+            assert d.query_tokens == len(PROMPT)
+            # the candidates are read too (the compiled path builds them lazily): every worker holds a prefix
+            assert {c.worker for c in d.candidates} == set(WORKERS)
+            router.select(PROMPT[: 33_000 + done % 7], candidates=WORKERS[:4])
+            assert router.on_finish(rid)
+            done += 2
+        with counted:
+            calls["select"] += done
+
+    def starter(stop: threading.Event) -> None:
+        # on_start / on_prefill_done / on_finish for requests routed elsewhere, on every worker
+        while not stop.is_set():
+            rid = ("o", next(ids))
+            w = WORKERS[hash(rid) % len(WORKERS)]
+            router.on_start(rid, w, PROMPT[:4096], cached_tokens=16)
+            router.on_prefill_done(rid)
+            assert router.on_finish(rid)
+
+    def ingest(stop: threading.Event) -> None:
+        ts = 1.0
+        while not stop.is_set():
+            for i, w in enumerate(WORKERS):
+                assert index.apply_payload(w, _payload(ts, 1 + (i * 300 + int(ts)) % 2500)).ok
+                if loads is not None:
+                    loads.update(w, EngineLoad(waiting_uncached_tokens=int(ts) % 900, received=loads.clock()))
+                ts += 1.0
+
+    def churn(stop: threading.Event) -> None:
+        # registration changes the candidate set the selectors read
+        extra = WorkerKey("extra", 0)
+        while not stop.is_set():
+            router.add_worker(extra)
+            router.remove_worker(extra)
+
+    _run([selector, selector, selector, starter, ingest, churn])
+    stats = router.stats()
+    # every started request finished: no load and no request left behind by a lost update
+    assert stats.active_requests == 0
+    assert len(router._load) == 0
+    assert stats.selections == calls["select"]
+    assert sum(router.load_blocks(w) for w in WORKERS) == 0.0
