@@ -104,6 +104,9 @@ def select(
 
     ``universe`` None: every worker the index holds blocks for, plus ``registered``."""
 
+def new_frozen(cls: type[Any], names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+    """An instance of ``cls`` with ``names`` set to ``values`` through `object.__setattr__` (no ``__init__``)."""
+
 class Loads(MutableMapping[WorkerKey, int]):
     """The router's tracked load in tokens per worker, in insertion order (read by `select` without Python calls)."""
 

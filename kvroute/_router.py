@@ -64,6 +64,23 @@ _log = logging.getLogger("kvroute.router")
 # The core's load table is a mapping in every way `EngineLoads.blend` and the reference path use it.
 MutableMapping.register(_core.Loads)
 
+#: Every slot of `RoutingDecision`, in the order `Router._decide` gives the compiled path's values
+#: to `_core.new_frozen` (the lazily built candidates: None, their `Scored`, the idle worker drawn).
+_LAZY_SLOTS = (
+    "_candidates",
+    "_scored",
+    "_tail",
+    "block_size",
+    "cost",
+    "idle_cost",
+    "idle_workers",
+    "overlap_blocks",
+    "overlap_tokens",
+    "query_tokens",
+    "routed_tokens",
+    "worker",
+)
+
 
 @runtime_checkable
 class ReportsLoads(WorkerStates, Protocol):
@@ -438,20 +455,36 @@ class Router(ReferenceScoring):
             took = time.perf_counter() - started
             self._select_seconds += took
             self._select_buckets[bisect_left(SELECT_BUCKETS, took)] += 1
-        fields: dict[str, Any] = dict(
+        if isinstance(entries, tuple):
+            # the compiled path's decision, its slots set in the core (in `_LAZY_SLOTS`' order)
+            values = (
+                None,
+                entries[0],
+                entries[1],
+                chosen.block_size,
+                chosen.cost,
+                idle_cost,
+                idle_count,
+                chosen.overlap_blocks,
+                chosen.overlap_tokens,
+                ntok,
+                chosen.routed_tokens,
+                worker,
+            )
+            decision: RoutingDecision = _core.new_frozen(RoutingDecision, _LAZY_SLOTS, values)
+            return decision
+        return RoutingDecision(
             worker=worker,
             overlap_blocks=chosen.overlap_blocks,
             cost=chosen.cost,
             query_tokens=ntok,
+            candidates=tuple(entries),
             idle_workers=idle_count,
             idle_cost=idle_cost,
             block_size=chosen.block_size,
             overlap_tokens=chosen.overlap_tokens,
             routed_tokens=chosen.routed_tokens,
         )
-        if isinstance(entries, tuple):
-            return RoutingDecision._lazy(entries[0], entries[1], **fields)
-        return RoutingDecision(candidates=tuple(entries), **fields)
 
     def _loads(
         self, load: Mapping[WorkerKey, float] | None, universe: set[WorkerKey]

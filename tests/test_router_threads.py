@@ -7,8 +7,10 @@ them) and requires every call to succeed and the router's bookkeeping to add up 
 
 Prompts are longer than the core keeps the GIL for (`HOLD_GIL_TOKENS`, src/py/index.rs), so every
 compiled `select` releases the GIL in the middle of its call and the threads truly interleave there;
-the interpreter's switch interval is shortened so that Python code is interrupted at many more
-points than its default 5 ms allows (a lost update needs a switch inside a read-modify-write).
+the interpreter's switch interval is shortened, and the request ids and worker keys hash in Python
+and hand the GIL to another thread while they do (any hashable is a request id; a key type's
+``__hash__`` may release the GIL), so that another thread runs inside every step of the router's
+bookkeeping that looks one up: a lost update needs a switch inside a read-modify-write.
 """
 
 from __future__ import annotations
@@ -27,7 +29,35 @@ from kvroute._router import CostModel, Router
 from kvroute._wire import BlockStored
 
 BS = 16
-WORKERS = [WorkerKey(f"w{i}", 0) for i in range(8)]
+
+
+class _YieldingKey(WorkerKey):
+    """A worker key whose hash lets other threads run (``time.sleep(0)`` releases the GIL)."""
+
+    __slots__ = ()
+
+    def __hash__(self) -> int:
+        time.sleep(0)
+        return tuple.__hash__(self)
+
+
+class _Rid:
+    """A request id whose hash lets other threads run."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __hash__(self) -> int:
+        time.sleep(0)
+        return hash(self.n)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Rid) and other.n == self.n
+
+
+WORKERS: list[WorkerKey] = [_YieldingKey(f"w{i}", 0) for i in range(8)]
 # Above the core's GIL-holding bound (32,768 tokens): the match runs with the GIL released.
 PROMPT = list(range(40_000))
 SECONDS = 1.5
@@ -92,7 +122,7 @@ def test_select_from_threads_while_another_thread_ingests(model: CostModel, engi
     def selector(stop: threading.Event) -> None:
         done = 0
         while not stop.is_set():
-            rid = ("s", next(ids))
+            rid = _Rid(next(ids))
             d = router.select(PROMPT, request_id=rid)
             assert d.worker in WORKERS
             assert d.query_tokens == len(PROMPT)
@@ -107,8 +137,8 @@ def test_select_from_threads_while_another_thread_ingests(model: CostModel, engi
     def starter(stop: threading.Event) -> None:
         # on_start / on_prefill_done / on_finish for requests routed elsewhere, on every worker
         while not stop.is_set():
-            rid = ("o", next(ids))
-            w = WORKERS[hash(rid) % len(WORKERS)]
+            rid = _Rid(next(ids))
+            w = WORKERS[rid.n % len(WORKERS)]
             router.on_start(rid, w, PROMPT[:4096], cached_tokens=16)
             router.on_prefill_done(rid)
             assert router.on_finish(rid)
