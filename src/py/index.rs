@@ -82,6 +82,11 @@ impl PyKey {
         })))
     }
 
+    /// Whether `self` and `other` are the same key object (not merely equal).
+    pub(crate) fn same(&self, other: &PyKey) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     pub(crate) fn obj<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
         self.0.obj.bind(py).clone()
     }

@@ -7,6 +7,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+use indexmap::map::MutableKeys;
 use indexmap::IndexMap;
 use parking_lot::Mutex;
 use pyo3::exceptions::PyKeyError;
@@ -124,18 +125,20 @@ impl Entry {
         }
     }
 
-    /// Whether the index holds blocks for `key` (this entry's worker), and its slot there.
-    fn locate(&self, idx: &Index<PyKey>, key: &PyKey) -> Option<(u32, bool)> {
+    /// This entry's worker (`key`) in the index: its slot, whether it holds blocks, and the
+    /// index's own key object for it.
+    fn locate<'i>(&self, idx: &'i Index<PyKey>, key: &PyKey) -> Option<(u32, bool, &'i PyKey)> {
         let hint = self.slot_hint.load(Ordering::Relaxed);
         if let Some((at, holds)) = idx.at_slot(hint) {
-            // the slot may have been freed and reused by another worker: compare the names
+            // the slot may have been freed and reused by another worker: compare the keys (the
+            // same object once `Loads::adopt` gave the table the index's, without reading either)
             if at == key {
-                return Some((hint, holds));
+                return Some((hint, holds, at));
             }
         }
         let slot = idx.slot_of(key)?;
         self.slot_hint.store(slot, Ordering::Relaxed);
-        idx.at_slot(slot).map(|(_, holds)| (slot, holds))
+        idx.at_slot(slot).map(|(at, holds)| (slot, holds, at))
     }
 }
 
@@ -154,6 +157,33 @@ impl Loads {
     fn write<R>(&self, f: impl FnOnce(&mut Table) -> R) -> R {
         let mut guard = self.table.lock();
         f(Arc::make_mut(&mut guard))
+    }
+
+    /// Give the table the index's own key objects (`adopt`: table position, the index's key
+    /// equal to the one there), so that `Entry::locate` recognises its worker by identity, not
+    /// by reading and comparing two names in two allocations (at 1,024 loaded workers ~13 µs a
+    /// `select`). Only while the table is still `seen` (the one `select` read); else the next
+    /// `select` tries again.
+    fn adopt(&self, seen: Arc<Table>, adopt: Vec<(usize, PyKey)>) {
+        let mut replaced = Vec::with_capacity(adopt.len());
+        {
+            let mut guard = self.table.lock();
+            if !Arc::ptr_eq(&guard, &seen) {
+                return;
+            }
+            drop(seen); // not the last reference (the mutex holds one): make_mut need not copy
+            let t = Arc::make_mut(&mut guard);
+            for (pos, key) in adopt {
+                if let Some((k, _)) = t.get_index_mut2(pos) {
+                    if *k == key {
+                        replaced.push(std::mem::replace(k, key));
+                    }
+                }
+            }
+        }
+        // the table's former keys may hold the last reference to their objects: dropped here,
+        // the mutex released (see `Loads`)
+        drop(replaced);
     }
 
     /// `w`'s tokens, None when `w` is not a worker key (a dict would hold no such key either)
@@ -562,7 +592,7 @@ fn select<'py>(
     let whole = universe.is_none();
     // Match and, when some held block is off GPU and tiers are priced below GPU, the tier runs
     // too: one locked section, one consistent view of the index.
-    let (result, tiers, held, pos_of_slot) = index.get().with_query(py, ntok, move |idx| {
+    let (result, tiers, held, pos_of_slot, adopt) = index.get().with_query(py, ntok, move |idx| {
         let mut q = idx.query(input);
         let r = idx.find_matches(&mut q);
         let mut tiers: [FxHashMap<PyKey, i64>; 3] = Default::default();
@@ -580,6 +610,7 @@ fn select<'py>(
         // and its load is 0 wherever it is scored: no lookup for it), and whether it holds blocks.
         let mut table_holds = Vec::new();
         let mut pos_of_slot = Vec::new();
+        let mut adopt = Vec::new();
         if let Some(m) = table_ref {
             table_holds.reserve(m.len());
             pos_of_slot = vec![NONE; idx.workers.len()];
@@ -589,10 +620,13 @@ fn select<'py>(
                 } else {
                     None
                 };
-                if let Some((slot, _)) = found {
+                if let Some((slot, _, at)) = found {
                     pos_of_slot[slot as usize] = pos as u32;
+                    if !at.same(k) {
+                        adopt.push((pos, at.clone()));
+                    }
                 }
-                table_holds.push(found.is_some_and(|(_, holds)| holds));
+                table_holds.push(found.is_some_and(|(_, holds, _)| holds));
             }
         }
         let held = whole.then(|| Held {
@@ -604,7 +638,7 @@ fn select<'py>(
                 .map(|k| k.as_ref().is_some_and(|k| idx.holds(k)))
                 .collect(),
         });
-        (r, tiers, held, pos_of_slot)
+        (r, tiers, held, pos_of_slot, adopt)
     });
     let table_map = table.as_deref();
     let source = match table_map {
@@ -808,6 +842,11 @@ fn select<'py>(
     let idle_count = universe_len.saturating_sub(rows.len());
     let costs: Vec<f64> = rows.iter().map(|r| r.cost).collect();
     let (tied, idle_tied) = scoring::ties(&costs, idle_count, idle_cost);
+    if let (Some(seen), false) = (table, adopt.is_empty()) {
+        if let Ok(t) = loads.cast::<Loads>() {
+            t.get().adopt(seen, adopt);
+        }
+    }
     Ok((
         Scored { workers, rows },
         idle_count,
