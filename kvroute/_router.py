@@ -39,7 +39,6 @@ import random
 import threading
 import time
 import warnings
-from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
 from itertools import accumulate, islice
 from typing import Any, Protocol, runtime_checkable
@@ -184,11 +183,10 @@ class Router(ReferenceScoring):
         self._active: dict[WorkerKey, dict[Hashable, int]] = {}
         self._request_worker: dict[Hashable, WorkerKey] = {}
         self._routed = RoutedPrefixes(float(routed_ttl), routed_per_worker)
-        self._selections = 0
         self._unknown_finishes = 0
-        self._select_seconds = 0.0
-        # One count per SELECT_BUCKETS bound, plus one for slower calls.
-        self._select_buckets = [0] * (len(SELECT_BUCKETS) + 1)
+        # `select` calls and their times per SELECT_BUCKETS bound (plus one for slower calls),
+        # counted in the core without the lock below (see `_core.SelectTimes`)
+        self._select_times = _core.SelectTimes(list(SELECT_BUCKETS))
         # Guards the bookkeeping above against threads: each change of it is several steps
         # (read, add, write back; a request in two tables) that another thread must not split.
         # Re-entrant: `_start` finishes a request id that is started again. Never held while the
@@ -346,15 +344,16 @@ class Router(ReferenceScoring):
 
     def stats(self) -> RouterStats:
         """A snapshot of the router's counters."""
+        selections, seconds, counts = self._select_times.read()
         with self._lock:
             return RouterStats(
-                selections=self._selections,
+                selections=selections,
                 active_requests=len(self._request_worker),
                 approximate_workers=len(self._approx),
                 approximate_blocks=sum(len(s.expiry) for s in self._approx.values()),
                 unknown_finishes=self._unknown_finishes,
-                select_seconds_sum=self._select_seconds,
-                select_seconds_buckets=tuple(accumulate(self._select_buckets[:-1])),
+                select_seconds_sum=seconds,
+                select_seconds_buckets=tuple(accumulate(counts[:-1])),
             )
 
     # --- selection -----------------------------------------------------------------------
@@ -444,17 +443,14 @@ class Router(ReferenceScoring):
         call's time; the decision. ``entries``: the candidates, or the compiled path's (`Scored`,
         the idle worker drawn or None), built into candidates only when read."""
         worker = chosen.worker
-        with self._lock:
-            if request_id is not None:
+        if request_id is not None:
+            with self._lock:
                 # Load counts what the index says is cached there: the hint guides the choice only
                 # (the shared prefix is already counted on the request that brought it).
                 self._start(request_id, worker, ntok - chosen.overlap_tokens)
                 if routed_keys and worker not in self._approx:
                     self._routed.add(request_id, worker, routed_keys, self._clock())
-            self._selections += 1
-            took = time.perf_counter() - started
-            self._select_seconds += took
-            self._select_buckets[bisect_left(SELECT_BUCKETS, took)] += 1
+        self._select_times.record(time.perf_counter() - started)
         if isinstance(entries, tuple):
             # the compiled path's decision, its slots set in the core (in `_LAZY_SLOTS`' order)
             values = (

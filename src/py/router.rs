@@ -4,7 +4,7 @@
 //! (kvroute/_router.py) takes it when its model is exactly `CostModel` and no worker is
 //! approximate; the Python path stays the reference and serves subclasses.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use indexmap::map::MutableKeys;
@@ -876,6 +876,56 @@ fn index_holds(py: Python<'_>, index: &Bound<'_, PyIndex>, w: &Bound<'_, PyAny>)
     }
 }
 
+/// `Router.select`'s call count and latency histogram (`RouterStats`), kept with atomics: a
+/// `select` records its time without the router's lock. With that lock, threads selecting on one
+/// Router queued behind a holder the interpreter had switched away from, each waiter then waiting
+/// a switch interval (5 ms) for the GIL back: p99 ms (bench_select.py figure 3, same Router).
+#[pyclass(frozen, module = "kvroute._core", name = "SelectTimes")]
+pub struct SelectTimes {
+    /// upper bounds of the buckets, ascending
+    bounds: Vec<f64>,
+    /// per bound, then one for slower calls
+    counts: Vec<AtomicU64>,
+    /// the sum of the recorded seconds, as `f64` bits
+    sum: AtomicU64,
+}
+
+#[pymethods]
+impl SelectTimes {
+    #[new]
+    fn new(bounds: Vec<f64>) -> Self {
+        SelectTimes {
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            bounds,
+            sum: AtomicU64::new(0f64.to_bits()),
+        }
+    }
+
+    /// Count one call of ``seconds``: in the first bucket whose bound is at least that
+    /// (`bisect.bisect_left`), and in the sum.
+    fn record(&self, seconds: f64) {
+        let at = self.bounds.partition_point(|b| *b < seconds);
+        self.counts[at].fetch_add(1, Ordering::Relaxed);
+        // a float add, retried while another thread's add came first
+        let _ = self
+            .sum
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + seconds).to_bits())
+            });
+    }
+
+    /// ``(calls, seconds, counts per bucket with the slower calls last)``.
+    fn read(&self) -> (u64, f64, Vec<u64>) {
+        let counts: Vec<u64> = self
+            .counts
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect();
+        let sum = f64::from_bits(self.sum.load(Ordering::Relaxed));
+        (counts.iter().sum(), sum, counts)
+    }
+}
+
 /// `object.__new__` and `object.__setattr__`, looked up once.
 static OBJECT_NEW_SETATTR: PyOnceLock<(Py<PyAny>, Py<PyAny>)> = PyOnceLock::new();
 
@@ -920,5 +970,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(new_frozen, m)?)?;
     m.add_class::<Scored>()?;
     m.add_class::<Loads>()?;
+    m.add_class::<SelectTimes>()?;
     Ok(())
 }
