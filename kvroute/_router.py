@@ -142,7 +142,8 @@ class Router(ReferenceScoring):
     the client ingests and others call `on_start` / `on_finish`; concurrent `select` calls do
     not wait for each other while they match and price (the core does that with the GIL
     released for long prompts, from its own copy of the tracked load). The router's own
-    bookkeeping (requests, load, registrations, counters) changes under one lock.
+    bookkeeping (requests, load, registrations) changes under one lock, which a `select`
+    without a ``request_id`` never takes (it counts itself with atomics in the core).
     """
 
     def __init__(

@@ -298,6 +298,7 @@ MUTATIONS: list[Mutation] = [
         # a semaphore nobody runs out of: every `with self._lock` still runs, and excludes nothing
         "        self._lock = threading.Semaphore(1 << 30)\n",
         ("tests/test_router_threads.py",),
+        ("tests/test_router_threads.py::test_worker_threads_select_while_the_client_ingests_a_live_engine",),
     ),
 ]
 

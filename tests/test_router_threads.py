@@ -21,12 +21,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import anyio
 import pytest
 
 from kvroute import EventBatch, PrefixIndex, WorkerKey, encode_batch
+from kvroute._client import KvEventClient
 from kvroute._load import EngineLoad, EngineLoads
 from kvroute._router import CostModel, Router
+from kvroute._transports.zmq.config import SubscriberConfig
 from kvroute._wire import BlockStored
+from kvroute.sim._engine import SimConfig, SimEngine
 
 BS = 16
 
@@ -85,6 +89,15 @@ def _switch_often() -> Iterator[None]:
 
 def _run(workers: list[Callable[[threading.Event], None]]) -> None:
     """Run each function on its own thread for SECONDS; re-raise the first error any of them hit."""
+    threads, stop, errors = _start(workers)
+    time.sleep(SECONDS)
+    _join(threads, stop, errors)
+
+
+def _start(
+    workers: list[Callable[[threading.Event], None]],
+) -> tuple[list[threading.Thread], threading.Event, list[BaseException]]:
+    """Start each function on its own thread: the threads, the event that stops them, their errors."""
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -98,7 +111,11 @@ def _run(workers: list[Callable[[threading.Event], None]]) -> None:
     threads = [threading.Thread(target=guard, args=(fn,)) for fn in workers]
     for t in threads:
         t.start()
-    time.sleep(SECONDS)
+    return threads, stop, errors
+
+
+def _join(threads: list[threading.Thread], stop: threading.Event, errors: list[BaseException]) -> None:
+    """Stop the threads `_start` started and re-raise the first error any of them hit."""
     stop.set()
     for t in threads:
         t.join(60)
@@ -166,3 +183,56 @@ def test_select_from_threads_while_another_thread_ingests(model: CostModel, engi
     assert len(router._load) == 0
     assert stats.selections == calls["select"]
     assert sum(router.load_blocks(w) for w in WORKERS) == 0.0
+
+
+@pytest.mark.anyio
+async def test_worker_threads_select_while_the_client_ingests_a_live_engine() -> None:
+    """A simulated engine publishes over loopback ZMQ into a real `KvEventClient`, whose index the
+    router reads; worker threads select, start and finish requests while the client ingests."""
+    config = SimConfig(
+        ranks=2, grpc_port=None, http_port=None, decode_time_per_step=0.0005, prefill_time_per_token=1e-7
+    )
+    fast = SubscriberConfig(reconnect_ivl=0.02, reconnect_ivl_max=0.1, replay_timeout=0.3, quiet_interval=0.3)
+    async with SimEngine(config) as engine, KvEventClient(engine.sources(), config=fast) as client:
+        await client.wait_synced(5.0)
+        router = Router(client.index, block_size=BS, seed=2)
+        workers = [WorkerKey(s.worker_id, s.dp_rank) for s in engine.sources()]
+        for w in workers:
+            router.add_worker(w)
+        ids = itertools.count()
+        calls = {"select": 0}
+        counted = threading.Lock()
+
+        def selector(stop: threading.Event) -> None:
+            done = 0
+            while not stop.is_set():
+                rid = _Rid(next(ids))
+                d = router.select(PROMPT, request_id=rid)
+                assert d.worker in workers and d.query_tokens == len(PROMPT)
+                assert router.on_finish(rid)
+                done += 1
+            with counted:
+                calls["select"] += done
+
+        def starter(stop: threading.Event) -> None:
+            while not stop.is_set():
+                rid = _Rid(next(ids))
+                router.on_start(rid, workers[rid.n % 2], PROMPT[:2048])
+                assert router.on_finish(rid)
+
+        threads, stop, errors = _start([selector, selector, starter])
+        try:
+            # the engine stores prefixes of PROMPT of every depth on both ranks (evicting as its
+            # cache fills); the client applies their events, all for SECONDS
+            end = anyio.current_time() + SECONDS
+            depth = 8
+            with anyio.fail_after(30 + SECONDS):
+                while anyio.current_time() < end and not errors:
+                    await engine.complete(PROMPT[: depth * BS], max_tokens=1, rank=depth % 2)
+                    depth = 8 + (depth + 7) % 300
+        finally:
+            _join(threads, stop, errors)
+        assert client.index.num_blocks() > 0  # the engine's events reached the index
+        stats = router.stats()
+        assert stats.active_requests == 0 and len(router._load) == 0
+        assert stats.selections == calls["select"] > 0
