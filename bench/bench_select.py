@@ -14,7 +14,8 @@ Figures, each printed with absolute numbers and as a ratio within this run (the 
    call, ``worker_status`` a `WorkerStatus` per call from a dict of sources), alone and with every engine
    reporting load (`EngineLoads`, one record refreshed per call, as a stream of reports does).
 3. ``select`` p99 while two threads ingest through ``PrefixIndex.apply_payload`` at full speed ÷ its p99 idle,
-   64 workers; then the same with two more threads calling ``select`` concurrently. Target: <= 3.
+   64 workers; then the same with two more threads calling ``select`` concurrently, on routers of their own and
+   on the measured router itself. Target: <= 3.
 
 Times are wall-clock (``time.perf_counter``) per call; each figure keeps its best of ``--repeat`` rounds.
 """
@@ -236,15 +237,18 @@ def figure_ingest(seconds: float, repeat: int) -> None:
             for w, _ in streams[t]:
                 index.remove_worker(w)
 
-    def querying(stop: threading.Event, done: list[int]) -> None:
-        r = Router(index, seed=2)  # a Router is used from one thread; the index from any
+    def querying(stop: threading.Event, done: list[int], shared: bool) -> None:
+        # its own Router on the shared index, or the measured one (one Router serves several threads)
+        r = router if shared else Router(index, seed=2)
         while not stop.is_set():
             r.select(prompt)
             done[0] += 1
 
     print(f"\n3. select p99 while two threads ingest via apply_payload ÷ idle p99, 64 workers, "
           f"{PROMPT_TOKENS}-token prompt ({seconds:.1f} s a round, best of {repeat})")
-    for label, extra_queriers in (("ingest only", 0), ("ingest + 2 threads selecting", 2)):
+    cases = (("ingest only", 0, False), ("ingest + 2 threads selecting", 2, False),
+             ("ingest + 2 threads, same Router", 2, True))
+    for label, extra_queriers, shared in cases:
         ratios = []
         for _ in range(repeat):
             idle, n_idle = select_p99(seconds, router)
@@ -252,7 +256,7 @@ def figure_ingest(seconds: float, repeat: int) -> None:
             applied = [0, 0]
             queried = [0]
             threads = [threading.Thread(target=ingest, args=(t, stop, applied)) for t in range(2)]
-            threads += [threading.Thread(target=querying, args=(stop, queried)) for _ in range(extra_queriers)]
+            threads += [threading.Thread(target=querying, args=(stop, queried, shared)) for _ in range(extra_queriers)]
             for th in threads:
                 th.start()
             busy, n_busy = select_p99(seconds, router)

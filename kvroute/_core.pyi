@@ -104,6 +104,17 @@ def select(
 
     ``universe`` None: every worker the index holds blocks for, plus ``registered``."""
 
+class SelectTimes:
+    """`Router.select`'s call count and latency histogram, counted with atomics."""
+
+    def __init__(self, bounds: list[float]) -> None: ...
+    def record(self, seconds: float) -> None: ...
+    def read(self) -> tuple[int, float, list[int]]:
+        """``(calls, seconds, counts per bucket with the slower calls last)``."""
+
+def new_frozen(cls: type[Any], names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+    """An instance of ``cls`` with ``names`` set to ``values`` through `object.__setattr__` (no ``__init__``)."""
+
 class Loads(MutableMapping[WorkerKey, int]):
     """The router's tracked load in tokens per worker, in insertion order (read by `select` without Python calls)."""
 

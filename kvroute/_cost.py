@@ -298,15 +298,6 @@ class RoutingDecision:
         setattr_(self, "overlap_tokens", overlap_tokens)
         setattr_(self, "routed_tokens", routed_tokens)
 
-    @classmethod
-    def _lazy(cls, scored: _core.Scored, tail: CandidateScore | None, **fields: Any) -> RoutingDecision:
-        """A decision whose candidates are ``scored``'s (`kvroute._core.Scored`), then ``tail``."""
-        d = cls(candidates=(), **fields)
-        object.__setattr__(d, "_candidates", None)
-        object.__setattr__(d, "_scored", scored)
-        object.__setattr__(d, "_tail", tail)
-        return d
-
     @property
     def candidates(self) -> tuple[CandidateScore, ...]:
         """Every candidate with a claim, an overlap or load, and the chosen worker."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -226,6 +227,7 @@ class EngineLoads:
     """The newest engine load record per worker, and the pricing `Router.select` asks for.
 
     Fed by the gateway transport; ``clock`` is the monotonic clock records are stamped with.
+    Thread-safe: the client's thread may update it while routers price from it on others.
     """
 
     def __init__(self, policy: LoadPolicy | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -245,6 +247,9 @@ class EngineLoads:
         self._usage: tuple[float, dict[WorkerKey, float]] | None = None
         #: Veto decisions taken (a worker vetoed in one `blend` call counts once).
         self.vetoes = 0
+        # Records, the cached answers and their in-place patches change under it: a `blend` on a
+        # router's thread must not iterate the figures while the client's thread adds a worker.
+        self._lock = threading.Lock()
 
     @property
     def reporting(self) -> bool:
@@ -253,22 +258,23 @@ class EngineLoads:
 
     def update(self, worker: WorkerKey, record: EngineLoad) -> None:
         """Keep ``record`` as ``worker``'s load unless an already-kept one has a newer ``sample``."""
-        old = self._records.get(worker)
-        if old is not None and record.sample and old.sample > record.sample:
-            return
-        self._records[worker] = record
         p = self.policy
         allowance = (p.wedge_after + (record.prefill_pending_tokens or 0) / p.prefill_tokens_per_s) * 1000.0
         silence = -1.0 if record.engine_silence_ms is None else float(record.engine_silence_ms)
         by_count = record.waiting_uncached_tokens is None and record.prefill_pending_tokens is None
         requests = record.running_requests + record.waiting_requests if by_count else -1
         figures = (record.received, record.queued_tokens, requests, silence, allowance)
-        self._figures[worker] = figures
-        self._version += 1
-        if self._cache is not None and not self._patch(worker, figures):
-            self._cache = None
-        if self._usage is not None and not self._patch_usage(worker, record):
-            self._usage = None
+        with self._lock:
+            old = self._records.get(worker)
+            if old is not None and record.sample and old.sample > record.sample:
+                return
+            self._records[worker] = record
+            self._figures[worker] = figures
+            self._version += 1
+            if self._cache is not None and not self._patch(worker, figures):
+                self._cache = None
+            if self._usage is not None and not self._patch_usage(worker, record):
+                self._usage = None
 
     def _patch(self, worker: WorkerKey, figures: tuple[float, int, int, float, float]) -> bool:
         """Carry one worker's new record into the cached engine part, if that is all that changed.
@@ -309,8 +315,10 @@ class EngineLoads:
 
         Engines report about as often as a router selects: recomputing over the fleet on every
         record would cost `select` a pass over 1,024 records (about a millisecond). Only a worker
-        already listed whose fresh record still reports usage, or one leaving the list, is patched
-        in place, so the dict keeps the order a recomputation would give; anything else says False.
+        already listed whose fresh record still reports usage is patched in place, so the dict keeps
+        the order a recomputation would give; anything else says False. A worker leaving the list
+        leaves a copy: the dict `usage` handed out never changes size, so a router may iterate it
+        on one thread while records arrive on another.
         """
         assert self._usage is not None
         until, usage = self._usage
@@ -322,35 +330,38 @@ class EngineLoads:
             if worker not in usage:
                 return False
             usage[worker] = min(1.0, record.token_usage)
-        else:
-            usage.pop(worker, None)
+        elif worker in usage:
+            usage = {w: u for w, u in usage.items() if w != worker}
+            self._usage = (until, usage)
         return True
 
     def usage(self) -> dict[WorkerKey, float]:
         """Engine-reported KV-cache usage per worker: fresh reports above 0 (capped at 1), in record
         order. Kept until a record changes in a way `update` cannot patch in place, or the first
-        listed report turns stale: `Router.select` reads it on every call (`CostModel.eviction`)."""
+        listed report turns stale: `Router.select` reads it on every call (`CostModel.eviction`).
+        Its size never changes once returned (values may, as records arrive)."""
         now = self.clock()
-        cached = self._usage
-        if cached is not None and now < cached[0]:
-            return cached[1]
-        stale_after = self.policy.stale_after
-        usage: dict[WorkerKey, float] = {}
-        until = math.inf
-        for w, rec in self._records.items():
-            if now - rec.received <= stale_after and rec.token_usage > 0.0:
-                until = min(until, rec.received + stale_after)
-                usage[w] = min(1.0, rec.token_usage)
-        self._usage = (until, usage)
-        return usage
+        with self._lock:
+            cached = self._usage
+            if cached is not None and now < cached[0]:
+                return cached[1]
+            stale_after = self.policy.stale_after
+            usage: dict[WorkerKey, float] = {}
+            until = math.inf
+            for w, rec in self._records.items():
+                if now - rec.received <= stale_after and rec.token_usage > 0.0:
+                    until = min(until, rec.received + stale_after)
+                    usage[w] = min(1.0, rec.token_usage)
+            self._usage = (until, usage)
+            return usage
 
     def remove(self, worker: WorkerKey) -> None:
         """Forget ``worker``'s records (its source was removed)."""
-        self._records.pop(worker, None)
-        self._figures.pop(worker, None)
-        self._version += 1
-        if self._usage is not None:
-            self._usage[1].pop(worker, None)
+        with self._lock:
+            self._records.pop(worker, None)
+            self._figures.pop(worker, None)
+            self._version += 1
+            self._usage = None  # recomputed (a new dict): the one handed out keeps its size
 
     def get(self, worker: WorkerKey) -> EngineLoad | None:
         """The newest record of ``worker``, fresh or not."""
@@ -422,30 +433,32 @@ class EngineLoads:
         Runs on every `Router.select`: the engine side is cached between record updates, so a call
         costs a copy of it and a pass over the router's own (few) busy workers.
         """
-        mode = self.policy.mode
-        if mode == "router":
-            return {w: t / unit for w, t in own_tokens.items() if t}, set()
-        engine, wedged, stale = self._engine_part(unit, self.clock())
-        loads = {w: v for w, v in engine.items() if v} if self._zeros else dict(engine)
-        if self._counts:
-            held = sum(own_requests.values()) if own_requests else 0
-            if held:
-                self._per_request = sum(own_tokens.values()) / held
-            per = self._per_request / unit
-            engine = dict(engine)
-            for w, n in self._counts.items():
-                engine[w] = loads[w] = n * per
-        vetoed = set(wedged)
-        for w, t in own_tokens.items():
-            if not t:
-                continue
-            mine = t / unit
-            if w in engine:  # a fresh record: its queue, or the router's count if larger (blend)
-                if mode == "blend" and mine > engine[w]:
+        with self._lock:
+            mode = self.policy.mode
+            if mode == "router":
+                return {w: t / unit for w, t in own_tokens.items() if t}, set()
+            engine, wedged, stale = self._engine_part(unit, self.clock())
+            loads = {w: v for w, v in engine.items() if v} if self._zeros else dict(engine)
+            if self._counts:
+                held = sum(own_requests.values()) if own_requests else 0
+                if held:
+                    self._per_request = sum(own_tokens.values()) / held
+                per = self._per_request / unit
+                engine = dict(engine)
+                for w, n in self._counts.items():
+                    engine[w] = loads[w] = n * per
+            vetoed = set(wedged)
+            for w, t in own_tokens.items():
+                if not t:
+                    continue
+                mine = t / unit
+                if w in engine:  # a fresh record: its queue, or the router's count if larger (blend)
+                    if mode == "blend" and mine > engine[w]:
+                        loads[w] = mine
+                else:
                     loads[w] = mine
-            else:
-                loads[w] = mine
-                if w in stale:
-                    vetoed.add(w)  # records stopped while it holds routed work
-        self.vetoes += len(vetoed)
-        return loads, vetoed
+                    if w in stale:
+                        vetoed.add(w)  # records stopped while it holds routed work
+            self.vetoes += len(vetoed)
+            return loads, vetoed
+

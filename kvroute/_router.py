@@ -38,9 +38,9 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 import time
 import warnings
-from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
 from itertools import accumulate, islice
 from typing import Any, Protocol, runtime_checkable
@@ -65,6 +65,23 @@ _log = logging.getLogger("kvroute.router")
 
 # The core's load table is a mapping in every way `EngineLoads.blend` and the reference path use it.
 MutableMapping.register(_core.Loads)
+
+#: Every slot of `RoutingDecision`, in the order `Router._decide` gives the compiled path's values
+#: to `_core.new_frozen` (the lazily built candidates: None, their `Scored`, the idle worker drawn).
+_LAZY_SLOTS = (
+    "_candidates",
+    "_scored",
+    "_tail",
+    "block_size",
+    "cost",
+    "idle_cost",
+    "idle_workers",
+    "overlap_blocks",
+    "overlap_tokens",
+    "query_tokens",
+    "routed_tokens",
+    "worker",
+)
 
 
 @runtime_checkable
@@ -129,7 +146,12 @@ class Router(ReferenceScoring):
     within ``footprint_band`` of the cheapest cost and no busier than it; a `select` given a
     ``request_id`` counts its placement (`on_start` does not: it cannot tell a new session).
 
-    Not thread-safe: use it from one thread (or one event loop), like the index it reads.
+    Threads: one Router may serve several threads. `select` may run on worker threads while
+    the client ingests and others call `on_start` / `on_finish`; concurrent `select` calls do
+    not wait for each other while they match and price (the core does that with the GIL
+    released for long prompts, from its own copy of the tracked load). The router's own
+    bookkeeping (requests, load, registrations) changes under one lock, which a `select`
+    without a ``request_id`` never takes (it counts itself with atomics in the core).
     """
 
     def __init__(
@@ -171,11 +193,15 @@ class Router(ReferenceScoring):
         self._request_worker: dict[Hashable, WorkerKey] = {}
         self._routed = RoutedPrefixes(float(routed_ttl), routed_per_worker)
         self._footprint = Footprint()  # new placements per worker (`CostModel.footprint`)
-        self._selections = 0
         self._unknown_finishes = 0
-        self._select_seconds = 0.0
-        # One count per SELECT_BUCKETS bound, plus one for slower calls.
-        self._select_buckets = [0] * (len(SELECT_BUCKETS) + 1)
+        # `select` calls and their times per SELECT_BUCKETS bound (plus one for slower calls),
+        # counted in the core without the lock below (see `_core.SelectTimes`)
+        self._select_times = _core.SelectTimes(list(SELECT_BUCKETS))
+        # Guards the bookkeeping above against threads: each change of it is several steps
+        # (read, add, write back; a request in two tables) that another thread must not split.
+        # Re-entrant: `_start` finishes a request id that is started again. Never held while the
+        # core matches, so concurrent `select` calls run side by side.
+        self._lock = threading.RLock()
 
     # --- workers -------------------------------------------------------------------------
 
@@ -191,26 +217,28 @@ class Router(ReferenceScoring):
         if block_size is not None:
             _check_block_size(block_size)
         worker = _key(worker)
-        self._registered.add(worker)
         bs = block_size or self.block_size
-        store = self._approx.get(worker)
-        if approximate != (store is not None):
-            self._routed.discard_worker(worker)  # a worker is routed by its index or its history, not both
-        if not approximate:
-            self._approx.pop(worker, None)
-        elif store is None or store.block_size != bs:
-            self._approx[worker] = _Approx(bs)
+        with self._lock:
+            self._registered.add(worker)
+            store = self._approx.get(worker)
+            if approximate != (store is not None):
+                self._routed.discard_worker(worker)  # a worker is routed by its index or its history, not both
+            if not approximate:
+                self._approx.pop(worker, None)
+            elif store is None or store.block_size != bs:
+                self._approx[worker] = _Approx(bs)
 
     def remove_worker(self, worker: WorkerKey) -> None:
         """Forget a registered worker: its registration, approximate store and tracked load."""
         worker = _key(worker)
-        self._registered.discard(worker)
-        self._approx.pop(worker, None)
-        self._load.pop(worker, None)
-        self._routed.discard_worker(worker)
-        self._footprint.discard(worker)
-        for rid in self._active.pop(worker, {}):
-            del self._request_worker[rid]
+        with self._lock:
+            self._registered.discard(worker)
+            self._approx.pop(worker, None)
+            self._load.pop(worker, None)
+            self._routed.discard_worker(worker)
+            self._footprint.discard(worker)
+            for rid in self._active.pop(worker, {}):
+                del self._request_worker[rid]
 
     def is_approximate(self, worker: WorkerKey) -> bool:
         """Whether ``worker`` is routed in approximate mode."""
@@ -257,13 +285,15 @@ class Router(ReferenceScoring):
         keys = query.keys(store.block_size) if store is not None else None
         # an approximate worker's own store already assumes it holds the prompt
         routed = query.keys(self.block_size) if self._routed.enabled and store is None else []
-        self._start(request_id, worker, max(0, ntok - cached_tokens))
-        if store is not None and keys is not None:
-            store.note(keys, self._clock() + self.approximate_ttl)
-        if routed:
-            self._routed.add(request_id, worker, routed, self._clock())
+        with self._lock:
+            self._start(request_id, worker, max(0, ntok - cached_tokens))
+            if store is not None and keys is not None:
+                store.note(keys, self._clock() + self.approximate_ttl)
+            if routed:
+                self._routed.add(request_id, worker, routed, self._clock())
 
     def _start(self, request_id: Hashable, worker: WorkerKey, tokens: int) -> None:
+        """Record a started request's tokens as load on ``worker`` (the caller holds ``_lock``)."""
         try:
             known = request_id in self._request_worker
         except TypeError:
@@ -286,36 +316,38 @@ class Router(ReferenceScoring):
         (``mark_prefill_completed``); the request stays active until `on_finish`. Returns False,
         changing nothing, when the id is not active.
         """
-        try:
-            worker = self._request_worker.get(request_id)
-        except TypeError:
-            return False
-        if worker is None:
-            return False
-        active = self._active[worker]
-        self._load[worker] -= active[request_id]
-        active[request_id] = 0
-        return True
+        with self._lock:
+            try:
+                worker = self._request_worker.get(request_id)
+            except TypeError:
+                return False
+            if worker is None:
+                return False
+            active = self._active[worker]
+            self._load[worker] -= active[request_id]
+            active[request_id] = 0
+            return True
 
     def on_finish(self, request_id: Hashable) -> bool:
         """Release a request's load; False (counted, logged at debug) when the id is not active."""
-        try:
-            worker = self._request_worker.pop(request_id, None)
-        except TypeError:
-            worker = None
-        if worker is None:
-            self._unknown_finishes += 1
-            _log.debug("on_finish for unknown request %r ignored", request_id)
-            return False
-        self._routed.discard(request_id)
-        active = self._active[worker]
-        left = self._load[worker] - active.pop(request_id)
-        if active:
-            self._load[worker] = left
-        else:
-            del self._active[worker]
-            del self._load[worker]
-        return True
+        with self._lock:
+            try:
+                worker = self._request_worker.pop(request_id, None)
+            except TypeError:
+                worker = None
+            if worker is None:
+                self._unknown_finishes += 1
+                _log.debug("on_finish for unknown request %r ignored", request_id)
+                return False
+            self._routed.discard(request_id)
+            active = self._active[worker]
+            left = self._load[worker] - active.pop(request_id)
+            if active:
+                self._load[worker] = left
+            else:
+                del self._active[worker]
+                del self._load[worker]
+            return True
 
     def load_blocks(self, worker: WorkerKey) -> float:
         """The load tracked on ``worker``, in blocks of ``block_size`` tokens."""
@@ -323,15 +355,17 @@ class Router(ReferenceScoring):
 
     def stats(self) -> RouterStats:
         """A snapshot of the router's counters."""
-        return RouterStats(
-            selections=self._selections,
-            active_requests=len(self._request_worker),
-            approximate_workers=len(self._approx),
-            approximate_blocks=sum(len(s.expiry) for s in self._approx.values()),
-            unknown_finishes=self._unknown_finishes,
-            select_seconds_sum=self._select_seconds,
-            select_seconds_buckets=tuple(accumulate(self._select_buckets[:-1])),
-        )
+        selections, seconds, counts = self._select_times.read()
+        with self._lock:
+            return RouterStats(
+                selections=selections,
+                active_requests=len(self._request_worker),
+                approximate_workers=len(self._approx),
+                approximate_blocks=sum(len(s.expiry) for s in self._approx.values()),
+                unknown_finishes=self._unknown_finishes,
+                select_seconds_sum=seconds,
+                select_seconds_buckets=tuple(accumulate(counts[:-1])),
+            )
 
     # --- selection -----------------------------------------------------------------------
 
@@ -389,10 +423,11 @@ class Router(ReferenceScoring):
         bad argument.
         """
         routed = self._routed
-        if routed:
-            routed.purge(self._clock())
         unit = self.block_size
-        look = min((ntok - 1) // unit, routed.longest()) if ntok else 0
+        with self._lock:
+            if routed:
+                routed.purge(self._clock())
+            look = min((ntok - 1) // unit, routed.longest()) if ntok else 0
         record = record and routed.enabled
         if not look and not record:
             return None, []
@@ -400,7 +435,8 @@ class Router(ReferenceScoring):
             keys = query.keys(unit)
         except RouterError:
             return None, []
-        credits = routed.credits(keys[:look]) if look else None
+        with self._lock:
+            credits = routed.credits(keys[:look]) if look else None
         return ({w: b * unit for w, b in credits.items()} if credits else None), (keys if record else [])
 
     def _decide(
@@ -419,29 +455,43 @@ class Router(ReferenceScoring):
         the idle worker drawn or None), built into candidates only when read."""
         worker = chosen.worker
         if request_id is not None:
-            # Load counts what the index says is cached there: the hint guides the choice only
-            # (the shared prefix is already counted on the request that brought it).
-            self._start(request_id, worker, ntok - chosen.overlap_tokens)
-            if routed_keys and worker not in self._approx:
-                self._routed.add(request_id, worker, routed_keys, self._clock())
-        self._selections += 1
-        took = time.perf_counter() - started
-        self._select_seconds += took
-        self._select_buckets[bisect_left(SELECT_BUCKETS, took)] += 1
-        fields: dict[str, Any] = dict(
+            with self._lock:
+                # Load counts what the index says is cached there: the hint guides the choice only
+                # (the shared prefix is already counted on the request that brought it).
+                self._start(request_id, worker, ntok - chosen.overlap_tokens)
+                if routed_keys and worker not in self._approx:
+                    self._routed.add(request_id, worker, routed_keys, self._clock())
+        self._select_times.record(time.perf_counter() - started)
+        if isinstance(entries, tuple):
+            # the compiled path's decision, its slots set in the core (in `_LAZY_SLOTS`' order)
+            values = (
+                None,
+                entries[0],
+                entries[1],
+                chosen.block_size,
+                chosen.cost,
+                idle_cost,
+                idle_count,
+                chosen.overlap_blocks,
+                chosen.overlap_tokens,
+                ntok,
+                chosen.routed_tokens,
+                worker,
+            )
+            decision: RoutingDecision = _core.new_frozen(RoutingDecision, _LAZY_SLOTS, values)
+            return decision
+        return RoutingDecision(
             worker=worker,
             overlap_blocks=chosen.overlap_blocks,
             cost=chosen.cost,
             query_tokens=ntok,
+            candidates=tuple(entries),
             idle_workers=idle_count,
             idle_cost=idle_cost,
             block_size=chosen.block_size,
             overlap_tokens=chosen.overlap_tokens,
             routed_tokens=chosen.routed_tokens,
         )
-        if isinstance(entries, tuple):
-            return RoutingDecision._lazy(entries[0], entries[1], **fields)
-        return RoutingDecision(candidates=tuple(entries), **fields)
 
     def _loads(
         self, load: Mapping[WorkerKey, float] | None, universe: set[WorkerKey]
@@ -454,8 +504,9 @@ class Router(ReferenceScoring):
         unit = self.block_size
         if load is None and self.engine_loads is not None and self.engine_loads.reporting:
             # Engines report load: blend it in (a fleet without reports keeps the plain path).
-            in_flight = {w: len(active) for w, active in self._active.items()}
-            loads, vetoed = self.engine_loads.blend(self._load, unit, in_flight)
+            with self._lock:  # the requests and their tokens as of one moment
+                in_flight = {w: len(active) for w, active in self._active.items()}
+                loads, vetoed = self.engine_loads.blend(self._load, unit, in_flight)
             if vetoed and universe - vetoed:
                 universe = universe - vetoed
             return loads, 1.0, universe
@@ -594,7 +645,8 @@ class Router(ReferenceScoring):
         else:
             pick = scored.candidate(at)
         if new and request_id is not None:
-            self._footprint.add(pick.worker, model.footprint_half_life)
+            with self._lock:  # a read-modify-write of the counts another thread's select may race
+                self._footprint.add(pick.worker, model.footprint_half_life)
         return self._decide(started, pick, (scored, tail), idle_count, idle_cost, ntok, request_id, routed_keys)
 
     def _engine_reporting(self) -> bool:

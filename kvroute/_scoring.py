@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from itertools import islice
 from typing import Any, Protocol
 
@@ -125,6 +126,9 @@ class _RouterParts(Protocol):
 
     def _new_placement(self, ntok: int, best_overlap: int) -> bool: ...
 
+    @property
+    def _lock(self) -> AbstractContextManager[Any]: ...
+
     def _universe(self, candidates: Iterable[WorkerKey] | None) -> set[WorkerKey]: ...
 
     def _usage(self) -> dict[WorkerKey, float] | None: ...
@@ -233,141 +237,144 @@ class ReferenceScoring:
             raise NoWorkersError("none of the given candidates is a live or registered worker")
         query = _Query(token_ids, lora_name, extra_keys, cache_salt, mm_items)
         credits, routed_keys = self._routed_query(query, ntok, request_id is not None)
-        unit = self.block_size
-        cost_of = model.cost
-        idle_prefill = ntok / unit
-        entries: list[CandidateScore] = []
-        seen: set[WorkerKey] = set()  # listed by the approximate or the index pass
-        loads, scale, universe = self._loads(load, universe)
-        load_get = loads.get
-        usage = self._usage()
-        usage_get = usage.get if usage else None
+        # the pricing reads the router's bookkeeping (approximate stores, load, usage) as of one
+        # moment and notes the chosen approximate store: under its lock, against other threads
+        with self._lock:
+            unit = self.block_size
+            cost_of = model.cost
+            idle_prefill = ntok / unit
+            entries: list[CandidateScore] = []
+            seen: set[WorkerKey] = set()  # listed by the approximate or the index pass
+            loads, scale, universe = self._loads(load, universe)
+            load_get = loads.get
+            usage = self._usage()
+            usage_get = usage.get if usage else None
 
-        approx = self._approx
-        if approx:
-            now = self._clock()
-            for w, store in approx.items():
-                if w not in universe:
-                    continue
-                store.purge(now)
-                held = store.leading(query.keys(store.block_size)) if store.expiry else 0
-                w_load = load_get(w, 0) * scale
-                u = usage_get(w, 0.0) if usage_get else 0.0
-                if not held and not w_load and not u:
-                    continue
-                bs = store.block_size
-                prefill = (ntok - held * bs) / unit
-                cost = cost_of(prefill, w_load)
-                if u > 0.0:
-                    cost += model.eviction(prefill, u)
-                seen.add(w)
-                entries.append(
-                    CandidateScore(
-                        worker=w,
-                        source="approximate",
-                        claimed_blocks=held,
-                        overlap_blocks=held,
-                        block_size=bs,
-                        prefill_blocks=prefill,
-                        load_blocks=w_load,
-                        cost=cost,
-                        overlap_tokens=min(ntok, held * bs),
-                    )
-                )
-
-        if scores:
-            self._scored(entries, scores, universe, seen, ntok, idle_prefill, loads, scale, credits, usage)
-        if credits:
-            self._routed_only(entries, credits, universe, seen, ntok, loads, scale, usage)
-
-        # Load-only workers: nothing claimed, so the prefill is the whole prompt. Approximate
-        # workers with load were all listed above. The stock model's cost is inlined: this
-        # loop runs for every busy worker.
-        idle_cost = cost_of(idle_prefill, 0.0)
-        stock = type(model) is CostModel
-        for w, t in loads.items():
-            if t and w in universe and w not in seen:
-                w_load = t * scale
-                cost = idle_cost + w_load if stock else cost_of(idle_prefill, w_load)
-                u = usage_get(w, 0.0) if usage_get else 0.0
-                if u > 0.0:
-                    cost += model.eviction(idle_prefill, u)
-                seen.add(w)
-                entries.append(
-                    CandidateScore(
-                        worker=w,
-                        source="index",
-                        claimed_blocks=0,
-                        overlap_blocks=0,
-                        block_size=None,
-                        prefill_blocks=idle_prefill,
-                        load_blocks=w_load,
-                        cost=cost,
-                    )
-                )
-        # Usage-only workers: a report above 0, nothing claimed, no load (as src/py/router.rs lists them).
-        if usage:
-            for w, u in usage.items():
-                if w in universe and w not in seen:
+            approx = self._approx
+            if approx:
+                now = self._clock()
+                for w, store in approx.items():
+                    if w not in universe:
+                        continue
+                    store.purge(now)
+                    held = store.leading(query.keys(store.block_size)) if store.expiry else 0
+                    w_load = load_get(w, 0) * scale
+                    u = usage_get(w, 0.0) if usage_get else 0.0
+                    if not held and not w_load and not u:
+                        continue
+                    bs = store.block_size
+                    prefill = (ntok - held * bs) / unit
+                    cost = cost_of(prefill, w_load)
+                    if u > 0.0:
+                        cost += model.eviction(prefill, u)
                     seen.add(w)
                     entries.append(
                         CandidateScore(
                             worker=w,
-                            source="index",  # an approximate worker with usage was listed above
+                            source="approximate",
+                            claimed_blocks=held,
+                            overlap_blocks=held,
+                            block_size=bs,
+                            prefill_blocks=prefill,
+                            load_blocks=w_load,
+                            cost=cost,
+                            overlap_tokens=min(ntok, held * bs),
+                        )
+                    )
+
+            if scores:
+                self._scored(entries, scores, universe, seen, ntok, idle_prefill, loads, scale, credits, usage)
+            if credits:
+                self._routed_only(entries, credits, universe, seen, ntok, loads, scale, usage)
+
+            # Load-only workers: nothing claimed, so the prefill is the whole prompt. Approximate
+            # workers with load were all listed above. The stock model's cost is inlined: this
+            # loop runs for every busy worker.
+            idle_cost = cost_of(idle_prefill, 0.0)
+            stock = type(model) is CostModel
+            for w, t in loads.items():
+                if t and w in universe and w not in seen:
+                    w_load = t * scale
+                    cost = idle_cost + w_load if stock else cost_of(idle_prefill, w_load)
+                    u = usage_get(w, 0.0) if usage_get else 0.0
+                    if u > 0.0:
+                        cost += model.eviction(idle_prefill, u)
+                    seen.add(w)
+                    entries.append(
+                        CandidateScore(
+                            worker=w,
+                            source="index",
                             claimed_blocks=0,
                             overlap_blocks=0,
                             block_size=None,
                             prefill_blocks=idle_prefill,
-                            load_blocks=0.0,
-                            cost=idle_cost + model.eviction(idle_prefill, u),
+                            load_blocks=w_load,
+                            cost=cost,
                         )
                     )
+            # Usage-only workers: a report above 0, nothing claimed, no load (as src/py/router.rs lists them).
+            if usage:
+                for w, u in usage.items():
+                    if w in universe and w not in seen:
+                        seen.add(w)
+                        entries.append(
+                            CandidateScore(
+                                worker=w,
+                                source="index",  # an approximate worker with usage was listed above
+                                claimed_blocks=0,
+                                overlap_blocks=0,
+                                block_size=None,
+                                prefill_blocks=idle_prefill,
+                                load_blocks=0.0,
+                                cost=idle_cost + model.eviction(idle_prefill, u),
+                            )
+                        )
 
-        idle_count = len(universe) - len(entries)
-        best_overlap = max((max(e.overlap_tokens, e.routed_tokens) for e in entries), default=0)
-        new = self._new_placement(ntok, best_overlap)
-        if new:
-            listed = [e.worker for e in entries]
-            got = self._footprint.pick(
-                [e.cost for e in entries],
-                [e.load_blocks for e in entries],
-                listed,
-                idle_cost,
-                (lambda: universe.difference(listed)) if idle_count else None,
-                model.footprint_limit,
-                self._rng,
-            )
-            assert got is not None  # the universe is this call's own: idle_count > 0 means idle workers exist
-            at, chosen_w = got
-            pick = None if at is None else entries[at]
-        else:
-            pick = self._pick(entries, idle_count, idle_cost, model.temperature)
-        if pick is None:
-            if not new:
-                idle = universe.difference([e.worker for e in entries])
-                chosen_w = next(islice(iter(idle), self._rng.randrange(len(idle)), None))
-            chosen = CandidateScore(
-                worker=chosen_w,
-                source="approximate" if chosen_w in approx else "index",
-                claimed_blocks=0,
-                overlap_blocks=0,
-                block_size=approx[chosen_w].block_size if chosen_w in approx else None,
-                prefill_blocks=idle_prefill,
-                load_blocks=0.0,
-                cost=idle_cost,
-            )
-            entries.append(chosen)
-            idle_count -= 1
-        else:
-            chosen = pick
-        worker = chosen.worker
+            idle_count = len(universe) - len(entries)
+            best_overlap = max((max(e.overlap_tokens, e.routed_tokens) for e in entries), default=0)
+            new = self._new_placement(ntok, best_overlap)
+            if new:
+                listed = [e.worker for e in entries]
+                got = self._footprint.pick(
+                    [e.cost for e in entries],
+                    [e.load_blocks for e in entries],
+                    listed,
+                    idle_cost,
+                    (lambda: universe.difference(listed)) if idle_count else None,
+                    model.footprint_limit,
+                    self._rng,
+                )
+                assert got is not None  # the universe is this call's own: idle_count > 0 means idle workers exist
+                at, chosen_w = got
+                pick = None if at is None else entries[at]
+            else:
+                pick = self._pick(entries, idle_count, idle_cost, model.temperature)
+            if pick is None:
+                if not new:
+                    idle = universe.difference([e.worker for e in entries])
+                    chosen_w = next(islice(iter(idle), self._rng.randrange(len(idle)), None))
+                chosen = CandidateScore(
+                    worker=chosen_w,
+                    source="approximate" if chosen_w in approx else "index",
+                    claimed_blocks=0,
+                    overlap_blocks=0,
+                    block_size=approx[chosen_w].block_size if chosen_w in approx else None,
+                    prefill_blocks=idle_prefill,
+                    load_blocks=0.0,
+                    cost=idle_cost,
+                )
+                entries.append(chosen)
+                idle_count -= 1
+            else:
+                chosen = pick
+            worker = chosen.worker
 
-        chosen_store = approx.get(worker)
-        if chosen_store is not None:
-            chosen_store.note(query.keys(chosen_store.block_size), self._clock() + self.approximate_ttl)
-        if new and request_id is not None:
-            self._footprint.add(worker, model.footprint_half_life)
-        return self._decide(started, chosen, entries, idle_count, idle_cost, ntok, request_id, routed_keys)
+            chosen_store = approx.get(worker)
+            if chosen_store is not None:
+                chosen_store.note(query.keys(chosen_store.block_size), self._clock() + self.approximate_ttl)
+            if new and request_id is not None:
+                self._footprint.add(worker, model.footprint_half_life)
+            return self._decide(started, chosen, entries, idle_count, idle_cost, ntok, request_id, routed_keys)
 
     def _scored(
         self: _RouterParts,

@@ -299,6 +299,17 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_gateway_stream.py",),
         ("tests/test_gateway_stream.py::test_data_loss_clears_the_rank_and_resubscribes",),
     ),
+    # --- the router ---
+    Mutation(
+        "router-unlocked",
+        "one Router serves several threads: its bookkeeping changes under its lock",
+        "kvroute/_router.py",
+        "        self._lock = threading.RLock()\n",
+        # a semaphore nobody runs out of: every `with self._lock` still runs, and excludes nothing
+        "        self._lock = threading.Semaphore(1 << 30)\n",
+        ("tests/test_router_threads.py",),
+        ("tests/test_router_threads.py::test_worker_threads_select_while_the_client_ingests_a_live_engine",),
+    ),
 ]
 
 

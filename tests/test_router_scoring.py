@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvroute._index import PrefixIndex
 from kvroute._load import EngineLoad, EngineLoads
 from kvroute._models import WorkerKey, WorkerStatus
-from kvroute._router import CostModel, Router, RouterError
+from kvroute._router import CostModel, Router, RouterError, RoutingDecision
 from kvroute._wire import BlockRemoved, BlockStored
 
 PROMPT_LEN = 200
@@ -395,6 +395,14 @@ def test_a_decision_with_lazy_candidates_reads_as_an_eager_one() -> None:
     router = Router(index, seed=0)
     d = router.select(list(range(5000, 5100)), candidates=[workers[3], workers[4]])
     assert [c.worker for c in d.candidates] == [d.worker] and d.idle_workers == 1
+
+
+
+def test_the_compiled_path_sets_every_slot_of_a_decision() -> None:
+    """`Router._decide` builds the compiled path's decision slot by slot in the core (`_LAZY_SLOTS`)."""
+    from kvroute._router import _LAZY_SLOTS
+
+    assert sorted(_LAZY_SLOTS) == sorted(RoutingDecision.__slots__)
 
 
 _pressured = st.fixed_dictionaries(

@@ -308,11 +308,11 @@ impl<K: WorkerName> Index<K> {
             .is_some_and(|w| !w.holds_nothing())
     }
 
-    /// `worker`'s slot and its key as the index stores it: `select` keeps both to find the
-    /// worker again by slot (`at_slot`) instead of hashing and comparing its name each call.
-    pub fn slot_key(&self, worker: &K) -> Option<(u32, &K)> {
+    /// `worker`'s slot: `select` keeps it to find the worker again there (`at_slot`) instead of
+    /// looking its name up each call.
+    pub fn slot_of(&self, worker: &K) -> Option<u32> {
         let &slot = self.by_key.get(worker)?;
-        self.workers[slot as usize].as_ref().map(|w| (slot, &w.key))
+        self.workers[slot as usize].as_ref().map(|_| slot)
     }
 
     /// The worker at `slot`: its key and whether it holds any block (None: a free slot).

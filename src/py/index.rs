@@ -82,8 +82,7 @@ impl PyKey {
         })))
     }
 
-    /// Whether `self` and `other` are the same key object (not merely equal): a key kept from
-    /// the index's own table is still that worker's entry while the slot holds this very key.
+    /// Whether `self` and `other` are the same key object (not merely equal).
     pub(crate) fn same(&self, other: &PyKey) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }

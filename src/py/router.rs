@@ -4,7 +4,12 @@
 //! (kvroute/_router.py) takes it when its model is exactly `CostModel` and no worker is
 //! approximate; the Python path stays the reference and serves subclasses.
 
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use indexmap::map::MutableKeys;
 use indexmap::IndexMap;
+use parking_lot::Mutex;
 use pyo3::exceptions::PyKeyError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -45,15 +50,28 @@ fn load_of(loads: &Bound<'_, PyAny>, w: &Bound<'_, PyAny>, scale: f64) -> PyResu
     })
 }
 
-/// `w`'s engine-reported KV usage (`Router` passes only reports above 0; none: 0).
-fn usage_of(usage: Option<&Bound<'_, PyDict>>, w: &Bound<'_, PyAny>) -> PyResult<f64> {
-    Ok(match usage {
-        Some(u) => match u.get_item(w)? {
-            Some(v) => v.extract()?,
+/// Engine-reported KV usage per worker (`Router` passes only reports above 0), and how many of
+/// its workers the passes over the candidates priced: when that is all of them, the usage-only
+/// pass has nothing to add and is skipped (it builds a set of every candidate, ~30 µs at 1,024).
+struct Usage<'a, 'py> {
+    dict: Option<&'a Bound<'py, PyDict>>,
+    priced: usize,
+}
+
+impl Usage<'_, '_> {
+    /// `w`'s usage (none: 0), counting a reported worker as priced: call it once per candidate.
+    fn of(&mut self, w: &Bound<'_, PyAny>) -> PyResult<f64> {
+        let Some(u) = self.dict else {
+            return Ok(0.0);
+        };
+        Ok(match u.get_item(w)? {
+            Some(v) => {
+                self.priced += 1;
+                v.extract()?
+            }
             None => 0.0,
-        },
-        None => 0.0,
-    })
+        })
+    }
 }
 
 /// The routing hint's tokens for `w` (0: none).
@@ -68,34 +86,59 @@ fn routed_of(routed: &Bound<'_, PyDict>, w: &Bound<'_, PyAny>) -> PyResult<i64> 
 /// insertion order as the dict it replaces was (the load-only candidates come in this order).
 /// `select` reads it without a Python call per worker: at 1,024 loaded workers the dict's
 /// `get` per candidate and the pass over its items cost ~150 µs, the table's lookups a few.
-#[pyclass(module = "kvroute._core", name = "Loads", mapping)]
+///
+/// Threads: one Router serves several threads, so the table is frozen (no PyO3 borrow flag,
+/// whose "Already mutably borrowed" error a `select` holding the table across its GIL-released
+/// match used to raise in a thread calling `on_start`) and copy-on-write: `select` takes the
+/// current table (an `Arc`) under the mutex and scores from it with the mutex released; a write
+/// copies the table only while some `select` still holds the old one (`Arc::make_mut`). The mutex
+/// is never held while Python code can run (keys are converted before it is taken and objects
+/// built or dropped after), so a thread holding it never waits for the GIL.
+#[pyclass(frozen, module = "kvroute._core", name = "Loads", mapping)]
 #[derive(Default)]
 pub struct Loads {
-    map: IndexMap<PyKey, Entry, FxBuildHasher>,
+    table: Mutex<Arc<Table>>,
 }
 
-/// A worker's tracked tokens, and where `select` last found it in the index: its slot and the
-/// index's own key object there. While that slot still holds that very key (`PyKey::same`), the
-/// worker is found without hashing and comparing its name: at 1,024 loaded workers the lookups
-/// by name were ~100 instructions a worker, a third of `select`'s cost on a loaded fleet.
+type Table = IndexMap<PyKey, Entry, FxBuildHasher>;
+
+/// A worker's tracked tokens, and the index slot where `select` last found it. While that slot
+/// still holds this worker, it is found without hashing its name: at 1,024 loaded workers the
+/// lookups by name were ~100 instructions a worker, a third of `select`'s cost on a loaded fleet.
+/// The hint is atomic: concurrent `select`s update it through a shared table.
 struct Entry {
     tokens: i64,
-    seen: Option<(u32, PyKey)>,
+    slot_hint: AtomicU32,
+}
+
+impl Clone for Entry {
+    fn clone(&self) -> Self {
+        Entry::new(self.tokens, self.slot_hint.load(Ordering::Relaxed))
+    }
 }
 
 impl Entry {
-    /// Whether the index holds blocks for `key` (this entry's worker), and its slot there.
-    fn locate(&mut self, idx: &Index<PyKey>, key: &PyKey) -> Option<(u32, bool)> {
-        if let Some((slot, kept)) = &self.seen {
-            if let Some((at, holds)) = idx.at_slot(*slot) {
-                if at.same(kept) {
-                    return Some((*slot, holds));
-                }
+    fn new(tokens: i64, slot: u32) -> Self {
+        Entry {
+            tokens,
+            slot_hint: AtomicU32::new(slot),
+        }
+    }
+
+    /// This entry's worker (`key`) in the index: its slot, whether it holds blocks, and the
+    /// index's own key object for it.
+    fn locate<'i>(&self, idx: &'i Index<PyKey>, key: &PyKey) -> Option<(u32, bool, &'i PyKey)> {
+        let hint = self.slot_hint.load(Ordering::Relaxed);
+        if let Some((at, holds)) = idx.at_slot(hint) {
+            // the slot may have been freed and reused by another worker: compare the keys (the
+            // same object once `Loads::adopt` gave the table the index's, without reading either)
+            if at == key {
+                return Some((hint, holds, at));
             }
         }
-        self.seen = idx.slot_key(key).map(|(slot, k)| (slot, k.clone()));
-        let slot = self.seen.as_ref()?.0;
-        idx.at_slot(slot).map(|(_, holds)| (slot, holds))
+        let slot = idx.slot_of(key)?;
+        self.slot_hint.store(slot, Ordering::Relaxed);
+        idx.at_slot(slot).map(|(at, holds)| (slot, holds, at))
     }
 }
 
@@ -104,10 +147,50 @@ impl Loads {
         PyKeyError::new_err(w.clone().unbind())
     }
 
-    /// `w`'s entry, None when `w` is not a worker key (a dict would hold no such key either).
-    fn find(&self, w: &Bound<'_, PyAny>) -> Option<(&PyKey, i64)> {
+    /// The current table, for a reader to use with the mutex released.
+    fn snapshot(&self) -> Arc<Table> {
+        self.table.lock().clone()
+    }
+
+    /// Change the table under the mutex; what `f` returns is dropped by the caller, after the
+    /// mutex is released (dropping a key may run Python code, see `Loads`).
+    fn write<R>(&self, f: impl FnOnce(&mut Table) -> R) -> R {
+        let mut guard = self.table.lock();
+        f(Arc::make_mut(&mut guard))
+    }
+
+    /// Give the table the index's own key objects (`adopt`: table position, the index's key
+    /// equal to the one there), so that `Entry::locate` recognises its worker by identity, not
+    /// by reading and comparing two names in two allocations (at 1,024 loaded workers ~13 µs a
+    /// `select`). Only while the table is still `seen` (the one `select` read); else the next
+    /// `select` tries again.
+    fn adopt(&self, seen: Arc<Table>, adopt: Vec<(usize, PyKey)>) {
+        let mut replaced = Vec::with_capacity(adopt.len());
+        {
+            let mut guard = self.table.lock();
+            if !Arc::ptr_eq(&guard, &seen) {
+                return;
+            }
+            drop(seen); // not the last reference (the mutex holds one): make_mut need not copy
+            let t = Arc::make_mut(&mut guard);
+            for (pos, key) in adopt {
+                if let Some((k, _)) = t.get_index_mut2(pos) {
+                    if *k == key {
+                        replaced.push(std::mem::replace(k, key));
+                    }
+                }
+            }
+        }
+        // the table's former keys may hold the last reference to their objects: dropped here,
+        // the mutex released (see `Loads`)
+        drop(replaced);
+    }
+
+    /// `w`'s tokens, None when `w` is not a worker key (a dict would hold no such key either)
+    /// or holds none.
+    fn find(&self, w: &Bound<'_, PyAny>) -> Option<i64> {
         let k = PyKey::extract(w).ok()?;
-        self.map.get_key_value(&k).map(|(k, v)| (k, v.tokens))
+        self.table.lock().get(&k).map(|e| e.tokens)
     }
 }
 
@@ -119,7 +202,7 @@ impl Loads {
     }
 
     fn __len__(&self) -> usize {
-        self.map.len()
+        self.table.lock().len()
     }
 
     fn __contains__(&self, w: &Bound<'_, PyAny>) -> bool {
@@ -127,30 +210,31 @@ impl Loads {
     }
 
     fn __getitem__(&self, w: &Bound<'_, PyAny>) -> PyResult<i64> {
-        self.find(w)
-            .map(|(_, v)| v)
-            .ok_or_else(|| Loads::key_error(w))
+        self.find(w).ok_or_else(|| Loads::key_error(w))
     }
 
-    /// Set ``w``'s tokens; a worker already present keeps its place and its key object.
-    fn __setitem__(&mut self, w: &Bound<'_, PyAny>, tokens: i64) -> PyResult<()> {
+    /// Set ``w``'s tokens; a worker already present keeps its place.
+    fn __setitem__(&self, w: &Bound<'_, PyAny>, tokens: i64) -> PyResult<()> {
         let k = PyKey::extract(w)?;
-        match self.map.get_mut(&k) {
-            Some(v) => v.tokens = tokens,
-            None => {
-                self.map.insert(k, Entry { tokens, seen: None });
+        // the key not inserted (the worker was present) is dropped after the mutex is released
+        self.write(|t| match t.get_mut(&k) {
+            Some(e) => {
+                e.tokens = tokens;
+                Some(k)
             }
-        }
+            None => {
+                t.insert(k, Entry::new(tokens, NONE));
+                None
+            }
+        });
         Ok(())
     }
 
-    fn __delitem__(&mut self, w: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn __delitem__(&self, w: &Bound<'_, PyAny>) -> PyResult<()> {
         let k = PyKey::extract(w).map_err(|_| Loads::key_error(w))?;
         // shift: the order of the rest is the dict's (a worker re-added goes last)
-        self.map
-            .shift_remove(&k)
-            .map(|_| ())
-            .ok_or_else(|| Loads::key_error(w))
+        let removed = self.write(|t| t.shift_remove_entry(&k));
+        removed.map(|_| ()).ok_or_else(|| Loads::key_error(w))
     }
 
     /// ``w``'s tokens, or ``default``.
@@ -162,7 +246,7 @@ impl Loads {
         default: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         Ok(match self.find(w) {
-            Some((_, v)) => v.into_pyobject(py)?.into_any(),
+            Some(v) => v.into_pyobject(py)?.into_any(),
             None => default.unwrap_or_else(|| py.None().into_bound(py)),
         })
     }
@@ -170,16 +254,17 @@ impl Loads {
     /// Remove ``w`` and return its tokens, or ``default`` when absent (`dict.pop`).
     #[pyo3(signature = (w, *default))]
     fn pop<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         w: &Bound<'py, PyAny>,
         default: &Bound<'py, PyTuple>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let got = PyKey::extract(w)
-            .ok()
-            .and_then(|k| self.map.shift_remove(&k));
+        let got = match PyKey::extract(w) {
+            Ok(k) => self.write(|t| t.shift_remove_entry(&k)),
+            Err(_) => None,
+        };
         match got {
-            Some(v) => Ok(v.tokens.into_pyobject(py)?.into_any()),
+            Some((_, e)) => Ok(e.tokens.into_pyobject(py)?.into_any()),
             None if !default.is_empty() => default.get_item(0),
             None => Err(Loads::key_error(w)),
         }
@@ -187,17 +272,18 @@ impl Loads {
 
     /// The workers, in order.
     fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.map.keys().map(|k| k.obj(py)))
+        PyList::new(py, self.snapshot().keys().map(|k| k.obj(py)))
     }
 
     /// The tokens, in order.
     fn values(&self) -> Vec<i64> {
-        self.map.values().map(|e| e.tokens).collect()
+        self.table.lock().values().map(|e| e.tokens).collect()
     }
 
     /// (worker, tokens) pairs, in order.
     fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.map.iter().map(|(k, v)| (k.obj(py), v.tokens)))
+        let t = self.snapshot();
+        PyList::new(py, t.iter().map(|(k, v)| (k.obj(py), v.tokens)))
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -399,7 +485,7 @@ fn candidate<'py>(
 /// mapping the caller or the engine-load blend built, or nobody (every load 0).
 enum LoadSource<'a, 'py> {
     None,
-    Table(&'a IndexMap<PyKey, Entry, FxBuildHasher>),
+    Table(&'a Table),
     Mapping(&'a Bound<'py, PyAny>),
 }
 
@@ -494,11 +580,8 @@ fn select<'py>(
         eviction_weight: weight(model, intern!(py, "eviction_weight"))?,
     };
     let want_tiers = !params.full_credit();
-    // mutable: the entries keep where they were found in the index (`Entry::locate`)
-    let mut table = match loads.cast::<Loads>() {
-        Ok(t) => Some(t.try_borrow_mut()?),
-        Err(_) => None,
-    };
+    // this call's copy of the router's table (`Loads`: other threads may change it meanwhile)
+    let table = loads.cast::<Loads>().ok().map(|t| t.get().snapshot());
     let mapping_has_items = table.is_none() && loads.len()? > 0;
     // Without a universe set, membership is the index's (a worker holding blocks) or the
     // registration: the keys whose membership the index decides are read before the lock.
@@ -515,11 +598,11 @@ fn select<'py>(
     } else {
         (Vec::new(), Vec::new())
     };
-    let table_mut = table.as_deref_mut().map(|t| &mut t.map);
+    let table_ref = table.as_deref();
     let whole = universe.is_none();
     // Match and, when some held block is off GPU and tiers are priced below GPU, the tier runs
     // too: one locked section, one consistent view of the index.
-    let (result, tiers, held, pos_of_slot) = index.get().with_query(py, ntok, move |idx| {
+    let (result, tiers, held, pos_of_slot, adopt) = index.get().with_query(py, ntok, move |idx| {
         let mut q = idx.query(input);
         let r = idx.find_matches(&mut q);
         let mut tiers: [FxHashMap<PyKey, i64>; 3] = Default::default();
@@ -537,19 +620,23 @@ fn select<'py>(
         // and its load is 0 wherever it is scored: no lookup for it), and whether it holds blocks.
         let mut table_holds = Vec::new();
         let mut pos_of_slot = Vec::new();
-        if let Some(m) = table_mut {
+        let mut adopt = Vec::new();
+        if let Some(m) = table_ref {
             table_holds.reserve(m.len());
             pos_of_slot = vec![NONE; idx.workers.len()];
-            for (pos, (k, e)) in m.iter_mut().enumerate() {
+            for (pos, (k, e)) in m.iter().enumerate() {
                 let found = if e.tokens != 0 {
                     e.locate(idx, k)
                 } else {
                     None
                 };
-                if let Some((slot, _)) = found {
+                if let Some((slot, _, at)) = found {
                     pos_of_slot[slot as usize] = pos as u32;
+                    if !at.same(k) {
+                        adopt.push((pos, at.clone()));
+                    }
                 }
-                table_holds.push(found.is_some_and(|(_, holds)| holds));
+                table_holds.push(found.is_some_and(|(_, holds, _)| holds));
             }
         }
         let held = whole.then(|| Held {
@@ -561,9 +648,9 @@ fn select<'py>(
                 .map(|k| k.as_ref().is_some_and(|k| idx.holds(k)))
                 .collect(),
         });
-        (r, tiers, held, pos_of_slot)
+        (r, tiers, held, pos_of_slot, adopt)
     });
-    let table_map = table.as_deref().map(|t| &t.map);
+    let table_map = table.as_deref();
     let source = match table_map {
         Some(t) => LoadSource::Table(t),
         None if mapping_has_items => LoadSource::Mapping(loads),
@@ -593,11 +680,16 @@ fn select<'py>(
         Some(_) => Some(PySet::empty(py)?),
         None => None,
     };
+    let mut usage_in = Usage {
+        dict: usage,
+        priced: 0,
+    };
     let gpu_of: Option<FxHashMap<u32, i64>> = result
         .gpu
         .as_ref()
         .map(|g| g.iter().map(|s| (s.slot, s.blocks)).collect());
-    for s in &result.scores {
+    // by value: each scored worker's key moves into its candidate (no reference count touched)
+    for s in result.scores {
         let w = s.worker.obj(py);
         // a worker the index scores holds blocks
         if !member(&w, true)? {
@@ -620,12 +712,12 @@ fn select<'py>(
             Some(r) => routed_of(r, &w)?,
             None => 0,
         };
-        let u = usage_of(usage, &w)?;
+        let u = usage_in.of(&w)?;
         let p = scoring::price(&params, &claim, ntok_i, unit, load, hint, u);
         if let Some(seen) = &seen {
             seen.add(&w)?;
         }
-        workers.push(Who::Key(s.worker.clone()));
+        workers.push(Who::Key(s.worker));
         rows.push(Row {
             claimed: s.blocks,
             overlap: p.overlap_blocks,
@@ -648,7 +740,7 @@ fn select<'py>(
             let hint: i64 = hint.extract()?;
             let load = pass.of(&w, None)?;
             let prefill = scoring::routed_prefill(ntok_i, unit, hint);
-            let cost = params.cost_at(prefill, load, usage_of(usage, &w)?);
+            let cost = params.cost_at(prefill, load, usage_in.of(&w)?);
             seen.add(&w)?;
             workers.push(Who::Obj(w.unbind()));
             rows.push(Row {
@@ -693,7 +785,7 @@ fn select<'py>(
                 let known = universe.is_none() && by_index;
                 if known || member(&k.obj(py), by_index)? {
                     let u = match usage {
-                        Some(_) => usage_of(usage, &k.obj(py))?,
+                        Some(_) => usage_in.of(&k.obj(py))?,
                         None => 0.0,
                     };
                     workers.push(Who::Key(k.clone()));
@@ -711,7 +803,7 @@ fn select<'py>(
                 let by_index = universe.is_none() && index_holds(py, index, &w);
                 if member(&w, by_index)? {
                     let load = t.extract::<f64>()? * scale;
-                    let u = usage_of(usage, &w)?;
+                    let u = usage_in.of(&w)?;
                     workers.push(Who::Obj(w.unbind()));
                     rows.push(idle_row(load, u));
                 }
@@ -732,10 +824,15 @@ fn select<'py>(
             }
         }
     }
-    // Usage-only workers (a report above 0, nothing claimed, no load): priced apart from the idle group.
-    if let Some(usage) = usage {
+    // Usage-only workers (a report above 0, nothing claimed, no load): priced apart from the idle
+    // group; none when every reporting worker was priced above.
+    let unpriced = usage.filter(|u| u.len() > usage_in.priced);
+    if let Some(usage) = unpriced {
         let priced = PySet::new(py, workers.iter().map(|w| w.bind(py)))?;
-        for (w, u) in usage.iter() {
+        // a list of the items, not the dict's iterator: the GIL may be released below
+        // (`index_holds`), and an engine's report may change the dict meanwhile
+        for item in usage.items().iter() {
+            let (w, u): (Bound<'py, PyAny>, Bound<'py, PyAny>) = item.extract()?;
             if priced.contains(&w)? {
                 continue;
             }
@@ -755,6 +852,11 @@ fn select<'py>(
     let idle_count = universe_len.saturating_sub(rows.len());
     let costs: Vec<f64> = rows.iter().map(|r| r.cost).collect();
     let (tied, idle_tied) = scoring::ties(&costs, idle_count, idle_cost);
+    if let (Some(seen), false) = (table, adopt.is_empty()) {
+        if let Ok(t) = loads.cast::<Loads>() {
+            t.get().adopt(seen, adopt);
+        }
+    }
     Ok((
         Scored { workers, rows },
         idle_count,
@@ -784,11 +886,100 @@ fn index_holds(py: Python<'_>, index: &Bound<'_, PyIndex>, w: &Bound<'_, PyAny>)
     }
 }
 
+/// `Router.select`'s call count and latency histogram (`RouterStats`), kept with atomics: a
+/// `select` records its time without the router's lock. With that lock, threads selecting on one
+/// Router queued behind a holder the interpreter had switched away from, each waiter then waiting
+/// a switch interval (5 ms) for the GIL back: p99 ms (bench_select.py figure 3, same Router).
+#[pyclass(frozen, module = "kvroute._core", name = "SelectTimes")]
+pub struct SelectTimes {
+    /// upper bounds of the buckets, ascending
+    bounds: Vec<f64>,
+    /// per bound, then one for slower calls
+    counts: Vec<AtomicU64>,
+    /// the sum of the recorded seconds, as `f64` bits
+    sum: AtomicU64,
+}
+
+#[pymethods]
+impl SelectTimes {
+    #[new]
+    fn new(bounds: Vec<f64>) -> Self {
+        SelectTimes {
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            bounds,
+            sum: AtomicU64::new(0f64.to_bits()),
+        }
+    }
+
+    /// Count one call of ``seconds``: in the first bucket whose bound is at least that
+    /// (`bisect.bisect_left`), and in the sum.
+    fn record(&self, seconds: f64) {
+        let at = self.bounds.partition_point(|b| *b < seconds);
+        self.counts[at].fetch_add(1, Ordering::Relaxed);
+        // a float add, retried while another thread's add came first
+        let _ = self
+            .sum
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + seconds).to_bits())
+            });
+    }
+
+    /// ``(calls, seconds, counts per bucket with the slower calls last)``.
+    fn read(&self) -> (u64, f64, Vec<u64>) {
+        let counts: Vec<u64> = self
+            .counts
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect();
+        let sum = f64::from_bits(self.sum.load(Ordering::Relaxed));
+        (counts.iter().sum(), sum, counts)
+    }
+}
+
+/// `object.__new__` and `object.__setattr__`, looked up once.
+static OBJECT_NEW_SETATTR: PyOnceLock<(Py<PyAny>, Py<PyAny>)> = PyOnceLock::new();
+
+/// An instance of ``cls`` with each of ``names`` set to the value at its position in ``values``,
+/// through `object.__setattr__`: neither ``cls.__init__`` nor its refusing ``__setattr__`` runs.
+/// `Router.select` builds its `RoutingDecision` (a class with ``__slots__``, immutable) so:
+/// keywords into ``__init__`` and a call of `object.__setattr__` per slot from Python cost
+/// microseconds a decision, this call a fraction of one.
+#[pyfunction]
+fn new_frozen<'py>(
+    cls: &Bound<'py, PyType>,
+    names: &Bound<'py, PyTuple>,
+    values: &Bound<'py, PyTuple>,
+) -> PyResult<Bound<'py, PyAny>> {
+    if names.len() != values.len() {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "{} names for {} values",
+            names.len(),
+            values.len()
+        )));
+    }
+    let py = cls.py();
+    let (new, setattr) = OBJECT_NEW_SETATTR.get_or_try_init(py, || -> PyResult<_> {
+        let object = py.get_type::<pyo3::types::PyAny>();
+        Ok((
+            object.getattr("__new__")?.unbind(),
+            object.getattr("__setattr__")?.unbind(),
+        ))
+    })?;
+    let obj = new.bind(py).call1((cls,))?;
+    let setattr = setattr.bind(py);
+    for (name, value) in names.iter().zip(values.iter()) {
+        setattr.call1((&obj, name, value))?;
+    }
+    Ok(obj)
+}
+
 /// Add the router's functions to `kvroute._core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_candidate_type, m)?)?;
     m.add_function(wrap_pyfunction!(select, m)?)?;
+    m.add_function(wrap_pyfunction!(new_frozen, m)?)?;
     m.add_class::<Scored>()?;
     m.add_class::<Loads>()?;
+    m.add_class::<SelectTimes>()?;
     Ok(())
 }
