@@ -259,6 +259,23 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_index_groups.py::test_an_unreadable_removal_resets_the_worker",),
     ),
     Mutation(
+        "probe-behind-busy-slots",
+        "a quiet tick asks no probe while every replay slot is taken or waited for (docs/recovery.md rule 9)",
+        "kvroute/_transports/zmq/driver.py",
+        "        replays = self._replays\n"
+        "        if not replays.slot_free():\n"
+        "            # Rule 9: every slot is taken or waited for. Under load kvroute's own slowness\n"
+        "            # makes healthy sources look quiet, and a probe queued behind the slots would\n"
+        "            # only lengthen the replays (a cold sync) that hold them. The next quiet tick\n"
+        "            # asks again.\n"
+        "            self.counters.probes_deferred += 1\n"
+        "            return\n"
+        "        replays.reserve()\n",
+        "",
+        ("tests/test_fleet.py",),
+        ("tests/test_fleet.py::test_a_quiet_source_is_not_probed_behind_a_busy_replay_slot",),
+    ),
+    Mutation(
         "unheld-cursors",
         "with the native receive loop on, cursors() and the index agree (the thread is held while they are read)",
         "kvroute/_client.py",

@@ -69,6 +69,13 @@ class SourceCounters(RecoveryStats, kw_only=True):
     replay_yields: Annotated[
         int, Meta(description="Replay turns that gave their slot up to a waiting source before any reply.")
     ] = 0
+    probes_deferred: Annotated[
+        int,
+        Meta(
+            description="Quiet ticks that asked no probe because every replay slot was taken or waited for "
+            "(docs/recovery.md rule 9)."
+        ),
+    ] = 0
     replay_cutoffs: Annotated[
         int, Meta(description="Replays ended by the replay deadline or reply budget, end marker unseen.")
     ] = 0

@@ -398,12 +398,22 @@ class SourceDriver(DriverBase):
         self._log.warn(kind, detail)
 
     def _on_quiet(self) -> None:
-        """The receiver saw nothing on the SUB for the quiet interval (docs/recovery.md rules 7-8)."""
+        """The receiver saw nothing on the SUB for the quiet interval (docs/recovery.md rules 7-9)."""
         # A disconnected source has nothing new to tell, and a probe to a dead engine would
         # hold a replay slot for the whole timeout; reconnecting checks it anyway. Quiet
         # ticks only ever lead to a replay probe: no endpoint, no ticks.
-        if self.connected and self.source.replay_endpoint is not None:
-            self.execute(self.machine.on_quiet())
+        if self._stopped or not self.connected or self.source.replay_endpoint is None or not self.machine.probe_due:
+            return
+        replays = self._replays
+        if not replays.slot_free():
+            # Rule 9: every slot is taken or waited for. Under load kvroute's own slowness
+            # makes healthy sources look quiet, and a probe queued behind the slots would
+            # only lengthen the replays (a cold sync) that hold them. The next quiet tick
+            # asks again.
+            self.counters.probes_deferred += 1
+            return
+        replays.reserve()
+        self.execute(self.machine.on_quiet())
 
     def _decode(self, payload: bytes) -> EventBatch | None:
         batch, kind, detail = _decode_checked(self._decoder, payload)
