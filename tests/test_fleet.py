@@ -135,16 +135,27 @@ async def test_a_slow_event_loop_never_probes_a_source_that_kept_sending() -> No
         config = msgspec.structs.replace(FAST, quiet_interval=0.3)
         async with KvEventClient([pub.source], config=config) as client:
             await client.wait_synced(20)
-            await until(lambda: client.stats().totals.batches >= 5)
-            probes = client.stats().totals.probes
+            # The baseline is taken once the client follows the live stream: a live message
+            # received, applied past what was sent by then, nothing replayed or held. Before
+            # that, a gap is legitimate: under load the SUB's subscription can reach the
+            # publisher after the cold replay was answered, and what was published in between
+            # never reached this subscriber (a slow joiner, docs/recovery.md rules 3 and 6).
+            sent = pub.sent
+
+            def following() -> bool:
+                (st,) = client.stats().sources.values()
+                return st.messages > 0 and st.last_seq >= sent and st.state == "synced"
+
+            await until(following)
+            base = client.stats().totals
             for _ in range(3):
                 time.sleep(0.9)  # noqa: ASYNC251 (the point: the loop is stuck; the publisher thread keeps sending)
                 await anyio.sleep(0.05)
             sent = pub.sent
             await until(lambda: client.stats().totals.batches >= sent)
             st = client.stats().totals
-            assert st.probes == probes, "a source that kept sending was probed as quiet"
-            assert st.gaps == 0 and st.resets == 0
+            assert st.probes == base.probes, "a source that kept sending was probed as quiet"
+            assert st.gaps == base.gaps and st.resets == 0
             (source_stats,) = client.stats().sources.values()
             assert 0.0 <= source_stats.apply_lag < 5.0
     finally:
