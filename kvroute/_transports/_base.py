@@ -243,6 +243,20 @@ class Transport(Protocol):
         """A driver for ``source`` (not yet running)."""
         ...
 
+    def hold(self) -> bool:
+        """Stop applying outside the event loop, with everything applied recorded by its source's machine.
+
+        For a reader of the index and the positions together (`KvEventClient.cursors`, a
+        snapshot). True when this call held something, which the caller then `release`s; False
+        when there is nothing to hold (every batch is applied on the event loop, as by the
+        gateway and JetStream transports) or it was held already (its holder releases it).
+        """
+        ...
+
+    def release(self) -> None:
+        """Let what `hold` held apply again (nothing when nothing is held)."""
+        ...
+
 
 class DriverBase:
     """The part of a driver every transport shares: its machine, counters, views and action loop.
