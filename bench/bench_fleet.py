@@ -70,9 +70,6 @@ from kvroute import (
     WorkerKey,
     encode_batch,
 )
-from kvroute._source import RequestReplay
-from kvroute._transports.zmq.driver import SourceDriver
-from kvroute._transports.zmq.replay import ReplayRequester
 
 BLOCKS = 16
 _END = b"\xff" * 8
@@ -244,33 +241,38 @@ def _pct(values: list[float] | array[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def _count_replays(counts: Counter[tuple[str, str]]) -> Any:
-    """Count the replay requests the ZMQ drivers carry out into ``counts`` by (purpose, "at once" | "queued").
+def _count_replays(client: KvEventClient, counts: Counter[tuple[str, str]]) -> Any:
+    """Count the replay requests the client's ZMQ drivers carry out into ``counts`` by (purpose, "at once" | "queued").
 
-    Each is counted when its requester begins it (`ReplayRequester.fetch`, in the source's replay
-    task), under the purpose its machine asked it for: "at once" when the source held a slot for
-    it (a probe reserves one) or one was free then, "queued" when every slot was taken or waited
-    for. Returns the function that undoes it.
+    Call it as the client starts, before its sources' tasks first run. Each request is counted
+    when its source's requester begins it (`ReplayRequester.fetch`, in the source's replay task),
+    under the purpose its machine asked it for (a `RequestReplay` action's ``purpose``): "at once"
+    when the source held a slot for it (a quiet probe reserves one) or one was free then,
+    "queued" when every slot was taken or waited for. Returns the function that undoes it.
     """
-    on_action, fetch = SourceDriver.on_action, ReplayRequester.fetch
-    purposes: dict[ReplayRequester, str] = {}
+    driver: Any = next(iter(client._subs.values())).driver
+    driver_type: Any = type(driver)  # the ZMQ driver class (`SourceDriver`)
+    requester_type: Any = type(driver._replays)  # its `ReplayRequester`
+    on_action, fetch = driver_type.on_action, requester_type.fetch
+    purposes: dict[Any, str] = {}
 
-    def asked(driver: SourceDriver, action: Any) -> None:
-        if type(action) is RequestReplay:
-            purposes[driver._replays] = action.purpose
+    def asked(driver: Any, action: Any) -> None:
+        purpose = getattr(action, "purpose", None)  # only a RequestReplay has one
+        if purpose is not None:
+            purposes[driver._replays] = purpose
         on_action(driver, action)
 
-    async def begun(requester: ReplayRequester, start: int) -> Any:
+    async def begun(requester: Any, start: int) -> Any:
         how = "at once" if requester.holding or requester.slot_free() else "queued"
         counts[purposes.pop(requester, "?"), how] += 1
         return await fetch(requester, start)
 
-    SourceDriver.on_action = asked  # type: ignore[method-assign]
-    ReplayRequester.fetch = begun  # type: ignore[method-assign]
+    driver_type.on_action = asked
+    requester_type.fetch = begun
 
     def undo() -> None:
-        SourceDriver.on_action = on_action  # type: ignore[method-assign]
-        ReplayRequester.fetch = fetch  # type: ignore[method-assign]
+        driver_type.on_action = on_action
+        requester_type.fetch = fetch
 
     return undo
 
@@ -352,11 +354,12 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
         driver_type._native_applied = counted
         return lambda: setattr(driver_type, "_native_applied", native_applied)
 
-    # Installed before the client starts: its cold requests are the first counted.
     replay_counts: Counter[tuple[str, str]] = Counter()
-    undo_replays = _count_replays(replay_counts)
+    undo_replays = None
     try:
         async with KvEventClient(sources, index=index, config=config) as client, anyio.create_task_group() as tg:
+            # Before the first await: no source's task has run yet, so the cold requests are counted.
+            undo_replays = _count_replays(client, replay_counts)
             subs = client._subs
             if args.native:
                 tg.start_soon(_undo_at_exit, count_native(client))
@@ -447,7 +450,8 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                 print(f"#   replay requests in this phase: {_replay_line(replay_counts, replays0)}", flush=True)
             tg.cancel_scope.cancel()
     finally:
-        undo_replays()
+        if undo_replays is not None:
+            undo_replays()
 
 
 async def _undo_at_exit(undo: Any) -> None:
