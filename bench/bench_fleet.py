@@ -378,7 +378,11 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                 f"peak RSS {peak_rss[0] / 1e9:.2f} GB, peak held batches {peak_held[0]:,}",
                 flush=True,
             )
-            print(f"#   replay requests during the sync: {_replay_line(replay_counts, Counter())}", flush=True)
+            print(
+                f"#   replay requests during the sync: {_replay_line(replay_counts, Counter())}; "
+                f"quiet probes {st.totals.probes:,}, deferred while every slot was busy {st.totals.probes_deferred:,}",
+                flush=True,
+            )
             phases = [(args.rate, args.duration)] + [(float(r), float(d)) for r, d in (p.split(":") for p in args.then)]
             for phase, (offered, seconds) in enumerate(phases):
                 rate.value = offered
