@@ -353,6 +353,55 @@ async def test_a_quiet_source_is_not_probed_behind_a_busy_replay_slot(native: bo
         ctx.term()
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["python-receiver", "native-receiver"])
+async def test_a_deferred_probe_takes_the_next_free_slot(native: bool) -> None:
+    # docs/recovery.md rule 9's other half. Quiet interval 2 s, one replay slot held by a second
+    # source's unanswered cold replay: the quiet source's tick is deferred. The slot comes free
+    # just after: the deferred probe is asked then, not a whole quiet interval later (sources
+    # that synced together tick together; without this, all but the first few of such a burst
+    # waited for their next tick).
+    replays = _HeldReplays(want=1_000_000, limit=60.0)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    busy_pub = ctx.socket(zmq.PUB)
+    busy_pub.setsockopt(zmq.LINGER, 0)
+    try:
+        busy = EventSource(
+            worker_id="busy",
+            endpoint=f"tcp://127.0.0.1:{busy_pub.bind_to_random_port('tcp://127.0.0.1')}",
+            replay_endpoint=replays.endpoint,
+        )
+        config = msgspec.structs.replace(
+            FAST,
+            quiet_interval=2.0,
+            max_concurrent_replays=1,
+            replay_timeout=30.0,
+            replay_slice=30.0,
+            native_receive=native,
+        )
+        async with EventPublisher() as pub:
+            pub.publish([_event(1)])
+            quiet = pub.source("quiet")
+            async with KvEventClient([quiet], config=config) as client:
+                await client.wait_synced(20)
+
+                def counts() -> tuple[int, int]:
+                    st = client.stats().sources[quiet.key]
+                    return st.probes, st.probes_deferred
+
+                assert client.add_source(busy)
+                await until(lambda: replays.peak >= 1, seconds=10)  # the only slot is taken
+                probes, deferred = counts()
+                await until(lambda: counts()[1] > deferred, seconds=10)  # a tick was deferred
+                assert counts()[0] == probes
+                replays.release()
+                # Well within the quiet interval the deferral left: the freed slot was offered.
+                await until(lambda: counts()[0] > probes, seconds=1.0)
+    finally:
+        replays.close()
+        busy_pub.close(0)
+        ctx.term()
+
+
 async def test_a_cold_fleet_replays_through_all_its_slots_at_once() -> None:
     # 24 sources start cold, each asking the one replay endpoint, which answers none until
     # 16 requests wait at once. With 24 slots they all run together (through the default 8,

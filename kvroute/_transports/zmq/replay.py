@@ -59,13 +59,16 @@ class ReplaySlots:
     honest source's replay by at most about one slice.
 
     A quiet probe takes a slot only when one is `free`, and takes it at once (`reserve`), so
-    it never queues behind busy slots (docs/recovery.md rule 9).
+    it never queues behind busy slots (docs/recovery.md rule 9); a deferred one is offered the
+    next slot that comes free with no source waiting for it (`defer`).
     """
 
     def __init__(self, capacity: int, slice_seconds: float) -> None:
         self._limiter = anyio.CapacityLimiter(capacity)
         self.slice = slice_seconds
         self._holders: dict[Turn, None] = {}  # oldest first
+        # Deferred quiet probes, oldest first: each is called once, when a slot is free.
+        self._deferred: dict[Callable[[], None], None] = {}
 
     def free(self) -> bool:
         """A slot can be had now without waiting: one is idle and no source waits for one."""
@@ -81,6 +84,26 @@ class ReplaySlots:
     def unreserve(self, turn: Turn) -> None:
         """Give back a slot `reserve` took for a turn that never began."""
         self._limiter.release_on_behalf_of(turn)
+        self._offer()
+
+    def defer(self, retry: Callable[[], None]) -> None:
+        """Call ``retry`` once, when a slot is next `free` (a deferred quiet probe); until then it holds nothing.
+
+        Sources that synced together tick together: without this, the first few of a burst of
+        quiet ticks would take the slots and the rest wait a whole quiet interval.
+        """
+        self._deferred[retry] = None
+
+    def forget(self, retry: Callable[[], None]) -> None:
+        """Drop ``retry`` if `defer` still holds it."""
+        self._deferred.pop(retry, None)
+
+    def _offer(self) -> None:
+        """Hand free slots to the deferred probes, oldest first (a waiting source already got its slot)."""
+        while self._deferred and self.free():
+            retry = next(iter(self._deferred))
+            del self._deferred[retry]
+            retry()
 
     @asynccontextmanager
     async def turn(self, reserved: Turn | None = None) -> AsyncIterator[Turn]:
@@ -99,6 +122,7 @@ class ReplaySlots:
         finally:
             del self._holders[turn]
             self._limiter.release_on_behalf_of(turn)
+            self._offer()
 
     @property
     def contended(self) -> bool:
@@ -172,6 +196,8 @@ class ReplayRequester:
         # A slot taken for the next request (`reserve`), and the turn holding one now.
         self._reserved: Turn | None = None
         self._turn: Turn | None = None
+        # The driver's deferred-probe callback while the slots hold it (`defer`).
+        self._retry: Callable[[], None] | None = None
 
     @property
     def dealer(self) -> zmq.Socket[bytes] | None:
@@ -196,6 +222,11 @@ class ReplayRequester:
         """
         if self._reserved is None:
             self._reserved = self._slots.reserve()
+
+    def defer(self, retry: Callable[[], None]) -> None:
+        """Have ``retry`` called once when a slot is next free (`ReplaySlots.defer`), until `close`."""
+        self._retry = retry
+        self._slots.defer(retry)
 
     async def fetch(self, start: int) -> tuple[list[tuple[int, float, EventBatch | None]], bool, str | None]:
         """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).
@@ -342,10 +373,14 @@ class ReplayRequester:
         return _BATCH if batch is not None else _JUNK
 
     def close(self) -> None:
-        """Close the DEALER, if a request left it open (late replies die with it); give back an unused reserved slot."""
+        """Close the DEALER, if a request left it open (late replies die with it); drop a deferred probe and give
+        back an unused reserved slot."""
+        if self._retry is not None:
+            self._slots.forget(self._retry)
+            self._retry = None
         if self._reserved is not None:
-            self._slots.unreserve(self._reserved)
-            self._reserved = None
+            reserved, self._reserved = self._reserved, None
+            self._slots.unreserve(reserved)
         if self._dealer is not None:
             _zmq.close(self._dealer)
             self._dealer = None
