@@ -24,7 +24,11 @@ when at least 1 % of the sources waited on one on average (their SUBs are not re
 else the client's CPU when it used >= 90 % of its core, else its share of the core (other
 processes on a loaded machine: the load average is printed); a client that kept up says so.
 Publishers that sent < 95 % of the offered rate are named beside it either way. A line after
-each row counts what the recovery machines did in the phase (gaps, replays, probes, ...).
+each row counts what the recovery machines did in the phase (gaps, replays, probes, probes
+deferred while every replay slot was busy, ...), and one more the replay requests the drivers
+made, by purpose (cold, gap, retry, probe, identity) and whether a slot was free for each when
+it was made ("at once") or it queued behind busy slots ("queued"); the sync line has the same
+count for the cold sync.
 ``--then 50000:20`` adds a phase at another
 rate (each measured the same way, with the apply lag p99 per second), e.g. 4x the ceiling for
 20 s then 0.5x to see the client recover.
@@ -49,7 +53,7 @@ import struct
 import sys
 import time
 from array import array
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import anyio
@@ -210,6 +214,7 @@ _RECOVERY_COUNTERS = (
     "gaps",
     "replays",
     "probes",
+    "probes_deferred",
     "identity_checks",
     "replay_failures",
     "overflows",
@@ -234,6 +239,55 @@ def _pct(values: list[float] | array[float], q: float) -> float:
         return math.nan
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _count_replays(client: KvEventClient, counts: Counter[tuple[str, str]]) -> Any:
+    """Count the replay requests the client's ZMQ drivers carry out into ``counts`` by (purpose, "at once" | "queued").
+
+    Call it as the client starts, before its sources' tasks first run. Each request is counted
+    when its source's requester begins it (`ReplayRequester.fetch`, in the source's replay task),
+    under the purpose its machine asked it for (a `RequestReplay` action's ``purpose``): "at once"
+    when the source held a slot for it (a quiet probe reserves one) or one was free then,
+    "queued" when every slot was taken or waited for. Returns the function that undoes it.
+    """
+    driver: Any = next(iter(client._subs.values())).driver
+    driver_type: Any = type(driver)  # the ZMQ driver class (`SourceDriver`)
+    requester_type: Any = type(driver._replays)  # its `ReplayRequester`
+    on_action, fetch = driver_type.on_action, requester_type.fetch
+    purposes: dict[Any, str] = {}
+
+    def asked(driver: Any, action: Any) -> None:
+        purpose = getattr(action, "purpose", None)  # only a RequestReplay has one
+        if purpose is not None:
+            purposes[driver._replays] = purpose
+        on_action(driver, action)
+
+    async def begun(requester: Any, start: int) -> Any:
+        how = "at once" if requester.holding or requester.slot_free() else "queued"
+        counts[purposes.pop(requester, "?"), how] += 1
+        return await fetch(requester, start)
+
+    driver_type.on_action = asked
+    requester_type.fetch = begun
+
+    def undo() -> None:
+        driver_type.on_action = on_action
+        requester_type.fetch = fetch
+
+    return undo
+
+
+def _replay_line(counts: Counter[tuple[str, str]], before: Counter[tuple[str, str]]) -> str:
+    """The replay requests counted since ``before``, by purpose: "gap 12 (10 at once, 2 queued), ..."."""
+    diff = counts - before
+    order = ("cold", "gap", "retry", "probe", "identity", "?")
+    purposes = sorted({p for p, _ in diff}, key=order.index)
+    if not purposes:
+        return "none"
+    return ", ".join(
+        f"{p} {diff[p, 'at once'] + diff[p, 'queued']:,} ({diff[p, 'at once']:,} at once, {diff[p, 'queued']:,} queued)"
+        for p in purposes
+    )
 
 
 def _ms(x: float) -> str:
@@ -300,90 +354,108 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
         driver_type._native_applied = counted
         return lambda: setattr(driver_type, "_native_applied", native_applied)
 
-    async with KvEventClient(sources, index=index, config=config) as client, anyio.create_task_group() as tg:
-        subs = client._subs
-        if args.native:
-            tg.start_soon(_undo_at_exit, count_native(client))
-        tg.start_soon(ticker)
-        tg.start_soon(rss_sampler)
-        t_start = time.perf_counter()
-        try:
-            await client.wait_synced(args.sync_timeout)
-            sync = f"{time.perf_counter() - t_start:.1f} s"
-        except Exception as exc:
-            sync = f"not synced after {args.sync_timeout:g} s ({type(exc).__name__})"
-        st = client.stats()
-        print(
-            f"# sync from cold: {sync}; subscribed {st.totals.sources}/{len(sources)}, synced {st.totals.synced}, "
-            f"refused {st.refused_sources}; fds {len(os.listdir('/proc/self/fd'))}; "
-            f"peak RSS {peak_rss[0] / 1e9:.2f} GB, peak held batches {peak_held[0]:,}",
-            flush=True,
-        )
-        phases = [(args.rate, args.duration)] + [(float(r), float(d)) for r, d in (p.split(":") for p in args.then)]
-        for phase, (offered, seconds) in enumerate(phases):
-            rate.value = offered
-            peak_rss[0] = _rss()
-            peak_held[0] = 0
-            st0 = client.stats().totals
-            pub0 = sum(published)
-            app0 = index.applied_blocks
-            cpu0 = time.process_time()
-            index.lags = array("d")
-            loop_lags.clear()
-            waiting.clear()
-            index.recording = ticking[0] = True
-            t0 = time.perf_counter()
-            per_second: list[str] = []
-            mark = 0
-            while (elapsed := time.perf_counter() - t0) < seconds:
-                await anyio.sleep(min(1.0, seconds - elapsed))
-                lags = index.lags[mark:]
-                mark = len(index.lags)
-                per_second.append(_ms(_pct(lags, 0.99)))
-            wall = time.perf_counter() - t0
-            cpu = (time.process_time() - cpu0) / wall
-            index.recording = ticking[0] = False
-            pub = sum(published) - pub0
-            applied_in_window = index.applied_blocks - app0
-            st1 = client.stats()
-            probes = st1.totals.probes - st0.probes
-            subscribed = st1.totals.sources
-            offered_real = pub / wall
-            # The client is behind when it applied < 95 % of what was sent (or is working off a
-            # backlog), whatever the publishers managed. Then what held it: sources waiting on
-            # replays (their SUBs unread meanwhile), its CPU, or, when it used neither, its share
-            # of the core (other processes on a loaded machine), which this process cannot see.
-            lags = index.lags
-            behind = applied_in_window < 0.95 * pub or _pct(lags, 0.5) > 1.0
-            mean_waiting = sum(waiting) / max(1, len(waiting))
-            if not behind:
-                bound = "nothing (kept up)"
-            elif mean_waiting >= 0.01 * len(sources):
-                bound = f"replays (mean {mean_waiting:,.0f} sources waiting on one, CPU {cpu * 100:.0f} %)"
-            elif cpu >= 0.9:
-                bound = f"client CPU ({cpu * 100:.0f} % of its core)"
-            else:
-                bound = f"client's share of its core ({cpu * 100:.0f} % CPU, load average {os.getloadavg()[0]:.1f})"
-            if offered_real < 0.95 * offered:
-                bound += f"; publishers sent {offered_real / offered:.2f} of the offered rate"
+    replay_counts: Counter[tuple[str, str]] = Counter()
+    undo_replays = None
+    try:
+        async with KvEventClient(sources, index=index, config=config) as client, anyio.create_task_group() as tg:
+            # Before the first await: no source's task has run yet, so the cold requests are counted.
+            undo_replays = _count_replays(client, replay_counts)
+            subs = client._subs
+            if args.native:
+                tg.start_soon(_undo_at_exit, count_native(client))
+            tg.start_soon(ticker)
+            tg.start_soon(rss_sampler)
+            t_start = time.perf_counter()
+            try:
+                await client.wait_synced(args.sync_timeout)
+                sync = f"{time.perf_counter() - t_start:.1f} s"
+            except Exception as exc:
+                sync = f"not synced after {args.sync_timeout:g} s ({type(exc).__name__})"
+            st = client.stats()
             print(
-                f"| {len(sources):,} ({subscribed:,}) | {offered / 1000:,.0f}k (sent {offered_real / 1000:,.0f}k) "
-                f"| {applied_in_window / wall / 1000:,.0f}k, ÷ sent {applied_in_window / max(1, pub):.2f} "
-                f"| {_ms(_pct(lags, 0.5))} / {_ms(_pct(lags, 0.99))} | {_ms(_pct(loop_lags, 0.99))} "
-                f"| {cpu * 100:.0f} % / {peak_rss[0] / 1e9:.2f} GB "
-                f"| {cpu * wall / max(1, applied_in_window // BLOCKS) * 1e6:.0f} µs | {probes} | {bound} |",
+                f"# sync from cold: {sync}; subscribed {st.totals.sources}/{len(sources)}, synced {st.totals.synced}, "
+                f"refused {st.refused_sources}; fds {len(os.listdir('/proc/self/fd'))}; "
+                f"peak RSS {peak_rss[0] / 1e9:.2f} GB, peak held batches {peak_held[0]:,}",
                 flush=True,
             )
-            if len(phases) > 1:
-                print(f"#   phase {phase}: apply lag p99 per second: {', '.join(per_second)}", flush=True)
-            t1 = st1.totals
             print(
-                "#   recovery in this phase: "
-                + ", ".join(f"{name} {getattr(t1, name) - getattr(st0, name):,}" for name in _RECOVERY_COUNTERS)
-                + f"; peak held batches {peak_held[0]:,}",
+                f"#   replay requests during the sync: {_replay_line(replay_counts, Counter())}; "
+                f"quiet probes {st.totals.probes:,}, deferred while every slot was busy {st.totals.probes_deferred:,}",
                 flush=True,
             )
-        tg.cancel_scope.cancel()
+            phases = [(args.rate, args.duration)] + [(float(r), float(d)) for r, d in (p.split(":") for p in args.then)]
+            for phase, (offered, seconds) in enumerate(phases):
+                rate.value = offered
+                peak_rss[0] = _rss()
+                peak_held[0] = 0
+                st0 = client.stats().totals
+                replays0 = Counter(replay_counts)
+                pub0 = sum(published)
+                app0 = index.applied_blocks
+                cpu0 = time.process_time()
+                index.lags = array("d")
+                loop_lags.clear()
+                waiting.clear()
+                index.recording = ticking[0] = True
+                t0 = time.perf_counter()
+                per_second: list[str] = []
+                mark = 0
+                while (elapsed := time.perf_counter() - t0) < seconds:
+                    await anyio.sleep(min(1.0, seconds - elapsed))
+                    lags = index.lags[mark:]
+                    mark = len(index.lags)
+                    per_second.append(_ms(_pct(lags, 0.99)))
+                wall = time.perf_counter() - t0
+                cpu = (time.process_time() - cpu0) / wall
+                index.recording = ticking[0] = False
+                pub = sum(published) - pub0
+                applied_in_window = index.applied_blocks - app0
+                st1 = client.stats()
+                probes = st1.totals.probes - st0.probes
+                asked = replay_counts - replays0
+                queued = sum(n for (_, how), n in asked.items() if how == "queued")
+                subscribed = st1.totals.sources
+                offered_real = pub / wall
+                # The client is behind when it applied < 95 % of what was sent (or is working off a
+                # backlog), whatever the publishers managed. Then what held it: sources waiting on
+                # replays (their SUBs unread meanwhile), its CPU, or, when it used neither, its share
+                # of the core (other processes on a loaded machine), which this process cannot see.
+                lags = index.lags
+                behind = applied_in_window < 0.95 * pub or _pct(lags, 0.5) > 1.0
+                mean_waiting = sum(waiting) / max(1, len(waiting))
+                if not behind:
+                    bound = "nothing (kept up)"
+                elif mean_waiting >= 0.01 * len(sources):
+                    bound = f"replays (mean {mean_waiting:,.0f} sources waiting on one, CPU {cpu * 100:.0f} %)"
+                elif cpu >= 0.9:
+                    bound = f"client CPU ({cpu * 100:.0f} % of its core)"
+                else:
+                    bound = f"client's share of its core ({cpu * 100:.0f} % CPU, load average {os.getloadavg()[0]:.1f})"
+                if offered_real < 0.95 * offered:
+                    bound += f"; publishers sent {offered_real / offered:.2f} of the offered rate"
+                print(
+                    f"| {len(sources):,} ({subscribed:,}) | {offered / 1000:,.0f}k (sent {offered_real / 1000:,.0f}k) "
+                    f"| {applied_in_window / wall / 1000:,.0f}k, ÷ sent {applied_in_window / max(1, pub):.2f} "
+                    f"| {_ms(_pct(lags, 0.5))} / {_ms(_pct(lags, 0.99))} | {_ms(_pct(loop_lags, 0.99))} "
+                    f"| {cpu * 100:.0f} % / {peak_rss[0] / 1e9:.2f} GB "
+                    f"| {cpu * wall / max(1, applied_in_window // BLOCKS) * 1e6:.0f} µs | {probes} "
+                    f"| {asked.total():,} ({queued:,} queued) | {bound} |",
+                    flush=True,
+                )
+                if len(phases) > 1:
+                    print(f"#   phase {phase}: apply lag p99 per second: {', '.join(per_second)}", flush=True)
+                t1 = st1.totals
+                print(
+                    "#   recovery in this phase: "
+                    + ", ".join(f"{name} {getattr(t1, name) - getattr(st0, name):,}" for name in _RECOVERY_COUNTERS)
+                    + f"; peak held batches {peak_held[0]:,}",
+                    flush=True,
+                )
+                print(f"#   replay requests in this phase: {_replay_line(replay_counts, replays0)}", flush=True)
+            tg.cancel_scope.cancel()
+    finally:
+        if undo_replays is not None:
+            undo_replays()
 
 
 async def _undo_at_exit(undo: Any) -> None:
@@ -427,7 +499,8 @@ def main() -> None:
     if args.header:
         print(
             "| ranks (subscribed) | offered blocks/s | applied blocks/s | apply lag p50 / p99 | event-loop lag p99 "
-            "| client CPU / RSS | client CPU per batch | quiet probes | bound |\n|---|---|---|---|---|---|---|---|---|"
+            "| client CPU / RSS | client CPU per batch | quiet probes | replay requests (queued) | bound |\n"
+            "|---|---|---|---|---|---|---|---|---|---|"
         )
     mpctx = mp.get_context("fork")
     rate = mpctx.Value("d", args.rate if args.sync_rate is None else args.sync_rate, lock=False)

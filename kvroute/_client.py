@@ -506,15 +506,13 @@ class KvEventClient:
         # without awaiting in between, sees the index as of these positions, as it would with
         # every batch applied on the event loop.
         tg = self._tg
-        held = [t for t in self._transports if hasattr(t, "hold")]
-        for transport in held:
-            transport.hold()
+        held = [t for t in self._transports if t.hold()]
         try:
             return self._cursors()
         finally:
             if tg is None:
                 for transport in held:
-                    transport.release()  # type: ignore[attr-defined]
+                    transport.release()
             elif held:
                 tg.start_soon(self._release_receivers, held)
 
@@ -522,7 +520,7 @@ class KvEventClient:
     async def _release_receivers(held: list[Transport]) -> None:
         """Release the receive threads `cursors` held, at the event loop's next turn."""
         for transport in held:
-            transport.release()  # type: ignore[attr-defined]
+            transport.release()
 
     def _cursors(self) -> dict[WorkerKey, Cursor]:
         out: dict[WorkerKey, Cursor] = {}
@@ -554,12 +552,13 @@ class KvEventClient:
         The thread applies to the index before the source's machine records the seq; held,
         the index and the positions agree (a snapshot does not re-apply a batch on restore).
         """
-        with contextlib.ExitStack() as stack:
-            for transport in self._transports:
-                held = getattr(transport, "held", None)
-                if held is not None:
-                    stack.enter_context(held())
+        # A thread `cursors` held stays held for it (its release comes at the loop's next turn).
+        held = [t for t in self._transports if t.hold()]
+        try:
             yield
+        finally:
+            for transport in held:
+                transport.release()
 
     def _positions(self) -> dict[WorkerKey, Cursor]:
         """The positions a snapshot saves: every non-partial source's, and restored ones not yet taken."""

@@ -221,6 +221,15 @@ class RecoveryMachine(ReplayAnswers):
         return self._newest, self._ring_ts[self._newest % self.ts_ring]
 
     @property
+    def probe_due(self) -> bool:
+        """A quiet tick now would ask a probe (`on_quiet`): replay endpoint, link up, cold replay done, none in flight.
+
+        The driver reads it before a quiet tick to hold a replay slot for the probe, or to
+        defer it while none is free (rule 9).
+        """
+        return self.has_replay and self.replay_in_flight is None and self._history != "cold" and not self._down
+
+    @property
     def held(self) -> int:
         """How many batches wait for a replay to close a gap."""
         return len(self._held)
@@ -311,8 +320,8 @@ class RecoveryMachine(ReplayAnswers):
         return self._done(before, out)
 
     def on_quiet(self) -> list[Action]:
-        """The source was quiet for the quiet interval: probe for a lost tail (rules 7-8)."""
-        if not self.has_replay or self.replay_in_flight is not None or self._history == "cold" or self._down:
+        """The source was quiet for the quiet interval: probe for a lost tail (rules 7-8), if `probe_due`."""
+        if not self.probe_due:
             return []
         before = self.state
         out: list[Action] = []

@@ -259,11 +259,40 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_index_groups.py::test_an_unreadable_removal_resets_the_worker",),
     ),
     Mutation(
+        "probe-behind-busy-slots",
+        "a quiet tick asks no probe while every replay slot is taken or waited for (docs/recovery.md rule 9)",
+        "kvroute/_transports/zmq/driver.py",
+        "        replays = self._replays\n"
+        "        if not replays.slot_free():\n"
+        "            # Rule 9: every slot is taken or waited for. Under load kvroute's own slowness\n"
+        "            # makes healthy sources look quiet, and a probe queued behind the slots would\n"
+        "            # only lengthen the replays (a cold sync) that hold them. The next slot that comes\n"
+        "            # free with no source waiting is offered to it (`_deferred_probe`), else the next\n"
+        "            # quiet tick asks again.\n"
+        "            self.counters.probes_deferred += 1\n"
+        "            self._deferred_tick = (anyio.current_time(), self.counters.messages)\n"
+        "            replays.defer(self._deferred_probe)\n"
+        "            return\n"
+        "        replays.reserve()\n",
+        "",
+        ("tests/test_fleet.py",),
+        ("tests/test_fleet.py::test_a_quiet_source_is_not_probed_behind_a_busy_replay_slot",),
+    ),
+    Mutation(
+        "deferred-probe-never-offered",
+        "a deferred quiet probe is offered the next replay slot that comes free (docs/recovery.md rule 9)",
+        "kvroute/_transports/zmq/replay.py",
+        "        self._deferred[retry] = None\n",
+        "        return\n",
+        ("tests/test_fleet.py",),
+        ("tests/test_fleet.py::test_a_deferred_probe_takes_the_next_free_slot",),
+    ),
+    Mutation(
         "unheld-cursors",
         "with the native receive loop on, cursors() and the index agree (the thread is held while they are read)",
         "kvroute/_client.py",
-        '        held = [t for t in self._transports if hasattr(t, "hold")]\n',
-        "        held: list[Transport] = []\n",
+        "        tg = self._tg\n        held = [t for t in self._transports if t.hold()]\n",
+        "        tg = self._tg\n        held: list[Transport] = []\n",
         ("tests/test_native_recv.py",),
         ("tests/test_native_recv.py::test_cursors_match_the_index_while_the_thread_applies",),
     ),

@@ -69,6 +69,13 @@ class SourceCounters(RecoveryStats, kw_only=True):
     replay_yields: Annotated[
         int, Meta(description="Replay turns that gave their slot up to a waiting source before any reply.")
     ] = 0
+    probes_deferred: Annotated[
+        int,
+        Meta(
+            description="Quiet ticks that asked no probe because every replay slot was taken or waited for "
+            "(docs/recovery.md rule 9)."
+        ),
+    ] = 0
     replay_cutoffs: Annotated[
         int, Meta(description="Replays ended by the replay deadline or reply budget, end marker unseen.")
     ] = 0
@@ -234,6 +241,20 @@ class Transport(Protocol):
         resume: Cursor | None,
     ) -> Driver:
         """A driver for ``source`` (not yet running)."""
+        ...
+
+    def hold(self) -> bool:
+        """Stop applying outside the event loop, with everything applied recorded by its source's machine.
+
+        For a reader of the index and the positions together (`KvEventClient.cursors`, a
+        snapshot). True when this call held something, which the caller then `release`s; False
+        when there is nothing to hold (every batch is applied on the event loop, as by the
+        gateway and JetStream transports) or it was held already (its holder releases it).
+        """
+        ...
+
+    def release(self) -> None:
+        """Let what `hold` held apply again (nothing when nothing is held)."""
         ...
 
 

@@ -434,6 +434,13 @@ class GatewayTransport:
         """Sources whose endpoint is ``grpc://host:port/<service>``."""
         return is_gateway_endpoint(source.endpoint)
 
+    def hold(self) -> bool:
+        """Nothing to hold: a stream's batches are applied on the event loop (`Transport.hold`). False."""
+        return False
+
+    def release(self) -> None:
+        """Nothing was held (`Transport.release`)."""
+
     def problem(self, source: EventSource) -> str | None:
         """Why ``source`` is not a usable gateway rank, or None."""
         if parse_gateway_endpoint(source.endpoint) is None:

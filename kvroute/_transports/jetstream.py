@@ -161,6 +161,13 @@ class JetStreamTransport:
         """Nothing: a worker of the log needs no socket."""
         return None
 
+    def hold(self) -> bool:
+        """Nothing to hold: the log's records are applied on the event loop (`Transport.hold`). False."""
+        return False
+
+    def release(self) -> None:
+        """Nothing was held (`Transport.release`)."""
+
     def driver(
         self,
         source: EventSource,

@@ -77,7 +77,11 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
       one at a time, and a reconnect storm must not stall every pump at once.
     - ``quiet_interval`` 2.0: a source silent this long gets a replay probe (docs/recovery.md rules
       7-8: lost tail, silent restart); one small request per source per interval. Silent means
-      its SUB had nothing to read: a client that is slow itself probes nobody for it.
+      its SUB had nothing to read: a client that is slow itself probes nobody for it. The
+      probe is asked only while a replay slot is free, never queued behind busy ones (rule 9):
+      while every slot is taken or waited for, the tick is deferred (``probes_deferred``): the
+      next slot that comes free with no source waiting is offered to it, else the next tick
+      asks again.
     - ``recv_batch`` 1024: messages taken from one socket per visit, at most 64 (then the
       other ready sockets get their turn).
     - ``events_buffer`` 10,000: envelopes buffered per `events()` iterator before the

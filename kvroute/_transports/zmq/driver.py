@@ -142,6 +142,8 @@ class SourceDriver(DriverBase):
         )
         self._replay_request: RequestReplay | None = None
         self._replay_wakeup: anyio.Event | None = None
+        # When a quiet tick was deferred (rule 9) and the live messages counted then.
+        self._deferred_tick: tuple[float, int] | None = None
         self._session: anyio.CancelScope | None = None
         self._session_tg: anyio.abc.TaskGroup | None = None
         self._awaiting_retry = False
@@ -398,12 +400,38 @@ class SourceDriver(DriverBase):
         self._log.warn(kind, detail)
 
     def _on_quiet(self) -> None:
-        """The receiver saw nothing on the SUB for the quiet interval (docs/recovery.md rules 7-8)."""
+        """The receiver saw nothing on the SUB for the quiet interval (docs/recovery.md rules 7-9)."""
         # A disconnected source has nothing new to tell, and a probe to a dead engine would
         # hold a replay slot for the whole timeout; reconnecting checks it anyway. Quiet
         # ticks only ever lead to a replay probe: no endpoint, no ticks.
-        if self.connected and self.source.replay_endpoint is not None:
-            self.execute(self.machine.on_quiet())
+        if self._stopped or not self.connected or self.source.replay_endpoint is None or not self.machine.probe_due:
+            return
+        replays = self._replays
+        if not replays.slot_free():
+            # Rule 9: every slot is taken or waited for. Under load kvroute's own slowness
+            # makes healthy sources look quiet, and a probe queued behind the slots would
+            # only lengthen the replays (a cold sync) that hold them. The next slot that comes
+            # free with no source waiting is offered to it (`_deferred_probe`), else the next
+            # quiet tick asks again.
+            self.counters.probes_deferred += 1
+            self._deferred_tick = (anyio.current_time(), self.counters.messages)
+            replays.defer(self._deferred_probe)
+            return
+        replays.reserve()
+        self.execute(self.machine.on_quiet())
+
+    def _deferred_probe(self) -> None:
+        """A replay slot came free after this source's quiet tick was deferred (rule 9): probe now if still quiet."""
+        tick, self._deferred_tick = self._deferred_tick, None
+        if tick is None or self._stopped or not self.connected or not self.machine.probe_due:
+            return
+        at, messages = tick
+        # Still quiet: nothing received since the tick, and within one quiet interval of it
+        # (past that, a message may wait unread behind a slow loop: the next tick decides).
+        if self.counters.messages != messages or anyio.current_time() - at > self._cfg.quiet_interval:
+            return
+        self._replays.reserve()
+        self.execute(self.machine.on_quiet())
 
     def _decode(self, payload: bytes) -> EventBatch | None:
         batch, kind, detail = _decode_checked(self._decoder, payload)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterator
 
 import anyio
 
@@ -134,38 +132,30 @@ class NativeReceiver(_LoopLeader):
         if self._core is not None and token in self._drivers:
             self._core.park(token, parked)
 
-    def hold(self) -> None:
+    def hold(self) -> bool:
         """Stop the thread applying until `release`, with every batch it applied recorded by its source's machine.
 
         For a reader of the index and the positions together (a snapshot, `cursors`): the thread
         is held between two visits (`kvroute._core.NativeReceiver.hold`), then its outbox is
         drained into the drivers, so no batch is in the index ahead of its source's seq.
-        Holding a held thread only drains again.
+        Holding a held thread only drains again. True when this call held the thread (its
+        caller releases it); False when it was held already, or no thread runs.
         """
         core = self._core
         if core is None:
-            return
-        if self._held is not core:
+            return False
+        newly = self._held is not core
+        if newly:
             core.hold()
             self._held = core
         self._drain()
+        return newly
 
     def release(self) -> None:
         """Let a held thread apply again."""
         held, self._held = self._held, None
         if held is not None:
             held.release()
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """`hold` for the body of the ``with`` (released after it, unless it was held before)."""
-        was = self._held is not None
-        self.hold()
-        try:
-            yield
-        finally:
-            if not was:
-                self.release()
 
     async def _loop(self) -> None:
         while True:

@@ -57,20 +57,64 @@ class ReplaySlots:
     streaming in, as from an honest engine's buffer) keeps its slot for 10 slices instead, so
     slow or hostile endpoints yield first. So a few slow or hostile replay endpoints delay an
     honest source's replay by at most about one slice.
+
+    A quiet probe takes a slot only when one is `free`, and takes it at once (`reserve`), so
+    it never queues behind busy slots (docs/recovery.md rule 9); a deferred one is offered the
+    next slot that comes free with no source waiting for it (`defer`).
     """
 
     def __init__(self, capacity: int, slice_seconds: float) -> None:
         self._limiter = anyio.CapacityLimiter(capacity)
         self.slice = slice_seconds
         self._holders: dict[Turn, None] = {}  # oldest first
+        # Deferred quiet probes, oldest first: each is called once, when a slot is free.
+        self._deferred: dict[Callable[[], None], None] = {}
+
+    def free(self) -> bool:
+        """A slot can be had now without waiting: one is idle and no source waits for one."""
+        limiter = self._limiter
+        return limiter.available_tokens >= 1 and limiter.statistics().tasks_waiting == 0
+
+    def reserve(self) -> Turn:
+        """Take an idle slot now (`free` must be true) for a later `turn` to begin with (or `unreserve`)."""
+        turn = Turn()
+        self._limiter.acquire_on_behalf_of_nowait(turn)
+        return turn
+
+    def unreserve(self, turn: Turn) -> None:
+        """Give back a slot `reserve` took for a turn that never began."""
+        self._limiter.release_on_behalf_of(turn)
+        self._offer()
+
+    def defer(self, retry: Callable[[], None]) -> None:
+        """Call ``retry`` once, when a slot is next `free` (a deferred quiet probe); until then it holds nothing.
+
+        Sources that synced together tick together: without this, the first few of a burst of
+        quiet ticks would take the slots and the rest wait a whole quiet interval.
+        """
+        self._deferred[retry] = None
+
+    def forget(self, retry: Callable[[], None]) -> None:
+        """Drop ``retry`` if `defer` still holds it."""
+        self._deferred.pop(retry, None)
+
+    def _offer(self) -> None:
+        """Hand free slots to the deferred probes, oldest first (a waiting source already got its slot)."""
+        while self._deferred and self.free():
+            retry = next(iter(self._deferred))
+            del self._deferred[retry]
+            retry()
 
     @asynccontextmanager
-    async def turn(self) -> AsyncIterator[Turn]:
-        """Hold one slot for the body of the ``async with``."""
-        turn = Turn()
-        if self._limiter.available_tokens < 1:
-            self._nudge()
-        await self._limiter.acquire_on_behalf_of(turn)
+    async def turn(self, reserved: Turn | None = None) -> AsyncIterator[Turn]:
+        """Hold one slot for the body of the ``async with``: ``reserved`` (from `reserve`), else one waited for."""
+        if reserved is not None:
+            turn = reserved
+        else:
+            turn = Turn()
+            if self._limiter.available_tokens < 1:
+                self._nudge()
+            await self._limiter.acquire_on_behalf_of(turn)
         turn.began = anyio.current_time()
         self._holders[turn] = None
         try:
@@ -78,6 +122,7 @@ class ReplaySlots:
         finally:
             del self._holders[turn]
             self._limiter.release_on_behalf_of(turn)
+            self._offer()
 
     @property
     def contended(self) -> bool:
@@ -148,11 +193,40 @@ class ReplayRequester:
         self._decode = decode
         self._max_held = max_held
         self._dealer: zmq.Socket[bytes] | None = None
+        # A slot taken for the next request (`reserve`), and the turn holding one now.
+        self._reserved: Turn | None = None
+        self._turn: Turn | None = None
+        # The driver's deferred-probe callback while the slots hold it (`defer`).
+        self._retry: Callable[[], None] | None = None
 
     @property
     def dealer(self) -> zmq.Socket[bytes] | None:
         """The DEALER, open only while a request runs."""
         return self._dealer
+
+    @property
+    def holding(self) -> bool:
+        """This source holds a replay slot now: reserved for its next request, or in a turn."""
+        return self._reserved is not None or self._turn is not None
+
+    def slot_free(self) -> bool:
+        """A request made now would get a slot at once (`ReplaySlots.free`)."""
+        return self._slots.free()
+
+    def reserve(self) -> None:
+        """Take an idle slot now for the next request (`slot_free` must be true).
+
+        For a quiet probe, which runs at once or not at all: the driver reserves before it
+        asks the machine for the probe, so no other source's request can take the slot in
+        between and queue the probe behind it (docs/recovery.md rule 9).
+        """
+        if self._reserved is None:
+            self._reserved = self._slots.reserve()
+
+    def defer(self, retry: Callable[[], None]) -> None:
+        """Have ``retry`` called once when a slot is next free (`ReplaySlots.defer`), until `close`."""
+        self._retry = retry
+        self._slots.defer(retry)
 
     async def fetch(self, start: int) -> tuple[list[tuple[int, float, EventBatch | None]], bool, str | None]:
         """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).
@@ -170,8 +244,13 @@ class ReplayRequester:
         # thousands of others is not the endpoint's slowness (it was cut at 30 s of waiting).
         run = ReplayRun(math.inf, cfg.replay_budget, cfg.replay_timeout)
         while True:
-            async with self._slots.turn() as turn:
-                yielded = await self._turn(start, run, turn)
+            reserved, self._reserved = self._reserved, None
+            async with self._slots.turn(reserved) as turn:
+                self._turn = turn
+                try:
+                    yielded = await self._take_turn(start, run, turn)
+                finally:
+                    self._turn = None
             if not yielded:
                 break
             # Gave the slot up with nothing to show: re-queue behind whoever waited (FIFO).
@@ -188,7 +267,7 @@ class ReplayRequester:
                 return run.items, False, run.cut or f"no reply within {cfg.replay_timeout:g} s"
         return run.items, run.complete, None
 
-    async def _turn(self, start: int, run: ReplayRun, turn: Turn) -> bool:
+    async def _take_turn(self, start: int, run: ReplayRun, turn: Turn) -> bool:
         """One turn holding a replay slot; True when it yielded the slot with no reply to hand over."""
         endpoint = self._source.replay_endpoint
         assert endpoint is not None  # the replay task runs only for sources with one
@@ -294,7 +373,14 @@ class ReplayRequester:
         return _BATCH if batch is not None else _JUNK
 
     def close(self) -> None:
-        """Close the DEALER, if a request left it open (late replies die with it)."""
+        """Close the DEALER, if a request left it open (late replies die with it); drop a deferred probe and give
+        back an unused reserved slot."""
+        if self._retry is not None:
+            self._slots.forget(self._retry)
+            self._retry = None
+        if self._reserved is not None:
+            reserved, self._reserved = self._reserved, None
+            self._slots.unreserve(reserved)
         if self._dealer is not None:
             _zmq.close(self._dealer)
             self._dealer = None

@@ -6,7 +6,6 @@ One per client: it holds the client's receive loops (the Python `Receiver`, and 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import zmq
@@ -65,16 +64,12 @@ class ZmqTransport:
             NativeReceiver(config, config.max_sources or _zmq.DEFAULT_MAX_SOURCES) if config.native_receive else None
         )
 
-    def held(self) -> contextlib.AbstractContextManager[None]:
-        """The native receive thread held with what it applied recorded (`NativeReceiver.held`); nothing without one."""
-        if self._native is None:
-            return contextlib.nullcontext()
-        return self._native.held()
+    def hold(self) -> bool:
+        """Hold the native receive thread, if any, with what it applied recorded (`NativeReceiver.hold`).
 
-    def hold(self) -> None:
-        """Hold the native receive thread, if any, with what it applied recorded (`NativeReceiver.hold`)."""
-        if self._native is not None:
-            self._native.hold()
+        True when this call held it; the Python receiver applies on the event loop (nothing to hold).
+        """
+        return self._native is not None and self._native.hold()
 
     def release(self) -> None:
         """Let a held native receive thread apply again."""
