@@ -297,6 +297,24 @@ async def wait_for(condition: Callable[[], bool], what: str) -> None:
     assert condition(), what
 
 
+async def following_live(client: KvEventClient, pub: EventPublisher, key: WorkerKey, wl: Workload) -> None:
+    """Publish intact batches of ``wl`` until one arrives live: the SUB's subscription reached the PUB.
+
+    A synced source is connected and replayed, but its subscription may reach the PUB later (a
+    slow joiner): what the PUB sends before that never reaches this subscriber, and comes back by
+    replay. A test counting what the live stream itself carries (damaged copies, bad frames)
+    starts after this.
+    """
+    rate, pub.corrupt_rate = pub.corrupt_rate, 0.0
+    try:
+        with anyio.fail_after(10):
+            while client.stats().sources[key].messages == 0:
+                pub.publish(wl.batch())
+                await anyio.sleep(0.02)
+    finally:
+        pub.corrupt_rate = rate
+
+
 def _ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as s:

@@ -17,6 +17,7 @@ from _publisher_helpers import (
     Workload,
     assert_index_equal,
     assert_index_subset,
+    following_live,
     next_event,
     settle,
     truth_index,
@@ -255,6 +256,7 @@ async def test_corrupt_payloads_and_wrong_frame_counts() -> None:
         async with KvEventClient([src], config=FAST) as client:
             stream = client.events()
             await client.wait_synced(10)
+            await following_live(client, pub, src.key, wl)
             for i in range(60):
                 pub.publish(wl.batch())
                 if i % 20 == 0:

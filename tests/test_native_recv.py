@@ -18,6 +18,7 @@ from _publisher_helpers import (
     Workload,
     assert_index_equal,
     assert_index_subset,
+    following_live,
     needs_ipv6,
     settle,
     truth_index,
@@ -113,6 +114,7 @@ async def test_bad_payloads_and_frames_are_counted_and_the_rest_applied() -> Non
         src = pub.source("w")
         async with KvEventClient([src], config=NATIVE) as client:
             await client.wait_synced(10)
+            await following_live(client, pub, src.key, wl)
             for i in range(60):
                 pub.publish(wl.batch())
                 if i % 20 == 0:
