@@ -265,6 +265,11 @@ async def test_corrupt_payloads_and_wrong_frame_counts() -> None:
                     pub.publish_raw([b"kv", b"", b"", b""])
             await settle(client, stream, {src.key: _last(pub)})
             assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+            # Live copies that arrived while a replay was in flight are read after it: their
+            # verdicts may come after the replay has caught the source up.
+            await wait_for(
+                lambda: client.stats().sources[src.key].decode_errors >= pub.corrupted, "every live copy read"
+            )
             st = client.stats().sources[src.key]
             assert st.decode_errors == pub.corrupted > 0
             assert st.skipped_frames == 9
