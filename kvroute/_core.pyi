@@ -137,6 +137,8 @@ class Scored:
         """The candidates' workers, in order."""
     def costs(self) -> list[float]:
         """The candidates' costs, in order."""
+    def loads(self) -> list[float]:
+        """The candidates' loads in cost blocks (`CandidateScore.load_blocks`), in order."""
     def best_overlap(self) -> int:
         """The longest prefix (tokens) any candidate holds by counted overlap or routing hint."""
 

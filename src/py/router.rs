@@ -412,6 +412,11 @@ impl Scored {
         self.rows.iter().map(|r| r.cost).collect()
     }
 
+    /// The candidates' loads in cost blocks (`CandidateScore.load_blocks`), in order.
+    fn loads(&self) -> Vec<f64> {
+        self.rows.iter().map(|r| r.load).collect()
+    }
+
     /// The longest prefix, in tokens, any candidate holds by the index's counted overlap or the
     /// routing hint (0 when none): whether the prompt is a new placement (`Router`'s footprint).
     fn best_overlap(&self) -> i64 {
