@@ -151,7 +151,10 @@ class Router(ReferenceScoring):
     not wait for each other while they match and price (the core does that with the GIL
     released for long prompts, from its own copy of the tracked load). The router's own
     bookkeeping (requests, load, registrations) changes under one lock, which a `select`
-    without a ``request_id`` never takes (it counts itself with atomics in the core).
+    without a ``request_id`` never takes (it counts itself with atomics in the core). The
+    footprint's pick for a new session runs in Python, holding the GIL: selecting threads that
+    place many new sessions at once wait for each other there (README, performance table);
+    ``CostModel(footprint=False)`` avoids it.
     """
 
     def __init__(
