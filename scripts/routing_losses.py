@@ -124,7 +124,7 @@ class LongPrefixCost(CostModel, frozen=True, kw_only=True):
     imposes on others grows as ``p**2`` (an M/G/1 queue's residual work), while the holder's short prefill
     imposes almost none. A short prompt (the shared-prefix test's ~40 blocks) is priced as before within
     a few percent; moving a long document's question off its holder needs a queue there several times
-    the recompute. Run as the demo policy ``kvroute_long_prefix`` (``--prototype``).
+    the recompute. Run as the policy ``kvroute_long_prefix`` (``--policies``).
     """
 
     prefill_scale: float = 1024.0
@@ -213,7 +213,7 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
         ratio = f"{res.oracle_ttft_ratio:.2f}" if res.oracle_ttft_ratio is not None else "-"
         print(
             f"{name}: hit rate {res.hit_rate:.1%} (÷ oracle {share}), infinite cache {res.reachable_hit_rate:.1%}, "
-            f"TTFT p50 {res.ttft_p50 * 1e3:.1f} ms (÷ oracle {ratio}); {moves} requests moved off a worker the "
+            f"TTFT p50 {res.ttft_p50 * 1e3:.2f} ms (÷ oracle {ratio}); {moves} requests moved off a worker the "
             f"index knew held more; new sessions per worker {sorted(starts.values())}"
         )
         figures[name] = _Figures(res.hit_rate, res.ttft_p50, res.oracle_share, res.oracle_ttft_ratio)
@@ -230,7 +230,7 @@ def _summary(runs: Sequence[dict[str, _Figures]]) -> None:
         figs = [run[name] for run in runs]
         hits = sum(f.hit_rate for f in figs) / len(figs)
         ttft = sum(f.ttft_p50 for f in figs) / len(figs)
-        line = f"  {name:<22} {hits:6.1%} / {ttft * 1e3:6.1f} ms"
+        line = f"  {name:<22} {hits:6.1%} / {ttft * 1e3:7.2f} ms"
         shares = [f.oracle_share for f in figs if f.oracle_share is not None]
         ratios = [f.oracle_ttft_ratio for f in figs if f.oracle_ttft_ratio is not None]
         if shares and ratios:
