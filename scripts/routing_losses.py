@@ -118,7 +118,8 @@ class _Figures(NamedTuple):
 class LongPrefixCost(CostModel, frozen=True, kw_only=True):
     """A prototype cost model: the prefill a candidate would still do is priced super-linearly.
 
-    ``cost = overlap_weight * p * (1 + p / prefill_scale) + load``, ``p`` the prefill blocks. Why: a
+    ``cost = overlap_weight * p * (1 + max(0, p - prefill_floor) / prefill_scale) + load``, ``p`` the prefill
+    blocks (``prefill_floor`` 0 by default; above 0 a prompt that short is priced exactly as today). Why: a
     recompute of ``p`` blocks holds the new worker's prefill budget for time proportional to ``p``, and
     the requests arriving there meanwhile, also proportional to ``p``, each wait for it: the delay it
     imposes on others grows as ``p**2`` (an M/G/1 queue's residual work), while the holder's short prefill
@@ -128,11 +129,12 @@ class LongPrefixCost(CostModel, frozen=True, kw_only=True):
     """
 
     prefill_scale: float = 1024.0
+    prefill_floor: float = 0.0
 
     def cost(self, prefill_blocks: float, load_blocks: float) -> float:
-        """``overlap_weight * p * (1 + p / prefill_scale) + load_blocks`` (lower is better)."""
+        """``overlap_weight * p * (1 + max(0, p - prefill_floor) / prefill_scale) + load_blocks`` (lower is better)."""
         p = prefill_blocks
-        return self.overlap_weight * p * (1.0 + p / self.prefill_scale) + load_blocks
+        return self.overlap_weight * p * (1.0 + max(0.0, p - self.prefill_floor) / self.prefill_scale) + load_blocks
 
 
 #: The demo policy name of the prototype (`LongPrefixCost` on kvroute's Router, footprint and hint as kvroute's).
@@ -147,7 +149,10 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
         kw["cost"] = CostModel(overlap_weight=args.overlap_weight, footprint_band=args.footprint_band)
         if name == PROTOTYPE:
             kw["cost"] = LongPrefixCost(
-                overlap_weight=args.overlap_weight, footprint_band=args.footprint_band, prefill_scale=args.prefill_scale
+                overlap_weight=args.overlap_weight,
+                footprint_band=args.footprint_band,
+                prefill_scale=args.prefill_scale,
+                prefill_floor=args.prefill_floor,
             )
         inner = _make_policy("kvroute" if name == PROTOTYPE else name, client, engines, **kw)
         rec = recorders[name] = _Recorder(inner, client, engines)
@@ -258,6 +263,9 @@ def main() -> None:
     p.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per rank (default: the demo's)")
     p.add_argument(
         "--prefill-scale", type=float, default=LongPrefixCost().prefill_scale, help="LongPrefixCost.prefill_scale"
+    )
+    p.add_argument(
+        "--prefill-floor", type=float, default=LongPrefixCost().prefill_floor, help="LongPrefixCost.prefill_floor"
     )
     args = p.parse_args()
     # The prototype is a policy of this script's only: the demo accepts it and follows the engines'
