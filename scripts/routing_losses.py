@@ -1,8 +1,10 @@
 """Where a demo policy's prefix-cache hits went: each request's infinite-cache hits against what it got.
 
-    python scripts/routing_losses.py conversation --seed 0 --policies kvroute,kvroute_index_only,session_affinity
+    python scripts/routing_losses.py conversation --seeds 0,1,2 --policies kvroute,session_affinity,oracle
+    python scripts/routing_losses.py --trace conversation_trace.jsonl --requests 400 --seeds 0,1,2
 
-Runs ``kvroute demo --trace-shape SHAPE`` in-process with every policy wrapped: at each decision it records
+Runs ``kvroute demo --trace-shape SHAPE`` (or ``--trace FILE``, a Mooncake-format trace such as the published
+ones) in-process, once per seed, with every policy wrapped: at each decision it records
 what each worker's engine truly holds of the prompt, what the index claims, and the longest prefix the
 prompt shares with a request the policy has in flight on that worker. After the run each request's shortfall
 (its infinite-cache hits, `reachable_hits`, minus the tokens the engine found cached) is split into:
@@ -19,7 +21,9 @@ prompt shares with a request the policy has in flight on that worker. After the 
 
 The demo's kvroute credits its own in-flight prompts (`Router(routed_ttl=)`, the routing hint), which
 addresses the last two; ``kvroute_index_only`` is kvroute without it. Figures are shares of the run's
-prompt tokens. Concurrency makes runs differ by a few tenths of a point.
+prompt tokens. Concurrency makes runs differ by a few tenths of a point (several points on the conversation
+shape), hence ``--seeds``: with more than one, a summary per policy follows (mean hit rate and TTFT p50, the range
+of its ratios to the oracle, and the runs it was above session affinity on hits, and on hits and TTFT p50 both).
 
 Each policy's line also gives its new sessions per worker: requests no engine held nor was computing
 half of when they were routed (the footprint's "new placement", `CostModel.footprint_band`, judged
