@@ -1,8 +1,10 @@
 """Where a demo policy's prefix-cache hits went: each request's infinite-cache hits against what it got.
 
-    python scripts/routing_losses.py conversation --seed 0 --policies kvroute,kvroute_index_only,session_affinity
+    python scripts/routing_losses.py conversation --seeds 0,1,2 --policies kvroute,session_affinity,oracle
+    python scripts/routing_losses.py --trace conversation_trace.jsonl --requests 400 --seeds 0,1,2
 
-Runs ``kvroute demo --trace-shape SHAPE`` in-process with every policy wrapped: at each decision it records
+Runs ``kvroute demo --trace-shape SHAPE`` (or ``--trace FILE``, a Mooncake-format trace such as the published
+ones) in-process, once per seed, with every policy wrapped: at each decision it records
 what each worker's engine truly holds of the prompt, what the index claims, and the longest prefix the
 prompt shares with a request the policy has in flight on that worker. After the run each request's shortfall
 (its infinite-cache hits, `reachable_hits`, minus the tokens the engine found cached) is split into:
@@ -13,12 +15,15 @@ prompt shares with a request the policy has in flight on that worker. After the 
 - ``placement: index lag``: the best worker held it but the index did not claim it yet;
 - ``placement: only in flight``: no cache held it yet, but a request the policy had in flight was
   prefilling it on another worker (invisible to an index fed by the engines' events);
-- ``engine-side``: the chosen worker had it (or had it in flight) and the engine still recomputed it
-  (admitted before the in-flight request's blocks were computed).
+- ``engine-side``: the chosen worker had it (or had it in flight) and the engine still recomputed it:
+  ``admitted before computed`` (only in flight there: admitted before the in-flight request's blocks were
+  stored) or ``evicted before admitted`` (cached there when routed, evicted while the request queued).
 
 The demo's kvroute credits its own in-flight prompts (`Router(routed_ttl=)`, the routing hint), which
 addresses the last two; ``kvroute_index_only`` is kvroute without it. Figures are shares of the run's
-prompt tokens. Concurrency makes runs differ by a few tenths of a point.
+prompt tokens. Concurrency makes runs differ by a few tenths of a point (several points on the conversation
+shape), hence ``--seeds``: with more than one, a summary per policy follows (mean hit rate and TTFT p50, the range
+of its ratios to the oracle, and the runs it was above session affinity on hits, and on hits and TTFT p50 both).
 
 Each policy's line also gives its new sessions per worker: requests no engine held nor was computing
 half of when they were routed (the footprint's "new placement", `CostModel.footprint_band`, judged
@@ -29,9 +34,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 from array import array
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import xxhash
@@ -104,34 +110,77 @@ def _reach(workload: Sequence[WorkloadRequest]) -> dict[int, int]:
     return out
 
 
-def main() -> None:
-    """Parse the flags, run the demo with every policy recorded, print each policy's shortfall by cause."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("shape", choices=TRACE_SHAPES)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policies", default="kvroute,session_affinity")
-    p.add_argument("--overlap-weight", type=float, default=CostModel().overlap_weight)
-    p.add_argument("--footprint-band", type=float, default=CostModel().footprint_band, help="CostModel.footprint_band")
-    p.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per rank (default: the demo's)")
-    args = p.parse_args()
+class _Figures(NamedTuple):
+    """One policy's figures in one run."""
+
+    hit_rate: float
+    ttft_p50: float
+    oracle_share: float | None
+    oracle_ttft_ratio: float | None
+
+
+class LongPrefixCost(CostModel, frozen=True, kw_only=True):
+    """A prototype cost model: the prefill a candidate would still do is priced super-linearly.
+
+    ``cost = overlap_weight * p * (1 + max(0, p - prefill_floor) / prefill_scale) + load``, ``p`` the prefill
+    blocks (``prefill_floor`` 0 by default; above 0 a prompt that short is priced exactly as today). Why: a
+    recompute of ``p`` blocks holds the new worker's prefill budget for time proportional to ``p``, and
+    the requests arriving there meanwhile, also proportional to ``p``, each wait for it: the delay it
+    imposes on others grows as ``p**2`` (an M/G/1 queue's residual work), while the holder's short prefill
+    imposes almost none. A short prompt (the shared-prefix test's ~40 blocks) is priced as before within
+    a few percent; moving a long document's question off its holder needs a queue there several times
+    the recompute. Run as the policy ``kvroute_long_prefix`` (``--policies``).
+    """
+
+    prefill_scale: float = 1024.0
+    prefill_floor: float = 0.0
+
+    def cost(self, prefill_blocks: float, load_blocks: float) -> float:
+        """``overlap_weight * p * (1 + max(0, p - prefill_floor) / prefill_scale) + load_blocks`` (lower is better)."""
+        p = prefill_blocks
+        return self.overlap_weight * p * (1.0 + max(0.0, p - self.prefill_floor) / self.prefill_scale) + load_blocks
+
+
+#: The demo policy name of the prototype (`LongPrefixCost` on kvroute's Router, footprint and hint as kvroute's).
+PROTOTYPE = "kvroute_long_prefix"
+
+
+def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
+    """Run the demo once (every policy on fresh identical fleets), print each policy's shortfall by cause."""
     recorders: dict[str, _Recorder] = {}
 
     def make_policy(name: str, client: KvEventClient, engines: Sequence[SimEngine], **kw: Any) -> _Recorder:
         kw["cost"] = CostModel(overlap_weight=args.overlap_weight, footprint_band=args.footprint_band)
-        rec = recorders[name] = _Recorder(_make_policy(name, client, engines, **kw), client, engines)
+        if name == PROTOTYPE:
+            kw["cost"] = LongPrefixCost(
+                overlap_weight=args.overlap_weight,
+                footprint_band=args.footprint_band,
+                prefill_scale=args.prefill_scale,
+                prefill_floor=args.prefill_floor,
+            )
+        inner = _make_policy("kvroute" if name == PROTOTYPE else name, client, engines, **kw)
+        rec = recorders[name] = _Recorder(inner, client, engines)
         return rec
 
     _demo_run.make_policy = make_policy  # type: ignore[attr-defined]  # the demo builds its policies through this name
     options = _demo_run.DemoOptions(
         trace_shape=args.shape,
-        seed=args.seed,
+        trace=args.trace,
+        requests=args.requests,
+        seed=seed,
         policies=tuple(args.policies.split(",")),
         overlap_weight=args.overlap_weight,
         capacity_blocks=args.capacity_blocks,
     )
-    workload, _, _ = _demo_run._workload(options)
+    workload, capacity, _ = _demo_run._workload(options)
     reach = _reach(workload)
+    load_before = os.getloadavg()[0]
     result = anyio.run(lambda: _demo_run.run_demo(options))
+    print(
+        f"== {args.trace or args.shape} seed {seed}: {len(workload)} records, {capacity} blocks a rank, "
+        f"load average {load_before:.1f}-{os.getloadavg()[0]:.1f}"
+    )
+    figures = {}
     for name, records in result.records.items():
         log = recorders[name].log
         total = sum(r.prompt_tokens for r in records)
@@ -162,15 +211,77 @@ def main() -> None:
                     moves += 1
                 else:
                     lost["placement: index lag"] += gap
-            lost["engine-side"] += anywhere(chosen) - r.cached_tokens
+            short = anywhere(chosen) - r.cached_tokens
+            # Held in the chosen cache when routed: evicted before the engine admitted it; otherwise only
+            # in flight there: admitted before the request computing it had stored those blocks.
+            held = cap(d["truth"][chosen]) >= anywhere(chosen)
+            side = "evicted before admitted" if held else "admitted before computed"
+            lost[f"engine-side: {side}"] += short
         res = result.policies[name]
+        share = f"{res.oracle_share:.2f}" if res.oracle_share is not None else "-"
+        ratio = f"{res.oracle_ttft_ratio:.2f}" if res.oracle_ttft_ratio is not None else "-"
         print(
-            f"{name}: hit rate {res.hit_rate:.1%}, infinite cache {res.reachable_hit_rate:.1%}, TTFT p50 "
-            f"{res.ttft_p50 * 1e3:.1f} ms; {moves} requests moved off a worker the index knew held more; "
-            f"new sessions per worker {sorted(starts.values())}"
+            f"{name}: hit rate {res.hit_rate:.1%} (÷ oracle {share}), infinite cache {res.reachable_hit_rate:.1%}, "
+            f"TTFT p50 {res.ttft_p50 * 1e3:.2f} ms (÷ oracle {ratio}); {moves} requests moved off a worker the "
+            f"index knew held more; new sessions per worker {sorted(starts.values())}"
         )
+        figures[name] = _Figures(res.hit_rate, res.ttft_p50, res.oracle_share, res.oracle_ttft_ratio)
         for cause, tokens in sorted(lost.items()):
             print(f"  {cause:<40} {tokens / total:7.2%}")
+
+    return figures
+
+
+def _summary(runs: Sequence[dict[str, _Figures]]) -> None:
+    """Each policy over the runs: mean hit rate and TTFT p50, the oracle ratios' range, and against affinity."""
+    print(f"== summary over {len(runs)} runs: mean hit rate / TTFT p50; ÷ oracle (min-max); runs above affinity")
+    for name in runs[0]:
+        figs = [run[name] for run in runs]
+        hits = sum(f.hit_rate for f in figs) / len(figs)
+        ttft = sum(f.ttft_p50 for f in figs) / len(figs)
+        line = f"  {name:<22} {hits:6.1%} / {ttft * 1e3:7.2f} ms"
+        shares = [f.oracle_share for f in figs if f.oracle_share is not None]
+        ratios = [f.oracle_ttft_ratio for f in figs if f.oracle_ttft_ratio is not None]
+        if shares and ratios:
+            line += f"; ÷ oracle hits {min(shares):.2f}-{max(shares):.2f}, TTFT {min(ratios):.2f}-{max(ratios):.2f}"
+        if name != "session_affinity" and "session_affinity" in runs[0]:
+            aff = [run["session_affinity"] for run in runs]
+            on_hits = sum(f.hit_rate > a.hit_rate for f, a in zip(figs, aff))
+            both = sum(f.hit_rate > a.hit_rate and f.ttft_p50 < a.ttft_p50 for f, a in zip(figs, aff))
+            diff = " ".join(f"{(f.hit_rate - a.hit_rate) * 100:+.1f}" for f, a in zip(figs, aff))
+            line += f"; above affinity on hits {on_hits}/{len(figs)}, on both {both}/{len(figs)} ({diff} points)"
+        print(line)
+
+
+def main() -> None:
+    """Parse the flags, run the demo once per seed with every policy recorded, print the shortfalls and a summary."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("shape", nargs="?", choices=TRACE_SHAPES, help="a generated trace shape (or --trace)")
+    p.add_argument("--trace", help="a Mooncake-format JSON-lines trace file instead of a generated shape")
+    p.add_argument("--requests", type=int, default=None, help="records (default: the demo's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None, help="comma-separated seeds, one run each (overrides --seed)")
+    p.add_argument("--policies", default="kvroute,session_affinity,oracle")
+    p.add_argument("--overlap-weight", type=float, default=CostModel().overlap_weight)
+    p.add_argument("--footprint-band", type=float, default=CostModel().footprint_band, help="CostModel.footprint_band")
+    p.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per rank (default: the demo's)")
+    p.add_argument(
+        "--prefill-scale", type=float, default=LongPrefixCost().prefill_scale, help="LongPrefixCost.prefill_scale"
+    )
+    p.add_argument(
+        "--prefill-floor", type=float, default=LongPrefixCost().prefill_floor, help="LongPrefixCost.prefill_floor"
+    )
+    args = p.parse_args()
+    # The prototype is a policy of this script's only: the demo accepts it and follows the engines'
+    # /metrics for it as for every kvroute policy.
+    _demo_run.EXTRA_POLICIES = (*_demo_run.EXTRA_POLICIES, PROTOTYPE)  # type: ignore[attr-defined,assignment]
+    _demo_run.KVROUTE_POLICIES = (*_demo_run.KVROUTE_POLICIES, PROTOTYPE)  # type: ignore[attr-defined,assignment]
+    if (args.shape is None) == (args.trace is None):
+        p.error("give a trace shape or --trace FILE (one of them)")
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
+    runs = [_one_run(args, seed) for seed in seeds]
+    if len(runs) > 1:
+        _summary(runs)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from kvroute.sim import SimEngine
 __all__ = [
     "AFFINITY_TOKENS",
     "EXTRA_POLICIES",
+    "KVROUTE_POLICIES",
     "POLICIES",
     "LeastLoadPolicy",
     "OracleDecision",
@@ -48,6 +49,8 @@ POLICIES = ("kvroute", "oracle", "session_affinity", "least_load", "round_robin"
 #: Policies run only when named: ``kvroute_index_only`` is kvroute without its routing hint,
 #: ``kvroute_no_footprint`` kvroute without its footprint (``CostModel(footprint=False)``).
 EXTRA_POLICIES = ("kvroute_index_only", "kvroute_no_footprint")
+#: The policies that are kvroute's `Router` (the demo follows the engines' ``/metrics`` for them on ZMQ fleets).
+KVROUTE_POLICIES = ("kvroute", *EXTRA_POLICIES)
 #: ``Router(routed_ttl=)`` of the demo's kvroute: the routing hint on (README, "Routing quality").
 ROUTED_TTL = 10.0
 
@@ -306,7 +309,7 @@ def make_policy(
     ``engine_loads``: the engines' reports kvroute's `Router` reads (default: the client's, which a
     gateway stream fills); the demo passes the engines' scraped ``/metrics`` on plain ZMQ fleets.
     """
-    if name in ("kvroute", "kvroute_index_only", "kvroute_no_footprint"):
+    if name in KVROUTE_POLICIES:
         ttl = 0.0 if name == "kvroute_index_only" else ROUTED_TTL
         if name == "kvroute_no_footprint":
             cost = msgspec.structs.replace(cost or CostModel(), footprint=False)

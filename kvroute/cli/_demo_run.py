@@ -39,7 +39,7 @@ from kvroute import CostModel, Envelope, KvEventClient, Reset, SubscriberConfig,
 from kvroute._load import EngineLoads, LoadPolicy, follow_engine_metrics
 from kvroute.sim import CapacityError, Completion, InvalidRequestError, RequestAbortedError, SimConfig, SimEngine
 
-from ._demo_policies import EXTRA_POLICIES, POLICIES, Policy, make_policy
+from ._demo_policies import EXTRA_POLICIES, KVROUTE_POLICIES, POLICIES, Policy, make_policy
 from ._demo_replica import LOAD_MODES, ReplicaPolicy, index_digest, nats_server
 from ._demo_report import (
     DemoResult,
@@ -453,7 +453,7 @@ async def _run_policy(
             policy = replicas
         else:
             scraped = None
-            if policy_name in ("kvroute", "kvroute_index_only", "kvroute_no_footprint") and not options.gateway_stream:
+            if policy_name in KVROUTE_POLICIES and not options.gateway_stream:
                 scraped = await _scraped_usage(stack, engines, speedup)
             policy = _InProcess(
                 make_policy(
@@ -501,8 +501,8 @@ async def _run_policy(
         prompt_tokens=tally.prompt,
         cached_tokens=tally.cached,
         prefill_tokens=tally.prompt - tally.cached,
-        ttft_p50=round(percentile(tally.ttfts, 50), 4),
-        ttft_p99=round(percentile(tally.ttfts, 99), 4),
+        ttft_p50=round(percentile(tally.ttfts, 50), 6),
+        ttft_p99=round(percentile(tally.ttfts, 99), 6),
         latency_p50=round(percentile(tally.latencies, 50), 4),
         latency_p99=round(percentile(tally.latencies, 99), 4),
         load_imbalance=round(max(tally.per_worker.values(), default=0) / mean_load, 3) if mean_load else 0.0,
