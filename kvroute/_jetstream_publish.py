@@ -8,6 +8,11 @@ consecutive batches taken in one turn go out as one `_Batches` record (a run), a
 fact after that worker's pending run. `_Outbox` publishes records without waiting for each ack, in
 order, at most `_WINDOW` unacknowledged; the first failure ends the session (`_Restart`), which
 starts over from what the log holds.
+
+The publisher also keeps what a follower of the log knows of each worker (its newest batch, whether
+the log names it, whether it is partial), seeded from the log at the session's start: with the relay
+client's own index at an instant when everything it applied is acknowledged, that is the relay's
+snapshot (`_Publisher.snapshot`), without a second index that reads the log back.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Final
+from collections.abc import Set
+from typing import TYPE_CHECKING, Final
 
 import anyio
 import anyio.lowlevel
@@ -23,6 +29,8 @@ import msgspec
 
 from ._events import Envelope, Partial, Removed, Reset, Synced
 from ._jetstream import (
+    SNAPSHOT_FORMAT,
+    SnapshotInfo,
     _Batches,
     _Partial,
     _Present,
@@ -35,7 +43,11 @@ from ._jetstream import (
 )
 from ._jetstream_nats import NatsLoop
 from ._models import EventSource, WorkerKey
+from ._snapshot import Cursor, encode_snapshot
 from ._wire import BlockStored, EngineEvent
+
+if TYPE_CHECKING:
+    from ._index import PrefixIndex
 
 __all__ = ["_Publisher", "_Restart", "_Tap", "encode_payload"]
 
@@ -74,7 +86,13 @@ class _Run:
 
 
 class _Publisher:
-    """One session's ordered publishing: envelopes → log records (runs of batches, lifecycle facts), in order."""
+    """One session's ordered publishing: envelopes → log records (runs of batches, lifecycle facts), in order.
+
+    ``last`` / ``named`` / ``partial`` / ``position``: the log as its followers read it when the
+    session starts (`kvroute._jetstream_log.LogRules`' results: each worker's newest batch, the
+    workers it names, the partial ones, its last sequence; none and 0 for an empty stream); the
+    publisher moves them by the records it publishes, as the rules move a follower's.
+    """
 
     def __init__(
         self,
@@ -82,8 +100,10 @@ class _Publisher:
         stream: str,
         counts: dict[str, int],
         session: str,
-        prev: dict[WorkerKey, int],
+        last: dict[WorkerKey, Cursor],
         named: set[WorkerKey],
+        partial: Set[WorkerKey] = frozenset(),
+        position: int = 0,
         *,
         publish_timeout: float,
     ) -> None:
@@ -93,9 +113,16 @@ class _Publisher:
         self.counts = counts
         self.publish_timeout = publish_timeout
         self.session = session
-        self.prev: dict[WorkerKey, int | None] = dict(prev)
+        #: Each worker's newest batch in the log, (seq, ts): the ``prev`` of its next one, and a
+        #: snapshot's cursor (none right after a reset).
+        self.last: dict[WorkerKey, tuple[int, float]] = {k: (c.seq, c.ts) for k, c in last.items()}
         #: The workers the log names (a `_Present` is published for a synced one it does not).
         self.named = set(named)
+        #: The workers the log marks partial.
+        self.partial = set(partial & named)
+        self.outbox = _Outbox(nl, publish_timeout, position)
+        #: Why the session must start over from the log (set from outside the pump, which raises `_Restart`).
+        self.stale: str | None = None
         self.out: list[tuple[str, bytes, str]] = []
         self._serial = 0
         self._group: list[Envelope] = []
@@ -111,15 +138,54 @@ class _Publisher:
 
     def _lifecycle(self, key: WorkerKey, rec: _Record) -> None:
         self._close_run(key)  # the worker's batches before the fact go first
+        if not isinstance(rec, _Removed):
+            self.named.add(key)  # a follower takes the worker at any record of it but a removal
         self._serial += 1
         msg_id = f"{key.worker_id}/{key.dp_rank}:{rec.__struct_config__.tag}:{self.session}:{self._serial}"
         self.out.append((worker_subject(self.stream, key), encode_record(rec), msg_id))
         self.counts["records"] += 1
 
+    def idle(self, tap: _Tap) -> bool:
+        """Everything the client handed ``tap`` is published and acknowledged (nothing taken, pending or in flight)."""
+        outbox = self.outbox
+        return (
+            not (tap.items or tap.overflowed or self._group or self._runs or self.out or self._kicked)
+            and outbox.unacked == 0
+            and outbox.failed is None
+        )
+
+    def snapshot(self, index: PrefixIndex, stream_last: int) -> tuple[bytes, SnapshotInfo] | str:
+        """``index`` — the relay client's, taken while `idle`, naming no worker the log does not — as the log's
+        snapshot; else why it is not one. ``stream_last``: the stream's last sequence, read while idle.
+
+        The client's index is what its followers hold at the log's last sequence when the log is
+        the session's seed (the log read by the rules up to ``position``) plus exactly the records
+        this publisher stored since: it then names the same workers, with the same newest batches
+        and partial flags as kept here. A record of another publisher since the session started
+        (a relay that did not know it lost the lease) breaks that: the caller restarts the session
+        from the log.
+        """
+        outbox = self.outbox
+        if not outbox.start + outbox.stored == outbox.last_seq == stream_last:
+            return (
+                f"the log holds {stream_last - outbox.start - outbox.stored} records since sequence"
+                f" {outbox.start} that this relay did not publish"
+            )
+        # A worker's blocks and its cursor from one instant: the caller holds the client still.
+        data = encode_snapshot(index._core, {k: Cursor(*c) for k, c in self.last.items()})
+        info = SnapshotInfo(
+            format=SNAPSHOT_FORMAT,
+            stream_seq=outbox.last_seq,
+            workers=[(k.worker_id, k.dp_rank) for k in sorted(self.named)],
+            partial=[(k.worker_id, k.dp_rank) for k in sorted(self.partial)],
+        )
+        return data, info
+
     def removed(self, key: WorkerKey, reason: str) -> None:
         """Publish that ``key`` is gone (its state removed from every replica)."""
-        self.prev.pop(key, None)
+        self.last.pop(key, None)
         self.named.discard(key)
+        self.partial.discard(key)
         self.counts["removals"] += 1
         self._lifecycle(key, _Removed(key.worker_id, key.dp_rank, reason))
 
@@ -154,9 +220,10 @@ class _Publisher:
     def _add_batch(self, key: WorkerKey, seq: int, ts: float, payload: bytes, blocks: int) -> None:
         run = self._runs.get(key)
         if run is None:
-            run = self._runs[key] = _Run(self.prev.get(key))
+            prev = self.last.get(key)
+            run = self._runs[key] = _Run(prev[0] if prev is not None else None)
             self.named.add(key)
-        self.prev[key] = seq
+        self.last[key] = (seq, ts)
         run.items.append((seq, ts, len(payload)))
         run.payloads.append(payload)
         run.size += len(payload)
@@ -189,10 +256,12 @@ class _Publisher:
         self._flush_group()
         key = env.source.key
         if isinstance(ev, Reset):
-            self.prev[key] = None
+            self.last.pop(key, None)
+            self.partial.discard(key)  # a reset starts a whole history again
             self.counts["resets"] += 1
             self._lifecycle(key, _Reset(key.worker_id, key.dp_rank, ev.reason, ev.detail))
         elif isinstance(ev, Partial):
+            self.partial.add(key)
             self.counts["partials"] += 1
             self._lifecycle(key, _Partial(key.worker_id, key.dp_rank, ev.reason, ev.first_seq))
         elif isinstance(ev, Removed):
@@ -207,12 +276,14 @@ class _Publisher:
         items = tap.items
         pop = items.popleft
         take, take_raw = self.take, self.take_raw
-        outbox = _Outbox(nl, self.publish_timeout)
+        outbox = self.outbox
         duplicates_before = counts["duplicates"]
         try:
             while True:
                 if not items and tap.overflowed:
                     raise _Restart(f"the relay fell behind its client ({tap.overflowed} batches and facts dropped)")
+                if self.stale is not None:
+                    raise _Restart(self.stale)
                 if items or self._group or self._runs or self.out or self._kicked:
                     # Take what is buffered without waiting (a batch ends where the buffer does). Bounded
                     # by count and time: the loop's other tasks run between turns.
@@ -311,9 +382,16 @@ class _Outbox:
     session must then start over from what the log holds.
     """
 
-    def __init__(self, nl: NatsLoop, timeout: float) -> None:
+    def __init__(self, nl: NatsLoop, timeout: float, position: int) -> None:
         self.nl = nl
         self.timeout = timeout
+        #: The stream's last sequence when the session started, and the highest one an ack of a
+        #: stored record named since (the stream's last sequence once nothing is in flight).
+        self.start = position
+        self.last_seq = position
+        #: Records acknowledged as stored (not duplicates): with nothing in flight, the stream's last
+        #: sequence is ``start + stored`` unless another publisher wrote to it meanwhile.
+        self.stored = 0
         self.posted = 0
         self.acked = 0
         self.posted_bytes = 0
@@ -360,7 +438,7 @@ class _Outbox:
                     return  # the session restarts: publish nothing after a failure
                 # No wait_stall: with one, nats-py runs its semaphore's acquire through asyncio.wait_for,
                 # which (Python < 3.12) makes a Task and yields to the loop for every record, so a job of
-                # n records took n turns of the loop (behind the client's and the mirror's slices):
+                # n records took n turns of the loop (behind the client's slices):
                 # that was most of the apply lag. The relay's window keeps the semaphore from blocking.
                 futures.append(await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id}))
             sent.set()
@@ -373,7 +451,13 @@ class _Outbox:
             return
         finally:
             sent.set()
-        self.duplicates += sum(1 for a in acks if a.duplicate)
+        for ack in acks:
+            if ack.duplicate:
+                self.duplicates += 1
+            else:
+                self.stored += 1
+                self.last_seq = max(self.last_seq, int(ack.seq))
+        # Last: a reader that sees nothing in flight sees the counts above complete.
         self.acked += len(msgs)
         self.acked_bytes += sum(len(data) for _, data, _ in msgs)
 

@@ -5,13 +5,17 @@ The log's format is `kvroute._jetstream`'s. High availability: relays for one st
 of ``lease_ttl`` from a thread and NATS connection of its own (`_LeaseKeeper`), so a starved event
 loop does not let it lapse (only a loop stalled for ``lease_stall`` seconds does). A standby that
 sees the revision unchanged for ``lease_ttl`` takes it over with a revision-checked update (only
-one standby can win). A new holder waits until its mirror (a `JetStreamReplica` of the log) has
-read the whole log, then resumes its engines' sources from the positions the log holds
-(`KvEventClient` warm restart: identity check, replay since there), so no batch is lost (the
-engines' replay buffers cover the handover) and none is doubled (message ids, and the replicas'
-seq rule).
+one standby can win). Each session of the holder starts by reading the whole log as a follower
+does (a `JetStreamReplica`: the latest snapshot, then the records after it), then gives that index
+and the positions it holds to its `KvEventClient` (warm restart: identity check, replay since
+there), so no batch is lost (the engines' replay buffers cover the handover) and none is doubled
+(message ids, and the replicas' seq rule).
 
-Publishing (the relay client's `events()` → records, async acks) is `kvroute._jetstream_publish`.
+Snapshots are the relay client's own index, taken while its receive threads are held and every
+batch it applied is acknowledged by the stream (`_Publisher.snapshot`): the index then holds exactly
+the log's records up to the stream's last sequence, so no second copy of the index reads the log back.
+
+Publishing (the relay client's raw tap → records, async acks) is `kvroute._jetstream_publish`.
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ import msgspec
 from ._client import KvEventClient
 from ._discovery import DiscoveryOptions
 from ._errors import ConfigError, JetStreamError
-from ._index import PrefixIndex
 from ._jetstream import (
     LEASE_KEY,
     SNAPSHOT_KEY,
     SNAPSHOTS_KEPT,
+    SnapshotInfo,
     check_stream_name,
     ensure_stream,
     log,
@@ -55,6 +59,11 @@ __all__ = ["JetStreamRelay", "RelayStats"]
 
 #: Batches and facts the relay's client may apply ahead of its publisher before the session restarts.
 _TAP_CAPACITY = 1_000_000
+#: Seconds a snapshot waits, the relay's client held, for what it applied to be acknowledged, before
+#: it gives up until the next interval (a held client applies nothing: this bounds the pause).
+_QUIESCE_TIMEOUT = 1.0
+#: Seconds a session's start may take to read the log (snapshot + records after it) before it tries again.
+_SEED_TIMEOUT = 60.0
 
 
 # --- the relay ----------------------------------------------------------------------------------------
@@ -262,7 +271,8 @@ class JetStreamRelay:
         self.active = False
         self._lease_rev = 0
         self._nats: NatsLoop | None = None
-        self._mirror: JetStreamReplica | None = None
+        #: The current session's publisher and tap (None between sessions).
+        self._pub: tuple[_Publisher, _Tap] | None = None
         self._scope: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._became_active: anyio.Event = anyio.Event()
@@ -316,19 +326,13 @@ class JetStreamRelay:
             await nl.call(ensure_stream(nl.js, self.stream, self._storage, self._max_age, self._duplicate_window))
             self._kv = await nl.call(meta_bucket(nl.js, self.stream, create=True))
             self._store = await nl.call(object_store(nl.js, self.stream, create=True))
-            # Under the client's limits: the payloads are the engines' own, to be read as the client read them.
-            mirror = JetStreamReplica(
-                self._servers, stream=self.stream, name=f"{self.name}-mirror", limits=self._config.limits
-            )
-            async with mirror:
-                self._mirror = mirror
-                task_status.started()
-                while True:
-                    await self._standby()
-                    try:
-                        await self._active_term()
-                    except _LeaseLost:
-                        log.warning("relay %s: lost the lease, standing by", self.name)
+            task_status.started()
+            while True:
+                await self._standby()
+                try:
+                    await self._active_term()
+                except _LeaseLost:
+                    log.warning("relay %s: lost the lease, standing by", self.name)
         finally:
             self.active = False
             with anyio.CancelScope(shield=True):
@@ -449,28 +453,39 @@ class JetStreamRelay:
             self._became_active = anyio.Event()
             self.client = None
 
-    async def _caught_up(self) -> int:
-        """Wait until the mirror read the whole log (nothing is published meanwhile); its last sequence."""
-        nl, mirror = self._nats, self._mirror
-        assert nl is not None and mirror is not None
+    async def _seed(self) -> JetStreamReplica:
+        """The whole log read as a follower reads it (snapshot, then the records after it), stopped there.
+
+        Nothing is published meanwhile (this relay holds the lease and has no session yet), so
+        its index and workers are the log's up to its ``position``.
+        """
+        nl = self._nats
+        assert nl is not None
         while True:
             try:
                 info = await nl.call(nl.js.stream_info(self.stream))
                 last = int(info.state.last_seq)
-                await mirror.wait_position(last, 10.0)
-                return last
+                # Under the client's limits: the payloads are the engines' own, read as the client read them.
+                seed = JetStreamReplica(
+                    self._servers, stream=self.stream, name=f"{self.name}-seed", limits=self._config.limits
+                )
+                async with seed:
+                    await seed.wait_position(last, _SEED_TIMEOUT)
+                return seed
             except Exception as exc:
-                log.warning("relay %s: waiting for the log: %r", self.name, exc)
+                log.warning("relay %s: reading the log: %r", self.name, exc)
                 await anyio.sleep(0.5)
 
     async def _session(self) -> None:
         """Follow the engines from where the log stands, publishing until something forces a restart."""
-        await self._caught_up()
-        nl, mirror = self._nats, self._mirror
-        assert nl is not None and mirror is not None
-        cursors = mirror.cursors()
-        known = mirror.live_workers()
-        index = PrefixIndex()
+        seed = await self._seed()
+        nl = self._nats
+        assert nl is not None
+        cursors = seed.cursors()
+        known = seed.live_workers()
+        # The log's index becomes the client's (a warm restart from it): the client then holds
+        # what the log holds, and its index is the relay's snapshot.
+        index = seed.index
         index.restored_cursors = dict(cursors)
         interval, grace, options = self._discovery
         self._counts["sessions"] += 1
@@ -480,8 +495,10 @@ class JetStreamRelay:
             self.stream,
             self._counts,
             session,
-            {k: c.seq for k, c in cursors.items()},
+            cursors,
             known,
+            seed.partial_workers(),
+            seed.position,
             publish_timeout=self._publish_timeout,
         )
         client = KvEventClient(
@@ -498,6 +515,7 @@ class JetStreamRelay:
         client.set_raw_tap(tap)
         async with client:
             self.client = client
+            self._pub = (pub, tap)
             # Workers the log names that no static source feeds are gone (with targets, the
             # discovered sources are only known later: the reconciler below handles them).
             static = {s.key for s in self._sources}
@@ -507,7 +525,10 @@ class JetStreamRelay:
             async with anyio.create_task_group() as tg:
                 if self._targets:
                     tg.start_soon(self._reconcile, client, pub, known)
-                await pub.pump(tap)
+                try:
+                    await pub.pump(tap)
+                finally:
+                    self._pub = None
 
     async def _reconcile(self, client: KvEventClient, pub: _Publisher, known: set[WorkerKey]) -> None:
         """Once discovery answered: the log's workers no target feeds are removed from the log."""
@@ -522,21 +543,75 @@ class JetStreamRelay:
         pub.kick()
 
     async def _snapshots(self) -> None:
-        nl, mirror = self._nats, self._mirror
-        assert nl is not None and mirror is not None
         written = -1
         while True:
             await anyio.sleep(self._snapshot_interval)
-            if mirror.position == written:
-                continue
+            current = self._pub
+            if current is None or current[0].outbox.last_seq == written:
+                continue  # no session, or the log did not move
             await self.write_snapshot()
             written = self._counts["snapshot_seq"]
 
+    async def _quiescent(self) -> tuple[bytes, SnapshotInfo] | None:
+        """The relay client's index as the log's snapshot, taken once everything it applied is acknowledged.
+
+        Its native receive threads are held meanwhile (at most `_QUIESCE_TIMEOUT`), so it applies
+        nothing new; what it applied already is published. Batches applied on the event loop (a
+        replay, the Python receiver) may still come: idleness is checked and the snapshot taken
+        without an await in between. None: no session, or it did not become idle in time.
+        """
+        current, client, nl = self._pub, self.client, self._nats
+        if current is None or client is None or nl is None:
+            return None
+        pub, tap = current
+        held = [t for t in client._transports if t.hold()]
+        try:
+            with anyio.move_on_after(_QUIESCE_TIMEOUT):
+                while True:
+                    if self._pub is not current:
+                        return None  # the session ended
+                    # A worker the client holds and the log does not name is one whose removal is published
+                    # and which the client drops at its next turn: not at rest yet.
+                    if pub.idle(tap) and client.index.workers() <= pub.named:
+                        # The stream's last sequence: a record of another publisher after this relay's last.
+                        posted = pub.outbox.posted
+                        try:
+                            stream_last = int((await nl.call(nl.js.stream_info(self.stream))).state.last_seq)
+                        except Exception as exc:  # the server is away: the session restarts by itself
+                            log.warning("relay %s: no snapshot: %r", self.name, exc)
+                            return None
+                        if not (
+                            self._pub is current
+                            and pub.outbox.posted == posted
+                            and pub.idle(tap)
+                            and client.index.workers() <= pub.named
+                        ):
+                            continue  # the client applied more meanwhile: its records must be acknowledged first
+                        taken = pub.snapshot(client.index, stream_last)
+                        if isinstance(taken, str):
+                            log.warning("relay %s: no snapshot, the session restarts: %s", self.name, taken)
+                            pub.stale = taken
+                            return None
+                        return taken
+                    await anyio.sleep(0.002)
+            log.info("relay %s: no snapshot: not idle within %s s", self.name, _QUIESCE_TIMEOUT)
+            return None
+        finally:
+            for transport in held:
+                transport.release()
+
     async def write_snapshot(self) -> int:
-        """Write the mirror's index to the object store now; the stream sequence it covers."""
-        nl, mirror = self._nats, self._mirror
-        assert nl is not None and mirror is not None
-        data, info = mirror.snapshot_bytes()
+        """Write the relay's index to the object store now; the stream sequence it covers.
+
+        Only the active relay writes one (between sessions, or when its client did not come to
+        rest within a second, nothing is written and the last snapshot's sequence is returned).
+        """
+        nl = self._nats
+        assert nl is not None
+        taken = await self._quiescent()
+        if taken is None:
+            return self._counts["snapshot_seq"]
+        data, info = taken
         nats = nats_module()
         name = f"index-{info.stream_seq}"
         meta = nats.js.api.ObjectMeta(name=name, description=msgspec.json.encode(info).decode())

@@ -308,6 +308,15 @@ MUTATIONS: list[Mutation] = [
             "tests/test_warm_restart.py::test_restored_state_a_source_cannot_resume_is_announced_with_a_reset",
         ),
     ),
+    Mutation(
+        "snapshot-over-foreign-record",
+        "the relay writes no snapshot of its client's index over a log record it did not publish (it restarts)",
+        "kvroute/_jetstream_publish.py",
+        "        if not outbox.start + outbox.stored == outbox.last_seq == stream_last:\n",
+        "        if False:\n",
+        ("tests/test_jetstream.py",),
+        ("tests/test_jetstream.py::test_a_record_the_relay_did_not_publish_is_never_under_its_snapshot",),
+    ),
     # --- the router ---
     Mutation(
         "footprint-unrecorded",
