@@ -10,17 +10,19 @@ order, at most `_WINDOW` unacknowledged; the first failure ends the session (`_R
 starts over from what the log holds.
 
 The publisher also keeps what a follower of the log knows of each worker (its newest batch, whether
-the log names it, whether it is partial), seeded from the log at the session's start: with the relay
-client's own index at an instant when everything it applied is acknowledged, that is the relay's
-snapshot (`_Publisher.snapshot`), without a second index that reads the log back.
+the log names it, whether it is partial), seeded from the log at the session's start. With the relay
+client's own index, encoded at the end of a turn that took everything the client applied, that is
+the relay's snapshot (`_SnapshotRequest`), once the acks of that turn's records name the stream
+sequence it covers: no second index reads the log back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
-from collections.abc import Set
+from collections.abc import Callable, Set
 from typing import TYPE_CHECKING, Final
 
 import anyio
@@ -29,8 +31,6 @@ import msgspec
 
 from ._events import Envelope, Partial, Removed, Reset, Synced
 from ._jetstream import (
-    SNAPSHOT_FORMAT,
-    SnapshotInfo,
     _Batches,
     _Partial,
     _Present,
@@ -49,7 +49,7 @@ from ._wire import BlockStored, EngineEvent
 if TYPE_CHECKING:
     from ._index import PrefixIndex
 
-__all__ = ["_Publisher", "_Restart", "_Tap", "encode_payload"]
+__all__ = ["_Publisher", "_Restart", "_SnapshotRequest", "_Tap", "encode_payload"]
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -123,6 +123,8 @@ class _Publisher:
         self.outbox = _Outbox(nl, publish_timeout, position)
         #: Why the session must start over from the log (set from outside the pump, which raises `_Restart`).
         self.stale: str | None = None
+        #: A snapshot to take at the pump's next turn (set by the relay; cleared once taken).
+        self.snapshot_request: _SnapshotRequest | None = None
         self.out: list[tuple[str, bytes, str]] = []
         self._serial = 0
         self._group: list[Envelope] = []
@@ -145,41 +147,44 @@ class _Publisher:
         self.out.append((worker_subject(self.stream, key), encode_record(rec), msg_id))
         self.counts["records"] += 1
 
-    def idle(self, tap: _Tap) -> bool:
-        """Everything the client handed ``tap`` is published and acknowledged (nothing taken, pending or in flight)."""
-        outbox = self.outbox
-        return (
-            not (tap.items or tap.overflowed or self._group or self._runs or self.out or self._kicked)
-            and outbox.unacked == 0
-            and outbox.failed is None
-        )
+    def _take_snapshot(self, req: _SnapshotRequest, tap: _Tap) -> None:
+        """Everything the client applied becomes records (posted), then its index is encoded (``req``).
 
-    def snapshot(self, index: PrefixIndex, stream_last: int) -> tuple[bytes, SnapshotInfo] | str:
-        """``index`` — the relay client's, taken while `idle`, naming no worker the log does not — as the log's
-        snapshot; else why it is not one. ``stream_last``: the stream's last sequence, read while idle.
-
-        The client's index is what its followers hold at the log's last sequence when the log is
-        the session's seed (the log read by the rules up to ``position``) plus exactly the records
-        this publisher stored since: it then names the same workers, with the same newest batches
-        and partial flags as kept here. A record of another publisher since the session started
-        (a relay that did not know it lost the lease) breaks that: the caller restarts the session
-        from the log.
+        Runs inside one turn of the pump, without yielding: the client's receive threads are held
+        (their hand-overs drained into the tap first), every item is taken, and the index encoded,
+        so it holds exactly the batches in the records posted so far (``req.mark``). A worker the
+        client holds and the log does not name (its removal is published; the client drops it at
+        its next turn) leaves the request for a later turn.
         """
-        outbox = self.outbox
-        if not outbox.start + outbox.stored == outbox.last_seq == stream_last:
-            return (
-                f"the log holds {stream_last - outbox.start - outbox.stored} records since sequence"
-                f" {outbox.start} that this relay did not publish"
-            )
-        # A worker's blocks and its cursor from one instant: the caller holds the client still.
-        data = encode_snapshot(index._core, {k: Cursor(*c) for k, c in self.last.items()})
-        info = SnapshotInfo(
-            format=SNAPSHOT_FORMAT,
-            stream_seq=outbox.last_seq,
-            workers=[(k.worker_id, k.dp_rank) for k in sorted(self.named)],
-            partial=[(k.worker_id, k.dp_rank) for k in sorted(self.partial)],
-        )
-        return data, info
+        release = req.hold()
+        try:
+            items, pop = tap.items, tap.items.popleft
+            while items:
+                item = pop()
+                if type(item) is tuple:
+                    self.take_raw(*item)
+                else:
+                    self.take(item)  # type: ignore[arg-type]
+            self._flush_group()
+            self.close_runs()
+            if self.out:
+                out, self.out = self.out, []
+                self.outbox.post(out)
+            if tap.overflowed:
+                req.refused = "the relay fell behind its client"
+                self.snapshot_request = None
+                return
+            if not req.index.workers() <= self.named:
+                return  # not at rest yet: the next turn tries again
+            # A worker's blocks and its cursor from one instant (nothing applies during this call).
+            req.data = encode_snapshot(req.index._core, {k: Cursor(*c) for k, c in self.last.items()})
+            req.workers = [(k.worker_id, k.dp_rank) for k in sorted(self.named)]
+            req.partial = [(k.worker_id, k.dp_rank) for k in sorted(self.partial)]
+            req.mark = self.outbox.posted
+            self.outbox.set_mark(req.mark)
+        finally:
+            release()
+        self.snapshot_request = None
 
     def removed(self, key: WorkerKey, reason: str) -> None:
         """Publish that ``key`` is gone (its state removed from every replica)."""
@@ -284,6 +289,9 @@ class _Publisher:
                     raise _Restart(f"the relay fell behind its client ({tap.overflowed} batches and facts dropped)")
                 if self.stale is not None:
                     raise _Restart(self.stale)
+                req = self.snapshot_request
+                if req is not None:
+                    self._take_snapshot(req, tap)
                 if items or self._group or self._runs or self.out or self._kicked:
                     # Take what is buffered without waiting (a batch ends where the buffer does). Bounded
                     # by count and time: the loop's other tasks run between turns.
@@ -324,6 +332,26 @@ class _Publisher:
                 await nl.call(outbox.drain())
 
 
+class _SnapshotRequest:
+    """A snapshot of the relay client's index, taken by the pump (`_Publisher._take_snapshot`).
+
+    ``hold`` holds the client's receive threads and returns what releases them. Once taken:
+    ``data`` (the index with each worker's newest batch in the log as its cursor), the workers
+    the log names and the partial ones, and ``mark``, the number of the last record posted
+    before it (its acks name the stream sequence the snapshot covers); ``refused`` says why it
+    was not taken.
+    """
+
+    def __init__(self, index: PrefixIndex, hold: Callable[[], Callable[[], None]]) -> None:
+        self.index = index
+        self.hold = hold
+        self.data: bytes | None = None
+        self.workers: list[tuple[str, int]] = []
+        self.partial: list[tuple[str, int]] = []
+        self.mark = -1
+        self.refused: str | None = None
+
+
 class _Tap:
     """The relay client's raw tap (`kvroute._fanout.RawTap`): what it applied, in order, until the pump takes it.
 
@@ -351,6 +379,11 @@ class _Tap:
             self.overflowed += 1
         else:
             self.items.append(item)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def wake(self) -> None:
+        """Wake a pump waiting for items (a snapshot request)."""
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -385,13 +418,19 @@ class _Outbox:
     def __init__(self, nl: NatsLoop, timeout: float, position: int) -> None:
         self.nl = nl
         self.timeout = timeout
-        #: The stream's last sequence when the session started, and the highest one an ack of a
-        #: stored record named since (the stream's last sequence once nothing is in flight).
+        #: The stream's last sequence when the session started.
         self.start = position
-        self.last_seq = position
-        #: Records acknowledged as stored (not duplicates): with nothing in flight, the stream's last
-        #: sequence is ``start + stored`` unless another publisher wrote to it meanwhile.
-        self.stored = 0
+        # Finished jobs are folded in the order they were posted (jobs are named by their last
+        # record's number): ``folded`` is the highest stream sequence of a stored record and the
+        # count of stored records (not duplicates) over every record up to ``acked_through``.
+        self._lock = threading.Lock()
+        self._order: deque[int] = deque()
+        self._done: dict[int, tuple[int, int]] = {}
+        self.acked_through = 0
+        self.folded = (position, 0)
+        self._mark = -1
+        #: ``folded`` when ``acked_through`` reached the mark (`set_mark`); None until then.
+        self.marked: tuple[int, int] | None = None
         self.posted = 0
         self.acked = 0
         self.posted_bytes = 0
@@ -415,18 +454,39 @@ class _Outbox:
         """Queue ``msgs`` for publishing after everything posted before (returns at once; any thread)."""
         self.posted += len(msgs)
         self.posted_bytes += sum(len(data) for _, data, _ in msgs)
-        self.nl.post(self._start, msgs)
+        with self._lock:
+            self._order.append(self.posted)
+        self.nl.post(self._start, msgs, self.posted)
 
-    def _start(self, msgs: list[tuple[str, bytes, str]]) -> None:
+    def set_mark(self, end: int) -> None:
+        """Watch for the acks of every record up to number ``end``: then ``marked`` is (the highest stream
+        sequence among them, how many were stored). ``end`` is ``posted`` as it is now (the caller's thread)."""
+        with self._lock:
+            self._mark = end
+            self.marked = self.folded if self.acked_through == end else None
+
+    def _finished(self, end: int, seq: int, stored: int) -> None:
+        with self._lock:
+            self._done[end] = (seq, stored)
+            order, done = self._order, self._done
+            while order and order[0] in done:
+                first = order.popleft()
+                job_seq, job_stored = done.pop(first)
+                self.folded = (max(self.folded[0], job_seq), self.folded[1] + job_stored)
+                self.acked_through = first
+                if first == self._mark:
+                    self.marked = self.folded
+
+    def _start(self, msgs: list[tuple[str, bytes, str]], end: int) -> None:
         # Chained: a job hands its records to the connection only after the previous job did.
         prev, sent = self._tail_sent, asyncio.Event()
         self._tail_sent = sent
-        task = asyncio.get_running_loop().create_task(self._publish(prev, sent, msgs))
+        task = asyncio.get_running_loop().create_task(self._publish(prev, sent, msgs, end))
         self._acks.add(task)
         task.add_done_callback(self._acks.discard)
 
     async def _publish(
-        self, prev: asyncio.Event | None, sent: asyncio.Event, msgs: list[tuple[str, bytes, str]]
+        self, prev: asyncio.Event | None, sent: asyncio.Event, msgs: list[tuple[str, bytes, str]], end: int
     ) -> None:
         js = self.nl.js
         futures = []
@@ -451,13 +511,14 @@ class _Outbox:
             return
         finally:
             sent.set()
+        seq, stored = 0, 0
         for ack in acks:
             if ack.duplicate:
                 self.duplicates += 1
             else:
-                self.stored += 1
-                self.last_seq = max(self.last_seq, int(ack.seq))
-        # Last: a reader that sees nothing in flight sees the counts above complete.
+                stored += 1
+                seq = max(seq, int(ack.seq))
+        self._finished(end, seq, stored)
         self.acked += len(msgs)
         self.acked_bytes += sum(len(data) for _, data, _ in msgs)
 

@@ -26,7 +26,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -39,6 +39,7 @@ from ._discovery import DiscoveryOptions
 from ._errors import ConfigError, JetStreamError
 from ._jetstream import (
     LEASE_KEY,
+    SNAPSHOT_FORMAT,
     SNAPSHOT_KEY,
     SNAPSHOTS_KEPT,
     SnapshotInfo,
@@ -50,7 +51,7 @@ from ._jetstream import (
     object_store,
 )
 from ._jetstream_nats import NatsLoop
-from ._jetstream_publish import _Publisher, _Restart, _Tap
+from ._jetstream_publish import _Publisher, _Restart, _SnapshotRequest, _Tap
 from ._jetstream_replica import JetStreamReplica
 from ._models import EventSource, WorkerKey
 from ._transports.zmq.config import SubscriberConfig
@@ -59,8 +60,7 @@ __all__ = ["JetStreamRelay", "RelayStats"]
 
 #: Batches and facts the relay's client may apply ahead of its publisher before the session restarts.
 _TAP_CAPACITY = 1_000_000
-#: Seconds a snapshot waits, the relay's client held, for what it applied to be acknowledged, before
-#: it gives up until the next interval (a held client applies nothing: this bounds the pause).
+#: Seconds a snapshot waits for the pump to take it (besides ``publish_timeout`` for the acks).
 _QUIESCE_TIMEOUT = 1.0
 #: Seconds a session's start may take to read the log (snapshot + records after it) before it tries again.
 _SEED_TIMEOUT = 60.0
@@ -273,6 +273,7 @@ class JetStreamRelay:
         self._nats: NatsLoop | None = None
         #: The current session's publisher and tap (None between sessions).
         self._pub: tuple[_Publisher, _Tap] | None = None
+        self._snapshot_lock = anyio.Lock()
         self._scope: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._became_active: anyio.Event = anyio.Event()
@@ -547,68 +548,72 @@ class JetStreamRelay:
         while True:
             await anyio.sleep(self._snapshot_interval)
             current = self._pub
-            if current is None or current[0].outbox.last_seq == written:
-                continue  # no session, or the log did not move
+            if current is None or current[0].outbox.posted == written:
+                continue  # no session, or nothing published since the last snapshot
+            posted = current[0].outbox.posted
             await self.write_snapshot()
-            written = self._counts["snapshot_seq"]
+            written = posted
 
-    async def _quiescent(self) -> tuple[bytes, SnapshotInfo] | None:
-        """The relay client's index as the log's snapshot, taken once everything it applied is acknowledged.
+    def _hold(self) -> Callable[[], None]:
+        """Hold the session client's native receive threads (what they handed over is drained first)."""
+        client = self.client
+        held = [t for t in client._transports if t.hold()] if client is not None else []
 
-        Its native receive threads are held meanwhile (at most `_QUIESCE_TIMEOUT`), so it applies
-        nothing new; what it applied already is published. Batches applied on the event loop (a
-        replay, the Python receiver) may still come: idleness is checked and the snapshot taken
-        without an await in between. None: no session, or it did not become idle in time.
-        """
-        current, client, nl = self._pub, self.client, self._nats
-        if current is None or client is None or nl is None:
-            return None
-        pub, tap = current
-        held = [t for t in client._transports if t.hold()]
-        try:
-            with anyio.move_on_after(_QUIESCE_TIMEOUT):
-                while True:
-                    if self._pub is not current:
-                        return None  # the session ended
-                    # A worker the client holds and the log does not name is one whose removal is published
-                    # and which the client drops at its next turn: not at rest yet.
-                    if pub.idle(tap) and client.index.workers() <= pub.named:
-                        # The stream's last sequence: a record of another publisher after this relay's last.
-                        posted = pub.outbox.posted
-                        try:
-                            stream_last = int((await nl.call(nl.js.stream_info(self.stream))).state.last_seq)
-                        except Exception as exc:  # the server is away: the session restarts by itself
-                            log.warning("relay %s: no snapshot: %r", self.name, exc)
-                            return None
-                        if not (
-                            self._pub is current
-                            and pub.outbox.posted == posted
-                            and pub.idle(tap)
-                            and client.index.workers() <= pub.named
-                        ):
-                            continue  # the client applied more meanwhile: its records must be acknowledged first
-                        taken = pub.snapshot(client.index, stream_last)
-                        if isinstance(taken, str):
-                            log.warning("relay %s: no snapshot, the session restarts: %s", self.name, taken)
-                            pub.stale = taken
-                            return None
-                        return taken
-                    await anyio.sleep(0.002)
-            log.info("relay %s: no snapshot: not idle within %s s", self.name, _QUIESCE_TIMEOUT)
-            return None
-        finally:
+        def release() -> None:
             for transport in held:
                 transport.release()
+
+        return release
+
+    async def _take(self) -> tuple[bytes, SnapshotInfo] | None:
+        """The relay client's index as the log's snapshot (see the module docs); None: not taken this time.
+
+        The pump takes it at its next turn (`_Publisher._take_snapshot`: everything the client
+        applied is posted, then the index is encoded, nothing applying in between); once the acks
+        of those records are back they name the stream sequence it covers. If the stream holds
+        records this relay did not publish since its session began (the acks' count and sequences
+        do not add up: a relay that did not yet know it lost the lease), the index is not the
+        log's: the session starts over from the log.
+        """
+        current, client = self._pub, self.client
+        if current is None or client is None:
+            return None
+        pub, tap = current
+        req = _SnapshotRequest(client.index, self._hold)
+        pub.snapshot_request = req
+        tap.wake()
+        outbox = pub.outbox
+        with anyio.move_on_after(_QUIESCE_TIMEOUT + self._publish_timeout):
+            while req.data is None or outbox.marked is None:
+                if self._pub is not current or req.refused is not None or outbox.failed is not None:
+                    break
+                await anyio.sleep(0.002)  # the pump's turn, then the NATS loop's acks
+        if pub.snapshot_request is req:
+            pub.snapshot_request = None
+        marked = outbox.marked if req.data is not None else None
+        if req.data is None or marked is None or self._pub is not current:
+            log.info("relay %s: no snapshot this time (%s)", self.name, req.refused or "not taken in time")
+            return None
+        seq, stored = marked
+        if outbox.start + stored != seq:
+            why = f"the log holds {seq - outbox.start - stored} records since {outbox.start} this relay did not publish"
+            log.warning("relay %s: no snapshot, the session restarts: %s", self.name, why)
+            pub.stale = why
+            tap.wake()
+            return None
+        info = SnapshotInfo(format=SNAPSHOT_FORMAT, stream_seq=seq, workers=req.workers, partial=req.partial)
+        return req.data, info
 
     async def write_snapshot(self) -> int:
         """Write the relay's index to the object store now; the stream sequence it covers.
 
-        Only the active relay writes one (between sessions, or when its client did not come to
-        rest within a second, nothing is written and the last snapshot's sequence is returned).
+        Only the active relay writes one (between sessions, or when its client's index could not
+        be taken in time, nothing is written and the last snapshot's sequence is returned).
         """
         nl = self._nats
         assert nl is not None
-        taken = await self._quiescent()
+        async with self._snapshot_lock:
+            taken = await self._take()
         if taken is None:
             return self._counts["snapshot_seq"]
         data, info = taken
