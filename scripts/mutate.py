@@ -317,6 +317,18 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_jetstream.py",),
         ("tests/test_jetstream.py::test_a_record_the_relay_did_not_publish_is_never_under_its_snapshot",),
     ),
+    Mutation(
+        "snapshot-without-cursors",
+        "the relay's snapshot carries each worker's newest batch in the log, so a replica continues its chain",
+        "kvroute/_jetstream_publish.py",
+        "{k: Cursor(*c) for k, c in self.last.items()}",
+        "{}",
+        ("tests/test_jetstream.py",),
+        (
+            "tests/test_jetstream.py::test_snapshots_taken_while_the_engines_publish_are_exact",
+            "tests/test_jetstream.py::test_three_replicas_and_a_direct_client_agree",
+        ),
+    ),
     # --- the router ---
     Mutation(
         "footprint-unrecorded",

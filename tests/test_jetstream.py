@@ -322,6 +322,43 @@ async def test_three_replicas_and_a_direct_client_agree(nats_server: NatsServer)
 
 
 @pytest.mark.anyio
+async def test_snapshots_taken_while_the_engines_publish_are_exact(nats_server: NatsServer) -> None:
+    # The relay's snapshot is its client's index, taken inside one turn of its publisher while batches keep
+    # coming: it must hold exactly the records up to the sequence it names, so a replica starting from it
+    # and reading on agrees with a client following the engines.
+    async with EventPublisher() as p0, EventPublisher() as p1:
+        fleet = Fleet([p0, p1])
+        async with (
+            KvEventClient(fleet.sources(), config=FAST) as direct,
+            JetStreamRelay(nats_server.url, fleet.sources(), stream="L", config=FAST, snapshot_interval=3600) as relay,
+        ):
+            await relay.wait_synced(10)
+            seqs = []
+
+            async def publish() -> None:
+                while True:
+                    fleet.step(1)
+                    await anyio.sleep(0.001)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publish)
+                for _ in range(3):
+                    await anyio.sleep(0.2)
+                    seqs.append(await relay.write_snapshot())
+                tg.cancel_scope.cancel()
+            assert 0 < seqs[0] < seqs[1] < seqs[2], seqs  # each one new, taken while the engines published
+            async with JetStreamReplica(nats_server.url, stream="L") as late:
+                await late.wait_synced(10)
+                assert late.stats().snapshot_seq == seqs[-1]
+                last = fleet.last()
+                await client_at(direct, last)
+                await replica_at(late, last)
+                assert_same(late.index, direct.index, fleet.queries(), note=(late.stats(), relay.stats()))
+                st = late.stats()
+                assert (st.gaps, st.stream_gaps, st.undecodable) == (0, 0, 0), st
+
+
+@pytest.mark.anyio
 async def test_a_record_the_relay_did_not_publish_is_never_under_its_snapshot(nats_server: NatsServer) -> None:
     # The relay's snapshots are its client's own index, which holds the log only while this relay wrote
     # every record since its session began. A record of another publisher (a relay that did not yet know
