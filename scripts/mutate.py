@@ -329,6 +329,15 @@ MUTATIONS: list[Mutation] = [
             "tests/test_jetstream.py::test_three_replicas_and_a_direct_client_agree",
         ),
     ),
+    Mutation(
+        "snapshot-without-partial",
+        "the relay's snapshot names the workers the log marks partial (kept by its publisher)",
+        "kvroute/_jetstream_publish.py",
+        "            req.partial = [(k.worker_id, k.dp_rank) for k in sorted(self.partial)]\n",
+        "            req.partial = []\n",
+        ("tests/test_jetstream.py",),
+        ("tests/test_jetstream.py::test_a_partial_worker_is_partial_in_the_relays_snapshot",),
+    ),
     # --- the router ---
     Mutation(
         "footprint-unrecorded",

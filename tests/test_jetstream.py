@@ -359,6 +359,33 @@ async def test_snapshots_taken_while_the_engines_publish_are_exact(nats_server: 
 
 
 @pytest.mark.anyio
+async def test_a_partial_worker_is_partial_in_the_relays_snapshot(nats_server: NatsServer) -> None:
+    # The relay's snapshot is its client's index; the partial flags are the log's, kept by its publisher:
+    # a replica starting from the snapshot must know what one that read the `partial` record knows.
+    async with EventPublisher(buffer_steps=5) as p0, EventPublisher() as p1:
+        fleet = Fleet([p0, p1])
+        fleet.step(20)  # w0's replay buffer no longer reaches its first batch: the relay's client marks it partial
+        w0 = WorkerKey("w0", 0)
+        async with (
+            JetStreamRelay(nats_server.url, fleet.sources(), stream="P", config=FAST, snapshot_interval=3600) as relay,
+            JetStreamReplica(nats_server.url, stream="P") as early,
+        ):
+            await relay.wait_synced(10)
+            await _steady(fleet, 3)
+            last = fleet.last()
+            await replica_at(early, last)
+            assert early.partial_workers() == {w0}, early.stats()
+            assert await relay.write_snapshot() > 0
+            async with JetStreamReplica(nats_server.url, stream="P") as late:
+                await late.wait_synced(10)
+                assert late.stats().snapshot_seq > 0
+                await replica_at(late, last)
+                assert late.partial_workers() == {w0}, late.stats()
+                assert late.live_workers() == early.live_workers() == set(last)
+                assert_same(late.index, early.index, fleet.queries())
+
+
+@pytest.mark.anyio
 async def test_a_record_the_relay_did_not_publish_is_never_under_its_snapshot(nats_server: NatsServer) -> None:
     # The relay's snapshots are its client's own index, which holds the log only while this relay wrote
     # every record since its session began. A record of another publisher (a relay that did not yet know
