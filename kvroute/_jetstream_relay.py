@@ -11,9 +11,10 @@ and the positions it holds to its `KvEventClient` (warm restart: identity check,
 there), so no batch is lost (the engines' replay buffers cover the handover) and none is doubled
 (message ids, and the replicas' seq rule).
 
-Snapshots are the relay client's own index, taken while its receive threads are held and every
-batch it applied is acknowledged by the stream (`_Publisher.snapshot`): the index then holds exactly
-the log's records up to the stream's last sequence, so no second copy of the index reads the log back.
+Snapshots are the relay client's own index, encoded by the publisher inside one of its turns, after
+it posted everything the client applied (the client's receive threads held for that turn only); the
+acks of those records name the stream sequence it covers (`JetStreamRelay._take`). No second copy of
+the index reads the log back.
 
 Publishing (the relay client's raw tap → records, async acks) is `kvroute._jetstream_publish`.
 """
@@ -544,6 +545,7 @@ class JetStreamRelay:
         pub.kick()
 
     async def _snapshots(self) -> None:
+        """Write a snapshot every ``snapshot_interval`` while the term lasts (when the relay published since)."""
         written = -1
         while True:
             await anyio.sleep(self._snapshot_interval)
