@@ -5,7 +5,8 @@ Run: python bench/bench_jetstream.py [--quick] [--backend asyncio|trio]   (needs
 One run, every figure with its baseline beside it (the machine is shared and noisy):
 
 - baseline: decode + apply_batch, and apply_payload (what a replica does), of the same payloads in a
-  loop (what one core can index), and the ceiling that puts on 2 cores for 5 copies of the index;
+  loop (what one core can index), and the ceiling that puts on 2 cores for 4 copies of the index
+  (the relay's client, three replicas);
 - throughput: a separate publisher process sends pre-encoded payloads over ZMQ as fast as it can
   (bench_e2e's engines); one `JetStreamRelay` follows them and publishes to a real ``nats-server -js``
   (file storage); three replica processes apply the log (``--follower``: `KvEventClient` on the
@@ -211,8 +212,8 @@ async def run(args: argparse.Namespace) -> None:
     print(
         f"baseline: decode + apply of {blocks:,} blocks in one loop: {blocks / base:,.0f} blocks/s;"
         f" apply_payload (what each replica does per batch): {blocks / raw:,.0f} blocks/s. Every block is"
-        f" applied 5 times (the relay's client, its mirror, 3 replicas): on 2 cores at most"
-        f" {2 * blocks / raw / 5:,.0f} blocks/s before any I/O"
+        f" applied 4 times (the relay's client, 3 replicas): on 2 cores at most"
+        f" {2 * blocks / raw / 4:,.0f} blocks/s before any I/O"
     )
 
     store = Path(tempfile.mkdtemp(prefix="kvroute-bench-js-"))
@@ -328,7 +329,7 @@ async def run(args: argparse.Namespace) -> None:
                 f"throughput: {blocks:,} blocks ({n_batches * n_sources:,} batches) engines -> relay -> NATS ->"
                 f" 3 replicas in {elapsed:.2f} s: {blocks / elapsed:,.0f} blocks/s"
                 f" ({blocks / elapsed / (blocks / base):.2f} x the one-loop baseline,"
-                f" {blocks / elapsed / (2 * blocks / raw / 5):.2f} x the 2-core ceiling)"
+                f" {blocks / elapsed / (2 * blocks / raw / 4):.2f} x the 2-core ceiling)"
                 + (
                     f"; lag at full speed p50 {_pct(lags, 0.5) * 1e3:.0f} ms, p99 {_pct(lags, 0.99) * 1e3:.0f} ms"
                     if lags

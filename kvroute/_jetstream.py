@@ -27,10 +27,11 @@ last applied seq is an uncovered gap (a record the log lost): the worker is rese
 partial, then the batch applied. A jump in the stream's own sequence (records removed by retention
 before the replica read them) resets every worker the same way. Nothing is ever over-claimed.
 
-Snapshots: the relay keeps a replica of its own log (the mirror) and writes the mirror's index
-(`PrefixIndex.snapshot`, kvroute's own format) to a JetStream object store at an interval, named
-by the stream sequence it covers; the mirror's index holds exactly the records up to that
-sequence, so a replica restoring it and reading on from the next sequence is exact.
+Snapshots: the relay writes its client's index (`PrefixIndex.snapshot`, kvroute's own format) to a
+JetStream object store at an interval, named by the stream sequence it covers, taken at an instant
+when everything the client applied is acknowledged by the stream; the client's index was seeded
+from the log when the session started, so it then holds exactly the records up to that sequence,
+and a replica restoring it and reading on from the next sequence is exact.
 
 High availability: relays for one stream share a lease (a key of the meta KV bucket): see
 `kvroute._jetstream_relay`.

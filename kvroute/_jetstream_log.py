@@ -1,11 +1,12 @@
 """Reading a relay's log (docs/replicas.md): the replica rules, once, for every follower of a stream.
 
 Two followers read the log: `kvroute._jetstream_replica.JetStreamReplica` (a standalone index, and
-the relay's mirror) and the JetStream transport of `KvEventClient` (`kvroute._transports.jetstream`,
-whose per-worker drivers are the client's sources). Both apply records with `LogRules`, which holds
-the rules (chain, duplicates, stream gaps, lifecycle records) and changes the index; what a worker's
-state means to each follower is its `LogWorker`. Both read the stream with `LogReader`: the latest
-snapshot, then an ordered consumer (`_Follower`) from the sequence after it, applied in slices.
+the relay's reading of the log when a session starts) and the JetStream transport of `KvEventClient`
+(`kvroute._transports.jetstream`, whose per-worker drivers are the client's sources). Both apply
+records with `LogRules`, which holds the rules (chain, duplicates, stream gaps, lifecycle records)
+and changes the index; what a worker's state means to each follower is its `LogWorker`. Both read
+the stream with `LogReader`: the latest snapshot, then an ordered consumer (`_Follower`) from the
+sequence after it, applied in slices.
 """
 
 from __future__ import annotations

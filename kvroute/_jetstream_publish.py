@@ -8,14 +8,22 @@ consecutive batches taken in one turn go out as one `_Batches` record (a run), a
 fact after that worker's pending run. `_Outbox` publishes records without waiting for each ack, in
 order, at most `_WINDOW` unacknowledged; the first failure ends the session (`_Restart`), which
 starts over from what the log holds.
+
+The publisher also keeps what a follower of the log knows of each worker (its newest batch, whether
+the log names it, whether it is partial), seeded from the log at the session's start. With the relay
+client's own index, encoded at the end of a turn that took everything the client applied, that is
+the relay's snapshot (`_SnapshotRequest`), once the acks of that turn's records name the stream
+sequence it covers: no second index reads the log back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
-from typing import Final
+from collections.abc import Callable, Set
+from typing import TYPE_CHECKING, Final
 
 import anyio
 import anyio.lowlevel
@@ -35,9 +43,13 @@ from ._jetstream import (
 )
 from ._jetstream_nats import NatsLoop
 from ._models import EventSource, WorkerKey
+from ._snapshot import Cursor, encode_snapshot
 from ._wire import BlockStored, EngineEvent
 
-__all__ = ["_Publisher", "_Restart", "_Tap", "encode_payload"]
+if TYPE_CHECKING:
+    from ._index import PrefixIndex
+
+__all__ = ["_Publisher", "_Restart", "_SnapshotRequest", "_Tap", "encode_payload"]
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -74,7 +86,13 @@ class _Run:
 
 
 class _Publisher:
-    """One session's ordered publishing: envelopes → log records (runs of batches, lifecycle facts), in order."""
+    """One session's ordered publishing: envelopes → log records (runs of batches, lifecycle facts), in order.
+
+    ``last`` / ``named`` / ``partial`` / ``position``: the log as its followers read it when the
+    session starts (`kvroute._jetstream_log.LogRules`' results: each worker's newest batch, the
+    workers it names, the partial ones, its last sequence; none and 0 for an empty stream); the
+    publisher moves them by the records it publishes, as the rules move a follower's.
+    """
 
     def __init__(
         self,
@@ -82,8 +100,10 @@ class _Publisher:
         stream: str,
         counts: dict[str, int],
         session: str,
-        prev: dict[WorkerKey, int],
+        last: dict[WorkerKey, Cursor],
         named: set[WorkerKey],
+        partial: Set[WorkerKey] = frozenset(),
+        position: int = 0,
         *,
         publish_timeout: float,
     ) -> None:
@@ -93,9 +113,18 @@ class _Publisher:
         self.counts = counts
         self.publish_timeout = publish_timeout
         self.session = session
-        self.prev: dict[WorkerKey, int | None] = dict(prev)
+        #: Each worker's newest batch in the log, (seq, ts): the ``prev`` of its next one, and a
+        #: snapshot's cursor (none right after a reset).
+        self.last: dict[WorkerKey, tuple[int, float]] = {k: (c.seq, c.ts) for k, c in last.items()}
         #: The workers the log names (a `_Present` is published for a synced one it does not).
         self.named = set(named)
+        #: The workers the log marks partial.
+        self.partial = set(partial & named)
+        self.outbox = _Outbox(nl, publish_timeout, position)
+        #: Why the session must start over from the log (set from outside the pump, which raises `_Restart`).
+        self.stale: str | None = None
+        #: A snapshot to take at the pump's next turn (set by the relay; cleared once taken).
+        self.snapshot_request: _SnapshotRequest | None = None
         self.out: list[tuple[str, bytes, str]] = []
         self._serial = 0
         self._group: list[Envelope] = []
@@ -111,15 +140,57 @@ class _Publisher:
 
     def _lifecycle(self, key: WorkerKey, rec: _Record) -> None:
         self._close_run(key)  # the worker's batches before the fact go first
+        if not isinstance(rec, _Removed):
+            self.named.add(key)  # a follower takes the worker at any record of it but a removal
         self._serial += 1
         msg_id = f"{key.worker_id}/{key.dp_rank}:{rec.__struct_config__.tag}:{self.session}:{self._serial}"
         self.out.append((worker_subject(self.stream, key), encode_record(rec), msg_id))
         self.counts["records"] += 1
 
+    def _take_snapshot(self, req: _SnapshotRequest, tap: _Tap) -> None:
+        """Everything the client applied becomes records (posted), then its index is encoded (``req``).
+
+        Runs inside one turn of the pump, without yielding: the client's receive threads are held
+        (their hand-overs drained into the tap first), every item is taken, and the index encoded,
+        so it holds exactly the batches in the records posted so far (``req.mark``). A worker the
+        client holds and the log does not name (its removal is published; the client drops it at
+        its next turn) leaves the request for a later turn.
+        """
+        release = req.hold()
+        try:
+            items, pop = tap.items, tap.items.popleft
+            while items:
+                item = pop()
+                if type(item) is tuple:
+                    self.take_raw(*item)
+                else:
+                    self.take(item)  # type: ignore[arg-type]
+            self._flush_group()
+            self.close_runs()
+            if self.out:
+                out, self.out = self.out, []
+                self.outbox.post(out)
+            if tap.overflowed:
+                req.refused = "the relay fell behind its client"
+                self.snapshot_request = None
+                return
+            if not req.index.workers() <= self.named:
+                return  # not at rest yet: the next turn tries again
+            # A worker's blocks and its cursor from one instant (nothing applies during this call).
+            req.data = encode_snapshot(req.index._core, {k: Cursor(*c) for k, c in self.last.items()})
+            req.workers = [(k.worker_id, k.dp_rank) for k in sorted(self.named)]
+            req.partial = [(k.worker_id, k.dp_rank) for k in sorted(self.partial)]
+            req.mark = self.outbox.posted
+            self.outbox.set_mark(req.mark)
+        finally:
+            release()
+        self.snapshot_request = None
+
     def removed(self, key: WorkerKey, reason: str) -> None:
         """Publish that ``key`` is gone (its state removed from every replica)."""
-        self.prev.pop(key, None)
+        self.last.pop(key, None)
         self.named.discard(key)
+        self.partial.discard(key)
         self.counts["removals"] += 1
         self._lifecycle(key, _Removed(key.worker_id, key.dp_rank, reason))
 
@@ -154,9 +225,10 @@ class _Publisher:
     def _add_batch(self, key: WorkerKey, seq: int, ts: float, payload: bytes, blocks: int) -> None:
         run = self._runs.get(key)
         if run is None:
-            run = self._runs[key] = _Run(self.prev.get(key))
+            prev = self.last.get(key)
+            run = self._runs[key] = _Run(prev[0] if prev is not None else None)
             self.named.add(key)
-        self.prev[key] = seq
+        self.last[key] = (seq, ts)
         run.items.append((seq, ts, len(payload)))
         run.payloads.append(payload)
         run.size += len(payload)
@@ -189,10 +261,12 @@ class _Publisher:
         self._flush_group()
         key = env.source.key
         if isinstance(ev, Reset):
-            self.prev[key] = None
+            self.last.pop(key, None)
+            self.partial.discard(key)  # a reset starts a whole history again
             self.counts["resets"] += 1
             self._lifecycle(key, _Reset(key.worker_id, key.dp_rank, ev.reason, ev.detail))
         elif isinstance(ev, Partial):
+            self.partial.add(key)
             self.counts["partials"] += 1
             self._lifecycle(key, _Partial(key.worker_id, key.dp_rank, ev.reason, ev.first_seq))
         elif isinstance(ev, Removed):
@@ -207,12 +281,17 @@ class _Publisher:
         items = tap.items
         pop = items.popleft
         take, take_raw = self.take, self.take_raw
-        outbox = _Outbox(nl, self.publish_timeout)
+        outbox = self.outbox
         duplicates_before = counts["duplicates"]
         try:
             while True:
                 if not items and tap.overflowed:
                     raise _Restart(f"the relay fell behind its client ({tap.overflowed} batches and facts dropped)")
+                if self.stale is not None:
+                    raise _Restart(self.stale)
+                req = self.snapshot_request
+                if req is not None:
+                    self._take_snapshot(req, tap)
                 if items or self._group or self._runs or self.out or self._kicked:
                     # Take what is buffered without waiting (a batch ends where the buffer does). Bounded
                     # by count and time: the loop's other tasks run between turns.
@@ -253,6 +332,26 @@ class _Publisher:
                 await nl.call(outbox.drain())
 
 
+class _SnapshotRequest:
+    """A snapshot of the relay client's index, taken by the pump (`_Publisher._take_snapshot`).
+
+    ``hold`` holds the client's receive threads and returns what releases them. Once taken:
+    ``data`` (the index with each worker's newest batch in the log as its cursor), the workers
+    the log names and the partial ones, and ``mark``, the number of the last record posted
+    before it (its acks name the stream sequence the snapshot covers); ``refused`` says why it
+    was not taken.
+    """
+
+    def __init__(self, index: PrefixIndex, hold: Callable[[], Callable[[], None]]) -> None:
+        self.index = index
+        self.hold = hold
+        self.data: bytes | None = None
+        self.workers: list[tuple[str, int]] = []
+        self.partial: list[tuple[str, int]] = []
+        self.mark = -1
+        self.refused: str | None = None
+
+
 class _Tap:
     """The relay client's raw tap (`kvroute._fanout.RawTap`): what it applied, in order, until the pump takes it.
 
@@ -280,6 +379,11 @@ class _Tap:
             self.overflowed += 1
         else:
             self.items.append(item)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def wake(self) -> None:
+        """Wake a pump waiting for items (a snapshot request)."""
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -311,9 +415,22 @@ class _Outbox:
     session must then start over from what the log holds.
     """
 
-    def __init__(self, nl: NatsLoop, timeout: float) -> None:
+    def __init__(self, nl: NatsLoop, timeout: float, position: int) -> None:
         self.nl = nl
         self.timeout = timeout
+        #: The stream's last sequence when the session started.
+        self.start = position
+        # Finished jobs are folded in the order they were posted (jobs are named by their last
+        # record's number): ``folded`` is the highest stream sequence of a stored record and the
+        # count of stored records (not duplicates) over every record up to ``acked_through``.
+        self._lock = threading.Lock()
+        self._order: deque[int] = deque()
+        self._done: dict[int, tuple[int, int]] = {}
+        self.acked_through = 0
+        self.folded = (position, 0)
+        self._mark = -1
+        #: ``folded`` when ``acked_through`` reached the mark (`set_mark`); None until then.
+        self.marked: tuple[int, int] | None = None
         self.posted = 0
         self.acked = 0
         self.posted_bytes = 0
@@ -337,18 +454,39 @@ class _Outbox:
         """Queue ``msgs`` for publishing after everything posted before (returns at once; any thread)."""
         self.posted += len(msgs)
         self.posted_bytes += sum(len(data) for _, data, _ in msgs)
-        self.nl.post(self._start, msgs)
+        with self._lock:
+            self._order.append(self.posted)
+        self.nl.post(self._start, msgs, self.posted)
 
-    def _start(self, msgs: list[tuple[str, bytes, str]]) -> None:
+    def set_mark(self, end: int) -> None:
+        """Watch for the acks of every record up to number ``end``: then ``marked`` is (the highest stream
+        sequence among them, how many were stored). ``end`` is ``posted`` as it is now (the caller's thread)."""
+        with self._lock:
+            self._mark = end
+            self.marked = self.folded if self.acked_through == end else None
+
+    def _finished(self, end: int, seq: int, stored: int) -> None:
+        with self._lock:
+            self._done[end] = (seq, stored)
+            order, done = self._order, self._done
+            while order and order[0] in done:
+                first = order.popleft()
+                job_seq, job_stored = done.pop(first)
+                self.folded = (max(self.folded[0], job_seq), self.folded[1] + job_stored)
+                self.acked_through = first
+                if first == self._mark:
+                    self.marked = self.folded
+
+    def _start(self, msgs: list[tuple[str, bytes, str]], end: int) -> None:
         # Chained: a job hands its records to the connection only after the previous job did.
         prev, sent = self._tail_sent, asyncio.Event()
         self._tail_sent = sent
-        task = asyncio.get_running_loop().create_task(self._publish(prev, sent, msgs))
+        task = asyncio.get_running_loop().create_task(self._publish(prev, sent, msgs, end))
         self._acks.add(task)
         task.add_done_callback(self._acks.discard)
 
     async def _publish(
-        self, prev: asyncio.Event | None, sent: asyncio.Event, msgs: list[tuple[str, bytes, str]]
+        self, prev: asyncio.Event | None, sent: asyncio.Event, msgs: list[tuple[str, bytes, str]], end: int
     ) -> None:
         js = self.nl.js
         futures = []
@@ -360,7 +498,7 @@ class _Outbox:
                     return  # the session restarts: publish nothing after a failure
                 # No wait_stall: with one, nats-py runs its semaphore's acquire through asyncio.wait_for,
                 # which (Python < 3.12) makes a Task and yields to the loop for every record, so a job of
-                # n records took n turns of the loop (behind the client's and the mirror's slices):
+                # n records took n turns of the loop (behind the client's slices):
                 # that was most of the apply lag. The relay's window keeps the semaphore from blocking.
                 futures.append(await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id}))
             sent.set()
@@ -373,7 +511,14 @@ class _Outbox:
             return
         finally:
             sent.set()
-        self.duplicates += sum(1 for a in acks if a.duplicate)
+        seq, stored = 0, 0
+        for ack in acks:
+            if ack.duplicate:
+                self.duplicates += 1
+            else:
+                stored += 1
+                seq = max(seq, int(ack.seq))
+        self._finished(end, seq, stored)
         self.acked += len(msgs)
         self.acked_bytes += sum(len(data) for _, data, _ in msgs)
 

@@ -5,13 +5,18 @@ The log's format is `kvroute._jetstream`'s. High availability: relays for one st
 of ``lease_ttl`` from a thread and NATS connection of its own (`_LeaseKeeper`), so a starved event
 loop does not let it lapse (only a loop stalled for ``lease_stall`` seconds does). A standby that
 sees the revision unchanged for ``lease_ttl`` takes it over with a revision-checked update (only
-one standby can win). A new holder waits until its mirror (a `JetStreamReplica` of the log) has
-read the whole log, then resumes its engines' sources from the positions the log holds
-(`KvEventClient` warm restart: identity check, replay since there), so no batch is lost (the
-engines' replay buffers cover the handover) and none is doubled (message ids, and the replicas'
-seq rule).
+one standby can win). Each session of the holder starts by reading the whole log as a follower
+does (a `JetStreamReplica`: the latest snapshot, then the records after it), then gives that index
+and the positions it holds to its `KvEventClient` (warm restart: identity check, replay since
+there), so no batch is lost (the engines' replay buffers cover the handover) and none is doubled
+(message ids, and the replicas' seq rule).
 
-Publishing (the relay client's `events()` → records, async acks) is `kvroute._jetstream_publish`.
+Snapshots are the relay client's own index, encoded by the publisher inside one of its turns, after
+it posted everything the client applied (the client's receive threads held for that turn only); the
+acks of those records name the stream sequence it covers (`JetStreamRelay._take`). No second copy of
+the index reads the log back.
+
+Publishing (the relay client's raw tap → records, async acks) is `kvroute._jetstream_publish`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -33,11 +38,12 @@ import msgspec
 from ._client import KvEventClient
 from ._discovery import DiscoveryOptions
 from ._errors import ConfigError, JetStreamError
-from ._index import PrefixIndex
 from ._jetstream import (
     LEASE_KEY,
+    SNAPSHOT_FORMAT,
     SNAPSHOT_KEY,
     SNAPSHOTS_KEPT,
+    SnapshotInfo,
     check_stream_name,
     ensure_stream,
     log,
@@ -46,7 +52,7 @@ from ._jetstream import (
     object_store,
 )
 from ._jetstream_nats import NatsLoop
-from ._jetstream_publish import _Publisher, _Restart, _Tap
+from ._jetstream_publish import _Publisher, _Restart, _SnapshotRequest, _Tap
 from ._jetstream_replica import JetStreamReplica
 from ._models import EventSource, WorkerKey
 from ._transports.zmq.config import SubscriberConfig
@@ -55,6 +61,10 @@ __all__ = ["JetStreamRelay", "RelayStats"]
 
 #: Batches and facts the relay's client may apply ahead of its publisher before the session restarts.
 _TAP_CAPACITY = 1_000_000
+#: Seconds a snapshot waits for the pump to take it (besides ``publish_timeout`` for the acks).
+_QUIESCE_TIMEOUT = 1.0
+#: Seconds a session's start may take to read the log (snapshot + records after it) before it tries again.
+_SEED_TIMEOUT = 60.0
 
 
 # --- the relay ----------------------------------------------------------------------------------------
@@ -262,7 +272,9 @@ class JetStreamRelay:
         self.active = False
         self._lease_rev = 0
         self._nats: NatsLoop | None = None
-        self._mirror: JetStreamReplica | None = None
+        #: The current session's publisher and tap (None between sessions).
+        self._pub: tuple[_Publisher, _Tap] | None = None
+        self._snapshot_lock = anyio.Lock()
         self._scope: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._became_active: anyio.Event = anyio.Event()
@@ -316,19 +328,13 @@ class JetStreamRelay:
             await nl.call(ensure_stream(nl.js, self.stream, self._storage, self._max_age, self._duplicate_window))
             self._kv = await nl.call(meta_bucket(nl.js, self.stream, create=True))
             self._store = await nl.call(object_store(nl.js, self.stream, create=True))
-            # Under the client's limits: the payloads are the engines' own, to be read as the client read them.
-            mirror = JetStreamReplica(
-                self._servers, stream=self.stream, name=f"{self.name}-mirror", limits=self._config.limits
-            )
-            async with mirror:
-                self._mirror = mirror
-                task_status.started()
-                while True:
-                    await self._standby()
-                    try:
-                        await self._active_term()
-                    except _LeaseLost:
-                        log.warning("relay %s: lost the lease, standing by", self.name)
+            task_status.started()
+            while True:
+                await self._standby()
+                try:
+                    await self._active_term()
+                except _LeaseLost:
+                    log.warning("relay %s: lost the lease, standing by", self.name)
         finally:
             self.active = False
             with anyio.CancelScope(shield=True):
@@ -449,28 +455,39 @@ class JetStreamRelay:
             self._became_active = anyio.Event()
             self.client = None
 
-    async def _caught_up(self) -> int:
-        """Wait until the mirror read the whole log (nothing is published meanwhile); its last sequence."""
-        nl, mirror = self._nats, self._mirror
-        assert nl is not None and mirror is not None
+    async def _seed(self) -> JetStreamReplica:
+        """The whole log read as a follower reads it (snapshot, then the records after it), stopped there.
+
+        Nothing is published meanwhile (this relay holds the lease and has no session yet), so
+        its index and workers are the log's up to its ``position``.
+        """
+        nl = self._nats
+        assert nl is not None
         while True:
             try:
                 info = await nl.call(nl.js.stream_info(self.stream))
                 last = int(info.state.last_seq)
-                await mirror.wait_position(last, 10.0)
-                return last
+                # Under the client's limits: the payloads are the engines' own, read as the client read them.
+                seed = JetStreamReplica(
+                    self._servers, stream=self.stream, name=f"{self.name}-seed", limits=self._config.limits
+                )
+                async with seed:
+                    await seed.wait_position(last, _SEED_TIMEOUT)
+                return seed
             except Exception as exc:
-                log.warning("relay %s: waiting for the log: %r", self.name, exc)
+                log.warning("relay %s: reading the log: %r", self.name, exc)
                 await anyio.sleep(0.5)
 
     async def _session(self) -> None:
         """Follow the engines from where the log stands, publishing until something forces a restart."""
-        await self._caught_up()
-        nl, mirror = self._nats, self._mirror
-        assert nl is not None and mirror is not None
-        cursors = mirror.cursors()
-        known = mirror.live_workers()
-        index = PrefixIndex()
+        seed = await self._seed()
+        nl = self._nats
+        assert nl is not None
+        cursors = seed.cursors()
+        known = seed.live_workers()
+        # The log's index becomes the client's (a warm restart from it): the client then holds
+        # what the log holds, and its index is the relay's snapshot.
+        index = seed.index
         index.restored_cursors = dict(cursors)
         interval, grace, options = self._discovery
         self._counts["sessions"] += 1
@@ -480,8 +497,10 @@ class JetStreamRelay:
             self.stream,
             self._counts,
             session,
-            {k: c.seq for k, c in cursors.items()},
+            cursors,
             known,
+            seed.partial_workers(),
+            seed.position,
             publish_timeout=self._publish_timeout,
         )
         client = KvEventClient(
@@ -498,6 +517,7 @@ class JetStreamRelay:
         client.set_raw_tap(tap)
         async with client:
             self.client = client
+            self._pub = (pub, tap)
             # Workers the log names that no static source feeds are gone (with targets, the
             # discovered sources are only known later: the reconciler below handles them).
             static = {s.key for s in self._sources}
@@ -507,7 +527,10 @@ class JetStreamRelay:
             async with anyio.create_task_group() as tg:
                 if self._targets:
                     tg.start_soon(self._reconcile, client, pub, known)
-                await pub.pump(tap)
+                try:
+                    await pub.pump(tap)
+                finally:
+                    self._pub = None
 
     async def _reconcile(self, client: KvEventClient, pub: _Publisher, known: set[WorkerKey]) -> None:
         """Once discovery answered: the log's workers no target feeds are removed from the log."""
@@ -522,21 +545,80 @@ class JetStreamRelay:
         pub.kick()
 
     async def _snapshots(self) -> None:
-        nl, mirror = self._nats, self._mirror
-        assert nl is not None and mirror is not None
+        """Write a snapshot every ``snapshot_interval`` while the term lasts (when the relay published since)."""
         written = -1
         while True:
             await anyio.sleep(self._snapshot_interval)
-            if mirror.position == written:
-                continue
+            current = self._pub
+            if current is None or current[0].outbox.posted == written:
+                continue  # no session, or nothing published since the last snapshot
+            posted = current[0].outbox.posted
             await self.write_snapshot()
-            written = self._counts["snapshot_seq"]
+            written = posted
+
+    def _hold(self) -> Callable[[], None]:
+        """Hold the session client's native receive threads (what they handed over is drained first)."""
+        client = self.client
+        held = [t for t in client._transports if t.hold()] if client is not None else []
+
+        def release() -> None:
+            for transport in held:
+                transport.release()
+
+        return release
+
+    async def _take(self) -> tuple[bytes, SnapshotInfo] | None:
+        """The relay client's index as the log's snapshot (see the module docs); None: not taken this time.
+
+        The pump takes it at its next turn (`_Publisher._take_snapshot`: everything the client
+        applied is posted, then the index is encoded, nothing applying in between); once the acks
+        of those records are back they name the stream sequence it covers. If the stream holds
+        records this relay did not publish since its session began (the acks' count and sequences
+        do not add up: a relay that did not yet know it lost the lease), the index is not the
+        log's: the session starts over from the log.
+        """
+        current, client = self._pub, self.client
+        if current is None or client is None:
+            return None
+        pub, tap = current
+        req = _SnapshotRequest(client.index, self._hold)
+        pub.snapshot_request = req
+        tap.wake()
+        outbox = pub.outbox
+        with anyio.move_on_after(_QUIESCE_TIMEOUT + self._publish_timeout):
+            while req.data is None or outbox.marked is None:
+                if self._pub is not current or req.refused is not None or outbox.failed is not None:
+                    break
+                await anyio.sleep(0.002)  # the pump's turn, then the NATS loop's acks
+        if pub.snapshot_request is req:
+            pub.snapshot_request = None
+        marked = outbox.marked if req.data is not None else None
+        if req.data is None or marked is None or self._pub is not current:
+            log.info("relay %s: no snapshot this time (%s)", self.name, req.refused or "not taken in time")
+            return None
+        seq, stored = marked
+        if outbox.start + stored != seq:
+            why = f"the log holds {seq - outbox.start - stored} records since {outbox.start} this relay did not publish"
+            log.warning("relay %s: no snapshot, the session restarts: %s", self.name, why)
+            pub.stale = why
+            tap.wake()
+            return None
+        info = SnapshotInfo(format=SNAPSHOT_FORMAT, stream_seq=seq, workers=req.workers, partial=req.partial)
+        return req.data, info
 
     async def write_snapshot(self) -> int:
-        """Write the mirror's index to the object store now; the stream sequence it covers."""
-        nl, mirror = self._nats, self._mirror
-        assert nl is not None and mirror is not None
-        data, info = mirror.snapshot_bytes()
+        """Write the relay's index to the object store now; the stream sequence it covers.
+
+        Only the active relay writes one (between sessions, or when its client's index could not
+        be taken in time, nothing is written and the last snapshot's sequence is returned).
+        """
+        nl = self._nats
+        assert nl is not None
+        async with self._snapshot_lock:
+            taken = await self._take()
+        if taken is None:
+            return self._counts["snapshot_seq"]
+        data, info = taken
         nats = nats_module()
         name = f"index-{info.stream_seq}"
         meta = nats.js.api.ObjectMeta(name=name, description=msgspec.json.encode(info).decode())

@@ -3,8 +3,8 @@
 The log's format is `kvroute._jetstream`'s; the rules a follower applies it by, and the reading of the
 stream, are `kvroute._jetstream_log`'s (shared with the JetStream transport of `KvEventClient`,
 `kvroute._transports.jetstream`, the way a router follows a log). This class is the standalone form:
-an index and a router's `WorkerStates` without a client, which the relay keeps as its mirror (the
-source of its snapshots and of the positions a new active relay resumes from).
+an index and a router's `WorkerStates` without a client, which the relay reads the log with when a
+session starts (the index and positions its client resumes from).
 """
 
 from __future__ import annotations

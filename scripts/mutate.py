@@ -308,6 +308,36 @@ MUTATIONS: list[Mutation] = [
             "tests/test_warm_restart.py::test_restored_state_a_source_cannot_resume_is_announced_with_a_reset",
         ),
     ),
+    Mutation(
+        "snapshot-over-foreign-record",
+        "the relay writes no snapshot of its client's index over a log record it did not publish (it restarts)",
+        "kvroute/_jetstream_relay.py",
+        "        if outbox.start + stored != seq:\n",
+        "        if False:\n",
+        ("tests/test_jetstream.py",),
+        ("tests/test_jetstream.py::test_a_record_the_relay_did_not_publish_is_never_under_its_snapshot",),
+    ),
+    Mutation(
+        "snapshot-without-cursors",
+        "the relay's snapshot carries each worker's newest batch in the log, so a replica continues its chain",
+        "kvroute/_jetstream_publish.py",
+        "{k: Cursor(*c) for k, c in self.last.items()}",
+        "{}",
+        ("tests/test_jetstream.py",),
+        (
+            "tests/test_jetstream.py::test_snapshots_taken_while_the_engines_publish_are_exact",
+            "tests/test_jetstream.py::test_three_replicas_and_a_direct_client_agree",
+        ),
+    ),
+    Mutation(
+        "snapshot-without-partial",
+        "the relay's snapshot names the workers the log marks partial (kept by its publisher)",
+        "kvroute/_jetstream_publish.py",
+        "            req.partial = [(k.worker_id, k.dp_rank) for k in sorted(self.partial)]\n",
+        "            req.partial = []\n",
+        ("tests/test_jetstream.py",),
+        ("tests/test_jetstream.py::test_a_partial_worker_is_partial_in_the_relays_snapshot",),
+    ),
     # --- the router ---
     Mutation(
         "footprint-unrecorded",

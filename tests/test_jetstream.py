@@ -38,7 +38,9 @@ from kvroute._jetstream import (
     ensure_stream,
     fetch_object,
     object_store,
+    worker_subject,
 )
+from kvroute._jetstream_nats import NatsLoop
 from kvroute._snapshot import read_snapshot
 from kvroute._wire import BlockStored, EventBatch, encode_batch
 from kvroute.sim import EventPublisher, SimConfig, SimEngine
@@ -317,6 +319,113 @@ async def test_three_replicas_and_a_direct_client_agree(nats_server: NatsServer)
                     assert not r.partial_workers()
                     assert r.worker_status(WorkerKey("w0", 0)) is not None
                 assert relay.stats().duplicates == 0
+
+
+@pytest.mark.anyio
+async def test_snapshots_taken_while_the_engines_publish_are_exact(nats_server: NatsServer) -> None:
+    # The relay's snapshot is its client's index, taken inside one turn of its publisher while batches keep
+    # coming: it must hold exactly the records up to the sequence it names, so a replica starting from it
+    # and reading on agrees with a client following the engines.
+    async with EventPublisher() as p0, EventPublisher() as p1:
+        fleet = Fleet([p0, p1])
+        async with (
+            KvEventClient(fleet.sources(), config=FAST) as direct,
+            JetStreamRelay(nats_server.url, fleet.sources(), stream="L", config=FAST, snapshot_interval=3600) as relay,
+        ):
+            await relay.wait_synced(10)
+            seqs = []
+
+            async def publish() -> None:
+                while True:
+                    fleet.step(1)
+                    await anyio.sleep(0.001)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publish)
+                for _ in range(3):
+                    await anyio.sleep(0.2)
+                    seqs.append(await relay.write_snapshot())
+                tg.cancel_scope.cancel()
+            assert 0 < seqs[0] < seqs[1] < seqs[2], seqs  # each one new, taken while the engines published
+            async with JetStreamReplica(nats_server.url, stream="L") as late:
+                await late.wait_synced(10)
+                assert late.stats().snapshot_seq == seqs[-1]
+                last = fleet.last()
+                await client_at(direct, last)
+                await replica_at(late, last)
+                assert_same(late.index, direct.index, fleet.queries(), note=(late.stats(), relay.stats()))
+                st = late.stats()
+                assert (st.gaps, st.stream_gaps, st.undecodable) == (0, 0, 0), st
+
+
+@pytest.mark.anyio
+async def test_a_partial_worker_is_partial_in_the_relays_snapshot(nats_server: NatsServer) -> None:
+    # The relay's snapshot is its client's index; the partial flags are the log's, kept by its publisher:
+    # a replica starting from the snapshot must know what one that read the `partial` record knows.
+    async with EventPublisher(buffer_steps=5) as p0, EventPublisher() as p1:
+        fleet = Fleet([p0, p1])
+        fleet.step(20)  # w0's replay buffer no longer reaches its first batch: the relay's client marks it partial
+        w0 = WorkerKey("w0", 0)
+        async with (
+            JetStreamRelay(nats_server.url, fleet.sources(), stream="P", config=FAST, snapshot_interval=3600) as relay,
+            JetStreamReplica(nats_server.url, stream="P") as early,
+        ):
+            await relay.wait_synced(10)
+            await _steady(fleet, 3)
+            last = fleet.last()
+            await replica_at(early, last)
+            assert early.partial_workers() == {w0}, early.stats()
+            assert await relay.write_snapshot() > 0
+            async with JetStreamReplica(nats_server.url, stream="P") as late:
+                await late.wait_synced(10)
+                assert late.stats().snapshot_seq > 0
+                await replica_at(late, last)
+                assert late.partial_workers() == {w0}, late.stats()
+                assert late.live_workers() == early.live_workers() == set(last)
+                assert_same(late.index, early.index, fleet.queries())
+
+
+@pytest.mark.anyio
+async def test_a_record_the_relay_did_not_publish_is_never_under_its_snapshot(nats_server: NatsServer) -> None:
+    # The relay's snapshots are its client's own index, which holds the log only while this relay wrote
+    # every record since its session began. A record of another publisher (a relay that did not yet know
+    # it lost the lease) must not be covered by a snapshot of an index without it: the relay writes none
+    # and starts its session over from the log, whose follower rules then hold that record too.
+    async with EventPublisher() as p0, EventPublisher() as p1:
+        fleet = Fleet([p0, p1])
+        async with (
+            JetStreamRelay(nats_server.url, fleet.sources(), stream="G", config=FAST, snapshot_interval=3600) as relay,
+            JetStreamReplica(nats_server.url, stream="G") as early,
+        ):
+            await relay.wait_synced(10)
+            await _steady(fleet, 5)
+            ghost = WorkerKey("ghost", 0)
+            other = NatsLoop([nats_server.url], "another-relay")
+            await other.start(5.0)
+            try:
+                await other.call(other.js.publish(worker_subject("G", ghost), _batch(1, None, [7, 8], "ghost")))
+            finally:
+                await other.close()
+            await wait_for(lambda: early.index.num_blocks(ghost) == 2, "the early replica applied the record")
+            # The relay's records after the ghost's: a snapshot would cover it, and the index lacks it.
+            await _steady(fleet, 2)
+            await replica_at(early, fleet.last())
+            assert await relay.write_snapshot() == 0  # not written
+            await wait_for(lambda: relay.stats().sessions >= 2, "the session started over from the log")
+            await wait_for(lambda: ghost not in early.live_workers(), "the new session removed the ghost")
+            await _steady(fleet, 5)
+            last = fleet.last()
+            client = relay.client
+            assert client is not None
+            await client_at(client, last)
+            assert await relay.write_snapshot() > 0
+            async with JetStreamReplica(nats_server.url, stream="G") as late:
+                await late.wait_synced(10)
+                assert late.stats().snapshot_seq > 0
+                for r in (early, late):
+                    await replica_at(r, last)
+                    assert r.live_workers() == set(last), r.stats()
+                    assert_same(r.index, client.index, fleet.queries(), note=(r.stats(), relay.stats()))
 
 
 @pytest.mark.anyio
