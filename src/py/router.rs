@@ -1107,22 +1107,19 @@ impl NewPlacement<'_, '_> {
                 Ok(pool)
             }
             None => {
-                let listed = &listed;
-                let held: Vec<PyKey> =
-                    self.index.get().with_query(self.index.py(), 0, move |idx| {
-                        (0..idx.workers.len() as u32)
-                            .filter_map(|s| idx.at_slot(s))
-                            .filter(|&(k, holds)| holds && !listed.contains(k))
-                            .map(|(k, _)| k.clone())
-                            .collect()
-                    });
-                let mut pool: FxHashSet<PyKey> = held.into_iter().collect();
-                for k in self.registered {
-                    if !listed.contains(k) && !pool.contains(k) {
-                        pool.insert(k.clone());
-                    }
-                }
-                Ok(pool.into_iter().collect())
+                let (listed, registered) = (&listed, self.registered);
+                let idx = self.index.get();
+                Ok(idx.with_query(self.index.py(), 0, move |idx| {
+                    let held = (0..idx.workers.len() as u32)
+                        .filter_map(|s| idx.at_slot(s))
+                        .filter(|&(k, holds)| holds && !listed.contains(k))
+                        .map(|(k, _)| k);
+                    // a registered worker the index holds is in `held` already
+                    let elsewhere = registered
+                        .iter()
+                        .filter(|k| !listed.contains(k) && !idx.holds(k));
+                    held.chain(elsewhere).cloned().collect()
+                }))
             }
         }
     }
