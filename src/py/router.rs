@@ -301,9 +301,56 @@ impl Loads {
 #[derive(Default)]
 pub struct Footprint {
     table: Mutex<Arc<scoring::Footprint<PyKey>>>,
+    /// The keys of the worker objects candidate sets held, by object address: a states provider's
+    /// ``live_workers()`` is a new set of the same key objects each call, and reading each one's
+    /// name again (`PyKey::extract`) cost ~10x a copy of the set at 1,024 workers. Each entry
+    /// holds its object, so no other object can take its address while it is here.
+    keys: Mutex<FxHashMap<usize, PyKey>>,
 }
 
+/// `Footprint::keys` is emptied when it would grow past this (objects no longer in any set are
+/// dropped with it; the next call reads the names again).
+const KEYS_KEPT: usize = 1 << 16;
+
 impl Footprint {
+    /// The keys of `objs` (worker keys), in order, from `keys` where the same object was read before.
+    fn keys_of(&self, objs: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<PyKey>> {
+        let found: Vec<Option<PyKey>> = {
+            let kept = self.keys.lock();
+            objs.iter()
+                .map(|o| kept.get(&(o.as_ptr() as usize)).cloned())
+                .collect()
+        };
+        let mut new = Vec::new();
+        let mut out = Vec::with_capacity(objs.len());
+        // names read with the mutex released (reading one may run Python code)
+        for (o, k) in objs.iter().zip(found) {
+            let k = match k {
+                Some(k) => k,
+                None => {
+                    let k = PyKey::extract(o)?;
+                    new.push((o.as_ptr() as usize, k.clone()));
+                    k
+                }
+            };
+            out.push(k);
+        }
+        if !new.is_empty() {
+            let dropped = {
+                let mut kept = self.keys.lock();
+                let dropped = if kept.len() + new.len() > KEYS_KEPT {
+                    std::mem::take(&mut *kept)
+                } else {
+                    FxHashMap::default()
+                };
+                kept.extend(new);
+                dropped
+            };
+            drop(dropped); // the mutex released: a key may hold the last reference to its object
+        }
+        Ok(out)
+    }
+
     /// The current table, for a reader to use with the mutex released.
     fn snapshot(&self) -> Arc<scoring::Footprint<PyKey>> {
         self.table.lock().clone()
@@ -377,10 +424,7 @@ impl Footprint {
                 "costs, loads and workers differ in length",
             ));
         }
-        let keys = workers
-            .iter()
-            .map(PyKey::extract)
-            .collect::<PyResult<Vec<_>>>()?;
+        let keys = self.keys_of(workers.clone())?;
         let listed: Vec<(f64, f64, &PyKey)> = costs
             .iter()
             .zip(&loads)
@@ -389,10 +433,8 @@ impl Footprint {
             .collect();
         let idle = idle.map(|f| {
             move || -> PyResult<Vec<PyKey>> {
-                f.call0()?
-                    .try_iter()?
-                    .map(|w| PyKey::extract(&w?))
-                    .collect()
+                let pool = f.call0()?.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+                self.keys_of(pool)
             }
         });
         let table = self.snapshot();
@@ -1065,7 +1107,7 @@ impl NewPlacement<'_, '_> {
             .zip(&keys)
             .map(|(r, k)| (r.cost, r.load, k))
             .collect();
-        let idle = (self.idle_count > 0).then_some(|| self.idle_pool(&keys));
+        let idle = (self.idle_count > 0).then_some(|| self.idle_pool(fp, &keys));
         let table = fp.snapshot();
         let got = table.pick(
             &listed,
@@ -1093,17 +1135,12 @@ impl NewPlacement<'_, '_> {
 
     /// The idle workers: the candidate set less the `listed` ones. Without a universe set, the
     /// workers the index holds (read under its lock) and the registered ones.
-    fn idle_pool(&self, listed: &[PyKey]) -> PyResult<Vec<PyKey>> {
+    fn idle_pool(&self, fp: &Footprint, listed: &[PyKey]) -> PyResult<Vec<PyKey>> {
         let listed: FxHashSet<&PyKey> = listed.iter().collect();
         match self.universe {
             Some(u) => {
-                let mut pool = Vec::with_capacity(self.idle_count);
-                for w in u.iter() {
-                    let k = PyKey::extract(&w)?;
-                    if !listed.contains(&k) {
-                        pool.push(k);
-                    }
-                }
+                let mut pool = fp.keys_of(u.iter().collect())?;
+                pool.retain(|k| !listed.contains(k));
                 Ok(pool)
             }
             None => {
