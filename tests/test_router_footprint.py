@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Iterator
 
 import anyio
 import msgspec
@@ -192,6 +193,20 @@ def test_the_footprint_draws_among_its_ties_in_worker_key_order(kind: str, seed:
     assert {c.worker for c in d.candidates if c.claimed_blocks == 1 and c.overlap_blocks == 0} == unsynced
     assert d.idle_cost == d.cost
     assert d.worker == sorted(SHUFFLED)[random.Random(seed).randrange(len(SHUFFLED))]
+
+
+def test_the_pick_never_answers_a_key_object_that_is_gone() -> None:
+    # The pick keeps each worker object's key by address (a states provider's live set holds the same objects
+    # call after call); objects made and freed round after round land at freed ones' addresses.
+    def fleets() -> Iterator[set[WorkerKey]]:
+        for n in range(200):
+            yield {WorkerKey(f"r{n}-{i}", i) for i in range(3)}
+
+    assert len({id(w) for fleet in fleets() for w in fleet}) < 600  # addresses are reused
+    fp = Footprint()
+    for n, fleet in enumerate(fleets()):
+        got = fp.pick([], [], [], 1.0, lambda fleet=fleet: fleet, lambda c: c, random.Random(n))
+        assert got is not None and got[1] in fleet
 
 
 def test_counts_decay_by_half_every_half_life() -> None:
