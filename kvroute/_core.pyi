@@ -1,5 +1,6 @@
 """Type stubs of the compiled extension `kvroute._core` (the Rust crate at the repository root)."""
 
+import random
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -99,10 +100,40 @@ def select(
     scale: float,
     routed: dict[WorkerKey, int] | None,
     usage: dict[WorkerKey, float] | None = None,
-) -> tuple[Scored, int, float, list[int], int, int]:
-    """Match and price for `Router.select`: ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens)``.
+    footprint: Footprint | None = None,
+    rng: random.Random | None = None,
+    record: bool = False,
+) -> tuple[Scored, int, float, list[int], int, int, tuple[int | None, WorkerKey | None] | None]:
+    """Match and price for `Router.select`:
+    ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens, placed)``.
 
-    ``universe`` None: every worker the index holds blocks for, plus ``registered``."""
+    ``universe`` None: every worker the index holds blocks for, plus ``registered``. ``placed``: the
+    footprint's pick for a new placement (None: not one; ``(None, None)``: the idle group won but
+    was emptied meanwhile); ``record`` counts it."""
+
+class Footprint:
+    """Decayed new-placement counts per worker and the pick of a new session's worker (kvroute._footprint)."""
+
+    def __init__(self) -> None: ...
+    def __len__(self) -> int: ...
+    def count(self, worker: WorkerKey) -> float:
+        """``worker``'s decayed count of new placements (1.0 for one made just now)."""
+    def add(self, worker: WorkerKey, half_life: float) -> None:
+        """Count one new placement on ``worker``; every count decays by ``2 ** (-1 / half_life)``."""
+    def discard(self, worker: WorkerKey) -> None:
+        """Forget ``worker``'s count."""
+    def pick(
+        self,
+        costs: Sequence[float],
+        loads: Sequence[float],
+        workers: Sequence[WorkerKey],
+        idle_cost: float,
+        idle: Callable[[], Iterable[WorkerKey]] | None,
+        limit: Callable[[float], float],
+        rng: random.Random,
+    ) -> tuple[int | None, WorkerKey] | None:
+        """The new placement's worker: ``(position in costs, or None for an idle worker, worker)``;
+        None when the idle group won and ``idle`` found none."""
 
 class SelectTimes:
     """`Router.select`'s call count and latency histogram, counted with atomics."""
@@ -137,10 +168,6 @@ class Scored:
         """The candidates' workers, in order."""
     def costs(self) -> list[float]:
         """The candidates' costs, in order."""
-    def loads(self) -> list[float]:
-        """The candidates' loads in cost blocks (`CandidateScore.load_blocks`), in order."""
-    def best_overlap(self) -> int:
-        """The longest prefix (tokens) any candidate holds by counted overlap or routing hint."""
 
 def block_keys(
     parent: bytes,

@@ -51,7 +51,6 @@ import kvroute._core as _core
 
 from ._cost import CandidateScore, CostModel, RoutingDecision, _check_block_size, _check_range, _key
 from ._errors import NoWorkersError, RouterError
-from ._footprint import Footprint
 from ._hashing import MultimodalItem
 from ._index import PrefixIndex
 from ._load import EngineLoads
@@ -67,21 +66,9 @@ _log = logging.getLogger("kvroute.router")
 MutableMapping.register(_core.Loads)
 
 #: Every slot of `RoutingDecision`, in the order `Router._decide` gives the compiled path's values
-#: to `_core.new_frozen` (the lazily built candidates: None, their `Scored`, the idle worker drawn).
-_LAZY_SLOTS = (
-    "_candidates",
-    "_scored",
-    "_tail",
-    "block_size",
-    "cost",
-    "idle_cost",
-    "idle_workers",
-    "overlap_blocks",
-    "overlap_tokens",
-    "query_tokens",
-    "routed_tokens",
-    "worker",
-)
+#: to `_core.new_frozen` (the lazily built candidates: None, their `Scored`, the idle worker drawn);
+#: a slot added there without a value here fails every compiled decision (`new_frozen` checks).
+_LAZY_SLOTS: tuple[str, ...] = RoutingDecision.__slots__
 
 
 @runtime_checkable
@@ -152,9 +139,8 @@ class Router(ReferenceScoring):
     released for long prompts, from its own copy of the tracked load). The router's own
     bookkeeping (requests, load, registrations) changes under one lock, which a `select`
     without a ``request_id`` never takes (it counts itself with atomics in the core). The
-    footprint's pick for a new session runs in Python, holding the GIL: selecting threads that
-    place many new sessions at once wait for each other there (README, performance table);
-    ``CostModel(footprint=False)`` avoids it.
+    footprint's counts and its pick for a new session are in the core too (`kvroute._footprint`):
+    a new placement runs no Python per candidate.
     """
 
     def __init__(
@@ -195,7 +181,7 @@ class Router(ReferenceScoring):
         self._active: dict[WorkerKey, dict[Hashable, int]] = {}
         self._request_worker: dict[Hashable, WorkerKey] = {}
         self._routed = RoutedPrefixes(float(routed_ttl), routed_per_worker)
-        self._footprint = Footprint()  # new placements per worker (`CostModel.footprint`)
+        self._footprint = _core.Footprint()  # new placements per worker (`CostModel.footprint`)
         self._unknown_finishes = 0
         # `select` calls and their times per SELECT_BUCKETS bound (plus one for slower calls),
         # counted in the core without the lock below (see `_core.SelectTimes`)
@@ -568,8 +554,10 @@ class Router(ReferenceScoring):
         if self._routed.enabled and (request_id is not None or self._routed):
             query = _Query(token_ids, lora_name, extra_keys, cache_salt, mm_items)
             credits, routed_keys = self._routed_query(query, ntok, request_id is not None)
+        # the footprint picks in the core for a new placement (`kvroute._footprint`)
+        footprint = self._footprint if model.footprint and model.temperature == 0.0 else None
         try:
-            scored, idle_count, idle_cost, tied, idle_tied, _ = _core.select(
+            scored, idle_count, idle_cost, tied, idle_tied, _, placed = _core.select(
                 self.index._core,
                 token_ids,
                 lora_name,
@@ -586,34 +574,22 @@ class Router(ReferenceScoring):
                 scale,
                 credits,
                 self._usage(),  # engine KV usage, for `CostModel.eviction`
+                footprint,
+                self._rng,
+                request_id is not None,  # count the placement
             )
         except (TypeError, AttributeError, msgspec.EncodeError) as exc:
             raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
         if not idle_count and not len(scored):
             self._no_workers(candidates)
-        new = self._new_placement(ntok, scored.best_overlap())
-        placed: WorkerKey | None = None  # the footprint's idle worker, when it picks one
-        if new:
-
-            def idle_of() -> set[WorkerKey]:
-                return (universe if universe is not None else self.workers()).difference(scored.workers())
-
-            listed = scored.workers()
-            got = self._footprint.pick(
-                scored.costs(),
-                scored.loads(),  # as the core priced them (a Python call per worker cost ~25 µs at 64)
-                listed,
-                idle_cost,
-                idle_of if idle_count else None,
-                model.footprint_limit,
-                self._rng,
-            )
-            if got is None:
+        chosen_w: WorkerKey | None = None  # the footprint's idle worker, when it picks one
+        if placed is not None:
+            at, chosen_w = placed
+            if chosen_w is None:
                 # another thread's ingest changed the fleet between the core's read and now
                 return self._select_reference(
                     started, token_ids, lora_name, cache_salt, mm_items, candidates, load, request_id, extra_keys
                 )
-            at, placed = got
         elif model.temperature > 0.0:
             at = self._pick_at(scored.costs(), idle_count, idle_cost, model.temperature)
         else:
@@ -621,9 +597,7 @@ class Router(ReferenceScoring):
             at = tied[r] if r < len(tied) else None
         tail = None
         if at is None:
-            if placed is not None:
-                chosen_w = placed
-            else:
+            if chosen_w is None:
                 if universe is None:
                     universe = self.workers()  # the idle group won: the set is built only now
                 idle = universe.difference(scored.workers())
@@ -647,9 +621,6 @@ class Router(ReferenceScoring):
             idle_count -= 1
         else:
             pick = scored.candidate(at)
-        if new and request_id is not None:
-            with self._lock:  # a read-modify-write of the counts another thread's select may race
-                self._footprint.add(pick.worker, model.footprint_half_life)
         return self._decide(started, pick, (scored, tail), idle_count, idle_cost, ntok, request_id, routed_keys)
 
     def _engine_reporting(self) -> bool:

@@ -342,11 +342,19 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "footprint-unrecorded",
         "a new session the Router places counts on its worker's footprint, so the next goes where fewest started",
-        "kvroute/_router.py",
-        "            self._footprint.add(pick.worker, model.footprint_half_life)\n",
-        "            pass\n",
+        "src/py/router.rs",
+        "            fp.place(key, half_life);\n",
+        "            drop((key, half_life));\n",
         ("tests/test_router_footprint.py",),
         ("tests/test_router_footprint.py::test_sessions_started_on_live_engines_spread_over_their_ranks",),
+    ),
+    Mutation(
+        "footprint-draw-unordered",
+        "the footprint draws among its tied workers in WorkerKey order, so both scoring paths pick alike",
+        "src/scoring.rs",
+        "|a, b| a.0.cmp(b.0)",
+        "|_, _| std::cmp::Ordering::Equal",
+        ("tests/test_router_footprint.py",),
     ),
     # --- the gateway stream ---
     Mutation(

@@ -3,8 +3,15 @@
 //! of `Router._pick`), float operation for float operation, so the compiled path prices and ties
 //! exactly as the Python path does (tests/test_router_scoring.py holds them to it).
 //!
+//! Also the footprint (`Footprint`, `CostModel.footprint`): the decayed count of new placements
+//! per worker and the pick of a new session's worker from it, for both scoring paths.
+//!
 //! Nothing here knows Python: src/py/router.rs reads the model's weights off the Python object
 //! and hands the index's answer in.
+
+use std::hash::Hash;
+
+use rustc_hash::FxHashMap;
 
 /// The built-in cost model's weights (read from the Python `CostModel` each call).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -182,6 +189,186 @@ pub fn ties(costs: &[f64], idle_count: usize, idle_cost: f64) -> (Vec<usize>, us
     (tied, idle_tied)
 }
 
+/// Raw footprint counts grow by the decay's inverse on every placement; past this they are
+/// rescaled (an `f64` holds up to ~1e308, and the ratio between workers is all that is compared).
+pub const RESCALE_AT: f64 = 1e100;
+
+/// Where the router recently placed new sessions: a decayed count of new placements per worker,
+/// so the next new session goes where fewest went (kvroute/_footprint.py says why).
+///
+/// Counts are kept unscaled: a placement adds `unit`, which grows by ``2 ** (1 / half_life)`` per
+/// placement, so every older count decays relative to it without touching the others (decay by
+/// placements, not by time: the count compares workers, and a clock-free count means the same at
+/// any request rate). `count` divides `unit` out.
+#[derive(Clone, Debug)]
+pub struct Footprint<K> {
+    raw: FxHashMap<K, f64>,
+    unit: f64,
+}
+
+impl<K> Default for Footprint<K> {
+    fn default() -> Self {
+        Footprint {
+            raw: FxHashMap::default(),
+            unit: 1.0,
+        }
+    }
+}
+
+/// The footprint's choice (`Footprint::pick`): a listed candidate by position, or an idle worker.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Placed<K> {
+    Listed(usize),
+    Idle(K),
+}
+
+impl<K: Hash + Eq + Ord + Clone> Footprint<K> {
+    /// `worker`'s decayed count of new placements (1.0 for one made just now).
+    pub fn count(&self, worker: &K) -> f64 {
+        self.raw.get(worker).copied().unwrap_or(0.0) / self.unit
+    }
+
+    /// How many workers have a count.
+    pub fn len(&self) -> usize {
+        self.raw.len()
+    }
+
+    /// Whether no worker has a count.
+    pub fn is_empty(&self) -> bool {
+        self.raw.is_empty()
+    }
+
+    /// Count one new placement on `worker`; every count decays by ``2 ** (-1 / half_life)``.
+    /// Returns the keys the table let go of (`worker` itself when it was counted already, the
+    /// entries a rescale dropped), for the caller to drop where that is safe (a key may hold
+    /// the last reference to a Python object).
+    pub fn add(&mut self, worker: K, half_life: f64) -> Vec<K> {
+        let mut gone = Vec::new();
+        self.unit *= 2f64.powf(1.0 / half_life);
+        let unit = self.unit;
+        match self.raw.get_mut(&worker) {
+            Some(v) => {
+                *v += unit;
+                gone.push(worker);
+            }
+            None => {
+                self.raw.insert(worker, unit);
+            }
+        }
+        if self.unit > RESCALE_AT {
+            let unit = self.unit;
+            let old = std::mem::take(&mut self.raw);
+            for (w, v) in old {
+                if v / unit > 1e-12 {
+                    self.raw.insert(w, v / unit);
+                } else {
+                    gone.push(w);
+                }
+            }
+            self.unit = 1.0;
+        }
+        gone
+    }
+
+    /// Forget `worker`'s count (it left the fleet); the entry removed, for the caller to drop.
+    pub fn discard(&mut self, worker: &K) -> Option<(K, f64)> {
+        self.raw.remove_entry(worker)
+    }
+
+    /// The new placement's worker: fewest recent new placements among the candidates whose cost
+    /// is within `limit(cheapest)` and whose load is no more than the cheapest's; ties go to the
+    /// cheaper, then to the `draw(n)`-th (uniform in `0..n`) of the tied workers in key order.
+    ///
+    /// The band trades what the cost adds beside load (prefill still to do: a short cached
+    /// prefix; what the prefill evicts), never load: a new session never goes to a busier worker
+    /// than cost alone would send it to. `listed`: the priced candidates as (cost, load in cost
+    /// blocks, worker); `idle`: the idle workers, all at `idle_cost` and no load (None: there are
+    /// none), called only when eligible. None when no worker is left (the idle group was the
+    /// cheapest and `idle` found none: another thread changed the fleet meanwhile).
+    ///
+    /// Key order, not the order either path lists or stores its candidates in, makes the draw the
+    /// same in both scoring paths (src/py/router.rs and kvroute/_scoring.py call this alike).
+    pub fn pick<E>(
+        &self,
+        listed: &[(f64, f64, &K)],
+        idle_cost: f64,
+        idle: Option<impl FnOnce() -> Result<Vec<K>, E>>,
+        limit: impl FnOnce(f64) -> Result<f64, E>,
+        draw: impl FnOnce(usize) -> Result<usize, E>,
+    ) -> Result<Option<Placed<K>>, E> {
+        let mut cheapest = listed.iter().map(|l| l.0).fold(f64::INFINITY, f64::min);
+        if idle.is_some() {
+            cheapest = cheapest.min(idle_cost);
+        }
+        // Costs from different paths can differ in the last bits (`TIE_EPS`).
+        let tie = cheapest * (1.0 + TIE_EPS);
+        // The cheapest's load (of several at that cost, the largest: each was eligible without the footprint).
+        let load_cap = listed
+            .iter()
+            .filter(|l| l.0 <= tie)
+            .map(|l| l.1)
+            .fold(0.0, f64::max);
+        let bound = limit(cheapest)? * (1.0 + TIE_EPS);
+        let raw = &self.raw;
+        let mut best: Option<(f64, f64)> = None;
+        let mut tied: Vec<usize> = Vec::new();
+        for (i, &(c, x, w)) in listed.iter().enumerate() {
+            if c <= bound && x <= load_cap {
+                let key = (raw.get(w).copied().unwrap_or(0.0), c);
+                match best {
+                    Some(b) if key > b => {}
+                    Some(b) if key == b => tied.push(i),
+                    _ => {
+                        best = Some(key);
+                        tied.clear();
+                        tied.push(i);
+                    }
+                }
+            }
+        }
+        let mut group: Vec<K> = Vec::new();
+        if let Some(idle) = idle.filter(|_| idle_cost <= bound) {
+            let pool = idle()?;
+            let low = pool
+                .iter()
+                .map(|w| raw.get(w).copied().unwrap_or(0.0))
+                .fold(f64::INFINITY, f64::min);
+            if low.is_finite() {
+                let key = (low, idle_cost);
+                match best {
+                    Some(b) if key > b => {}
+                    b => {
+                        // cheaper than the listed ties (or none): the idle group alone
+                        if b != Some(key) {
+                            tied.clear();
+                        }
+                        group = pool
+                            .into_iter()
+                            .filter(|w| raw.get(w).copied().unwrap_or(0.0) == low)
+                            .collect();
+                    }
+                }
+            }
+        }
+        let n = tied.len() + group.len();
+        if n == 0 {
+            return Ok(None);
+        }
+        let r = draw(n)?;
+        // The r-th of the tied workers, listed and idle together, in key order.
+        let mut all: Vec<(&K, Option<usize>)> = tied
+            .iter()
+            .map(|&i| (listed[i].2, Some(i)))
+            .chain(group.iter().map(|w| (w, None)))
+            .collect();
+        let (_, &mut (w, at), _) = all.select_nth_unstable_by(r.min(n - 1), |a, b| a.0.cmp(b.0));
+        Ok(Some(match at {
+            Some(i) => Placed::Listed(i),
+            None => Placed::Idle(w.clone()),
+        }))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -276,5 +463,94 @@ mod tests {
         assert_eq!((tied, idle), (vec![1, 2], 4));
         let (tied, idle) = ties(&[1.0], 4, 2.0);
         assert_eq!((tied, idle), (vec![0], 0));
+    }
+
+    /// (cost, load, worker) of a listed candidate.
+    type Row<'a> = (f64, f64, &'a &'static str);
+    /// No idle workers.
+    type NoIdle = Option<fn() -> Result<Vec<&'static str>, ()>>;
+
+    /// A pick with no idle worker and `draw` always the first of the tied.
+    fn pick_listed(fp: &Footprint<&'static str>, listed: &[Row<'_>]) -> Placed<&'static str> {
+        let none: NoIdle = None;
+        fp.pick(listed, 0.0, none, |c| Ok(1.5 * c), |_| Ok(0))
+            .unwrap()
+            .unwrap()
+    }
+
+    #[test]
+    fn footprint_counts_decay_by_half_every_half_life_and_survive_rescaling() {
+        let mut fp = Footprint::default();
+        fp.add("a", 4.0);
+        assert!((fp.count(&"a") - 1.0).abs() < 1e-12);
+        for _ in 0..4 {
+            fp.add("b", 4.0);
+        }
+        assert!((fp.count(&"a") - 0.5).abs() < 1e-12);
+        // past the rescaling point the ratio holds, and a count decayed to nothing is dropped
+        let mut gone = Vec::new();
+        for _ in 0..2_000 {
+            gone.extend(fp.add("b", 4.0));
+        }
+        assert!(gone.contains(&"a") && fp.len() == 1);
+        let steady = 1.0 / (1.0 - 2f64.powf(-0.25));
+        assert!((fp.count(&"b") / steady - 1.0).abs() < 1e-9);
+        assert_eq!(fp.discard(&"b").map(|e| e.0), Some("b"));
+        assert_eq!(fp.count(&"b"), 0.0);
+    }
+
+    #[test]
+    fn the_pick_takes_the_fewest_placements_within_the_band_and_no_busier() {
+        let mut fp = Footprint::default();
+        for w in ["a", "a", "b"] {
+            fp.add(w, 64.0);
+        }
+        // c is cheapest; a and b within 1.5x of it; d outside the band; all unloaded
+        let listed = [
+            (10.0, 0.0, &"a"),
+            (12.0, 0.0, &"b"),
+            (10.0, 0.0, &"c"),
+            (16.0, 0.0, &"d"),
+        ];
+        assert_eq!(pick_listed(&fp, &listed), Placed::Listed(2));
+        // c busier than the cheapest (a): never chosen, whatever its count
+        let listed = [(10.0, 0.0, &"a"), (12.0, 1.0, &"c")];
+        assert_eq!(pick_listed(&fp, &listed), Placed::Listed(0));
+        // equal counts: the cheaper
+        let listed = [(12.0, 0.0, &"c"), (10.0, 0.0, &"d")];
+        assert_eq!(pick_listed(&fp, &listed), Placed::Listed(1));
+    }
+
+    #[test]
+    fn ties_are_drawn_in_key_order_across_listed_and_idle_workers() {
+        let mut fp = Footprint::default();
+        fp.add("z", 64.0);
+        // tied at count 0 and cost 5: listed "m" and "b", idle "a" and "q" (idle "z" has a count)
+        let listed = [(5.0, 0.0, &"m"), (5.0, 0.0, &"z"), (5.0, 0.0, &"b")];
+        let order: Vec<Placed<&str>> = (0..4)
+            .map(|r| {
+                let idle = Some(|| Ok::<_, ()>(vec!["q", "z", "a"]));
+                fp.pick(&listed, 5.0, idle, Ok, |n| {
+                    assert_eq!(n, 4);
+                    Ok(r)
+                })
+                .unwrap()
+                .unwrap()
+            })
+            .collect();
+        let want = [
+            Placed::Idle("a"),
+            Placed::Listed(2),
+            Placed::Listed(0),
+            Placed::Idle("q"),
+        ];
+        assert_eq!(order, want);
+        // an idle group dearer than the tied listed ones is not drawn from
+        let idle = Some(|| Ok::<_, ()>(vec!["a"]));
+        let got = fp.pick(&listed, 6.0, idle, |c| Ok(2.0 * c), |n| Ok(n - 1));
+        assert_eq!(got, Ok(Some(Placed::Listed(0))));
+        // the idle group eligible but empty (the fleet changed): nothing to pick
+        let idle = Some(|| Ok::<_, ()>(Vec::new()));
+        assert_eq!(fp.pick(&[], 6.0, idle, Ok, |_| Ok(0)), Ok(None));
     }
 }

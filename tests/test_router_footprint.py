@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Iterator
 
 import anyio
 import msgspec
@@ -18,7 +19,7 @@ import pytest
 from kvroute._client import KvEventClient
 from kvroute._footprint import Footprint
 from kvroute._index import PrefixIndex
-from kvroute._models import WorkerKey
+from kvroute._models import WorkerKey, WorkerStatus
 from kvroute._router import CostModel, Router, RouterError
 from kvroute._transports.zmq.config import SubscriberConfig
 from kvroute._wire import BlockStored
@@ -156,6 +157,56 @@ def test_both_scoring_paths_place_alike() -> None:
             picks.append(d.worker)
         chosen[kind] = picks
     assert chosen["compiled"] == chosen["reference"]
+
+
+class _States:
+    """Every worker live; the ``unsynced`` ones resyncing (their index claims count for nothing)."""
+
+    def __init__(self, live: list[WorkerKey], unsynced: set[WorkerKey]) -> None:
+        self._live = set(live)
+        self._unsynced = unsynced
+
+    def worker_status(self, worker: WorkerKey) -> WorkerStatus | None:
+        if worker not in self._live:
+            return None
+        return WorkerStatus(state="resyncing" if worker in self._unsynced else "synced", partial=False)
+
+    def live_workers(self) -> set[WorkerKey]:
+        return set(self._live)
+
+
+# Registered in an order other than key order: a draw by position in either path's own list or set differs.
+SHUFFLED = [WorkerKey("m", 1), WorkerKey("b", 0), WorkerKey("x", 0), WorkerKey("m", 0), WorkerKey("a", 7)]
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("seed", range(6))
+def test_the_footprint_draws_among_its_ties_in_worker_key_order(kind: str, seed: int) -> None:
+    # m/1 and x/0 hold a block of the prompt but resync: listed candidates at the idle workers' cost, and no
+    # worker has a count, so all five tie. Both paths draw one with the router's rng, in WorkerKey order.
+    unsynced = {SHUFFLED[0], SHUFFLED[2]}
+    router = Router(PrefixIndex(), states=_States(SHUFFLED, unsynced), cost=MODELS[kind](), seed=seed)
+    prompt = _session(0)
+    for n, w in enumerate(unsynced):
+        _hold(router.index, w, prompt, 1, 1 + n * 10)
+    d = router.select(prompt)
+    assert {c.worker for c in d.candidates if c.claimed_blocks == 1 and c.overlap_blocks == 0} == unsynced
+    assert d.idle_cost == d.cost
+    assert d.worker == sorted(SHUFFLED)[random.Random(seed).randrange(len(SHUFFLED))]
+
+
+def test_the_pick_never_answers_a_key_object_that_is_gone() -> None:
+    # The pick keeps each worker object's key by address (a states provider's live set holds the same objects
+    # call after call); objects made and freed round after round land at freed ones' addresses.
+    def fleets() -> Iterator[set[WorkerKey]]:
+        for n in range(200):
+            yield {WorkerKey(f"r{n}-{i}", i) for i in range(3)}
+
+    assert len({id(w) for fleet in fleets() for w in fleet}) < 600  # addresses are reused
+    fp = Footprint()
+    for n, fleet in enumerate(fleets()):
+        got = fp.pick([], [], [], 1.0, lambda fleet=fleet: fleet, lambda c: c, random.Random(n))
+        assert got is not None and got[1] in fleet
 
 
 def test_counts_decay_by_half_every_half_life() -> None:

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvroute._core as _core
 from kvroute._index import PrefixIndex
 from kvroute._load import EngineLoad, EngineLoads
 from kvroute._models import WorkerKey, WorkerStatus
@@ -398,11 +399,15 @@ def test_a_decision_with_lazy_candidates_reads_as_an_eager_one() -> None:
 
 
 
-def test_the_compiled_path_sets_every_slot_of_a_decision() -> None:
-    """`Router._decide` builds the compiled path's decision slot by slot in the core (`_LAZY_SLOTS`)."""
-    from kvroute._router import _LAZY_SLOTS
-
-    assert sorted(_LAZY_SLOTS) == sorted(RoutingDecision.__slots__)
+def test_a_frozen_decision_needs_a_value_for_every_name() -> None:
+    """`Router._decide` builds the compiled path's decision through `_core.new_frozen`, one value per slot
+    of `RoutingDecision` (`_LAZY_SLOTS` is its ``__slots__``): a slot without a value is refused, not
+    left unset for a reader to trip over."""
+    names = RoutingDecision.__slots__
+    with pytest.raises(ValueError, match=f"{len(names)} names for {len(names) - 1} values"):
+        _core.new_frozen(RoutingDecision, names, (None,) * (len(names) - 1))
+    decision = _core.new_frozen(RoutingDecision, names, tuple(range(len(names))))
+    assert [getattr(decision, n) for n in names] == list(range(len(names)))
 
 
 _pressured = st.fixed_dictionaries(

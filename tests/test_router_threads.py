@@ -87,6 +87,30 @@ def _switch_often() -> Iterator[None]:
         sys.setswitchinterval(before)
 
 
+class _Selects:
+    """What selector threads share: request ids, and the count of their `select` calls (each thread adds
+    its own once, at its end), to compare with `RouterStats.selections`."""
+
+    def __init__(self) -> None:
+        self.ids = itertools.count()
+        self.total = 0
+        self._lock = threading.Lock()
+
+    def rid(self) -> _Rid:
+        """A new request id."""
+        return _Rid(next(self.ids))
+
+    def add(self, done: int) -> None:
+        """Count one thread's ``done`` selects."""
+        with self._lock:
+            self.total += done
+
+
+@pytest.fixture
+def selects() -> _Selects:
+    return _Selects()
+
+
 def _run(workers: list[Callable[[threading.Event], None]]) -> None:
     """Run each function on its own thread for SECONDS; re-raise the first error any of them hit."""
     threads, stop, errors = _start(workers)
@@ -126,20 +150,19 @@ def _join(threads: list[threading.Thread], stop: threading.Event, errors: list[B
 
 @pytest.mark.parametrize("model", [CostModel(), _Python()], ids=["compiled", "python"])
 @pytest.mark.parametrize("engine_load", [False, True], ids=["tracked-load", "engine-load"])
-def test_select_from_threads_while_another_thread_ingests(model: CostModel, engine_load: bool) -> None:
+def test_select_from_threads_while_another_thread_ingests(
+    model: CostModel, engine_load: bool, selects: _Selects
+) -> None:
     index = PrefixIndex()
     for i, w in enumerate(WORKERS):
         assert index.apply_payload(w, _payload(0.0, 1 + i * 300)).ok
     loads = EngineLoads() if engine_load else None
     router = Router(index, cost=model, block_size=BS, seed=1, engine_loads=loads)
-    ids = itertools.count()
-    calls = {"select": 0}
-    counted = threading.Lock()
 
     def selector(stop: threading.Event) -> None:
         done = 0
         while not stop.is_set():
-            rid = _Rid(next(ids))
+            rid = selects.rid()
             d = router.select(PROMPT, request_id=rid)
             assert d.worker in WORKERS
             assert d.query_tokens == len(PROMPT)
@@ -148,13 +171,12 @@ def test_select_from_threads_while_another_thread_ingests(model: CostModel, engi
             router.select(PROMPT[: 33_000 + done % 7], candidates=WORKERS[:4])
             assert router.on_finish(rid)
             done += 2
-        with counted:
-            calls["select"] += done
+        selects.add(done)
 
     def starter(stop: threading.Event) -> None:
         # on_start / on_prefill_done / on_finish for requests routed elsewhere, on every worker
         while not stop.is_set():
-            rid = _Rid(next(ids))
+            rid = selects.rid()
             w = WORKERS[rid.n % len(WORKERS)]
             router.on_start(rid, w, PROMPT[:4096], cached_tokens=16)
             router.on_prefill_done(rid)
@@ -181,12 +203,12 @@ def test_select_from_threads_while_another_thread_ingests(model: CostModel, engi
     # every started request finished: no load and no request left behind by a lost update
     assert stats.active_requests == 0
     assert len(router._load) == 0
-    assert stats.selections == calls["select"]
+    assert stats.selections == selects.total
     assert sum(router.load_blocks(w) for w in WORKERS) == 0.0
 
 
 @pytest.mark.anyio
-async def test_worker_threads_select_while_the_client_ingests_a_live_engine() -> None:
+async def test_worker_threads_select_while_the_client_ingests_a_live_engine(selects: _Selects) -> None:
     """A simulated engine publishes over loopback ZMQ into a real `KvEventClient`, whose index the
     router reads; worker threads select, start and finish requests while the client ingests."""
     config = SimConfig(
@@ -199,24 +221,20 @@ async def test_worker_threads_select_while_the_client_ingests_a_live_engine() ->
         workers = [WorkerKey(s.worker_id, s.dp_rank) for s in engine.sources()]
         for w in workers:
             router.add_worker(w)
-        ids = itertools.count()
-        calls = {"select": 0}
-        counted = threading.Lock()
 
         def selector(stop: threading.Event) -> None:
             done = 0
             while not stop.is_set():
-                rid = _Rid(next(ids))
+                rid = selects.rid()
                 d = router.select(PROMPT, request_id=rid)
                 assert d.worker in workers and d.query_tokens == len(PROMPT)
                 assert router.on_finish(rid)
                 done += 1
-            with counted:
-                calls["select"] += done
+            selects.add(done)
 
         def starter(stop: threading.Event) -> None:
             while not stop.is_set():
-                rid = _Rid(next(ids))
+                rid = selects.rid()
                 router.on_start(rid, workers[rid.n % 2], PROMPT[:2048])
                 assert router.on_finish(rid)
 
@@ -235,4 +253,4 @@ async def test_worker_threads_select_while_the_client_ingests_a_live_engine() ->
         assert client.index.num_blocks() > 0  # the engine's events reached the index
         stats = router.stats()
         assert stats.active_requests == 0 and len(router._load) == 0
-        assert stats.selections == calls["select"] > 0
+        assert stats.selections == selects.total > 0

@@ -46,6 +46,21 @@ impl PartialEq for PyKey {
 
 impl Eq for PyKey {}
 
+/// Key order, as Python orders `WorkerKey` tuples (UTF-8 byte order is code point order): the
+/// footprint draws among tied workers in it (`crate::scoring::Footprint::pick`).
+impl Ord for PyKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.0.worker_id.as_str(), self.0.dp_rank)
+            .cmp(&(other.0.worker_id.as_str(), other.0.dp_rank))
+    }
+}
+
+impl PartialOrd for PyKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
 impl Hash for PyKey {
     fn hash<H: Hasher>(&self, state: &mut H) {
         state.write_u64(self.0.hash);

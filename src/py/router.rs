@@ -15,11 +15,11 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple, PyType};
-use rustc_hash::{FxBuildHasher, FxHashMap};
+use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
 
 use super::index::{convert, PyIndex, PyKey};
 use crate::index::Index;
-use crate::scoring::{self, Claim, CostParams};
+use crate::scoring::{self, Claim, CostParams, Placed};
 
 /// `kvroute._router.CandidateScore`, registered when kvroute._router is imported.
 static CANDIDATE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -291,6 +291,173 @@ impl Loads {
     }
 }
 
+/// The router's footprint (`CostModel.footprint`, kvroute/_footprint.py): decayed new-placement
+/// counts per worker (`crate::scoring::Footprint`), kept beside the load table and under its rules
+/// (`Loads`): frozen, copy-on-write behind a mutex that is never held while Python code can run.
+/// `select` picks from its own copy of the table and counts its placement afterwards (two threads
+/// placing at once may both pick the same worker, as two routers would); a write copies the table
+/// only while some `select` still holds the old one.
+#[pyclass(frozen, module = "kvroute._core", name = "Footprint")]
+#[derive(Default)]
+pub struct Footprint {
+    table: Mutex<Arc<scoring::Footprint<PyKey>>>,
+    /// The keys of the worker objects candidate sets held, by object address: a states provider's
+    /// ``live_workers()`` is a new set of the same key objects each call, and reading each one's
+    /// name again (`PyKey::extract`) cost ~10x a copy of the set at 1,024 workers. Each entry
+    /// holds its object, so no other object can take its address while it is here.
+    keys: Mutex<FxHashMap<usize, PyKey>>,
+}
+
+/// `Footprint::keys` is emptied when it would grow past this (objects no longer in any set are
+/// dropped with it; the next call reads the names again).
+const KEYS_KEPT: usize = 1 << 16;
+
+impl Footprint {
+    /// The keys of `objs` (worker keys), in order, from `keys` where the same object was read before.
+    fn keys_of(&self, objs: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<PyKey>> {
+        let found: Vec<Option<PyKey>> = {
+            let kept = self.keys.lock();
+            objs.iter()
+                .map(|o| kept.get(&(o.as_ptr() as usize)).cloned())
+                .collect()
+        };
+        let mut new = Vec::new();
+        let mut out = Vec::with_capacity(objs.len());
+        // names read with the mutex released (reading one may run Python code)
+        for (o, k) in objs.iter().zip(found) {
+            let k = match k {
+                Some(k) => k,
+                None => {
+                    let k = PyKey::extract(o)?;
+                    new.push((o.as_ptr() as usize, k.clone()));
+                    k
+                }
+            };
+            out.push(k);
+        }
+        if !new.is_empty() {
+            let dropped = {
+                let mut kept = self.keys.lock();
+                let dropped = if kept.len() + new.len() > KEYS_KEPT {
+                    std::mem::take(&mut *kept)
+                } else {
+                    FxHashMap::default()
+                };
+                kept.extend(new);
+                dropped
+            };
+            drop(dropped); // the mutex released: a key may hold the last reference to its object
+        }
+        Ok(out)
+    }
+
+    /// The current table, for a reader to use with the mutex released.
+    fn snapshot(&self) -> Arc<scoring::Footprint<PyKey>> {
+        self.table.lock().clone()
+    }
+
+    /// Count a new placement on `worker`; the keys the table let go of are dropped after the
+    /// mutex is released (a key may hold the last reference to its object).
+    fn place(&self, worker: PyKey, half_life: f64) {
+        let gone = Arc::make_mut(&mut self.table.lock()).add(worker, half_life);
+        drop(gone);
+    }
+}
+
+#[pymethods]
+impl Footprint {
+    #[new]
+    fn new() -> Self {
+        Footprint::default()
+    }
+
+    fn __len__(&self) -> usize {
+        self.table.lock().len()
+    }
+
+    /// ``worker``'s decayed count of new placements (1.0 for one made just now).
+    fn count(&self, worker: &Bound<'_, PyAny>) -> PyResult<f64> {
+        let k = PyKey::extract(worker)?;
+        Ok(self.table.lock().count(&k))
+    }
+
+    /// Count one new placement on ``worker``; every count decays by ``2 ** (-1 / half_life)``.
+    fn add(&self, worker: &Bound<'_, PyAny>, half_life: f64) -> PyResult<()> {
+        if half_life.is_nan() || half_life <= 0.0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "half_life must be > 0, got {half_life}"
+            )));
+        }
+        self.place(PyKey::extract(worker)?, half_life);
+        Ok(())
+    }
+
+    /// Forget ``worker``'s count (it left the fleet).
+    fn discard(&self, worker: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = PyKey::extract(worker)?;
+        let gone = Arc::make_mut(&mut self.table.lock()).discard(&k);
+        drop(gone); // the mutex released (see `place`)
+        Ok(())
+    }
+
+    /// The new placement's worker for the Python scoring path (`crate::scoring::Footprint::pick`,
+    /// the compiled `select` picks with the same function): ``costs`` / ``loads`` / ``workers``
+    /// the priced candidates (load in cost blocks), ``idle`` returns the idle workers (all at
+    /// ``idle_cost`` and no load; None: there are none), ``limit`` the band's bound for the
+    /// cheapest cost (`CostModel.footprint_limit`), ``rng`` draws among ties (``randrange``).
+    /// Returns ``(position in costs or None for an idle worker, worker)``, or None when the idle
+    /// group was the cheapest and ``idle`` found none.
+    #[allow(clippy::too_many_arguments)]
+    fn pick<'py>(
+        &self,
+        py: Python<'py>,
+        costs: Vec<f64>,
+        loads: Vec<f64>,
+        workers: Vec<Bound<'py, PyAny>>,
+        idle_cost: f64,
+        idle: Option<Bound<'py, PyAny>>,
+        limit: Bound<'py, PyAny>,
+        rng: Bound<'py, PyAny>,
+    ) -> PyResult<Option<(Option<usize>, Bound<'py, PyAny>)>> {
+        if costs.len() != workers.len() || loads.len() != workers.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "costs, loads and workers differ in length",
+            ));
+        }
+        let keys = self.keys_of(workers.clone())?;
+        let listed: Vec<(f64, f64, &PyKey)> = costs
+            .iter()
+            .zip(&loads)
+            .zip(&keys)
+            .map(|((&c, &x), k)| (c, x, k))
+            .collect();
+        let idle = idle.map(|f| {
+            move || -> PyResult<Vec<PyKey>> {
+                let pool = f.call0()?.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+                self.keys_of(pool)
+            }
+        });
+        let table = self.snapshot();
+        let got = table.pick(
+            &listed,
+            idle_cost,
+            idle,
+            |c| limit.call1((c,))?.extract(),
+            |n| draw(&rng, n),
+        )?;
+        Ok(got.map(|p| match p {
+            Placed::Listed(i) => (Some(i), workers[i].clone()),
+            Placed::Idle(k) => (None, k.obj(py)),
+        }))
+    }
+}
+
+/// ``rng.randrange(n)``: the router's own generator draws, so both paths consume it alike.
+fn draw(rng: &Bound<'_, PyAny>, n: usize) -> PyResult<usize> {
+    rng.call_method1(intern!(rng.py(), "randrange"), (n,))?
+        .extract()
+}
+
 /// Whether the router believes a worker's index claim (`Router._scored`'s rule), through the
 /// states provider's `worker_status`, looked up once per `select` rather than once per worker
 /// with overlap (a production router asks a `KvEventClient` for every such worker, every call).
@@ -410,21 +577,6 @@ impl Scored {
     /// The candidates' costs, in order.
     fn costs(&self) -> Vec<f64> {
         self.rows.iter().map(|r| r.cost).collect()
-    }
-
-    /// The candidates' loads in cost blocks (`CandidateScore.load_blocks`), in order.
-    fn loads(&self) -> Vec<f64> {
-        self.rows.iter().map(|r| r.load).collect()
-    }
-
-    /// The longest prefix, in tokens, any candidate holds by the index's counted overlap or the
-    /// routing hint (0 when none): whether the prompt is a new placement (`Router`'s footprint).
-    fn best_overlap(&self) -> i64 {
-        self.rows
-            .iter()
-            .map(|r| r.overlap_tokens.max(r.routed_tokens))
-            .max()
-            .unwrap_or(0)
     }
 }
 
@@ -547,13 +699,18 @@ impl LoadPass<'_, '_> {
 /// `Loads` table or a mapping) and the factor to cost blocks (the load-only candidates come in
 /// ``loads``' order); ``routed``: the routing hint's credit in tokens per worker
 /// (kvroute/_routed.py; None: none); ``usage``: engine-reported KV usage per worker, above 0
-/// (`CostModel.eviction`; None: none), a usage-only worker listed after the load-only ones.
-/// Returns ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens)``: the candidates
-/// (`Scored`) in the Python path's order, the idle workers and their cost, and the
-/// indices of the entries tied at the least cost with the number of idle workers tied with them.
-/// No candidate and no idle worker: the universe is empty.
+/// (`CostModel.eviction`; None: none), a usage-only worker listed after the load-only ones;
+/// ``footprint``: the router's footprint when the model spreads new sessions at temperature 0
+/// (None: it does not), ``rng`` draws among the footprint's ties, and ``record`` counts the
+/// placement (the request is started).
+/// Returns ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens, placed)``: the
+/// candidates (`Scored`) in the Python path's order, the idle workers and their cost, the
+/// indices of the entries tied at the least cost with the number of idle workers tied with them,
+/// and the footprint's pick for a new placement (None: not one): ``(position, worker)`` of a
+/// listed candidate, ``(None, worker)`` of an idle one, ``(None, None)`` when the idle group won
+/// but another thread emptied it meanwhile. No candidate and no idle worker: the universe is empty.
 #[pyfunction]
-#[pyo3(signature = (index, token_ids, lora_name, cache_salt, mm_items, extra_keys, model, unit, universe, registered, states, trust_partial, loads, scale, routed, usage=None))]
+#[pyo3(signature = (index, token_ids, lora_name, cache_salt, mm_items, extra_keys, model, unit, universe, registered, states, trust_partial, loads, scale, routed, usage=None, footprint=None, rng=None, record=false))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn select<'py>(
     py: Python<'py>,
@@ -573,7 +730,18 @@ fn select<'py>(
     scale: f64,
     routed: Option<&Bound<'py, PyDict>>,
     usage: Option<&Bound<'py, PyDict>>,
-) -> PyResult<(Scored, usize, f64, Vec<usize>, usize, usize)> {
+    footprint: Option<&Bound<'py, Footprint>>,
+    rng: Option<&Bound<'py, PyAny>>,
+    record: bool,
+) -> PyResult<(
+    Scored,
+    usize,
+    f64,
+    Vec<usize>,
+    usize,
+    usize,
+    Option<PlacedPy>,
+)> {
     let input = convert::query_input(token_ids, lora_name, cache_salt, mm_items, extra_keys)?;
     let trust = Trust::new(states, trust_partial);
     let ntok = input.tokens.len();
@@ -605,6 +773,7 @@ fn select<'py>(
     };
     let table_ref = table.as_deref();
     let whole = universe.is_none();
+    let reg_ref = &reg_keys;
     // Match and, when some held block is off GPU and tiers are priced below GPU, the tier runs
     // too: one locked section, one consistent view of the index.
     let (result, tiers, held, pos_of_slot, adopt) = index.get().with_query(py, ntok, move |idx| {
@@ -646,7 +815,7 @@ fn select<'py>(
         }
         let held = whole.then(|| Held {
             count: idx.holding_count(),
-            registered_elsewhere: reg_keys.iter().filter(|k| !idx.holds(k)).count(),
+            registered_elsewhere: reg_ref.iter().filter(|k| !idx.holds(k)).count(),
             table: table_holds,
             routed: routed_keys
                 .iter()
@@ -862,6 +1031,30 @@ fn select<'py>(
             t.get().adopt(seen, adopt);
         }
     }
+    let placed = match (footprint, rng) {
+        (Some(fp), Some(rng)) => {
+            let new_share: f64 = weight(model, intern!(py, "footprint_new_share"))?;
+            let best_overlap = rows
+                .iter()
+                .map(|r| r.overlap_tokens.max(r.routed_tokens))
+                .max()
+                .unwrap_or(0);
+            // exact as Python's int-to-float comparison below 2^53
+            if (best_overlap as f64) < new_share * ntok_i as f64 {
+                let place = NewPlacement {
+                    index,
+                    universe,
+                    registered: &reg_keys,
+                    idle_count,
+                    idle_cost,
+                };
+                Some(place.pick(model, fp.get(), &workers, &rows, rng, record)?)
+            } else {
+                None
+            }
+        }
+        _ => None,
+    };
     Ok((
         Scored { workers, rows },
         idle_count,
@@ -869,7 +1062,104 @@ fn select<'py>(
         tied,
         idle_tied,
         ntok,
+        placed,
     ))
+}
+
+/// The footprint's pick as `select` returns it: ``(position, worker)``, ``(None, worker)`` or
+/// ``(None, None)`` (see `select`).
+type PlacedPy = (Option<usize>, Option<Py<PyAny>>);
+
+/// What the footprint's pick in `select` needs beside the priced candidates: where the idle
+/// workers come from.
+struct NewPlacement<'a, 'py> {
+    index: &'a Bound<'py, PyIndex>,
+    /// the candidate set (None: the index's workers plus `registered`)
+    universe: Option<&'a Bound<'py, PySet>>,
+    registered: &'a [PyKey],
+    idle_count: usize,
+    idle_cost: f64,
+}
+
+impl NewPlacement<'_, '_> {
+    /// Pick with the footprint's table (`crate::scoring::Footprint::pick`, from this call's copy of
+    /// it) among `workers` / `rows` and the idle workers, and count the placement when `record`.
+    fn pick(
+        &self,
+        model: &Bound<'_, PyAny>,
+        fp: &Footprint,
+        workers: &[Who],
+        rows: &[Row],
+        rng: &Bound<'_, PyAny>,
+        record: bool,
+    ) -> PyResult<PlacedPy> {
+        let py = model.py();
+        let band: f64 = weight(model, intern!(py, "footprint_band"))?;
+        let keys = workers
+            .iter()
+            .map(|w| match w {
+                Who::Key(k) => Ok(k.clone()),
+                Who::Obj(o) => PyKey::extract(o.bind(py)),
+            })
+            .collect::<PyResult<Vec<PyKey>>>()?;
+        let listed: Vec<(f64, f64, &PyKey)> = rows
+            .iter()
+            .zip(&keys)
+            .map(|(r, k)| (r.cost, r.load, k))
+            .collect();
+        let idle = (self.idle_count > 0).then_some(|| self.idle_pool(fp, &keys));
+        let table = fp.snapshot();
+        let got = table.pick(
+            &listed,
+            self.idle_cost,
+            idle,
+            // `CostModel.footprint_limit`, float operation for float operation
+            |c| Ok((1.0 + band) * c),
+            |n| draw(rng, n),
+        )?;
+        drop(table); // before counting: a write copies the table while a reader holds it
+        let Some(got) = got else {
+            return Ok((None, None));
+        };
+        let (at, key) = match got {
+            Placed::Listed(i) => (Some(i), keys[i].clone()),
+            Placed::Idle(k) => (None, k),
+        };
+        let obj = key.obj(py).unbind();
+        if record {
+            let half_life: f64 = weight(model, intern!(py, "footprint_half_life"))?;
+            fp.place(key, half_life);
+        }
+        Ok((at, Some(obj)))
+    }
+
+    /// The idle workers: the candidate set less the `listed` ones. Without a universe set, the
+    /// workers the index holds (read under its lock) and the registered ones.
+    fn idle_pool(&self, fp: &Footprint, listed: &[PyKey]) -> PyResult<Vec<PyKey>> {
+        let listed: FxHashSet<&PyKey> = listed.iter().collect();
+        match self.universe {
+            Some(u) => {
+                let mut pool = fp.keys_of(u.iter().collect())?;
+                pool.retain(|k| !listed.contains(k));
+                Ok(pool)
+            }
+            None => {
+                let (listed, registered) = (&listed, self.registered);
+                let idx = self.index.get();
+                Ok(idx.with_query(self.index.py(), 0, move |idx| {
+                    let held = (0..idx.workers.len() as u32)
+                        .filter_map(|s| idx.at_slot(s))
+                        .filter(|&(k, holds)| holds && !listed.contains(k))
+                        .map(|(k, _)| k);
+                    // a registered worker the index holds is in `held` already
+                    let elsewhere = registered
+                        .iter()
+                        .filter(|k| !listed.contains(k) && !idx.holds(k));
+                    held.chain(elsewhere).cloned().collect()
+                }))
+            }
+        }
+    }
 }
 
 /// What the index held when `select` ran without a universe set.
@@ -985,6 +1275,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(new_frozen, m)?)?;
     m.add_class::<Scored>()?;
     m.add_class::<Loads>()?;
+    m.add_class::<Footprint>()?;
     m.add_class::<SelectTimes>()?;
     Ok(())
 }
