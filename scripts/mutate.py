@@ -75,8 +75,8 @@ MUTATIONS: list[Mutation] = [
         "over-claim",
         "the index never claims a block a worker does not hold",
         "src/index/query.rs",
-        "            None => {\n                self.by_slot.insert(slot, (value, bs));\n",
-        "            None => {\n                self.by_slot.insert(slot, (value + 1, bs));\n",
+        "                self.rows.push((slot, value, bs));\n",
+        "                self.rows.push((slot, value + 1, bs));\n",
         ("tests/test_index.py", "tests/test_client.py", "tests/test_sim_engine.py", "tests/test_warm_restart.py"),
         (
             "tests/test_client.py::test_cold_start_with_history",

@@ -53,12 +53,19 @@ pub use query::{MatchResult, Query, QueryInput, Score};
 pub use snapshot::{
     read as read_snapshot, SnapFile, SnapGroup, SnapKey, SnapReadError, SnapWorker,
 };
+pub(crate) use table::prefetch;
 use table::KeyTable;
 
 /// What identifies a worker (a `WorkerKey` in Python): hashable, cheap to clone, printable.
 pub trait WorkerName: Clone + Eq + Hash + Send + Sync {
     /// "worker_id/dp_rank", as the log lines name a worker.
     fn label(&self) -> String;
+
+    /// Start bringing what a clone of this name reads into cache: `find_matches` clones the
+    /// names of a few hundred workers at once and prefetches them all first, so their misses
+    /// overlap. A name held inline needs nothing (the default).
+    #[inline]
+    fn prefetch(&self) {}
 }
 
 /// `IndexLimits` (kvroute/_index.py): per-worker bounds and the namespace-root cache size.

@@ -8,7 +8,7 @@
 use rustc_hash::FxHashMap;
 
 use super::store::{anchor, div_ceil, floor_div};
-use super::table::{flags_of, slot_of, tier_flag, Holders, G, H};
+use super::table::{flags_of, prefetch, slot_of, tier_flag, Holders, G, H};
 use super::{Class, Group, GroupKind, Index, WorkerName};
 use crate::keys::{self, Key, MmItem};
 
@@ -109,46 +109,93 @@ pub struct MatchResult<K> {
     pub gpu: Option<Vec<Score<K>>>,
 }
 
-/// Scores by slot, kept in first-insertion order (`_record` semantics).
+/// A `Scores::row` entry for a slot not recorded.
+const NO_ROW: u32 = u32::MAX;
+
+/// Scores by slot, kept in first-insertion order (`_record` semantics). A slot finds its row
+/// through a vector over the fleet's slots, not a hash map: a 1,024-worker match records a few
+/// hundred workers, and a hash map insert and lookup each was ~4 % of a `select` there (perf).
 #[derive(Default)]
 struct Scores {
-    order: Vec<u32>,
-    /// slot -> (blocks, block size)
-    by_slot: FxHashMap<u32, (i64, i64)>,
+    /// (slot, blocks, block size), in the order slots were first recorded
+    rows: Vec<(u32, i64, i64)>,
+    /// slot -> its place in `rows` (`NO_ROW`: none); sized to the fleet's slots on first record
+    row: Vec<u32>,
 }
 
 impl Scores {
     /// Give `slot` `value` blocks of `bs`; its best in tokens over block sizes wins.
-    fn record(&mut self, slot: u32, value: i64, bs: i64) {
-        match self.by_slot.get_mut(&slot) {
-            None => {
-                self.by_slot.insert(slot, (value, bs));
-                self.order.push(slot);
+    fn record(&mut self, slot: u32, value: i64, bs: i64, slots: usize) {
+        if self.row.is_empty() {
+            self.row = vec![NO_ROW; slots];
+        }
+        match self.row[slot as usize] {
+            NO_ROW => {
+                self.row[slot as usize] = self.rows.len() as u32;
+                self.rows.push((slot, value, bs));
             }
-            Some(old) => {
-                if old.0 * old.1 < value * bs {
-                    *old = (value, bs);
+            r => {
+                let old = &mut self.rows[r as usize];
+                if old.1 * old.2 < value * bs {
+                    (old.1, old.2) = (value, bs);
                 }
             }
         }
     }
 
     fn reserve(&mut self, n: usize) {
-        self.by_slot.reserve(n);
-        self.order.reserve(n);
+        self.rows.reserve(n);
     }
 
-    fn remove(&mut self, slot: u32) {
-        if self.by_slot.remove(&slot).is_some() {
-            self.order.retain(|&s| s != slot);
+    /// `slot`'s (blocks, block size), if recorded.
+    fn get(&self, slot: u32) -> Option<(i64, i64)> {
+        match self.row.get(slot as usize) {
+            None | Some(&NO_ROW) => None,
+            Some(&r) => {
+                let (_, blocks, bs) = self.rows[r as usize];
+                Some((blocks, bs))
+            }
         }
     }
 
+    /// Replace the value of `slot`, which is recorded.
+    fn set(&mut self, slot: u32, value: i64, bs: i64) {
+        let r = self.row[slot as usize] as usize;
+        (self.rows[r].1, self.rows[r].2) = (value, bs);
+    }
+
+    fn remove(&mut self, slot: u32) {
+        let Some(&r) = self.row.get(slot as usize) else {
+            return;
+        };
+        if r == NO_ROW {
+            return;
+        }
+        self.rows.remove(r as usize);
+        self.row[slot as usize] = NO_ROW;
+        for &(s, _, _) in &self.rows[r as usize..] {
+            self.row[s as usize] -= 1;
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
     fn into_vec<K: WorkerName>(self, index: &Index<K>) -> Vec<Score<K>> {
-        self.order
+        // Each clone below reads the worker's box and then its name's shared record (an atomic
+        // increment, which keeps later loads from passing it): prefetch the boxes, then the
+        // names, so the clones find both in cache instead of missing twice a row in turn.
+        let live = |slot: u32| index.workers[slot as usize].as_deref();
+        for w in self.rows.iter().filter_map(|r| live(r.0)) {
+            prefetch(std::ptr::addr_of!(w.key).cast());
+        }
+        for w in self.rows.iter().filter_map(|r| live(r.0)) {
+            w.key.prefetch();
+        }
+        self.rows
             .iter()
-            .map(|&slot| {
-                let (blocks, block_size) = self.by_slot[&slot];
+            .map(|&(slot, blocks, block_size)| {
                 let w = index.workers[slot as usize].as_ref().expect("live worker");
                 Score {
                     worker: w.key.clone(),
@@ -170,6 +217,8 @@ struct Alive {
     /// a list step's kept bits (zero between steps)
     mask: Vec<u64>,
     count: usize,
+    /// the fleet's slots (`Scores::record` sizes its row vector to them)
+    slots: usize,
 }
 
 impl Alive {
@@ -187,6 +236,7 @@ impl Alive {
             active,
             mask,
             count: members.len(),
+            slots,
         }
     }
 
@@ -262,7 +312,12 @@ impl Alive {
                 self.count -= dropped.count_ones() as usize;
                 if at > 0 {
                     while dropped != 0 {
-                        out.record(wi as u32 * 64 + dropped.trailing_zeros(), at, bs);
+                        out.record(
+                            wi as u32 * 64 + dropped.trailing_zeros(),
+                            at,
+                            bs,
+                            self.slots,
+                        );
                         dropped &= dropped - 1;
                     }
                 }
@@ -280,7 +335,7 @@ impl Alive {
         for &wi in &self.active {
             let mut left = self.words[wi as usize];
             while left != 0 {
-                out.record(wi * 64 + left.trailing_zeros(), at, bs);
+                out.record(wi * 64 + left.trailing_zeros(), at, bs, self.slots);
                 left &= left - 1;
             }
         }
@@ -338,6 +393,7 @@ impl<K: WorkerName> Index<K> {
         let track_gpu = self.table.flag_key_counts()[1] > 0;
         let mut gpu = Scores::default();
         let mut held: Vec<Holders<'_>> = Vec::new();
+        let mut ids: Vec<Option<u32>> = Vec::new();
         for (cls, members) in &self.bs_members {
             let cls = *cls;
             let bs = cls.0;
@@ -353,16 +409,24 @@ impl<K: WorkerName> Index<K> {
                 chunk *= 2;
                 q.extend(cls, end);
                 // Look the whole chunk's keys up, then fetch their holders, before the first
-                // step: the lookups do not depend on each other, so their cache misses overlap
-                // instead of queueing one behind the other. At fleet scale the misses (the id
-                // table, the record, the holder set), not the steps, are most of a match.
+                // step, in passes: the lookups do not depend on each other, so their cache
+                // misses overlap instead of queueing one behind the other. At fleet scale the
+                // misses (the id table, the record, the side entry, the holder words), not the
+                // steps, are most of a match. Each pass only issues prefetches of what the next
+                // one reads, so no pass waits on a miss the previous one could have started.
+                ids.clear();
+                ids.extend(q.keys[&cls][i..end].iter().map(|k| self.table.id(k)));
+                for &id in ids.iter().flatten() {
+                    self.table.prefetch_side(id);
+                }
                 held.clear();
-                held.extend(q.keys[&cls][i..end].iter().map(|k| {
-                    self.table
-                        .id(k)
-                        .map_or(Holders::List(&[]), |id| self.table.holders(id))
-                }));
-                std::hint::black_box(held.iter().fold(0u64, |acc, h| acc ^ h.first_word()));
+                held.extend(
+                    ids.iter()
+                        .map(|id| id.map_or(Holders::List(&[]), |id| self.table.holders(id))),
+                );
+                for h in &held {
+                    h.prefetch();
+                }
                 for &holders in &held {
                     alive.step(holders, H, H, i as i64, bs, &mut scores);
                     if alive_gpu.count > 0 {
@@ -389,7 +453,7 @@ impl<K: WorkerName> Index<K> {
             bigram_cap(self, q, &mut scores);
             bigram_cap(self, q, &mut gpu);
         }
-        if self.hybrid_workers > 0 && !scores.order.is_empty() {
+        if self.hybrid_workers > 0 && !scores.is_empty() {
             self.hybrid_rule(q, &mut scores, track_gpu.then_some(&mut gpu));
         }
         MatchResult {
@@ -400,15 +464,13 @@ impl<K: WorkerName> Index<K> {
 
     /// Cut each hybrid worker's run to what every KV-cache group serves (`_hybrid_rule`).
     fn hybrid_rule(&self, q: &mut Query, scores: &mut Scores, mut gpu: Option<&mut Scores>) {
-        let hybrid: Vec<u32> = scores
-            .order
-            .iter()
-            .copied()
+        let hybrid: Vec<u32> = (scores.rows.iter())
+            .map(|r| r.0)
             .filter(|&s| self.workers[s as usize].as_ref().is_some_and(|w| w.hybrid))
             .collect();
         for slot in hybrid {
             let w = self.workers[slot as usize].as_ref().expect("live worker");
-            let (value, bs) = scores.by_slot[&slot];
+            let (value, bs) = scores.get(slot).expect("recorded");
             let mut align = lcm(bs, w.bs);
             for (_, grp) in &w.groups {
                 if grp.block_size != 0 {
@@ -439,10 +501,10 @@ impl<K: WorkerName> Index<K> {
             }
             if hit != 0 {
                 let v = hit / bs;
-                scores.by_slot.insert(slot, (v, bs));
+                scores.set(slot, v, bs);
                 if let Some(g) = gpu.as_deref_mut() {
-                    if let Some(e) = g.by_slot.get_mut(&slot) {
-                        e.0 = e.0.min(v);
+                    if let Some((gv, gbs)) = g.get(slot) {
+                        g.set(slot, gv.min(v), gbs);
                     }
                 }
             } else {
@@ -598,9 +660,8 @@ fn served_blocks(q: &Query, cls: Class) -> usize {
 /// of an n-token prompt — a page less than `served_blocks` when n - 1 is whole pages.
 fn bigram_cap<K: WorkerName>(index: &Index<K>, q: &Query, scores: &mut Scores) {
     let n = q.input.tokens.len() as i64;
-    let over: Vec<(u32, i64, i64)> = (scores.order.iter())
-        .filter_map(|&slot| {
-            let (blocks, bs) = scores.by_slot[&slot];
+    let over: Vec<(u32, i64, i64)> = (scores.rows.iter())
+        .filter_map(|&(slot, blocks, bs)| {
             let cap = floor_div(n - 2, bs).max(0);
             let bigram = || {
                 index.workers[slot as usize]
@@ -612,7 +673,7 @@ fn bigram_cap<K: WorkerName>(index: &Index<K>, q: &Query, scores: &mut Scores) {
         .collect();
     for (slot, cap, bs) in over {
         if cap > 0 {
-            scores.by_slot.insert(slot, (cap, bs));
+            scores.set(slot, cap, bs);
         } else {
             scores.remove(slot);
         }

@@ -71,6 +71,12 @@ impl WorkerName for PyKey {
     fn label(&self) -> String {
         format!("{}/{}", self.0.worker_id, self.0.dp_rank)
     }
+
+    /// The shared record a clone counts a reference in.
+    #[inline]
+    fn prefetch(&self) {
+        crate::index::prefetch(Arc::as_ptr(&self.0).cast());
+    }
 }
 
 impl PyKey {
