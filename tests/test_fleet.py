@@ -54,7 +54,9 @@ async def test_an_idle_source_holds_four_descriptors_and_no_replay_socket() -> N
         ctx.socket(zmq.PAIR).close()  # the context's I/O thread and reaper start with its first socket
         before = _fds()
         sources = [pub.source(f"w{i}") for i, pub in enumerate(pubs)]
-        async with KvEventClient(sources, config=FAST, context=ctx) as client:
+        # The Python receiver's sockets, all in ``ctx`` (the native thread has its own context).
+        python_receiver = msgspec.structs.replace(FAST, native_receive=False)
+        async with KvEventClient(sources, config=python_receiver, context=ctx) as client:
             await client.wait_synced(20)
             for i, pub in enumerate(pubs):
                 pub.publish([_event(100 + i)])
@@ -228,7 +230,9 @@ async def test_the_receive_loop_outlives_the_source_that_ran_it() -> None:
     async with EventPublisher() as a, EventPublisher() as b, EventPublisher() as c:
         for i, pub in enumerate((a, b, c)):
             pub.publish([_event(i)])
-        async with KvEventClient([a.source("a"), b.source("b"), c.source("c")], config=FAST) as client:
+        # The Python receiver's loop (the native thread outlives every source by construction).
+        python_receiver = msgspec.structs.replace(FAST, native_receive=False)
+        async with KvEventClient([a.source("a"), b.source("b"), c.source("c")], config=python_receiver) as client:
             await client.wait_synced(20)
             receiver = client._subs[a.source("a").key].driver._receiver  # type: ignore[attr-defined]
             assert receiver._leading
