@@ -38,6 +38,11 @@ receive thread applies in-order batches itself (its lags are taken from the (seq
 it hands back, `SourceDriver._native_applied`). The thread shares the client's core.
 ``--receivers python,native`` runs one client after the other against the same publishers (each
 syncs from cold; the publishers' seqs go on), so the two rows are a same-run comparison.
+``--replay-paths raw,decoded`` does the same for how replay answers are taken: "raw" (kvroute's
+path) judges each reply with the core's verdict and applies the answer's run as payload bytes
+(`PrefixIndex.apply_payloads`); "decoded" (the path before it, and still the one with a listener)
+decodes each reply to an `EventBatch` and applies it event by event. The cold sync is mostly
+replay answers: its time is the figure to compare.
 
 Each line is one row of the README's fleet table.
 """
@@ -54,6 +59,7 @@ import sys
 import time
 from array import array
 from collections import Counter, deque
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -74,6 +80,8 @@ from kvroute import (
 BLOCKS = 16
 _END = b"\xff" * 8
 _TS_MARK = 1234567.890625  # a ts whose float64 bytes are found in the encoded payload and patched
+# Where a batch puts them: it is an array [ts, events, rank]; its header and the float64 marker come first.
+_TS_AT = 2
 
 
 def _payloads(rank: int, distinct: int) -> list[tuple[bytes, bytes]]:
@@ -90,6 +98,7 @@ def _payloads(rank: int, distinct: int) -> list[tuple[bytes, bytes]]:
         )
         payload = encode_batch(EventBatch(_TS_MARK, [ev], rank % 8), form="map")
         at = payload.index(mark) + 1
+        assert at == _TS_AT, "the batch's ts moved: _LagIndex.apply_payloads reads it there"
         out.append((payload[:at], payload[at + 8 :]))
     return out
 
@@ -201,8 +210,17 @@ class _LagIndex(PrefixIndex):
                 self.lags.append(time.time() - report.ts)
         return report
 
+    def apply_payloads(self, worker: WorkerKey, payloads: Sequence[bytes], limits: Limits | None = None) -> int:
+        """Apply judged payloads (a replay answer's run), and count the blocks and the lags (ts read in place)."""
+        stored = super().apply_payloads(worker, payloads, limits)
+        self.applied_blocks += BLOCKS * len(payloads)
+        if self.recording:
+            now = time.time()
+            self.lags.extend(now - struct.unpack_from(">d", p, _TS_AT)[0] for p in payloads)
+        return stored
+
     def apply_batch(self, worker: WorkerKey, batch: EventBatch) -> None:
-        """Apply a decoded batch (the general path: replays, held batches), and count the blocks and the lag."""
+        """Apply a decoded batch (held live batches; replays with --replay-path decoded), count blocks and lag."""
         super().apply_batch(worker, batch)
         self.applied_blocks += BLOCKS
         if self.recording:
@@ -360,6 +378,8 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
         async with KvEventClient(sources, index=index, config=config) as client, anyio.create_task_group() as tg:
             # Before the first await: no source's task has run yet, so the cold requests are counted.
             undo_replays = _count_replays(client, replay_counts)
+            if args.replay_path == "decoded":
+                _decoded_replies(client)
             subs = client._subs
             if args.native:
                 tg.start_soon(_undo_at_exit, count_native(client))
@@ -458,6 +478,24 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             undo_replays()
 
 
+def _decoded_replies(client: KvEventClient) -> None:
+    """Replay answers the way kvroute took them before the raw path: each reply decoded to an `EventBatch`.
+
+    The same-run baseline of ``--replay-paths raw,decoded``: each ZMQ driver's replay requester
+    judges a reply by the driver's decode instead (the path it still takes for a client with a
+    listener), so the machine holds batch objects and applies them event by event. Call it as
+    the client starts, before its sources' tasks first run; it dies with the client.
+    """
+    for sub in client._subs.values():
+        driver: Any = sub.driver
+
+        def decoded(payload: bytes, decode: Any = driver._decode) -> tuple[float, Any]:
+            batch = decode(payload)
+            return (batch.ts if batch is not None else math.nan), batch
+
+        driver._replays._judge = decoded
+
+
 async def _undo_at_exit(undo: Any) -> None:
     """Call ``undo`` when cancelled (the end of the run)."""
     try:
@@ -489,10 +527,19 @@ def main() -> None:
         default=None,
         help="e.g. python,native: one client after the other against the same publishers (same-run ratios)",
     )
+    ap.add_argument(
+        "--replay-paths",
+        default="raw",
+        help="raw (replay answers judged and applied as bytes), decoded (each reply decoded to an EventBatch, "
+        "the path before), or both, e.g. raw,decoded: one client after the other (same-run ratios)",
+    )
     args = ap.parse_args()
     receivers = (args.receivers or ("native" if args.native else "python")).split(",")
     if not set(receivers) <= {"python", "native"}:
         ap.error(f"--receivers takes python and native, not {args.receivers!r}")
+    paths = args.replay_paths.split(",")
+    if not set(paths) <= {"raw", "decoded"}:
+        ap.error(f"--replay-paths takes raw and decoded, not {args.replay_paths!r}")
 
     cores = sorted(os.sched_getaffinity(0))
     client_core, pub_core = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
@@ -530,14 +577,17 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         for receiver in receivers:
-            args.native = receiver == "native"
-            rate.value = args.rate if args.sync_rate is None else args.sync_rate
-            print(
-                f"# {args.ranks} ranks, {args.procs} publisher processes, fd limit {soft}/{hard}, "
-                f"load average {os.getloadavg()[0]:.1f}, Python {sys.version.split()[0]}, receiver {receiver}",
-                flush=True,
-            )
-            anyio.run(_run, args, sources, rate, published, backend=args.backend)
+            for path in paths:
+                args.native = receiver == "native"
+                args.replay_path = path
+                rate.value = args.rate if args.sync_rate is None else args.sync_rate
+                print(
+                    f"# {args.ranks} ranks, {args.procs} publisher processes, fd limit {soft}/{hard}, "
+                    f"load average {os.getloadavg()[0]:.1f}, Python {sys.version.split()[0]}, receiver {receiver}, "
+                    f"replay answers {path}",
+                    flush=True,
+                )
+                anyio.run(_run, args, sources, rate, published, backend=args.backend)
     finally:
         stop.set()
         for proc in procs:

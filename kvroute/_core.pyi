@@ -32,6 +32,14 @@ class Index:
         max_blocks_per_event: int,
         max_block_size: int,
     ) -> tuple[float, str, str, int, list[tuple[str, int]]]: ...
+    def apply_payloads(
+        self,
+        worker: WorkerKey,
+        payloads: Sequence[bytes],
+        max_events_per_batch: int,
+        max_blocks_per_event: int,
+        max_block_size: int,
+    ) -> int: ...
     def apply_events(self, worker: WorkerKey, events: Iterable[EngineEvent]) -> None: ...
     def apply_event(self, worker: WorkerKey, event: EngineEvent) -> None: ...
     def remove_worker(self, worker: WorkerKey) -> None: ...
@@ -194,6 +202,11 @@ def decode_checked(
 
     ``batch`` is None only when the bytes did not decode; a refused batch is returned for its skip counts.
     """
+
+def judge(
+    payload: Any, max_events_per_batch: int, max_blocks_per_event: int, max_block_size: int
+) -> tuple[float, str, str, dict[str, int]]:
+    """``decode_checked``'s verdict with no Python object per event: ``(ts, kind, detail, skipped)``."""
 
 # --- the native receive loop (src/recv, src/py/recv.rs) -----------------------------------------
 

@@ -27,6 +27,7 @@ __all__ = [
     "Holding",
     "Identity",
     "Link",
+    "Payload",
     "RecoveryPhase",
     "RecoveryStats",
     "RecreateSubscriber",
@@ -42,10 +43,17 @@ REPLAY_END_SEQ: Final = (1 << 64) - 1
 REPLAY_END_MARKER: Final = REPLAY_END_SEQ.to_bytes(8, "big")
 
 
+#: A batch the machine may apply: decoded, or its engine payload as received, already judged
+#: applicable by the core's verdict (`kvroute._core.judge`, the rule `PrefixIndex.apply_payload`
+#: applies) and applied by the driver through the raw-bytes ingest (`PrefixIndex.apply_payloads`).
+#: The machine reads neither: it holds and orders them by seq and ts, which come with them.
+Payload = EventBatch | bytes
+
+
 class Apply(msgspec.Struct, frozen=True):
     """Apply these ``(seq, ts, batch)`` items to the index, in this order."""
 
-    items: list[tuple[int, float, EventBatch]]
+    items: list[tuple[int, float, Payload]]
 
 
 class RequestReplay(msgspec.Struct, frozen=True):

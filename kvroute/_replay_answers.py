@@ -22,11 +22,11 @@ from ._recovery import (
     Apply,
     Emit,
     Identity,
+    Payload,
     RecoveryStats,
     Reply,
     RequestReplay,
 )
-from ._wire import EventBatch
 
 __all__ = ["IDENTITY_ATTEMPTS", "Held", "ReplayAnswers"]
 
@@ -35,8 +35,8 @@ __all__ = ["IDENTITY_ATTEMPTS", "Held", "ReplayAnswers"]
 #: old state cannot be vouched for (rule 2: "a failed identity check means the engine restarted").
 IDENTITY_ATTEMPTS = 2
 
-#: A batch waiting to be applied: (ts, batch or None when undecodable, came from a replay).
-Held = tuple[float, EventBatch | None, bool]
+#: A batch waiting to be applied: (ts, batch or payload, None when undecodable; came from a replay).
+Held = tuple[float, Payload | None, bool]
 
 
 class ReplayAnswers:
@@ -72,8 +72,12 @@ class ReplayAnswers:
         def _reset(self, reason: ResetReason, detail: str, out: list[Action]) -> None: ...
         def _mark_partial(self, reason: ResetReason, first_seq: int, out: list[Action]) -> None: ...
 
-    def on_replay(self, items: Sequence[tuple[int, float, EventBatch | None]], *, complete: bool) -> list[Action]:
-        """The replies to the request in flight, in arrival order; ``complete``: end marker seen."""
+    def on_replay(self, items: Sequence[tuple[int, float, Payload | None]], *, complete: bool) -> list[Action]:
+        """The replies to the request in flight, in arrival order; ``complete``: end marker seen.
+
+        Each item's batch is decoded or its judged payload (`kvroute._recovery.Payload`), None
+        when it did not decode or was untrusted (then ``ts`` is ignored).
+        """
         req = self.replay_in_flight
         if req is None:
             self.stats.invalid += 1
@@ -115,7 +119,7 @@ class ReplayAnswers:
         return self._done(before, out)
 
 
-    def _hold(self, seq: int, ts: float, batch: EventBatch | None, replayed: bool, out: list[Action]) -> bool:
+    def _hold(self, seq: int, ts: float, batch: Payload | None, replayed: bool, out: list[Action]) -> bool:
         """Keep a batch until it can be applied; False when it proved a restart (already handled)."""
         held = self._held
         cur = held.get(seq)
@@ -138,7 +142,7 @@ class ReplayAnswers:
         self,
         req: RequestReplay,
         anchor_ts: float,
-        items: Sequence[tuple[int, float, EventBatch | None]],
+        items: Sequence[tuple[int, float, Payload | None]],
         complete: bool,
         out: list[Action],
     ) -> None:
@@ -161,7 +165,7 @@ class ReplayAnswers:
         self,
         req: RequestReplay,
         from_seq: int,
-        items: Sequence[tuple[int, float, EventBatch | None]],
+        items: Sequence[tuple[int, float, Payload | None]],
         complete: bool,
         floor_means_lost: bool,
         out: list[Action],
@@ -280,7 +284,7 @@ class ReplayAnswers:
         held = self._held
         if not held:
             return
-        items: list[tuple[int, float, EventBatch]] = []
+        items: list[tuple[int, float, Payload]] = []
         nxt = self.last_seq + 1
         while True:
             entry = held.get(nxt)

@@ -366,6 +366,25 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_gateway_stream.py",),
         ("tests/test_gateway_stream.py::test_data_loss_clears_the_rank_and_resubscribes",),
     ),
+    Mutation(
+        "replay-untrusted-raw",
+        "rule 3: a replayed copy judged untrusted on the raw path is a hole, never applied (the worker is reset)",
+        "kvroute/_transports/zmq/driver.py",
+        "        if kind:\n            self._bad_payload(kind, detail)\n            return math.nan, None\n",
+        '        if kind == "undecodable payload":\n            self._bad_payload(kind, detail)\n'
+        "            return math.nan, None\n",
+        ("tests/test_fleet.py",),
+        ("tests/test_fleet.py::test_replay_answers_are_applied_as_raw_payloads_by_the_machines_rules",),
+    ),
+    Mutation(
+        "replay-skips-uncounted",
+        "an unusable event in a replayed payload judged on the raw path is skipped and counted",
+        "kvroute/_transports/zmq/payloads.py",
+        "    if skipped:\n        decoder.count_skipped(skipped)\n",
+        "",
+        ("tests/test_fleet.py",),
+        ("tests/test_fleet.py::test_replay_answers_are_applied_as_raw_payloads_by_the_machines_rules",),
+    ),
     # --- the router ---
     Mutation(
         "router-unlocked",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from array import array
@@ -249,12 +250,15 @@ async def nothing_arrives(sock: zmq.Socket[bytes], wait: float) -> bool:
     return True
 
 
-#: Fast settings for socket tests: quick reconnects, short replay timeouts and quiet ticks.
+#: Fast settings for socket tests: quick reconnects, short replay timeouts and quiet ticks. On the
+#: default receiver (the Python one); ``KVROUTE_TEST_RECEIVER=native`` runs every test that uses
+#: these settings on the native receive thread instead.
 FAST = SubscriberConfig(
     reconnect_ivl=0.02,
     reconnect_ivl_max=0.1,
     replay_timeout=0.3,
     quiet_interval=0.3,
+    native_receive=os.environ.get("KVROUTE_TEST_RECEIVER", "python") == "native",
 )
 
 

@@ -19,9 +19,10 @@ import pytest
 import zmq
 from _publisher_helpers import FAST
 
-from kvroute import BlockStored, EventBatch, EventSource, KvEventClient, encode_batch
+from kvroute import BlockRemoved, BlockStored, EventBatch, EventSource, KvEventClient, WorkerKey, encode_batch
 from kvroute._errors import ConfigError
 from kvroute._transports.zmq.config import SubscriberConfig
+from kvroute._transports.zmq.driver import SourceDriver
 from kvroute._transports.zmq.sockets import FDS_PER_SOURCE
 from kvroute.sim._publisher import EventPublisher
 
@@ -53,7 +54,9 @@ async def test_an_idle_source_holds_four_descriptors_and_no_replay_socket() -> N
         ctx.socket(zmq.PAIR).close()  # the context's I/O thread and reaper start with its first socket
         before = _fds()
         sources = [pub.source(f"w{i}") for i, pub in enumerate(pubs)]
-        async with KvEventClient(sources, config=FAST, context=ctx) as client:
+        # The Python receiver's sockets, all in ``ctx`` (the native thread has its own context).
+        python_receiver = msgspec.structs.replace(FAST, native_receive=False)
+        async with KvEventClient(sources, config=python_receiver, context=ctx) as client:
             await client.wait_synced(20)
             for i, pub in enumerate(pubs):
                 pub.publish([_event(100 + i)])
@@ -227,7 +230,9 @@ async def test_the_receive_loop_outlives_the_source_that_ran_it() -> None:
     async with EventPublisher() as a, EventPublisher() as b, EventPublisher() as c:
         for i, pub in enumerate((a, b, c)):
             pub.publish([_event(i)])
-        async with KvEventClient([a.source("a"), b.source("b"), c.source("c")], config=FAST) as client:
+        # The Python receiver's loop (the native thread outlives every source by construction).
+        python_receiver = msgspec.structs.replace(FAST, native_receive=False)
+        async with KvEventClient([a.source("a"), b.source("b"), c.source("c")], config=python_receiver) as client:
             await client.wait_synced(20)
             receiver = client._subs[a.source("a").key].driver._receiver  # type: ignore[attr-defined]
             assert receiver._leading
@@ -433,3 +438,42 @@ async def test_a_cold_fleet_replays_through_all_its_slots_at_once() -> None:
         for pub in pubs:
             pub.close(0)
         ctx.term()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python-receiver", "native-receiver"])
+async def test_replay_answers_are_applied_as_raw_payloads_by_the_machines_rules(native: bool) -> None:
+    # Replay answers are judged by the core's verdict and applied by the raw-bytes ingest, no
+    # batch object per event (nobody listens); the recovery rules decide as before.
+    toks = list(range(16))
+    async with EventPublisher() as pub:
+        # In the engine's buffer before the client exists (their live copies reach nobody): the
+        # cold sync replays both. Seq 1 holds a store kvroute cannot use: skipped and counted,
+        # the rest of its batch applied.
+        pub.publish([BlockStored(block_hashes=[1, 2], token_ids=toks[:8], block_size=4)])
+        unusable = BlockStored(block_hashes=[5], token_ids=toks[:4], block_size=0)
+        pub.publish([unusable, BlockStored(block_hashes=[7], token_ids=toks[12:16], block_size=4)])
+        src = pub.source("w")
+        key: WorkerKey = src.key
+        config = msgspec.structs.replace(FAST, native_receive=native)
+        async with KvEventClient([src], config=config) as client:
+            await client.wait_synced(10)
+            await until(lambda: client.stats().sources[key].last_seq == 1)
+            driver = client._subs[key].driver  # type: ignore[attr-defined]
+            assert isinstance(driver, SourceDriver)
+            assert driver._decoder.skipped_events == {"block-size": 1}
+            assert client.index.find_matches([*toks[:8], 0])[key] == 2
+            assert client.index.find_matches([*toks[12:16], 0])[key] == 1
+            # Seq 2 holds an unreadable removal, live and replayed: the replayed copy (judged on
+            # the new path) is untrusted too, so the worker is reset (rule 3, then rule 5), never
+            # left claiming blocks the engine may have dropped; seq 3 follows from a new history.
+            bad = BlockRemoved(block_hashes=[1.5])  # type: ignore[list-item]
+            pub.publish([BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=toks[8:12], block_size=4), bad])
+            pub.publish([BlockStored(block_hashes=[9], token_ids=toks[8:12], block_size=4)])
+            await until(lambda: client.stats().sources[key].last_seq == 3)
+            st = client.stats().sources[key]
+            assert st.resets == 1 and st.uncovered == 1 and st.partial and st.undecodable >= 1
+            assert st.replayed_batches >= 4
+            assert key not in client.index.find_matches([*toks[:8], 0])  # what seqs 0-1 stored is gone
+            assert key not in client.index.find_matches([*toks[12:16], 0])
+            assert client.index.find_matches([*toks[8:12], 0])[key] == 1  # seq 3
+            assert client.index.num_blocks(key) == 1

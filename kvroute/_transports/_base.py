@@ -21,9 +21,10 @@ from .._events import Envelope, LifecycleEvent, Partial, Reset
 from .._index import PrefixIndex
 from .._load import EngineLoad
 from .._models import EventSource, SourceState, WorkerKey, WorkerStatus
+from .._recovery import Payload
 from .._snapshot import Cursor
 from .._source import Action, Apply, Emit, RecoveryMachine, RecoveryStats, ResetWorker
-from .._wire import BlockStored, EventBatch
+from .._wire import BatchDecoder, BlockStored, Limits
 
 __all__ = [
     "COUNTER_FIELDS",
@@ -157,19 +158,40 @@ class RateLimitedLog:
 
 
 def apply_items(
-    index: PrefixIndex, source: EventSource, sink: EventSink, items: Sequence[tuple[int, float, EventBatch]]
+    index: PrefixIndex,
+    source: EventSource,
+    sink: EventSink,
+    items: Sequence[tuple[int, float, Payload]],
+    limits: Limits | None = None,
 ) -> int:
-    """Apply a machine's `Apply` run to the index, fan its events out; the blocks stored (any transport)."""
+    """Apply a machine's `Apply` run to the index, fan its events out; the blocks stored (any transport).
+
+    A run of judged payloads (`kvroute._recovery.Payload`, the ZMQ driver's replay answers) goes
+    through the raw-bytes ingest in one call (``limits``: the ones they were judged with) while
+    nobody listens; with a listener each is decoded here, for its events.
+    """
     apply_batch, key = index.apply_batch, source.key
     emit = sink.active
     blocks = 0
+    run: list[bytes] = []
     for seq, ts, batch in items:
+        if isinstance(batch, bytes):
+            if not emit:
+                run.append(batch)
+                continue
+            # A listener came after the payload was judged: it gets the events all the same.
+            batch = BatchDecoder(limits).decode(batch)
+        if run:
+            blocks += index.apply_payloads(key, run, limits)
+            run = []
         apply_batch(key, batch)
         for ev in batch.events:
             if type(ev) is BlockStored:
                 blocks += len(ev.block_hashes)
             if emit:
                 sink.publish(Envelope(source=source, seq=seq, ts=ts, event=ev))
+    if run:
+        blocks += index.apply_payloads(key, run, limits)
     return blocks
 
 
@@ -379,8 +401,13 @@ class DriverBase:
     def after_actions(self) -> None:
         """Called after each `execute` run of actions, before ``on_change``; nothing by default."""
 
-    def apply(self, items: Sequence[tuple[int, float, EventBatch]]) -> None:
+    def apply(self, items: Sequence[tuple[int, float, Payload]]) -> None:
         """Apply an `Apply` run to the index and fan its events out (nothing once stopped)."""
         if self._stopped:
             return
-        self.counters.blocks += apply_items(self._index, self.source, self._sink, items)
+        self.counters.blocks += apply_items(self._index, self.source, self._sink, items, self.limits)
+
+    @property
+    def limits(self) -> Limits | None:
+        """The `Limits` this driver judges payloads with (None: the defaults; see `apply_items`)."""
+        return None

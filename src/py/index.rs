@@ -13,8 +13,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
 use crate::index::{Index, Limits, Query, Score, SnapKey, WorkerName};
@@ -276,6 +277,66 @@ impl PyIndex {
         });
         flush_logs(py, logs)?;
         Ok(out)
+    }
+
+    /// Apply payloads the recovery machine took as applicable (`kvroute._core.judge` passed each
+    /// with the same limits) to ``worker`` in order: the raw-bytes ingest for a replay answer's
+    /// run, no Python object per event, the GIL released. Each chunk is decoded before the write
+    /// lock is taken, so queries wait only for the applying. Returns the blocks stored. A payload
+    /// the verdict refuses now raises RuntimeError, after the ones before it were applied: the
+    /// judge and the apply disagreeing is kvroute's bug, never the engine's doing.
+    fn apply_payloads(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        payloads: Vec<PyBackedBytes>,
+        max_events_per_batch: &Bound<'_, PyAny>,
+        max_blocks_per_event: &Bound<'_, PyAny>,
+        max_block_size: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        // Decoded batches waiting for the lock: bounded, as a replay answer may hold 100,000.
+        const CHUNK: usize = 64;
+        let key = PyKey::extract(worker)?;
+        let lim = super::wire::limits(max_events_per_batch, max_blocks_per_event, max_block_size)?;
+        let inner = &self.inner;
+        let n = payloads.len();
+        let (out, logs) = py.detach(|| {
+            let mut stored = 0u64;
+            let mut logs = Vec::new();
+            for (c, chunk) in payloads.chunks(CHUNK).enumerate() {
+                let mut batches = Vec::with_capacity(chunk.len());
+                let mut refused = None;
+                for (i, p) in chunk.iter().enumerate() {
+                    let why = match crate::wire::decode(p, &lim) {
+                        Ok(batch) => match crate::wire::verdict(&batch) {
+                            None => {
+                                batches.push(batch);
+                                continue;
+                            }
+                            Some((kind, detail)) => format!("{kind}: {detail}"),
+                        },
+                        Err(e) => e.message,
+                    };
+                    refused = Some(format!(
+                        "payload {} of {n} was judged applicable, then refused: {why}",
+                        c * CHUNK + i
+                    ));
+                    break;
+                }
+                let mut idx = inner.write();
+                for batch in &batches {
+                    stored += idx.apply_batch(&key, batch).stored_blocks;
+                }
+                logs.extend(idx.take_logs());
+                drop(idx);
+                if let Some(why) = refused {
+                    return (Err(why), logs);
+                }
+            }
+            (Ok(stored), logs)
+        });
+        flush_logs(py, logs)?;
+        out.map_err(PyRuntimeError::new_err)
     }
 
     /// Apply engine events (kvroute._wire Structs) of ``worker`` in order.

@@ -117,21 +117,58 @@ fn decode_checked<'py>(
     max_block_size: &Bound<'py, PyAny>,
 ) -> PyResult<(Option<Bound<'py, PyAny>>, &'static str, String)> {
     let lim = limits(max_events_per_batch, max_blocks_per_event, max_block_size)?;
-    let decoded = match run(py, payload, &lim) {
+    let decoded = match run_checked(py, payload, &lim)? {
         Ok(d) => d,
+        Err(why) => return Ok((None, "undecodable payload", why)),
+    };
+    let (kind, detail) = wire::verdict(&decoded.batch).unwrap_or(("", String::new()));
+    let batch = to_python(py, &decoded.batch, &decoded.wide)?;
+    Ok((Some(batch), kind, detail))
+}
+
+/// Judge one payload as ``decode_checked`` does, building no Python object per event (a replay
+/// answer's batches are applied later through ``Index.apply_payloads``): ``(ts, kind, detail,
+/// skipped)``, ``kind`` "" when the batch may be applied (then ``ts`` is its finite ts), else
+/// "undecodable payload" or "untrusted batch" with the detail the subscriber logs; ``skipped``
+/// the decoder's per-reason counts (empty when the bytes did not decode). Never raises for the
+/// payload's content.
+#[pyfunction]
+#[pyo3(signature = (payload, max_events_per_batch, max_blocks_per_event, max_block_size))]
+fn judge<'py>(
+    py: Python<'py>,
+    payload: &Bound<'py, PyAny>,
+    max_events_per_batch: &Bound<'py, PyAny>,
+    max_blocks_per_event: &Bound<'py, PyAny>,
+    max_block_size: &Bound<'py, PyAny>,
+) -> PyResult<(f64, &'static str, String, Bound<'py, PyDict>)> {
+    let lim = limits(max_events_per_batch, max_blocks_per_event, max_block_size)?;
+    let batch = match run_checked(py, payload, &lim)? {
+        Ok(d) => d.batch,
+        Err(why) => return Ok((f64::NAN, "undecodable payload", why, PyDict::new(py))),
+    };
+    let (kind, detail) = wire::verdict(&batch).unwrap_or(("", String::new()));
+    Ok((batch.ts, kind, detail, skipped(py, &batch)?))
+}
+
+/// `run`, with a payload that does not decode as ``Ok(Err(why))``: only a failure that is not the
+/// payload's (an exception raised while reading it) is an error.
+fn run_checked(
+    py: Python<'_>,
+    payload: &Bound<'_, PyAny>,
+    lim: &Limits,
+) -> PyResult<Result<wire::Decoded, String>> {
+    match run(py, payload, lim) {
+        Ok(d) => Ok(Ok(d)),
         Err(e)
             if e.is_instance(
                 py,
                 DECODE_ERROR.import(py, "kvroute._errors", "DecodeError")?,
             ) =>
         {
-            return Ok((None, "undecodable payload", e.value(py).to_string()));
+            Ok(Err(e.value(py).to_string()))
         }
-        Err(e) => return Err(e),
-    };
-    let (kind, detail) = wire::verdict(&decoded.batch).unwrap_or(("", String::new()));
-    let batch = to_python(py, &decoded.batch, &decoded.wide)?;
-    Ok((Some(batch), kind, detail))
+        Err(e) => Err(e),
+    }
 }
 
 /// Decode one payload and return only what the recovery machine needs, with no object per event:
@@ -376,6 +413,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_batch, m)?)?;
     m.add_function(wrap_pyfunction!(decode_count, m)?)?;
     m.add_function(wrap_pyfunction!(decode_checked, m)?)?;
+    m.add_function(wrap_pyfunction!(judge, m)?)?;
     m.add("MAX_DEPTH", wire::MAX_DEPTH)?;
     Ok(())
 }

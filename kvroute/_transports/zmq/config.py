@@ -101,7 +101,8 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     Memory, per source, at most: ``queue_bytes`` queued in libzmq (SUB), ``held_bytes`` of
     payload held behind an outstanding replay (about 7x that decoded), and its index state;
-    and per replay slot one answer of up to ``held_bytes`` (x7 decoded). Held batches exist
+    and per replay slot one answer of up to ``held_bytes`` (held as payload bytes; x7 decoded
+    while an ``events()`` listener or a raw tap wants its events). Held batches exist
     only for a source with a gap or an identity check pending, never because the client
     is slow: a client past its ceiling leaves the backlog in the engines' PUB queues (which
     drop past their high-water mark: gaps, fetched again by replay within these bounds).

@@ -20,13 +20,14 @@ import zmq
 
 from ..._index import PrefixIndex
 from ..._models import EventSource
+from ..._recovery import Payload
 from ..._snapshot import Cursor
 from ..._source import Action, Apply, RecreateSubscriber, RequestReplay
-from ..._wire import BatchDecoder, EventBatch
+from ..._wire import BatchDecoder, EventBatch, Limits
 from .._base import DriverBase, EventSink, SourceStats
 from . import sockets as _zmq
 from .config import SubscriberConfig, curve_keys
-from .payloads import _decode_checked, _fast_apply
+from .payloads import _decode_checked, _fast_apply, _judge
 from .receiver import Entry, Receiver
 from .replay import ReplayRequester, ReplaySlots
 
@@ -137,7 +138,7 @@ class SourceDriver(DriverBase):
             curve=self._curve,
             counters=self.counters,
             log=self._log,
-            decode=self._decode,
+            judge=self._judge_reply,
             max_held=self.machine.max_held,
         )
         self._replay_request: RequestReplay | None = None
@@ -438,6 +439,28 @@ class SourceDriver(DriverBase):
         if batch is None:
             self._bad_payload(kind, detail)
         return batch
+
+    def _judge_reply(self, payload: bytes) -> tuple[float, Payload | None]:
+        """A replayed payload as the machine takes it: ``(ts, the payload itself)``, or ``(nan, None)`` when refused.
+
+        The cold sync of a fleet is thousands of replay answers: each payload is judged by the
+        core's verdict without building a batch, held as bytes and applied by the raw-bytes
+        ingest (`apply_items`), no Python object per event. A listener wants the events: then
+        it is decoded, as a live batch off the fast path is.
+        """
+        if self._sink.active:
+            batch = self._decode(payload)
+            return (batch.ts if batch is not None else math.nan), batch
+        ts, kind, detail = _judge(self._decoder, payload)
+        if kind:
+            self._bad_payload(kind, detail)
+            return math.nan, None
+        return ts, payload
+
+    @property
+    def limits(self) -> Limits:
+        """The `Limits` payloads are judged and applied with (`SubscriberConfig.limits`)."""
+        return self._decoder.limits
 
     def _poll_monitor(self) -> None:
         # Drained to EAGAIN: only then does the monitor's descriptor signal the next event

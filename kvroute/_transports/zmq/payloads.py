@@ -1,17 +1,20 @@
 """One ZMQ payload, as the driver takes it: decoded and checked for the recovery machine, or applied in place.
 
-`_decode_checked` is the verdict on a payload the machine is given (a live batch off the fast
-path, a replayed one); `_fast_apply` is the per-message fast path (docs/recovery.md rule 1).
+`_decode_checked` is the verdict on a payload the machine is given as a decoded batch (a live
+batch off the fast path, a replayed one while a listener wants its events); `_judge` the same
+verdict on a replayed payload the machine holds as bytes (applied later by the raw-bytes ingest,
+`PrefixIndex.apply_payloads`); `_fast_apply` is the per-message fast path (docs/recovery.md rule 1).
 """
 
 from __future__ import annotations
 
 from ..._core import decode_checked as _core_decode_checked
+from ..._core import judge as _core_judge
 from ..._index import ApplyReport, PrefixIndex
 from ..._models import WorkerKey
 from ..._wire import BatchDecoder, EventBatch
 
-__all__ = ["_decode_checked", "_fast_apply"]
+__all__ = ["_decode_checked", "_fast_apply", "_judge"]
 
 
 def _decode_checked(decoder: BatchDecoder, payload: bytes) -> tuple[EventBatch | None, str, str]:
@@ -30,6 +33,21 @@ def _decode_checked(decoder: BatchDecoder, payload: bytes) -> tuple[EventBatch |
     if batch is not None:
         decoder.count_skipped(batch.skipped)
     return (None if kind else batch), kind, detail
+
+
+def _judge(decoder: BatchDecoder, payload: bytes) -> tuple[float, str, str]:
+    """`_decode_checked`'s verdict on ``payload`` without building its batch: ``(ts, kind, detail)``.
+
+    ``kind`` "" when the payload may be applied (``ts`` is then its finite ts); else why not, as
+    `_decode_checked` says it (the core's `wire::verdict`). The decoder keeps the skip counts.
+    """
+    lim = decoder.limits
+    ts, kind, detail, skipped = _core_judge(
+        payload, lim.max_events_per_batch, lim.max_blocks_per_event, lim.max_block_size
+    )
+    if skipped:
+        decoder.count_skipped(skipped)
+    return ts, kind, detail
 
 
 def _fast_apply(index: PrefixIndex, key: WorkerKey, decoder: BatchDecoder, payload: bytes) -> ApplyReport:

@@ -16,8 +16,7 @@ import anyio
 import zmq
 
 from ..._models import EventSource
-from ..._recovery import REPLAY_END_MARKER
-from ..._wire import EventBatch
+from ..._recovery import REPLAY_END_MARKER, Payload
 from .._base import RateLimitedLog, SourceCounters
 from . import sockets as _zmq
 from .config import SubscriberConfig
@@ -151,7 +150,7 @@ class ReplayRun:
         self.replies = 0
         #: Payload bytes received: the items are bounded like held batches (``held_bytes``).
         self.item_bytes = 0
-        self.items: list[tuple[int, float, EventBatch | None]] = []
+        self.items: list[tuple[int, float, Payload | None]] = []
         self.complete = False
         #: Why the request ended before its end marker (a deadline or budget), if it did.
         self.cut: str | None = None
@@ -165,9 +164,9 @@ class ReplayRequester:
     """One source's replay requests: a DEALER to its replay endpoint, carried out in turns of the shared slots.
 
     The source's driver (`kvroute._transports.zmq.driver.SourceDriver`) asks `fetch` for what
-    its machine requested and hands the answer back to the machine; ``decode`` is the driver's
-    (it counts and logs a payload that does not decode), ``max_held`` its machine's bound on
-    held batches.
+    its machine requested and hands the answer back to the machine; ``judge`` is the driver's
+    (a reply's payload as the machine takes it: ``(ts, batch or payload)``, None when it must not
+    be applied, counted and logged), ``max_held`` its machine's bound on held batches.
     """
 
     def __init__(
@@ -180,7 +179,7 @@ class ReplayRequester:
         curve: _zmq.CurveKeys | None,
         counters: SourceCounters,
         log: RateLimitedLog,
-        decode: Callable[[bytes], EventBatch | None],
+        judge: Callable[[bytes], tuple[float, Payload | None]],
         max_held: int,
     ) -> None:
         self._source = source
@@ -190,7 +189,7 @@ class ReplayRequester:
         self._curve = curve
         self._counters = counters
         self._log = log
-        self._decode = decode
+        self._judge = judge
         self._max_held = max_held
         self._dealer: zmq.Socket[bytes] | None = None
         # A slot taken for the next request (`reserve`), and the turn holding one now.
@@ -228,7 +227,7 @@ class ReplayRequester:
         self._retry = retry
         self._slots.defer(retry)
 
-    async def fetch(self, start: int) -> tuple[list[tuple[int, float, EventBatch | None]], bool, str | None]:
+    async def fetch(self, start: int) -> tuple[list[tuple[int, float, Payload | None]], bool, str | None]:
         """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).
 
         Fair and bounded (README "Security and limits"): the request is carried out in turns,
@@ -349,7 +348,7 @@ class ReplayRequester:
                     last = clock()
         return False
 
-    def _on_reply(self, frames: list[bytes], items: list[tuple[int, float, EventBatch | None]]) -> object:
+    def _on_reply(self, frames: list[bytes], items: list[tuple[int, float, Payload | None]]) -> object:
         # Newer engines reply [b"", topic, seq8, payload], older [b"", seq8, payload]; accept
         # both from every source (docs/protocol.md §4). Returns _END, _BATCH (decodable) or _JUNK.
         n = len(frames)
@@ -368,8 +367,8 @@ class ReplayRequester:
         if seq8 == REPLAY_END_MARKER:
             return _END
         self._counters.replayed_batches += 1
-        batch = self._decode(payload)
-        items.append((int.from_bytes(seq8, "big"), batch.ts if batch is not None else math.nan, batch))
+        ts, batch = self._judge(payload)
+        items.append((int.from_bytes(seq8, "big"), ts, batch))
         return _BATCH if batch is not None else _JUNK
 
     def close(self) -> None:
