@@ -298,7 +298,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "native-monitor-left-attached",
-        "the native thread detaches a SUB's monitor before closing it, so churned sources cannot stall libzmq's I/O thread",
+        "the native thread detaches a SUB's monitor before closing it (a churned source cannot stall libzmq's I/O)",
         "src/recv/mod.rs",
         "        stop_monitor(&mut self.sub);\n",
         "        let _ = &mut self.sub;\n",
