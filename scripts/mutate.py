@@ -297,6 +297,15 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_recv.py::test_cursors_match_the_index_while_the_thread_applies",),
     ),
     Mutation(
+        "native-monitor-left-attached",
+        "the native thread detaches a SUB's monitor before closing it (a churned source cannot stall libzmq's I/O)",
+        "src/recv/mod.rs",
+        "        stop_monitor(&mut self.sub);\n",
+        "        let _ = &mut self.sub;\n",
+        ("tests/test_native_recv.py",),
+        ("tests/test_native_recv.py::test_sources_churning_on_a_shared_endpoint_leave_the_kept_one_followed",),
+    ),
+    Mutation(
         "silent-restore-drop",
         "restored state a source cannot resume is announced with a Reset, so replicas of the log drop it too",
         "kvroute/_restore.py",

@@ -27,7 +27,7 @@ import anyio.to_thread
 import msgspec
 import pytest
 import zmq
-from _publisher_helpers import needs_ipv6, served
+from _publisher_helpers import FAST, needs_ipv6, served
 
 from kvroute import KvEventClient, PrefixIndex, SubscriberConfig, WorkerKey
 from kvroute._models import EventSource
@@ -40,7 +40,14 @@ pytestmark = pytest.mark.anyio
 
 MiB = 1 << 20
 BLOCK = 4
-FLEET = SubscriberConfig(reconnect_ivl=0.02, reconnect_ivl_max=0.1, replay_timeout=0.5, quiet_interval=60.0)
+# The receiver as FAST's: ``KVROUTE_TEST_RECEIVER=native`` runs these fleet tests on the native thread too.
+FLEET = SubscriberConfig(
+    reconnect_ivl=0.02,
+    reconnect_ivl_max=0.1,
+    replay_timeout=0.5,
+    quiet_interval=60.0,
+    native_receive=FAST.native_receive,
+)
 
 
 class Honest:

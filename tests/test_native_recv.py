@@ -391,3 +391,34 @@ async def test_cursors_match_the_index_while_the_thread_applies() -> None:
                     await anyio.sleep(0.001)
             assert checks >= 20
             assert driver.native_batches > 0
+
+
+async def test_sources_churning_on_a_shared_endpoint_leave_the_kept_one_followed() -> None:
+    # Regression (issue 19): 20 sources on the kept source's endpoint are added and removed every
+    # few ms, so most close before (or just as) their handshake completes. The thread used to
+    # close a SUB with its monitor still attached: the handshake (or disconnect) event libzmq's
+    # I/O thread then reported went to a monitor PAIR whose reader was gone, and that blocking
+    # send stalled the I/O thread for good. Every SUB of the thread's context then stopped
+    # receiving, the kept one included: synced, open, never applied again.
+    wl = Workload(7)
+    async with EventPublisher() as pub:
+        keep = pub.source("keep")
+        churn = [pub.source(f"c{i}", replay_endpoint=None) for i in range(20)]
+        async with KvEventClient([keep], config=NATIVE) as client:
+            await client.wait_synced(10)
+            driver = _driver(client, keep)
+            for _ in range(60):
+                for src in churn:
+                    client.add_source(src)
+                await anyio.sleep(0.002)
+                for src in churn:
+                    client.remove_source(src)
+                pub.publish(wl.batch())
+                await anyio.sleep(0.002)
+            before = driver.native_batches
+            for _ in range(20):
+                pub.publish(wl.batch())
+            await _caught_up(client, keep, pub.next_seq - 1)
+            # Applied by the thread itself, not only by the recovery machine's replays.
+            assert driver.native_batches >= before + 20
+            assert_index_equal(client.index, truth_index({keep.key: pub}), wl.queries)

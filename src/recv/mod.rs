@@ -190,7 +190,7 @@ impl Context {
         opts: &SubOptions,
     ) -> Result<(zmq::Socket, zmq::Socket), String> {
         let err = |e: zmq::Error| e.to_string();
-        let sub = self.socket(zmq_sys::ZMQ_SUB as i32)?;
+        let mut sub = self.socket(zmq_sys::ZMQ_SUB as i32)?;
         sub.set_rcvhwm(opts.rcvhwm).map_err(err)?;
         sub.set_maxmsgsize(opts.max_message_size).map_err(err)?;
         sub.set_reconnect_ivl(opts.reconnect_ivl).map_err(err)?;
@@ -211,8 +211,10 @@ impl Context {
         sub.monitor(&addr, MONITOR_EVENTS).map_err(err)?;
         let mon = self.socket(zmq_sys::ZMQ_PAIR as i32)?;
         mon.connect(&addr).map_err(err)?;
-        sub.connect(endpoint)
-            .map_err(|e| format!("cannot connect to {endpoint:?}: {e}"))?;
+        if let Err(e) = sub.connect(endpoint) {
+            stop_monitor(&mut sub);
+            return Err(format!("cannot connect to {endpoint:?}: {e}"));
+        }
         Ok((sub, mon))
     }
 }
@@ -380,6 +382,24 @@ struct Source<K> {
     /// Hand-overs of this source so far (Python opens the fast path only when it consumed all).
     handed: u64,
     last_read: Instant,
+}
+
+impl<K> Drop for Source<K> {
+    fn drop(&mut self) {
+        stop_monitor(&mut self.sub);
+    }
+}
+
+/// Detach `sub`'s monitor before the SUB (and the monitor's reading end) close: libzmq's I/O
+/// thread reports a SUB's events with a blocking send to the monitor, so an event of a
+/// connection still being torn down (a handshake completing, a disconnect) sent once the
+/// reading PAIR is gone would block that thread for good, and with it every socket of the
+/// context (issue 19). Without a monitor, later events are dropped.
+fn stop_monitor(sub: &mut zmq::Socket) {
+    // SAFETY: a live socket of this thread; a null endpoint only stops its monitor.
+    unsafe {
+        zmq_sys::zmq_socket_monitor(sub.as_mut_ptr(), std::ptr::null(), 0);
+    }
 }
 
 /// Start the receive thread; returns what Python shares with it.
