@@ -654,6 +654,11 @@ class KvEventClient:
             stream._close()
         else:
             self._hub.add(stream)
+            # A receive thread applies in-order batches without envelopes while nobody listens:
+            # held once, it closes those fast paths before it applies again (`NativeReceiver.hold`).
+            for t in self._transports:
+                if t.hold():
+                    t.release()
         return stream
 
     @property

@@ -306,6 +306,15 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_recv.py::test_sources_churning_on_a_shared_endpoint_leave_the_kept_one_followed",),
     ),
     Mutation(
+        "listener-fast-path-left-open",
+        "a listener that comes while the native thread's fast paths are open gets every batch applied after it",
+        "kvroute/_transports/zmq/native.py",
+        "            if d._native_opened is not None and d._sink.active:\n",
+        "            if d._native_opened is not None and d._sink.active and False:\n",
+        ("tests/test_native_recv.py",),
+        ("tests/test_native_recv.py::test_every_batch_after_events_returns_comes_with_its_envelope",),
+    ),
+    Mutation(
         "silent-restore-drop",
         "restored state a source cannot resume is announced with a Reset, so replicas of the log drop it too",
         "kvroute/_restore.py",

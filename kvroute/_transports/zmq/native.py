@@ -140,6 +140,11 @@ class NativeReceiver(_LoopLeader):
         drained into the drivers, so no batch is in the index ahead of its source's seq.
         Holding a held thread only drains again. True when this call held the thread (its
         caller releases it); False when it was held already, or no thread runs.
+
+        Once somebody listens (`KvEventClient.events` holds every transport when it adds an
+        iterator), every open fast path is closed here too: the thread carries out those
+        commands before it applies again, so no batch applied after the listener came goes
+        without its envelope. A driver learns it otherwise only at its next hand-over.
         """
         core = self._core
         if core is None:
@@ -149,6 +154,10 @@ class NativeReceiver(_LoopLeader):
             core.hold()
             self._held = core
         self._drain()
+        for token, d in self._drivers.items():
+            if d._native_opened is not None and d._sink.active:
+                core.close_fast(token)
+                d._native_opened = None
         return newly
 
     def release(self) -> None:
