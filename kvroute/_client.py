@@ -249,7 +249,15 @@ class KvEventClient:
         assert tg is not None
         tg.cancel_scope.cancel()
         try:
-            return await tg.__aexit__(exc_type, exc, tb)
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                # A cancellation may be the task group's own (a task failed, or the scope was
+                # cancelled): only the group can absorb it and raise what failed.
+                return await tg.__aexit__(exc_type, exc, tb)
+            # Anything else the block raised leaves exactly as raised: handed to the group, it would
+            # come out wrapped in an ExceptionGroup, and `except NotSyncedError` / `except TimeoutError`
+            # around the block would miss `wait_synced`'s timeout.
+            await tg.__aexit__(None, None, None)
+            return None
         finally:
             # Where the sources stopped stays resumable: a snapshot taken after the block, or
             # entering it again, resumes from there (every driver is done: nothing moves now).

@@ -315,6 +315,15 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_recv.py::test_every_batch_after_events_returns_comes_with_its_envelope",),
     ),
     Mutation(
+        "block-error-wrapped",
+        "an exception raised in the client's block leaves it as raised, not wrapped in an ExceptionGroup",
+        "kvroute/_client.py",
+        "            await tg.__aexit__(None, None, None)\n            return None\n",
+        "            return await tg.__aexit__(exc_type, exc, tb)\n",
+        ("tests/test_sync_errors.py",),
+        ("tests/test_sync_errors.py::test_an_error_raised_in_the_block_leaves_it_as_raised",),
+    ),
+    Mutation(
         "silent-restore-drop",
         "restored state a source cannot resume is announced with a Reset, so replicas of the log drop it too",
         "kvroute/_restore.py",

@@ -129,6 +129,24 @@ async def test_wait_synced_names_a_source_that_never_connects(anyio_backend: str
         assert info.value.targets == {} and client.pending_sources() == info.value.sources
 
 
+async def test_an_error_raised_in_the_block_leaves_it_as_raised(anyio_backend: str) -> None:
+    # The client's task group must not wrap the caller's own exceptions in an ExceptionGroup: the
+    # documented way to wait is `except TimeoutError` around the whole block.
+    dead = EventSource(worker_id="w", endpoint=f"tcp://127.0.0.1:{free_port()}")
+    with pytest.raises(TimeoutError) as info:
+        async with KvEventClient([dead]) as client:
+            await client.wait_synced(0.2)
+    assert type(info.value) is NotSyncedError and WorkerKey("w", 0) in info.value.sources
+    with pytest.raises(ValueError, match="the caller's own"):
+        async with KvEventClient([dead]):
+            raise ValueError("the caller's own")
+    # Cancelling the block from outside still ends it quietly, every task stopped.
+    with anyio.move_on_after(0.2) as scope:
+        async with KvEventClient([dead]) as client:
+            await anyio.sleep_forever()
+    assert scope.cancelled_caught and client.stats().sources == {}
+
+
 # --- kvroute discover ------------------------------------------------------------------------------------
 
 
