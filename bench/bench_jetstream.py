@@ -75,7 +75,8 @@ def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Con
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind("tcp://127.0.0.1:0")
         socks.append(sock)
-    conn.send([s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in socks])  # type: ignore[union-attr]
+    # With the CPU used so far (imports, the payloads): the first round counts only its own sending.
+    conn.send(([s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in socks], time.process_time()))  # type: ignore[union-attr]
     while True:
         cmd = conn.recv()
         if cmd is None:
@@ -136,14 +137,15 @@ def _replica_process(
             await replica.wait_synced(120)
             ready = time.perf_counter() - t0
             snapshot_seq = replica.stats().snapshot_seq if isinstance(replica, JetStreamReplica) else -1
-            conn.send(("synced", ready, replica.index.stats().entries, snapshot_seq))
+            # With the CPU used so far (imports, connecting, the snapshot): rounds count only their own work.
+            conn.send(("synced", ready, replica.index.stats().entries, snapshot_seq, time.process_time()))
             while True:
                 got = await anyio.to_thread.run_sync(conn.recv)
                 if got is None:
                     tg.cancel_scope.cancel()
                     return
                 want, lag = got
-                profiler = cProfile.Profile() if profile_to else None
+                profiler = cProfile.Profile(time.process_time) if profile_to else None
                 if profiler is not None:
                     profiler.enable()
                 stream = replica.events(buffer=1_000_000) if lag and isinstance(replica, KvEventClient) else None
@@ -180,16 +182,20 @@ def _spawn_replica(
     return proc, parent
 
 
-def _apply_payload_only(payloads: list[list[bytes]]) -> float:
-    """Seconds to apply every payload with `PrefixIndex.apply_payload` (round-robin over sources)."""
+def _apply_payload_only(payloads: list[list[bytes]]) -> tuple[float, float]:
+    """Seconds, and CPU seconds, to apply every payload with `PrefixIndex.apply_payload` (round-robin over sources).
+
+    The CPU seconds are what one copy of the index costs (a replica's floor): a loaded machine
+    inflates the wall time, far less the process time.
+    """
     index = PrefixIndex()
     keys = [WorkerKey(f"w{i}", 0) for i in range(len(payloads))]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(max(map(len, payloads))):
         for key, ps in zip(keys, payloads):
             if i < len(ps):
                 index.apply_payload(key, ps[i])
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -208,12 +214,14 @@ async def run(args: argparse.Namespace) -> None:
     paced_payloads, _ = make_payloads(paced * n_sources, n_sources, seed=2)
     all_payloads = [a + b for a, b in zip(payloads, paced_payloads)]
     base = index_only(payloads)
-    raw = _apply_payload_only(payloads)
+    raw, raw_cpu = _apply_payload_only(payloads)
     print(
         f"baseline: decode + apply of {blocks:,} blocks in one loop: {blocks / base:,.0f} blocks/s;"
         f" apply_payload (what each replica does per batch): {blocks / raw:,.0f} blocks/s. Every block is"
         f" applied 4 times (the relay's client, 3 replicas): on 2 cores at most"
-        f" {2 * blocks / raw / 4:,.0f} blocks/s before any I/O"
+        f" {2 * blocks / raw / 4:,.0f} blocks/s before any I/O; apply_payload CPU per 100k blocks"
+        f" {raw_cpu * 1e5 / blocks:.3f} s (one copy of the index: on 2 cores 4 copies allow at most"
+        f" {2 * blocks / raw_cpu / 4:,.0f} blocks/s)"
     )
 
     store = Path(tempfile.mkdtemp(prefix="kvroute-bench-js-"))
@@ -230,7 +238,7 @@ async def run(args: argparse.Namespace) -> None:
     replicas: list[tuple[mp.process.BaseProcess, multiprocessing.connection.Connection]] = []
     try:
         await anyio.sleep(0.5)
-        endpoints = parent.recv()
+        endpoints, pub_cpu0 = parent.recv()
         sources = [EventSource(worker_id=f"w{i}", endpoint=ep, hwm=0) for i, ep in enumerate(endpoints)]
         config = SubscriberConfig(quiet_interval=3600.0)
         # The default lease (3 s): renewed from its own thread, a loaded machine does not make it lapse.
@@ -242,8 +250,12 @@ async def run(args: argparse.Namespace) -> None:
                 )
                 for i in range(3)
             ]
+            # CPU seconds each part used in a round (process times: robust on a loaded machine, unlike wall time),
+            # from where each process stood when the rounds began (not counting its start).
+            cpu_at: dict[str, float] = {"engines": pub_cpu0}
             for _, conn in replicas:
-                await anyio.to_thread.run_sync(conn.recv)  # synced on the empty log
+                synced = await anyio.to_thread.run_sync(conn.recv)  # synced on the empty log
+                cpu_at[f"replica {id(conn)}"] = synced[-1]
             client = relay.client
             assert client is not None
             with anyio.fail_after(30):
@@ -267,9 +279,6 @@ async def run(args: argparse.Namespace) -> None:
                     if env.seq is not None:
                         at_relay.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
                     relay_tap.push(env)
-
-            # CPU seconds each part used in a round (process times: robust on a loaded machine, unlike wall time).
-            cpu_at: dict[str, float] = {}
 
             def cpu_round(part: str, now: float) -> float:
                 before, cpu_at[part] = cpu_at.get(part, 0.0), now
@@ -308,7 +317,7 @@ async def run(args: argparse.Namespace) -> None:
                 cpu["nats-server"] = cpu_round("nats", nats_cpu())
                 return done - t0, lags, relay_lags
 
-            profiler = cProfile.Profile() if args.profile else None
+            profiler = cProfile.Profile(time.process_time) if args.profile else None
             if profiler is not None:
                 profiler.enable()
             elapsed, lags, _ = await round_(0, n_batches, 0)
@@ -320,7 +329,9 @@ async def run(args: argparse.Namespace) -> None:
                 f" {' / '.join(f'{c * per:.2f}' for c in replica_cpu)}, nats-server {cpu['nats-server'] * per:.2f},"
                 f" engines {cpu['engines'] * per:.2f}; total {total_cpu * per:.2f}: 2 cores carry at most"
                 f" {2 * blocks / total_cpu:,.0f} blocks/s of this pipeline (the run reached"
-                f" {blocks / elapsed / (2 * blocks / total_cpu):.2f} x that)"
+                f" {blocks / elapsed / (2 * blocks / total_cpu):.2f} x that); each replica"
+                f" {' / '.join(f'{c / raw_cpu:.2f}' for c in replica_cpu)} x the CPU of apply_payload alone"
+                f" (what is not the index: NATS, the rules, the client's bookkeeping)"
             )
             if profiler is not None:
                 profiler.disable()
@@ -359,7 +370,7 @@ async def run(args: argparse.Namespace) -> None:
             replicas = []
             t0 = time.perf_counter()
             cold = _spawn_replica(url, args.backend, args.follower)
-            _, ready, entries, _ = await anyio.to_thread.run_sync(cold[1].recv)
+            _, ready, entries, _, _ = await anyio.to_thread.run_sync(cold[1].recv)
             wall = time.perf_counter() - t0
             cold[1].send(None)
             cold[0].join(10)
