@@ -126,7 +126,7 @@ def _replica_process(
                 if env.seq is not None:
                     applied.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         follower: KvEventClient | JetStreamReplica
         if kind == "client":
             follower = KvEventClient(jetstream=f"{url}/{STREAM}")
@@ -138,7 +138,8 @@ def _replica_process(
             ready = time.perf_counter() - t0
             snapshot_seq = replica.stats().snapshot_seq if isinstance(replica, JetStreamReplica) else -1
             # With the CPU used so far (imports, connecting, the snapshot): rounds count only their own work.
-            conn.send(("synced", ready, replica.index.stats().entries, snapshot_seq, time.process_time()))
+            now = time.process_time()
+            conn.send(("synced", ready, replica.index.stats().entries, snapshot_seq, now - c0, now))
             while True:
                 got = await anyio.to_thread.run_sync(conn.recv)
                 if got is None:
@@ -347,6 +348,17 @@ async def run(args: argparse.Namespace) -> None:
                     else ""
                 )
             )
+            # A follower reading the log alone (no snapshot yet, nothing else running in its process or beside
+            # it but the idle relay): its CPU per block beside one copy's apply_payload, without the contention
+            # of the throughput round (five processes on 2 cores evict each other's caches).
+            catchup = _spawn_replica(url, args.backend, args.follower)
+            _, ready, _, _, catchup_cpu, _ = await anyio.to_thread.run_sync(catchup[1].recv)
+            catchup[1].send(None)
+            catchup[0].join(10)
+            print(
+                f"catch-up: a new follower read the whole log ({blocks:,} blocks) in {ready:.2f} s,"
+                f" {catchup_cpu * per:.3f} CPU s per 100k blocks ({catchup_cpu / raw_cpu:.2f} x apply_payload alone)"
+            )
             t0 = time.perf_counter()
             seq = await relay.write_snapshot()
             snap_s = time.perf_counter() - t0
@@ -370,7 +382,7 @@ async def run(args: argparse.Namespace) -> None:
             replicas = []
             t0 = time.perf_counter()
             cold = _spawn_replica(url, args.backend, args.follower)
-            _, ready, entries, _, _ = await anyio.to_thread.run_sync(cold[1].recv)
+            _, ready, entries, _, _, _ = await anyio.to_thread.run_sync(cold[1].recv)
             wall = time.perf_counter() - t0
             cold[1].send(None)
             cold[0].join(10)
