@@ -241,7 +241,7 @@ async def run(args: argparse.Namespace) -> None:
         await anyio.sleep(0.5)
         endpoints, pub_cpu0 = parent.recv()
         sources = [EventSource(worker_id=f"w{i}", endpoint=ep, hwm=0) for i, ep in enumerate(endpoints)]
-        config = SubscriberConfig(quiet_interval=3600.0)
+        config = SubscriberConfig(quiet_interval=3600.0, native_receive=args.native_receive)
         # The default lease (3 s): renewed from its own thread, a loaded machine does not make it lapse.
         async with JetStreamRelay(url, sources, stream=STREAM, config=config, snapshot_interval=3600.0) as relay:
             await relay.wait_active(20)
@@ -414,6 +414,11 @@ def main() -> None:
         choices=("client", "replica"),
         default="client",
         help="the three replicas: KvEventClient(jetstream=...) (default) or JetStreamReplica",
+    )
+    parser.add_argument(
+        "--native-receive",
+        action="store_true",
+        help="the relay's client reads the engines with the compiled core's receive thread (native_receive)",
     )
     parser.add_argument(
         "--lag-rate",
