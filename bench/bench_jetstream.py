@@ -200,6 +200,8 @@ def _apply_payload_only(payloads: list[list[bytes]]) -> tuple[float, float]:
 
 
 def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")  # none timed (a relay that lost its lease under load: its new client has no tap)
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
 
