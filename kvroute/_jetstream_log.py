@@ -112,17 +112,8 @@ class LogWorker(Protocol):
 
     last: Cursor | None
 
-    @property
-    def wants_payloads(self) -> bool:
-        """True while `applied` needs each batch's payload (listeners to hand its events to)."""
-        ...
-
     def applied(self, seq: int, ts: float, payload: bytes, blocks: int) -> None:
         """The batch ``seq`` was applied (``blocks`` stored)."""
-        ...
-
-    def applied_run(self, items: list[tuple[int, float, int]], blocks: int) -> None:
-        """Every batch of ``items`` ((seq, ts, length), in order) was applied, ``blocks`` stored in all."""
         ...
 
     def reset(self, reason: str, detail: str) -> None:
@@ -231,56 +222,6 @@ class LogRules:
         if w is None:
             self.counts["refused"] += 1
             return
-        if (
-            len(rec.items) > 1
-            and self.on_applied is None
-            and not w.wants_payloads
-            and self._apply_whole(sseq, key, w, rec, data, at)
-        ):
-            return
-        self._apply_each(sseq, key, w, rec, data, at)
-
-    def _apply_whole(self, sseq: int, key: WorkerKey, w: LogWorker, rec: _Batches, data: bytes, at: int) -> bool:
-        """A run that continues its worker's chain, in one call of the core; False (nothing done) for any other run.
-
-        One `PrefixIndex.apply_payloads` call and one `LogWorker.applied_run` instead of a core call,
-        a cursor and a worker call per batch (a busy relay's runs hold tens of batches). A payload the
-        core refuses raises after the ones before it were applied: the worker is emptied and the
-        run applied batch by batch, which empties it again at that payload and applies the rest
-        (`_apply_each`'s rule), so the index ends exactly as if the run had been applied that way.
-        """
-        items, last = rec.items, w.last
-        floor = last.seq if last is not None else None
-        if rec.prev != floor:
-            return False  # a gap, or a run overlapping what was applied: the rules batch by batch
-        payloads, start = [], at
-        for seq, _ts, length in items:
-            if floor is not None and seq <= floor:
-                return False  # not increasing: a duplicate, taken batch by batch
-            floor = seq
-            payloads.append(data[at : at + length])
-            at += length
-        lim = self.limits
-        try:
-            stored = self.index._core.apply_payloads(
-                key, payloads, lim.max_events_per_batch, lim.max_blocks_per_event, lim.max_block_size
-            )
-        except RuntimeError:
-            self.index.remove_worker(key)
-            undecodable = self.counts["undecodable"]
-            self._apply_each(sseq, key, w, rec, data, start)
-            if self.counts["undecodable"] == undecodable:
-                # The core refused the run but no batch of it alone: its state before the run is gone.
-                w.lost("undecodable", f"seq {items[0][0]}..{items[-1][0]}: refused as a run", items[-1][0] + 1)
-            return True
-        seq, ts, _ = items[-1]
-        w.last = Cursor(seq, ts)
-        self.counts["batches"] += len(items)
-        w.applied_run(items, stored)
-        return True
-
-    def _apply_each(self, sseq: int, key: WorkerKey, w: LogWorker, rec: _Batches, data: bytes, at: int) -> None:
-        """Apply a run batch by batch: the rules for each (duplicates, the chain, a payload the core refuses)."""
         counts, index, on_applied = self.counts, self.index, self.on_applied
         # The core's call itself, not `PrefixIndex.apply_payload`: no `ApplyReport` per batch (the rules
         # read only the error and the stored count), the limits unpacked once per run.

@@ -42,15 +42,7 @@ class _WorkerState:
         self.last = last
         self.partial = partial
 
-    @property
-    def wants_payloads(self) -> bool:
-        """False: no listener here."""
-        return False
-
     def applied(self, seq: int, ts: float, payload: bytes, blocks: int) -> None:
-        """Nothing to keep beyond ``last`` (set by the rules)."""
-
-    def applied_run(self, items: list[tuple[int, float, int]], blocks: int) -> None:
         """Nothing to keep beyond ``last`` (set by the rules)."""
 
     def reset(self, reason: str, detail: str) -> None:

@@ -356,14 +356,6 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_jetstream.py",),
         ("tests/test_jetstream.py::test_a_partial_worker_is_partial_in_the_relays_snapshot",),
     ),
-    Mutation(
-        "run-refusal-unreplayed",
-        "a payload the core refuses inside a run applied in one call ends as the batch-by-batch rules say",
-        "kvroute/_jetstream_log.py",
-        "            self._apply_each(sseq, key, w, rec, data, start)\n",
-        "            pass\n",
-        ("tests/test_jetstream.py",),
-    ),
     # --- the router ---
     Mutation(
         "footprint-unrecorded",

@@ -42,7 +42,7 @@ from kvroute._jetstream import (
 )
 from kvroute._jetstream_nats import NatsLoop
 from kvroute._snapshot import read_snapshot
-from kvroute._wire import BlockRemoved, BlockStored, EventBatch, encode_batch
+from kvroute._wire import BlockStored, EventBatch, encode_batch
 from kvroute.sim import EventPublisher, SimConfig, SimEngine
 
 NATS = shutil.which("nats-server")
@@ -254,30 +254,6 @@ def test_replica_rules_chain_duplicates_gaps_and_lifecycle() -> None:
     # A redelivered sequence is ignored.
     r.apply_record(12, encode_record(_Reset("v", 0, "restart", "")))
     assert r.stats().resets == 1
-
-
-def test_a_run_applied_in_one_core_call_ends_as_applied_batch_by_batch() -> None:
-    # A run that continues its worker's chain goes to the core in one call (`LogRules._apply_whole`); a
-    # per-batch hook (on_applied) keeps the other replica on the batch-by-batch rules. A payload the core
-    # refuses inside a run (after a store and a removal it applied) must end both alike: nothing before it
-    # trusted, the rest applied, the worker partial.
-    removal = encode_batch(EventBatch(ts=4.0, events=[BlockRemoved(block_hashes=[4], medium=None)]))
-    records = [
-        _run(None, [(0, _payload(0, [1])), (1, _payload(1, [2])), (2, _payload(2, [3]))]),
-        _run(2, [(3, _payload(3, [4, 5])), (4, removal), (5, b"\xc1"), (6, _payload(6, [7])), (7, _payload(7, [8]))]),
-        _run(7, [(8, _payload(8, [9])), (9, _payload(9, [10]))]),
-    ]
-    whole, each = JetStreamReplica(stream="T"), JetStreamReplica(stream="T")
-    each.on_applied = lambda *_: None
-    for sseq, rec in enumerate(records, 1):
-        whole.apply_record(sseq, rec)
-        each.apply_record(sseq, rec)
-    w = WorkerKey("w", 0)
-    assert_same(whole.index, each.index, [tuple(range(16 * n)) for n in (1, 2, 3)], "one call per run vs per batch")
-    assert whole.stats() == each.stats() and whole.cursors() == each.cursors()
-    st = whole.stats()
-    assert (st.batches, st.undecodable, st.gaps, whole.cursors()[w].seq) == (9, 1, 0, 9)
-    assert whole.index.num_blocks(w) == 4 and w in whole.partial_workers() and w in each.partial_workers()
 
 
 def test_runs_of_batches_overlap_and_bad_payloads() -> None:

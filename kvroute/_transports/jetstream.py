@@ -306,22 +306,6 @@ class JetStreamWorkerDriver(DriverBase):
 
     # --- LogWorker: what the rules did ------------------------------------------------------------
 
-    @property
-    def wants_payloads(self) -> bool:
-        """True while the client has listeners (`applied` hands them each batch's events)."""
-        return self._sink.active
-
-    def applied_run(self, items: list[tuple[int, float, int]], blocks: int) -> None:
-        """The batches of ``items`` ((seq, ts, length)) are in the index, ``blocks`` stored in all (no listener)."""
-        if self._stopped:
-            return
-        on_applied = self.machine.on_applied
-        for seq, ts, _ in items:
-            on_applied(seq, ts)
-        c = self.counters
-        c.messages += len(items)
-        c.blocks += blocks
-
     def applied(self, seq: int, ts: float, payload: bytes, blocks: int) -> None:
         """The batch ``seq`` is in the index."""
         if self._stopped:
