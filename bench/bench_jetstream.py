@@ -16,7 +16,10 @@ One run, every figure with its baseline beside it (the machine is shared and noi
   p50 / p90 / p99 over the three replicas, beside the part up to the relay's own client (an
   ``events()`` listener beside the relay's: engines -> client, no NATS);
 - cold start: a fresh replica process from the relay's snapshot (the whole index, >= 1M entries
-  in a full run) plus the log after it, until synced.
+  in a full run) plus the log after it, until synced;
+- CPU: each part's process time in the throughput round, counted from where the process stood when
+  the rounds began (not its start), each replica's beside the CPU of `apply_payload` alone (one copy
+  of the index), and a catch-up: a new follower reading the whole log with nothing else running.
 """
 
 from __future__ import annotations
