@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import anyio
+import nats.js  # noqa: F401 (kvroute imports nats-py lazily: a follower's timed start must not include it)
 import zmq
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -106,14 +107,19 @@ def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Con
 
 
 def _replica_process(
-    url: str, conn: multiprocessing.connection.Connection, backend: str, kind: str, profile: str | None = None
+    url: str,
+    conn: multiprocessing.connection.Connection,
+    backend: str,
+    kind: str,
+    profile: str | None = None,
+    profile_sync: bool = False,
 ) -> None:
     """A replica in its own process: reports apply times per (worker, seq) until told to stop.
 
     ``kind``: "client" is a `KvEventClient` on the JetStream transport (apply times from an ``events()``
     listener, attached only for rounds that measure lag: listening costs a decode per batch), "replica"
     a `JetStreamReplica` (apply times from its ``on_applied`` hook, every round). ``profile``: cProfile
-    the first round into that file.
+    (CPU time) the first round into that file, or with ``profile_sync`` the reading up to synced.
     """
 
     async def main() -> None:
@@ -130,6 +136,10 @@ def _replica_process(
                     applied.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
 
         t0, c0 = time.perf_counter(), time.process_time()
+        sync_profiler = cProfile.Profile(time.process_time) if profile is not None and profile_sync else None
+        if sync_profiler is not None:
+            profile_to.clear()
+            sync_profiler.enable()
         follower: KvEventClient | JetStreamReplica
         if kind == "client":
             follower = KvEventClient(jetstream=f"{url}/{STREAM}")
@@ -139,6 +149,9 @@ def _replica_process(
         async with follower as replica, anyio.create_task_group() as tg:
             await replica.wait_synced(120)
             ready = time.perf_counter() - t0
+            if sync_profiler is not None:
+                sync_profiler.disable()
+                sync_profiler.dump_stats(profile)
             snapshot_seq = replica.stats().snapshot_seq if isinstance(replica, JetStreamReplica) else -1
             # With the CPU used so far (imports, connecting, the snapshot): rounds count only their own work.
             now = time.process_time()
@@ -178,10 +191,12 @@ def _replica_process(
 
 
 def _spawn_replica(
-    url: str, backend: str, kind: str, profile: str | None = None
+    url: str, backend: str, kind: str, profile: str | None = None, profile_sync: bool = False
 ) -> tuple[mp.process.BaseProcess, multiprocessing.connection.Connection]:
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_replica_process, args=(url, child, backend, kind, profile))
+    proc = mp.get_context("spawn").Process(
+        target=_replica_process, args=(url, child, backend, kind, profile, profile_sync)
+    )
     proc.start()
     return proc, parent
 
@@ -356,7 +371,9 @@ async def run(args: argparse.Namespace) -> None:
             # A follower reading the log alone (no snapshot yet, nothing else running in its process or beside
             # it but the idle relay): its CPU per block beside one copy's apply_payload, without the contention
             # of the throughput round (five processes on 2 cores evict each other's caches).
-            catchup = _spawn_replica(url, args.backend, args.follower)
+            catchup = _spawn_replica(
+                url, args.backend, args.follower, f"{args.profile}.catchup" if args.profile else None, profile_sync=True
+            )
             _, ready, _, _, catchup_cpu, _ = await anyio.to_thread.run_sync(catchup[1].recv)
             catchup[1].send(None)
             catchup[0].join(10)
@@ -435,7 +452,8 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         metavar="FILE",
-        help="cProfile the relay's process (FILE) and one replica's (FILE.replica) during the throughput round",
+        help="cProfile (CPU time) the relay's process (FILE) and one replica's (FILE.replica) during the throughput"
+        " round, and the catch-up follower until synced (FILE.catchup)",
     )
     args = parser.parse_args()
     # The relay's warnings (a session restart, a lost lease) explain a slow or stuck round.
