@@ -368,9 +368,9 @@ async def run(args: argparse.Namespace) -> None:
                     else ""
                 )
             )
-            # A follower reading the log alone (no snapshot yet, nothing else running in its process or beside
-            # it but the idle relay): its CPU per block beside one copy's apply_payload, without the contention
-            # of the throughput round (five processes on 2 cores evict each other's caches).
+            # A follower reading the log alone (no snapshot yet; the relay and the three replicas idle beside it):
+            # its CPU per block beside one copy's apply_payload, without the contention of the throughput round
+            # (five busy processes on 2 cores evict each other's caches).
             catchup = _spawn_replica(
                 url, args.backend, args.follower, f"{args.profile}.catchup" if args.profile else None, profile_sync=True
             )
