@@ -16,7 +16,10 @@ One run, every figure with its baseline beside it (the machine is shared and noi
   p50 / p90 / p99 over the three replicas, beside the part up to the relay's own client (an
   ``events()`` listener beside the relay's: engines -> client, no NATS);
 - cold start: a fresh replica process from the relay's snapshot (the whole index, >= 1M entries
-  in a full run) plus the log after it, until synced.
+  in a full run) plus the log after it, until synced;
+- CPU: each part's process time in the throughput round, counted from where the process stood when
+  the rounds began (not its start), each replica's beside the CPU of `apply_payload` alone (one copy
+  of the index), and a catch-up: a new follower reading the whole log with nothing else running.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import time
 from pathlib import Path
 
 import anyio
+import nats.js  # noqa: F401 (kvroute imports nats-py lazily: a follower's timed start must not include it)
 import zmq
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -75,7 +79,8 @@ def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Con
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind("tcp://127.0.0.1:0")
         socks.append(sock)
-    conn.send([s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in socks])  # type: ignore[union-attr]
+    # With the CPU used so far (imports, the payloads): the first round counts only its own sending.
+    conn.send(([s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in socks], time.process_time()))  # type: ignore[union-attr]
     while True:
         cmd = conn.recv()
         if cmd is None:
@@ -102,14 +107,19 @@ def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Con
 
 
 def _replica_process(
-    url: str, conn: multiprocessing.connection.Connection, backend: str, kind: str, profile: str | None = None
+    url: str,
+    conn: multiprocessing.connection.Connection,
+    backend: str,
+    kind: str,
+    profile: str | None = None,
+    profile_sync: bool = False,
 ) -> None:
     """A replica in its own process: reports apply times per (worker, seq) until told to stop.
 
     ``kind``: "client" is a `KvEventClient` on the JetStream transport (apply times from an ``events()``
     listener, attached only for rounds that measure lag: listening costs a decode per batch), "replica"
     a `JetStreamReplica` (apply times from its ``on_applied`` hook, every round). ``profile``: cProfile
-    the first round into that file.
+    (CPU time) the first round into that file, or with ``profile_sync`` the reading up to synced.
     """
 
     async def main() -> None:
@@ -125,7 +135,11 @@ def _replica_process(
                 if env.seq is not None:
                     applied.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
+        sync_profiler = cProfile.Profile(time.process_time) if profile is not None and profile_sync else None
+        if sync_profiler is not None:
+            profile_to.clear()
+            sync_profiler.enable()
         follower: KvEventClient | JetStreamReplica
         if kind == "client":
             follower = KvEventClient(jetstream=f"{url}/{STREAM}")
@@ -135,15 +149,20 @@ def _replica_process(
         async with follower as replica, anyio.create_task_group() as tg:
             await replica.wait_synced(120)
             ready = time.perf_counter() - t0
+            if sync_profiler is not None:
+                sync_profiler.disable()
+                sync_profiler.dump_stats(profile)
             snapshot_seq = replica.stats().snapshot_seq if isinstance(replica, JetStreamReplica) else -1
-            conn.send(("synced", ready, replica.index.stats().entries, snapshot_seq))
+            # With the CPU used so far (imports, connecting, the snapshot): rounds count only their own work.
+            now = time.process_time()
+            conn.send(("synced", ready, replica.index.stats().entries, snapshot_seq, now - c0, now))
             while True:
                 got = await anyio.to_thread.run_sync(conn.recv)
                 if got is None:
                     tg.cancel_scope.cancel()
                     return
                 want, lag = got
-                profiler = cProfile.Profile() if profile_to else None
+                profiler = cProfile.Profile(time.process_time) if profile_to else None
                 if profiler is not None:
                     profiler.enable()
                 stream = replica.events(buffer=1_000_000) if lag and isinstance(replica, KvEventClient) else None
@@ -172,27 +191,35 @@ def _replica_process(
 
 
 def _spawn_replica(
-    url: str, backend: str, kind: str, profile: str | None = None
+    url: str, backend: str, kind: str, profile: str | None = None, profile_sync: bool = False
 ) -> tuple[mp.process.BaseProcess, multiprocessing.connection.Connection]:
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_replica_process, args=(url, child, backend, kind, profile))
+    proc = mp.get_context("spawn").Process(
+        target=_replica_process, args=(url, child, backend, kind, profile, profile_sync)
+    )
     proc.start()
     return proc, parent
 
 
-def _apply_payload_only(payloads: list[list[bytes]]) -> float:
-    """Seconds to apply every payload with `PrefixIndex.apply_payload` (round-robin over sources)."""
+def _apply_payload_only(payloads: list[list[bytes]]) -> tuple[float, float]:
+    """Seconds, and CPU seconds, to apply every payload with `PrefixIndex.apply_payload` (round-robin over sources).
+
+    The CPU seconds are what one copy of the index costs (a replica's floor): a loaded machine
+    inflates the wall time, far less the process time.
+    """
     index = PrefixIndex()
     keys = [WorkerKey(f"w{i}", 0) for i in range(len(payloads))]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(max(map(len, payloads))):
         for key, ps in zip(keys, payloads):
             if i < len(ps):
                 index.apply_payload(key, ps[i])
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")  # none timed (a relay that lost its lease under load: its new client has no tap)
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
 
@@ -208,12 +235,14 @@ async def run(args: argparse.Namespace) -> None:
     paced_payloads, _ = make_payloads(paced * n_sources, n_sources, seed=2)
     all_payloads = [a + b for a, b in zip(payloads, paced_payloads)]
     base = index_only(payloads)
-    raw = _apply_payload_only(payloads)
+    raw, raw_cpu = _apply_payload_only(payloads)
     print(
         f"baseline: decode + apply of {blocks:,} blocks in one loop: {blocks / base:,.0f} blocks/s;"
         f" apply_payload (what each replica does per batch): {blocks / raw:,.0f} blocks/s. Every block is"
         f" applied 4 times (the relay's client, 3 replicas): on 2 cores at most"
-        f" {2 * blocks / raw / 4:,.0f} blocks/s before any I/O"
+        f" {2 * blocks / raw / 4:,.0f} blocks/s before any I/O; apply_payload CPU per 100k blocks"
+        f" {raw_cpu * 1e5 / blocks:.3f} s (one copy of the index: on 2 cores 4 copies allow at most"
+        f" {2 * blocks / raw_cpu / 4:,.0f} blocks/s)"
     )
 
     store = Path(tempfile.mkdtemp(prefix="kvroute-bench-js-"))
@@ -230,9 +259,9 @@ async def run(args: argparse.Namespace) -> None:
     replicas: list[tuple[mp.process.BaseProcess, multiprocessing.connection.Connection]] = []
     try:
         await anyio.sleep(0.5)
-        endpoints = parent.recv()
+        endpoints, pub_cpu0 = parent.recv()
         sources = [EventSource(worker_id=f"w{i}", endpoint=ep, hwm=0) for i, ep in enumerate(endpoints)]
-        config = SubscriberConfig(quiet_interval=3600.0)
+        config = SubscriberConfig(quiet_interval=3600.0, native_receive=args.native_receive)
         # The default lease (3 s): renewed from its own thread, a loaded machine does not make it lapse.
         async with JetStreamRelay(url, sources, stream=STREAM, config=config, snapshot_interval=3600.0) as relay:
             await relay.wait_active(20)
@@ -242,8 +271,12 @@ async def run(args: argparse.Namespace) -> None:
                 )
                 for i in range(3)
             ]
+            # CPU seconds each part used in a round (process times: robust on a loaded machine, unlike wall time),
+            # from where each process stood when the rounds began (not counting its start).
+            cpu_at: dict[str, float] = {"engines": pub_cpu0}
             for _, conn in replicas:
-                await anyio.to_thread.run_sync(conn.recv)  # synced on the empty log
+                synced = await anyio.to_thread.run_sync(conn.recv)  # synced on the empty log
+                cpu_at[f"replica {id(conn)}"] = synced[-1]
             client = relay.client
             assert client is not None
             with anyio.fail_after(30):
@@ -267,9 +300,6 @@ async def run(args: argparse.Namespace) -> None:
                     if env.seq is not None:
                         at_relay.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
                     relay_tap.push(env)
-
-            # CPU seconds each part used in a round (process times: robust on a loaded machine, unlike wall time).
-            cpu_at: dict[str, float] = {}
 
             def cpu_round(part: str, now: float) -> float:
                 before, cpu_at[part] = cpu_at.get(part, 0.0), now
@@ -308,7 +338,7 @@ async def run(args: argparse.Namespace) -> None:
                 cpu["nats-server"] = cpu_round("nats", nats_cpu())
                 return done - t0, lags, relay_lags
 
-            profiler = cProfile.Profile() if args.profile else None
+            profiler = cProfile.Profile(time.process_time) if args.profile else None
             if profiler is not None:
                 profiler.enable()
             elapsed, lags, _ = await round_(0, n_batches, 0)
@@ -320,7 +350,9 @@ async def run(args: argparse.Namespace) -> None:
                 f" {' / '.join(f'{c * per:.2f}' for c in replica_cpu)}, nats-server {cpu['nats-server'] * per:.2f},"
                 f" engines {cpu['engines'] * per:.2f}; total {total_cpu * per:.2f}: 2 cores carry at most"
                 f" {2 * blocks / total_cpu:,.0f} blocks/s of this pipeline (the run reached"
-                f" {blocks / elapsed / (2 * blocks / total_cpu):.2f} x that)"
+                f" {blocks / elapsed / (2 * blocks / total_cpu):.2f} x that); each replica"
+                f" {' / '.join(f'{c / raw_cpu:.2f}' for c in replica_cpu)} x the CPU of apply_payload alone"
+                f" (what is not the index: NATS, the rules, the client's bookkeeping)"
             )
             if profiler is not None:
                 profiler.disable()
@@ -335,6 +367,19 @@ async def run(args: argparse.Namespace) -> None:
                     if lags
                     else ""
                 )
+            )
+            # A follower reading the log alone (no snapshot yet; the relay and the three replicas idle beside it):
+            # its CPU per block beside one copy's apply_payload, without the contention of the throughput round
+            # (five busy processes on 2 cores evict each other's caches).
+            catchup = _spawn_replica(
+                url, args.backend, args.follower, f"{args.profile}.catchup" if args.profile else None, profile_sync=True
+            )
+            _, ready, _, _, catchup_cpu, _ = await anyio.to_thread.run_sync(catchup[1].recv)
+            catchup[1].send(None)
+            catchup[0].join(10)
+            print(
+                f"catch-up: a new follower read the whole log ({blocks:,} blocks) in {ready:.2f} s,"
+                f" {catchup_cpu * per:.3f} CPU s per 100k blocks ({catchup_cpu / raw_cpu:.2f} x apply_payload alone)"
             )
             t0 = time.perf_counter()
             seq = await relay.write_snapshot()
@@ -359,7 +404,7 @@ async def run(args: argparse.Namespace) -> None:
             replicas = []
             t0 = time.perf_counter()
             cold = _spawn_replica(url, args.backend, args.follower)
-            _, ready, entries, _ = await anyio.to_thread.run_sync(cold[1].recv)
+            _, ready, entries, _, _, _ = await anyio.to_thread.run_sync(cold[1].recv)
             wall = time.perf_counter() - t0
             cold[1].send(None)
             cold[0].join(10)
@@ -393,6 +438,11 @@ def main() -> None:
         help="the three replicas: KvEventClient(jetstream=...) (default) or JetStreamReplica",
     )
     parser.add_argument(
+        "--native-receive",
+        action="store_true",
+        help="the relay's client reads the engines with the compiled core's receive thread (native_receive)",
+    )
+    parser.add_argument(
         "--lag-rate",
         type=float,
         default=0.0,
@@ -402,7 +452,8 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         metavar="FILE",
-        help="cProfile the relay's process (FILE) and one replica's (FILE.replica) during the throughput round",
+        help="cProfile (CPU time) the relay's process (FILE) and one replica's (FILE.replica) during the throughput"
+        " round, and the catch-up follower until synced (FILE.catchup)",
     )
     args = parser.parse_args()
     # The relay's warnings (a session restart, a lost lease) explain a slow or stuck round.

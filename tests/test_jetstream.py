@@ -138,6 +138,23 @@ def assert_same(a: PrefixIndex, b: PrefixIndex, queries: list[tuple[int, ...]], 
     assert answers(a, queries) == answers(b, queries), note
 
 
+def assert_exact(
+    replica: JetStreamReplica,
+    direct: PrefixIndex,
+    queries: list[tuple[int, ...]],
+    note: object = None,
+    *,
+    no_duplicates: bool = False,
+) -> None:
+    """A replica at quiescence holds the direct client's index, with no chain or stream gap, nothing undecodable,
+    no partial worker (and, with ``no_duplicates``, no overlapping batch skipped)."""
+    st = replica.stats()
+    assert_same(replica.index, direct, queries, note=(st, note))
+    assert (st.gaps, st.stream_gaps, st.undecodable) == (0, 0, 0), st
+    assert not no_duplicates or st.duplicates == 0, st
+    assert not replica.partial_workers(), st
+
+
 async def replica_at(replica: JetStreamReplica, last: Mapping[WorkerKey, int], timeout: float = 20.0) -> None:  # noqa: ASYNC109
     """Wait until the replica applied each worker's batch ``last[worker]``."""
     with anyio.fail_after(timeout):
@@ -313,10 +330,7 @@ async def test_three_replicas_and_a_direct_client_agree(nats_server: NatsServer)
                 await client_at(direct, last)
                 for r in (r1, r2, r3):
                     await replica_at(r, last)
-                    assert_same(r.index, direct.index, fleet.queries())
-                    st = r.stats()
-                    assert (st.gaps, st.stream_gaps, st.undecodable) == (0, 0, 0)
-                    assert not r.partial_workers()
+                    assert_exact(r, direct.index, fleet.queries())
                     assert r.worker_status(WorkerKey("w0", 0)) is not None
                 assert relay.stats().duplicates == 0
 
@@ -353,9 +367,7 @@ async def test_snapshots_taken_while_the_engines_publish_are_exact(nats_server: 
                 last = fleet.last()
                 await client_at(direct, last)
                 await replica_at(late, last)
-                assert_same(late.index, direct.index, fleet.queries(), note=(late.stats(), relay.stats()))
-                st = late.stats()
-                assert (st.gaps, st.stream_gaps, st.undecodable) == (0, 0, 0), st
+                assert_exact(late, direct.index, fleet.queries(), relay.stats())
 
 
 @pytest.mark.anyio
@@ -492,10 +504,7 @@ async def test_nats_server_restart_loses_and_doubles_nothing(nats_server: NatsSe
             # Three replicas and the direct client, identical at quiescence through the outage.
             for replica in (r1, r2, r3):
                 await replica_at(replica, last, timeout=40)
-                st = replica.stats()
-                assert_same(replica.index, direct.index, fleet.queries(), note=(st, relay.stats()))
-                assert (st.gaps, st.stream_gaps, st.undecodable, st.duplicates) == (0, 0, 0, 0)
-                assert not replica.partial_workers()
+                assert_exact(replica, direct.index, fleet.queries(), relay.stats(), no_duplicates=True)
             assert relay.stats().sessions >= 2  # the relay resumed from the log after the outage
             # A replica started after the restart reads the same from the persisted snapshot + log.
             async with JetStreamReplica(nats_server.url, stream="R") as late:
@@ -617,10 +626,7 @@ async def test_standby_relay_takes_over_when_the_active_one_is_killed(nats_serve
                     await traffic([ea, eb], 30)
                     for r in (r1, r2, r3):
                         await converged(r, direct)
-                        assert_same(r.index, direct.index, prompts)
-                        st = r.stats()
-                        assert (st.gaps, st.stream_gaps, st.undecodable, st.duplicates) == (0, 0, 0, 0)
-                        assert not r.partial_workers()
+                        assert_exact(r, direct.index, prompts, no_duplicates=True)
                     async with JetStreamReplica(nats_server.url, stream="H") as late:
                         await late.wait_synced(20)
                         assert_same(late.index, direct.index, prompts)
