@@ -414,8 +414,12 @@ impl<K: WorkerName> Index<K> {
                 // misses (the id table, the record, the side entry, the holder words), not the
                 // steps, are most of a match. Each pass only issues prefetches of what the next
                 // one reads, so no pass waits on a miss the previous one could have started.
+                let keys = &q.keys[&cls][i..end];
+                for k in keys {
+                    self.table.prefetch_key(k);
+                }
                 ids.clear();
-                ids.extend(q.keys[&cls][i..end].iter().map(|k| self.table.id(k)));
+                ids.extend(keys.iter().map(|k| self.table.id(k)));
                 for &id in ids.iter().flatten() {
                     self.table.prefetch_side(id);
                 }

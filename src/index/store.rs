@@ -725,6 +725,9 @@ impl<K: WorkerName> Index<K> {
         let mut sc = std::mem::take(&mut self.scratch);
         sc.keys.clear();
         keys::plain_keys_into(&mut sc.keys, parent, &tokens[..n * bs], bs, n);
+        for k in &sc.keys {
+            self.table.prefetch_key(k);
+        }
         sc.ids.clear();
         sc.ids
             .extend(sc.keys.iter().map(|k| self.table.retain_key(k)));
