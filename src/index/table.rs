@@ -406,6 +406,9 @@ impl IdIndex {
     }
 }
 
+/// How many keys ahead of its lookup a key's id-index slot is prefetched (store.rs, query.rs).
+pub(crate) const LOOKUP_AHEAD: usize = 8;
+
 /// Ids by key: the id index holds only the 4-byte ids (and tags), compared through `recs`.
 #[derive(Default)]
 pub(crate) struct KeyTable {
