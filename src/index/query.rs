@@ -8,7 +8,7 @@
 use rustc_hash::FxHashMap;
 
 use super::store::{anchor, div_ceil, floor_div};
-use super::table::{flags_of, prefetch, slot_of, tier_flag, Holders, G, H};
+use super::table::{flags_of, prefetch, slot_of, tier_flag, Holders, G, H, LOOKUP_AHEAD};
 use super::{Class, Group, GroupKind, Index, WorkerName};
 use crate::keys::{self, Key, MmItem};
 
@@ -414,8 +414,17 @@ impl<K: WorkerName> Index<K> {
                 // misses (the id table, the record, the side entry, the holder words), not the
                 // steps, are most of a match. Each pass only issues prefetches of what the next
                 // one reads, so no pass waits on a miss the previous one could have started.
+                let keys = &q.keys[&cls][i..end];
+                for k in keys.iter().take(LOOKUP_AHEAD) {
+                    self.table.prefetch_key(k);
+                }
                 ids.clear();
-                ids.extend(q.keys[&cls][i..end].iter().map(|k| self.table.id(k)));
+                for (j, k) in keys.iter().enumerate() {
+                    if let Some(ahead) = keys.get(j + LOOKUP_AHEAD) {
+                        self.table.prefetch_key(ahead);
+                    }
+                    ids.push(self.table.id(k));
+                }
                 for &id in ids.iter().flatten() {
                     self.table.prefetch_side(id);
                 }

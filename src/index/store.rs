@@ -5,7 +5,7 @@
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::table::{tier_flag, G, H};
+use super::table::{tier_flag, G, H, LOOKUP_AHEAD};
 use super::{
     mask_of, tier_pos, ApplyCounts, Class, EMap, Group, GroupKind, Index, Worker, WorkerName, NOKEY,
 };
@@ -725,9 +725,19 @@ impl<K: WorkerName> Index<K> {
         let mut sc = std::mem::take(&mut self.scratch);
         sc.keys.clear();
         keys::plain_keys_into(&mut sc.keys, parent, &tokens[..n * bs], bs, n);
+        // Each key's id-index slot is prefetched `LOOKUP_AHEAD` keys before it is interned: far
+        // enough for the miss to overlap the interning in between, near enough that the line is
+        // still in cache (a whole 512-block store's lines at once would fill L1).
+        for k in sc.keys.iter().take(LOOKUP_AHEAD) {
+            self.table.prefetch_key(k);
+        }
         sc.ids.clear();
-        sc.ids
-            .extend(sc.keys.iter().map(|k| self.table.retain_key(k)));
+        for i in 0..sc.keys.len() {
+            if let Some(k) = sc.keys.get(i + LOOKUP_AHEAD) {
+                self.table.prefetch_key(k);
+            }
+            sc.ids.push(self.table.retain_key(&sc.keys[i]));
+        }
         // Whether the worker held each key before this store (read before any update, as the
         // Python index reads its holder sets once).
         sc.held.clear();
