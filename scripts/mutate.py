@@ -378,8 +378,8 @@ MUTATIONS: list[Mutation] = [
         "long-prefix-unread",
         "the compiled core prices CostModel.long_prefix as the Python reference does (it reads the setting)",
         "src/py/router.rs",
-        '            .getattr(intern!(py, "long_prefix"))?\n            .is_truthy()?\n',
-        '            .getattr(intern!(py, "long_prefix"))?\n            .is_none()\n',
+        'if model.getattr(intern!(py, "long_prefix"))?.is_truthy()? {',
+        'if model.getattr(intern!(py, "long_prefix"))?.is_none() {',
         ("tests/test_router_scoring.py",),
     ),
     Mutation(

@@ -240,6 +240,16 @@ def _summary(runs: Sequence[dict[str, _Figures]]) -> None:
                 f"; above affinity on hits {on_hits}/{len(pairs)}, on both {both}/{len(pairs)}"
                 f" (mean {sum(diff) / len(diff):+.2f} points, {min(diff):+.1f} to {max(diff):+.1f})"
             )
+        if name not in ("kvroute", "session_affinity") and "kvroute" in runs[0]:
+            pairs = [(run[name], run["kvroute"]) for run in runs if name in run]
+            diff = [(f.hit_rate - k.hit_rate) * 100 for f, k in pairs]
+            ttft = [f.ttft_p50 / k.ttft_p50 for f, k in pairs if k.ttft_p50]
+            line += (
+                f"; vs kvroute on hits mean {sum(diff) / len(diff):+.2f} points ({min(diff):+.1f} to {max(diff):+.1f},"
+                f" above in {sum(d > 0 for d in diff)}/{len(diff)})"
+            )
+            if ttft:
+                line += f", TTFT p50 ÷ kvroute's {sum(ttft) / len(ttft):.3f} ({min(ttft):.2f}-{max(ttft):.2f})"
         print(line)
 
 
