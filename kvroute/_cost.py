@@ -86,6 +86,17 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     cheapest only. Counts decay by half every ``footprint_half_life`` (64) new placements the
     router makes. Applies at ``temperature`` 0. Measured in ``kvroute demo`` (README, "Routing
     quality").
+    ``long_prefix`` (False): price a long recompute super-linearly. A prefill ``p`` of more than
+    ``long_prefix_floor`` (128) blocks costs ``overlap_weight * p * (1 + (p - long_prefix_floor)
+    / long_prefix_scale)`` (``long_prefix_scale`` 1,024) instead of ``overlap_weight * p``, both in
+    blocks of the router's ``block_size``; a prefill up to the floor is priced exactly as without
+    it, so short prompts route as before. Why: a recompute of ``p`` blocks holds the new worker's
+    prefill budget for time proportional to ``p``, and the requests arriving there meanwhile, also
+    proportional to ``p``, each wait behind it (an M/G/1 queue's residual work): the delay a long
+    move imposes on others grows as ``p**2``, while the holder's short prefill imposes almost none.
+    So a conversation turn or a document's question leaves the worker holding its history only for
+    a queue there several times the recompute. The eviction term and the footprint's band apply to
+    this cost unchanged. Measured in ``kvroute demo`` (README, "Routing quality").
 
     Overrides must be pure functions of their arguments: the router evaluates the cost of all
     idle workers once. The built-in model is priced in the compiled core (its weights read off
@@ -103,6 +114,9 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     footprint_band: float = 0.5
     footprint_new_share: float = 0.5
     footprint_half_life: float = 64.0
+    long_prefix: bool = False
+    long_prefix_floor: float = 128.0
+    long_prefix_scale: float = 1024.0
 
     def __post_init__(self) -> None:
         _check_range("overlap_weight", self.overlap_weight, 0.0)
@@ -116,6 +130,10 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         _check_range("footprint_band", self.footprint_band, 0.0)
         _check_range("footprint_new_share", self.footprint_new_share, 0.0, 1.0)
         _check_range("footprint_half_life", self.footprint_half_life, 0.0, low_open=True)
+        if not isinstance(self.long_prefix, bool):
+            raise RouterError(f"long_prefix must be a bool, got {self.long_prefix!r}")
+        _check_range("long_prefix_floor", self.long_prefix_floor, 0.0)
+        _check_range("long_prefix_scale", self.long_prefix_scale, 0.0, low_open=True)
 
     @property
     def full_credit(self) -> bool:
@@ -146,7 +164,14 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         return credited
 
     def cost(self, prefill_blocks: float, load_blocks: float) -> float:
-        """A candidate's cost: ``overlap_weight * prefill_blocks + load_blocks`` (lower is better)."""
+        """A candidate's cost: ``overlap_weight * prefill_blocks + load_blocks`` (lower is better); with
+        ``long_prefix`` on and ``prefill_blocks`` above ``long_prefix_floor``, ``overlap_weight *
+        prefill_blocks * (1 + (prefill_blocks - long_prefix_floor) / long_prefix_scale) + load_blocks``."""
+        if self.long_prefix:
+            above = prefill_blocks - self.long_prefix_floor
+            # at or below the floor the return below prices exactly as without the term
+            if above > 0.0:
+                return self.overlap_weight * prefill_blocks * (1.0 + above / self.long_prefix_scale) + load_blocks
         return self.overlap_weight * prefill_blocks + load_blocks
 
     def eviction(self, prefill_blocks: float, usage: float) -> float:

@@ -290,7 +290,7 @@ class ReferenceScoring:
 
             # Load-only workers: nothing claimed, so the prefill is the whole prompt. Approximate
             # workers with load were all listed above. The stock model's cost is inlined: this
-            # loop runs for every busy worker.
+            # loop runs for every busy worker (load is additive in it, long-prefix term or not).
             idle_cost = cost_of(idle_prefill, 0.0)
             stock = type(model) is CostModel
             for w, t in loads.items():
@@ -396,7 +396,8 @@ class ReferenceScoring:
         unit = self.block_size
         model = self.cost_model
         cost_of = model.cost
-        stock = type(model) is CostModel
+        # the stock cost inlined, unless the long-prefix term makes it other than linear
+        stock = type(model) is CostModel and not model.long_prefix
         weight = model.overlap_weight
         full_credit = model.full_credit
         gpu_runs = scores.tier(GPU)
@@ -472,7 +473,8 @@ class ReferenceScoring:
         """Append the workers only the routing hint credits (no index claim), in the hint's order."""
         unit = self.block_size
         model = self.cost_model
-        stock = type(model) is CostModel
+        # the stock cost inlined, unless the long-prefix term makes it other than linear
+        stock = type(model) is CostModel and not model.long_prefix
         weight = model.overlap_weight
         load_get = loads.get
         for w, routed in credits.items():

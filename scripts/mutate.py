@@ -383,6 +383,32 @@ MUTATIONS: list[Mutation] = [
         "|_, _| std::cmp::Ordering::Equal",
         ("tests/test_router_footprint.py",),
     ),
+    Mutation(
+        "long-prefix-unread",
+        "the compiled core prices CostModel.long_prefix as the Python reference does (it reads the setting)",
+        "src/py/router.rs",
+        'if model.getattr(intern!(py, "long_prefix"))?.is_truthy()? {',
+        'if model.getattr(intern!(py, "long_prefix"))?.is_none() {',
+        ("tests/test_router_scoring.py",),
+    ),
+    Mutation(
+        "long-prefix-inlined-linear",
+        "the stock model's Python path (with approximate workers) prices CostModel.long_prefix, not a linear inline",
+        "kvroute/_scoring.py",
+        "        stock = type(model) is CostModel and not model.long_prefix\n        weight = model.overlap_weight\n"
+        "        full_credit",
+        "        stock = type(model) is CostModel\n        weight = model.overlap_weight\n        full_credit",
+        ("tests/test_router_scoring.py",),
+    ),
+    Mutation(
+        "long-prefix-hint-inlined-linear",
+        "a worker only the routing hint credits is priced with CostModel.long_prefix on the stock model's Python path",
+        "kvroute/_scoring.py",
+        "        stock = type(model) is CostModel and not model.long_prefix\n        weight = model.overlap_weight\n"
+        "        load_get",
+        "        stock = type(model) is CostModel\n        weight = model.overlap_weight\n        load_get",
+        ("tests/test_router_scoring.py",),
+    ),
     # --- the gateway stream ---
     Mutation(
         "data-loss-kept",

@@ -25,6 +25,11 @@ prompt tokens. Concurrency makes runs differ by a few tenths of a point (several
 shape), hence ``--seeds``: with more than one, a summary per policy follows (mean hit rate and TTFT p50, the range
 of its ratios to the oracle, and the runs it was above session affinity on hits, and on hits and TTFT p50 both).
 
+``kvroute_long_prefix`` is kvroute with `CostModel.long_prefix` on (``--long-prefix-floor`` /
+``--long-prefix-scale`` set its figures). ``--record FILE`` appends each run's figures to a JSON-lines file
+as it ends, and ``--summarize FILE...`` prints the summary of the runs recorded there (runs made in several
+processes, or cut short, still add up).
+
 Each policy's line also gives its new sessions per worker: requests no engine held nor was computing
 half of when they were routed (the footprint's "new placement", `CostModel.footprint_band`, judged
 by the engines' truth), counted per chosen worker. ``kvroute_no_footprint`` is kvroute without it.
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 from array import array
 from collections.abc import Hashable, Sequence
@@ -117,32 +123,7 @@ class _Figures(NamedTuple):
     ttft_p50: float
     oracle_share: float | None
     oracle_ttft_ratio: float | None
-
-
-class LongPrefixCost(CostModel, frozen=True, kw_only=True):
-    """A prototype cost model: the prefill a candidate would still do is priced super-linearly.
-
-    ``cost = overlap_weight * p * (1 + max(0, p - prefill_floor) / prefill_scale) + load``, ``p`` the prefill
-    blocks (``prefill_floor`` 0 by default; above 0 a prompt that short is priced exactly as today). Why: a
-    recompute of ``p`` blocks holds the new worker's prefill budget for time proportional to ``p``, and
-    the requests arriving there meanwhile, also proportional to ``p``, each wait for it: the delay it
-    imposes on others grows as ``p**2`` (an M/G/1 queue's residual work), while the holder's short prefill
-    imposes almost none. A short prompt (the shared-prefix test's ~40 blocks) is priced as before within
-    a few percent; moving a long document's question off its holder needs a queue there several times
-    the recompute. Run as the policy ``kvroute_long_prefix`` (``--policies``).
-    """
-
-    prefill_scale: float = 1024.0
-    prefill_floor: float = 0.0
-
-    def cost(self, prefill_blocks: float, load_blocks: float) -> float:
-        """``overlap_weight * p * (1 + max(0, p - prefill_floor) / prefill_scale) + load_blocks`` (lower is better)."""
-        p = prefill_blocks
-        return self.overlap_weight * p * (1.0 + max(0.0, p - self.prefill_floor) / self.prefill_scale) + load_blocks
-
-
-#: The demo policy name of the prototype (`LongPrefixCost` on kvroute's Router, footprint and hint as kvroute's).
-PROTOTYPE = "kvroute_long_prefix"
+    load_imbalance: float
 
 
 def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
@@ -150,15 +131,13 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
     recorders: dict[str, _Recorder] = {}
 
     def make_policy(name: str, client: KvEventClient, engines: Sequence[SimEngine], **kw: Any) -> _Recorder:
-        kw["cost"] = CostModel(overlap_weight=args.overlap_weight, footprint_band=args.footprint_band)
-        if name == PROTOTYPE:
-            kw["cost"] = LongPrefixCost(
-                overlap_weight=args.overlap_weight,
-                footprint_band=args.footprint_band,
-                prefill_scale=args.prefill_scale,
-                prefill_floor=args.prefill_floor,
-            )
-        inner = _make_policy("kvroute" if name == PROTOTYPE else name, client, engines, **kw)
+        kw["cost"] = CostModel(
+            overlap_weight=args.overlap_weight,
+            footprint_band=args.footprint_band,
+            long_prefix_floor=args.long_prefix_floor,
+            long_prefix_scale=args.long_prefix_scale,
+        )
+        inner = _make_policy(name, client, engines, **kw)
         rec = recorders[name] = _Recorder(inner, client, engines)
         return rec
 
@@ -225,7 +204,9 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
             f"TTFT p50 {res.ttft_p50 * 1e3:.2f} ms (÷ oracle {ratio}); {moves} requests moved off a worker the "
             f"index knew held more; new sessions per worker {sorted(starts.values())}"
         )
-        figures[name] = _Figures(res.hit_rate, res.ttft_p50, res.oracle_share, res.oracle_ttft_ratio)
+        figures[name] = _Figures(
+            res.hit_rate, res.ttft_p50, res.oracle_share, res.oracle_ttft_ratio, res.load_imbalance
+        )
         for cause, tokens in sorted(lost.items()):
             print(f"  {cause:<40} {tokens / total:7.2%}")
 
@@ -233,24 +214,62 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
 
 
 def _summary(runs: Sequence[dict[str, _Figures]]) -> None:
-    """Each policy over the runs: mean hit rate and TTFT p50, the oracle ratios' range, and against affinity."""
-    print(f"== summary over {len(runs)} runs: mean hit rate / TTFT p50; ÷ oracle (min-max); runs above affinity")
+    """Each policy over the runs: mean hit rate and TTFT p50, the oracle ratios' mean and range, the load
+    imbalance, and the runs above session affinity (on hits; on hits and TTFT p50 both)."""
+    print(f"== summary over {len(runs)} runs: mean hit rate / TTFT p50; ÷ oracle mean (min-max); runs above affinity")
     for name in runs[0]:
-        figs = [run[name] for run in runs]
+        figs = [run[name] for run in runs if name in run]
         hits = sum(f.hit_rate for f in figs) / len(figs)
         ttft = sum(f.ttft_p50 for f in figs) / len(figs)
-        line = f"  {name:<22} {hits:6.1%} / {ttft * 1e3:7.2f} ms"
+        imbalance = [f.load_imbalance for f in figs]
+        line = f"  {name:<22} {hits:6.1%} / {ttft * 1e3:7.2f} ms; imbalance {min(imbalance):.2f}-{max(imbalance):.2f}"
         shares = [f.oracle_share for f in figs if f.oracle_share is not None]
         ratios = [f.oracle_ttft_ratio for f in figs if f.oracle_ttft_ratio is not None]
         if shares and ratios:
-            line += f"; ÷ oracle hits {min(shares):.2f}-{max(shares):.2f}, TTFT {min(ratios):.2f}-{max(ratios):.2f}"
+            line += (
+                f"; ÷ oracle hits {sum(shares) / len(shares):.2f} ({min(shares):.2f}-{max(shares):.2f}),"
+                f" TTFT {sum(ratios) / len(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}),"
+                f" TTFT ≤ 1.1 in {sum(r <= 1.1 for r in ratios)}/{len(ratios)}"
+            )
         if name != "session_affinity" and "session_affinity" in runs[0]:
-            aff = [run["session_affinity"] for run in runs]
-            on_hits = sum(f.hit_rate > a.hit_rate for f, a in zip(figs, aff))
-            both = sum(f.hit_rate > a.hit_rate and f.ttft_p50 < a.ttft_p50 for f, a in zip(figs, aff))
-            diff = " ".join(f"{(f.hit_rate - a.hit_rate) * 100:+.1f}" for f, a in zip(figs, aff))
-            line += f"; above affinity on hits {on_hits}/{len(figs)}, on both {both}/{len(figs)} ({diff} points)"
+            pairs = [(run[name], run["session_affinity"]) for run in runs if name in run]
+            on_hits = sum(f.hit_rate > a.hit_rate for f, a in pairs)
+            both = sum(f.hit_rate > a.hit_rate and f.ttft_p50 < a.ttft_p50 for f, a in pairs)
+            diff = [(f.hit_rate - a.hit_rate) * 100 for f, a in pairs]
+            line += (
+                f"; above affinity on hits {on_hits}/{len(pairs)}, on both {both}/{len(pairs)}"
+                f" (mean {sum(diff) / len(diff):+.2f} points, {min(diff):+.1f} to {max(diff):+.1f})"
+            )
+        if name not in ("kvroute", "session_affinity") and "kvroute" in runs[0]:
+            pairs = [(run[name], run["kvroute"]) for run in runs if name in run]
+            diff = [(f.hit_rate - k.hit_rate) * 100 for f, k in pairs]
+            ttft = [f.ttft_p50 / k.ttft_p50 for f, k in pairs if k.ttft_p50]
+            line += (
+                f"; vs kvroute on hits mean {sum(diff) / len(diff):+.2f} points ({min(diff):+.1f} to {max(diff):+.1f},"
+                f" above in {sum(d > 0 for d in diff)}/{len(diff)})"
+            )
+            if ttft:
+                line += f", TTFT p50 ÷ kvroute's {sum(ttft) / len(ttft):.3f} ({min(ttft):.2f}-{max(ttft):.2f})"
         print(line)
+
+
+def _record(path: str, label: str, seed: int, figures: dict[str, _Figures]) -> None:
+    """Append one run's figures to the JSON-lines file ``path``."""
+    with open(path, "a") as f:
+        row = {"label": label, "seed": seed, "load": os.getloadavg()[0]}
+        row["figures"] = {name: fig._asdict() for name, fig in figures.items()}
+        f.write(json.dumps(row) + "\n")
+
+
+def _recorded(paths: Sequence[str]) -> dict[str, list[dict[str, _Figures]]]:
+    """The runs recorded in ``paths`` (`_record`), by label."""
+    by_label: dict[str, list[dict[str, _Figures]]] = collections.defaultdict(list)
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                by_label[row["label"]].append({n: _Figures(**v) for n, v in row["figures"].items()})
+    return by_label
 
 
 def main() -> None:
@@ -266,20 +285,30 @@ def main() -> None:
     p.add_argument("--footprint-band", type=float, default=CostModel().footprint_band, help="CostModel.footprint_band")
     p.add_argument("--capacity-blocks", type=int, default=None, help="KV blocks per rank (default: the demo's)")
     p.add_argument(
-        "--prefill-scale", type=float, default=LongPrefixCost().prefill_scale, help="LongPrefixCost.prefill_scale"
+        "--long-prefix-floor",
+        type=float,
+        default=CostModel().long_prefix_floor,
+        help="CostModel.long_prefix_floor (of every policy's cost model; kvroute_long_prefix turns the term on)",
     )
     p.add_argument(
-        "--prefill-floor", type=float, default=LongPrefixCost().prefill_floor, help="LongPrefixCost.prefill_floor"
+        "--long-prefix-scale", type=float, default=CostModel().long_prefix_scale, help="CostModel.long_prefix_scale"
     )
+    p.add_argument("--record", help="append each run's figures to this JSON-lines file")
+    p.add_argument("--summarize", nargs="+", metavar="FILE", help="print the summary of the runs recorded in FILEs")
     args = p.parse_args()
-    # The prototype is a policy of this script's only: the demo accepts it and follows the engines'
-    # /metrics for it as for every kvroute policy.
-    _demo_run.EXTRA_POLICIES = (*_demo_run.EXTRA_POLICIES, PROTOTYPE)  # type: ignore[attr-defined,assignment]
-    _demo_run.KVROUTE_POLICIES = (*_demo_run.KVROUTE_POLICIES, PROTOTYPE)  # type: ignore[attr-defined,assignment]
+    if args.summarize:
+        for label, runs in sorted(_recorded(args.summarize).items()):
+            print(f"# {label}")
+            _summary(runs)
+        return
     if (args.shape is None) == (args.trace is None):
         p.error("give a trace shape or --trace FILE (one of them)")
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
-    runs = [_one_run(args, seed) for seed in seeds]
+    runs = []
+    for seed in seeds:
+        runs.append(_one_run(args, seed))
+        if args.record:
+            _record(args.record, os.path.basename(args.trace) if args.trace else args.shape, seed, runs[-1])
     if len(runs) > 1:
         _summary(runs)
 

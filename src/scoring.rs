@@ -22,6 +22,17 @@ pub struct CostParams {
     pub external_credit: f64,
     /// weight of what a candidate's prefill evicts on a cache under pressure (`CostModel.eviction_weight`)
     pub eviction_weight: f64,
+    /// the long-prefix term (`CostModel.long_prefix`): a prefill above `floor` blocks is priced
+    /// super-linearly, `scale` blocks setting how fast; None: off
+    pub long_prefix: Option<LongPrefix>,
+}
+
+/// The long-prefix term's two figures (`CostModel.long_prefix_floor` / `long_prefix_scale`),
+/// in blocks of the router's `block_size`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LongPrefix {
+    pub floor: f64,
+    pub scale: f64,
 }
 
 /// Costs closer than this relative margin are a tie (`_TIE_EPS`).
@@ -71,8 +82,18 @@ impl CostParams {
         credited
     }
 
-    /// A candidate's cost: ``overlap_weight * prefill_blocks + load_blocks``.
+    /// A candidate's cost: ``overlap_weight * prefill_blocks + load_blocks``; with the long-prefix
+    /// term on and the prefill above its floor, ``overlap_weight * prefill_blocks * (1 +
+    /// (prefill_blocks - floor) / scale) + load_blocks`` (`CostModel.cost`, operation for operation).
     pub fn cost(&self, prefill_blocks: f64, load_blocks: f64) -> f64 {
+        if let Some(lp) = self.long_prefix {
+            let above = prefill_blocks - lp.floor;
+            // at or below the floor the branch below prices exactly as without the term
+            if above > 0.0 {
+                return self.overlap_weight * prefill_blocks * (1.0 + above / lp.scale)
+                    + load_blocks;
+            }
+        }
         self.overlap_weight * prefill_blocks + load_blocks
     }
 
@@ -379,6 +400,7 @@ mod tests {
         disk_credit: 0.5,
         external_credit: 0.5,
         eviction_weight: 8.0,
+        long_prefix: None,
     };
 
     #[test]
@@ -455,6 +477,35 @@ mod tests {
             ..c
         };
         assert_eq!(price(&STOCK, &whole, 100, 16, 0.0, 0, 1.0).cost, 0.0);
+    }
+
+    #[test]
+    fn a_long_prefill_is_priced_super_linearly_above_the_floor_only() {
+        let long = CostParams {
+            overlap_weight: 2.0,
+            long_prefix: Some(LongPrefix {
+                floor: 128.0,
+                scale: 1024.0,
+            }),
+            ..STOCK
+        };
+        let plain = CostParams {
+            overlap_weight: 2.0,
+            ..STOCK
+        };
+        // at and below the floor: bit for bit the cost without the term
+        for p in [0.0, 1.5, 127.0, 128.0] {
+            assert_eq!(long.cost(p, 3.0), plain.cost(p, 3.0));
+        }
+        // 640 blocks, 512 above the floor: 2 * 640 * (1 + 0.5) + 3
+        assert_eq!(long.cost(640.0, 3.0), 2.0 * 640.0 * 1.5 + 3.0);
+        // load stays additive: the idle group's `idle_cost + load` is the same figure
+        assert_eq!(long.cost(640.0, 3.0), long.cost(640.0, 0.0) + 3.0);
+        // the eviction term prices the prefill as before, on top
+        assert_eq!(
+            long.cost_at(640.0, 3.0, 0.5),
+            long.cost(640.0, 3.0) + 8.0 * 0.5 * 640.0
+        );
     }
 
     #[test]

@@ -7,6 +7,7 @@ import random
 from collections import Counter
 
 import anyio
+import msgspec
 import pytest
 
 from kvroute import CostModel, KvEventClient, SubscriberConfig, WorkerKey
@@ -134,6 +135,15 @@ async def test_session_affinity_is_sticky_and_least_load_spreads() -> None:
                 policy = make_policy(name, client, [a, b], block_size=16, seed=0)
                 assert policy.choose(("x", name), [5] * 40) in client.live_workers()
                 policy.finished(("x", name))
+            # The comparison policies are kvroute's Router with one setting of the given cost model changed.
+            given = CostModel(overlap_weight=1.5)
+            for name, changed in (
+                ("kvroute_no_footprint", {"footprint": False}),
+                ("kvroute_long_prefix", {"long_prefix": True}),
+            ):
+                policy = make_policy(name, client, [a, b], block_size=16, seed=0, cost=given)
+                assert isinstance(policy, KvRoutePolicy)
+                assert policy.router.cost_model == msgspec.structs.replace(given, **changed)
 
 
 async def test_kvroute_prices_the_kv_usage_the_engines_serve_on_a_zmq_fleet() -> None:

@@ -9,9 +9,11 @@ the same ties, the same random draws.
 
 from __future__ import annotations
 
+import math
 import time
 from array import array
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -42,6 +44,19 @@ class _States:
         return set(self.live)
 
 
+# `CostModel.long_prefix` off, or on with (floor, scale): floors low enough that this file's prompts
+# (at most 50 blocks) cross them, scales from steep to the default's gentle 1,024.
+_long_prefix = st.sampled_from([None, None, (0.0, 1.0), (4.0, 8.0), (12.5, 3.0), (16.0, 1024.0)])
+
+
+def _long(long_prefix: tuple[float, float] | None) -> dict:
+    """`CostModel` fields for one draw of `_long_prefix`."""
+    if long_prefix is None:
+        return {}
+    floor, scale = long_prefix
+    return {"long_prefix": True, "long_prefix_floor": floor, "long_prefix_scale": scale}
+
+
 _worker = st.fixed_dictionaries(
     {
         "block_size": st.sampled_from([4, 8, 16]),
@@ -67,6 +82,7 @@ _worker = st.fixed_dictionaries(
     prompt_len=st.integers(0, PROMPT_LEN),
     seed=st.integers(0, 3),
     restrict=st.booleans(),
+    long_prefix=_long_prefix,
 )
 def test_compiled_scoring_picks_what_the_python_path_picks(
     fleet: list[dict],
@@ -80,6 +96,7 @@ def test_compiled_scoring_picks_what_the_python_path_picks(
     prompt_len: int,
     seed: int,
     restrict: bool,
+    long_prefix: tuple[float, float] | None,
 ) -> None:
     prompt = [(i * 7919) % 50_000 for i in range(PROMPT_LEN)]
     index = PrefixIndex()
@@ -107,7 +124,9 @@ def test_compiled_scoring_picks_what_the_python_path_picks(
         if spec["load"] is not None:
             load[w] = spec["load"] / 4
     cpu, disk, external = credits
-    params = dict(overlap_weight=weight, cpu_credit=cpu, disk_credit=disk, external_credit=external)
+    params = dict(
+        overlap_weight=weight, cpu_credit=cpu, disk_credit=disk, external_credit=external, **_long(long_prefix)
+    )
     routers = []
     for model in (CostModel(**params, temperature=temperature), _PythonModel(**params, temperature=temperature)):
         states = _States(statuses, live) if use_states else None
@@ -251,6 +270,7 @@ def test_select_on_threads_while_other_threads_ingest() -> None:
     prompt_lens=st.lists(st.integers(0, PROMPT_LEN), min_size=1, max_size=4),
     supplied_load=st.booleans(),
     seed=st.integers(0, 3),
+    long_prefix=_long_prefix,
 )
 def test_the_routing_hint_is_priced_alike_on_both_paths(
     fleet: list[dict],
@@ -262,6 +282,7 @@ def test_the_routing_hint_is_priced_alike_on_both_paths(
     prompt_lens: list[int],
     supplied_load: bool,
     seed: int,
+    long_prefix: tuple[float, float] | None,
 ) -> None:
     """Prompts started on workers (`on_start`, and `select` with a request id, decision after
     decision) credit the next prompts sharing their prefix, on both paths alike."""
@@ -283,8 +304,8 @@ def test_the_routing_hint_is_priced_alike_on_both_paths(
             load[w] = spec["load"] / 4
     routers = []
     for model in (
-        CostModel(overlap_weight=weight, temperature=temperature),
-        _PythonModel(overlap_weight=weight, temperature=temperature),
+        CostModel(overlap_weight=weight, temperature=temperature, **_long(long_prefix)),
+        _PythonModel(overlap_weight=weight, temperature=temperature, **_long(long_prefix)),
     ):
         r = Router(
             index, states=_States(statuses, live), cost=model, block_size=unit, seed=seed, routed_per_worker=per_worker
@@ -398,7 +419,6 @@ def test_a_decision_with_lazy_candidates_reads_as_an_eager_one() -> None:
     assert [c.worker for c in d.candidates] == [d.worker] and d.idle_workers == 1
 
 
-
 def test_a_frozen_decision_needs_a_value_for_every_name() -> None:
     """`Router._decide` builds the compiled path's decision through `_core.new_frozen`, one value per slot
     of `RoutingDecision` (`_LAZY_SLOTS` is its ``__slots__``): a slot without a value is refused, not
@@ -434,6 +454,7 @@ _pressured = st.fixed_dictionaries(
     hint=st.booleans(),
     restrict=st.booleans(),
     seed=st.integers(0, 3),
+    long_prefix=_long_prefix,
 )
 def test_eviction_is_priced_alike_on_both_paths(
     fleet: list[dict],
@@ -445,6 +466,7 @@ def test_eviction_is_priced_alike_on_both_paths(
     hint: bool,
     restrict: bool,
     seed: int,
+    long_prefix: tuple[float, float] | None,
 ) -> None:
     """Engine-reported KV usage (`CostModel.eviction`) is priced alike on both paths: on scored,
     hint-only, load-only and usage-only workers, stale and out-of-range reports included."""
@@ -472,8 +494,8 @@ def test_eviction_is_priced_alike_on_both_paths(
             )
     routers = []
     for model in (
-        CostModel(overlap_weight=weight, eviction_weight=eviction, temperature=temperature),
-        _PythonModel(overlap_weight=weight, eviction_weight=eviction, temperature=temperature),
+        CostModel(overlap_weight=weight, eviction_weight=eviction, temperature=temperature, **_long(long_prefix)),
+        _PythonModel(overlap_weight=weight, eviction_weight=eviction, temperature=temperature, **_long(long_prefix)),
     ):
         r = Router(
             index,
@@ -535,3 +557,54 @@ def test_the_usage_read_follows_new_and_stale_reports() -> None:
     now[0] = 10.0 + loads.policy.stale_after + 1.0  # both records stale now
     assert r._usage() is None
     assert Router(PrefixIndex(), engine_loads=loads, cost=CostModel(eviction_weight=0.0))._usage() is None
+
+
+@pytest.mark.parametrize("known", ["index", "hint"])
+@pytest.mark.parametrize("path", ["compiled", "python", "approximate"])
+def test_a_long_recompute_stays_with_its_holder_under_the_long_prefix_term(known: str, path: str) -> None:
+    """A 200-block turn whose holder has 10 blocks left to prefill and a queue of 400: the linear cost
+    moves it to a worker holding one block (2 * 199 = 398 < 420), the long-prefix term keeps it (2 *
+    199 * (1 + 71 / 1,024) = 425.6). The other worker knows its block by the index or only by the
+    routing hint; on every path: compiled, a subclass's Python path, and the stock model's Python path
+    (a fleet with an approximate worker), whose inlined linear cost must give way to the term."""
+    prompt = list(range(1_000, 1_000 + 200 * 16))
+    index = PrefixIndex()
+    holder, other, approx = WorkerKey("holder", 0), WorkerKey("other", 0), WorkerKey("approx", 0)
+    index.apply(holder, BlockStored(block_hashes=list(range(190)), token_ids=prompt[: 190 * 16], block_size=16))
+    if known == "index":
+        index.apply(other, BlockStored(block_hashes=[9_999], token_ids=prompt[:16], block_size=16))
+    load = {holder: 400.0, other: 0.0, approx: 1_000.0}
+    for on, expected in ((False, other), (True, holder)):
+        kind = _PythonModel if path == "python" else CostModel
+        r = Router(index, cost=kind(long_prefix=on), seed=0, routed_ttl=10.0)
+        r.add_worker(holder)
+        r.add_worker(other)
+        if path == "approximate":
+            r.add_worker(approx, approximate=True)
+        if known == "hint":
+            r.on_start("started", other, prompt[:16])
+        d = r.select(prompt, load=load)
+        assert d.worker == expected, (on, d)
+        by_worker = {c.worker: c for c in d.candidates}
+        assert by_worker[holder].cost == 2.0 * 10 + 400.0
+        assert by_worker[other].prefill_blocks == 199.0
+        assert by_worker[other].cost == (2.0 * 199 * (1.0 + 71.0 / 1024.0) if on else 2.0 * 199)
+
+
+def test_the_long_prefix_settings_are_checked() -> None:
+    for bad in (
+        {"long_prefix": 1},
+        {"long_prefix_floor": -1.0},
+        {"long_prefix_floor": math.inf},
+        {"long_prefix_scale": 0.0},
+        {"long_prefix_scale": math.nan},
+        {"long_prefix_scale": True},
+    ):
+        with pytest.raises(RouterError):
+            CostModel(**bad)  # type: ignore[arg-type]
+    model = msgspec.json.decode(
+        b'{"long_prefix": true, "long_prefix_floor": 4, "long_prefix_scale": 8}', type=CostModel
+    )
+    # 12 blocks, 8 above the floor of 4: 2 * 12 * (1 + 8 / 8) + 1; at the floor, the linear cost
+    assert model.cost(12.0, 1.0) == 2.0 * 12 * 2.0 + 1.0
+    assert model.cost(4.0, 1.0) == CostModel().cost(4.0, 1.0)

@@ -97,7 +97,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--policies",
         default=",".join(POLICIES),
         help=f"comma-separated policies to run, in order (default {','.join(POLICIES)}; also "
-        "kvroute_index_only: kvroute without its routing hint; kvroute_no_footprint: without its footprint)",
+        "kvroute_index_only: kvroute without its routing hint; kvroute_no_footprint: without its footprint; "
+        "kvroute_long_prefix: with CostModel.long_prefix on)",
     )
     p.add_argument("--json", action="store_true", help="print the results as one JSON object keyed by policy")
     p.set_defaults(func=_main)

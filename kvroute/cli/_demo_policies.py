@@ -47,8 +47,9 @@ __all__ = [
 
 POLICIES = ("kvroute", "oracle", "session_affinity", "least_load", "round_robin", "random")
 #: Policies run only when named: ``kvroute_index_only`` is kvroute without its routing hint,
-#: ``kvroute_no_footprint`` kvroute without its footprint (``CostModel(footprint=False)``).
-EXTRA_POLICIES = ("kvroute_index_only", "kvroute_no_footprint")
+#: ``kvroute_no_footprint`` kvroute without its footprint (``CostModel(footprint=False)``),
+#: ``kvroute_long_prefix`` kvroute with the long-prefix term (``CostModel(long_prefix=True)``).
+EXTRA_POLICIES = ("kvroute_index_only", "kvroute_no_footprint", "kvroute_long_prefix")
 #: The policies that are kvroute's `Router` (the demo follows the engines' ``/metrics`` for them on ZMQ fleets).
 KVROUTE_POLICIES = ("kvroute", *EXTRA_POLICIES)
 #: ``Router(routed_ttl=)`` of the demo's kvroute: the routing hint on (README, "Routing quality").
@@ -305,7 +306,8 @@ def make_policy(
 
     ``cost``: the cost model of ``kvroute`` and ``oracle`` (default `CostModel()`). ``kvroute_index_only``
     is kvroute without its routing hint (the `Router` default): the index alone, for comparison;
-    ``kvroute_no_footprint`` kvroute with ``cost``'s ``footprint`` off (new sessions not spread).
+    ``kvroute_no_footprint`` kvroute with ``cost``'s ``footprint`` off (new sessions not spread);
+    ``kvroute_long_prefix`` kvroute with ``cost``'s ``long_prefix`` on (a long recompute priced super-linearly).
     ``engine_loads``: the engines' reports kvroute's `Router` reads (default: the client's, which a
     gateway stream fills); the demo passes the engines' scraped ``/metrics`` on plain ZMQ fleets.
     """
@@ -313,6 +315,8 @@ def make_policy(
         ttl = 0.0 if name == "kvroute_index_only" else ROUTED_TTL
         if name == "kvroute_no_footprint":
             cost = msgspec.structs.replace(cost or CostModel(), footprint=False)
+        elif name == "kvroute_long_prefix":
+            cost = msgspec.structs.replace(cost or CostModel(), long_prefix=True)
         return KvRoutePolicy(
             Router(
                 client.index,

@@ -751,6 +751,15 @@ fn select<'py>(
         disk_credit: weight(model, intern!(py, "disk_credit"))?,
         external_credit: weight(model, intern!(py, "external_credit"))?,
         eviction_weight: weight(model, intern!(py, "eviction_weight"))?,
+        // off (the default): one attribute read; on: its floor and scale too
+        long_prefix: if model.getattr(intern!(py, "long_prefix"))?.is_truthy()? {
+            Some(scoring::LongPrefix {
+                floor: weight(model, intern!(py, "long_prefix_floor"))?,
+                scale: weight(model, intern!(py, "long_prefix_scale"))?,
+            })
+        } else {
+            None
+        },
     };
     let want_tiers = !params.full_credit();
     // this call's copy of the router's table (`Loads`: other threads may change it meanwhile)
