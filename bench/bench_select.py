@@ -67,14 +67,23 @@ class _Source:
 
 
 class ClientLikeStates:
-    """A states provider with `KvEventClient`'s per-call costs (its ``worker_status`` and
-    ``live_workers`` bodies over a dict of sources), every worker synced; ``engine_loads`` when
-    the engines report load. The real client needs a live source per worker; the router calls only these."""
+    """A states provider with `KvEventClient`'s per-call costs (its ``worker_status``,
+    ``live_workers`` and ``unvouched_workers`` bodies over a dict of sources), every worker synced;
+    ``engine_loads`` when the engines report load. The real client needs a live source per worker;
+    the router calls only these. ``vouching=False``: a provider without ``unvouched_workers``
+    (a router asks ``worker_status`` per candidate), as every provider was before it."""
 
-    def __init__(self, workers: list[WorkerKey], engine_loads: object = None) -> None:
+    def __init__(self, workers: list[WorkerKey], engine_loads: object = None, vouching: bool = True) -> None:
         self._subs = {w: _Source() for w in workers}
         if engine_loads is not None:
             self.engine_loads = engine_loads
+        # the client's published sets (`kvroute._models.Vouching`): every worker synced, none partial
+        self._unvouched: frozenset[WorkerKey] = frozenset()
+        if vouching:
+            self.unvouched_workers = self._unvouched_workers
+
+    def _unvouched_workers(self, trust_partial: bool) -> frozenset[WorkerKey]:
+        return self._unvouched
 
     def worker_status(self, worker: WorkerKey) -> WorkerStatus | None:
         sub = self._subs.get(worker)
@@ -166,6 +175,7 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
         for j in range(4):
             busy.on_start((i, j), w, prompt[: rng.randrange(256, 4096)])
     client = Router(index, states=ClientLikeStates(workers), seed=0)
+    per_status = Router(index, states=ClientLikeStates(workers, vouching=False), seed=0)
     loads = KvEventClient(index=index).engine_loads  # the client's own record table (never started here)
     with warnings.catch_warnings():
         # the gateway transport builds these records; a bench can only name their class as deprecated
@@ -191,6 +201,7 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
                        "select, loaded fleet": lambda: busy.select(prompt),
                        "select, Python path": lambda: python.select(prompt),
                        "select, client states": lambda: client.select(prompt),
+                       "select, status per wkr": lambda: per_status.select(prompt),
                        "select, client+loads": select_reported}, iters, repeat, (0.5, 0.99, 0.1, 0.9))
     print(f"\n2. {n_workers:,} workers, {index.num_blocks():,} (block, worker) entries (built in {built:.0f} s), "
           f"{PROMPT_TOKENS}-token prompt, {n_workers // 4} workers hold a prefix of it (µs, best of {repeat}; "

@@ -577,6 +577,7 @@ class Router(ReferenceScoring):
                 footprint,
                 self._rng,
                 request_id is not None,  # count the placement
+                self._unvouched(),  # whose claims are not believed (read once, not per candidate)
             )
         except (TypeError, AttributeError, msgspec.EncodeError) as exc:
             raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
