@@ -10,9 +10,10 @@ Figures, each printed with absolute numbers and as a ratio within this run (the 
 2. ``select`` p50 / p99 with 1,024 workers and 1M (block, worker) entries, an 8k-token prompt: a quarter of
    the workers hold a prefix of it at random depths (one all of it), every worker holds filler chains; on an
    idle fleet and with four requests tracked on every worker. Target: p99 <= 100 µs. Then the production
-   path: a states provider built as `KvEventClient` is (`ClientLikeStates`: ``live_workers()`` a new set per
-   call, ``worker_status`` a `WorkerStatus` per call from a dict of sources), alone and with every engine
-   reporting load (`EngineLoads`, one record refreshed per call, as a stream of reports does).
+   path: a states provider built as `KvEventClient` is (`ClientLikeStates`: its kept ``live_set()`` and
+   ``unvouched_workers()``, read once per call), alone and with every engine reporting load (`EngineLoads`, one
+   record refreshed per call, as a stream of reports does); and "status per wkr", a provider without those two
+   (``live_workers()`` a new set per call, ``worker_status`` a `WorkerStatus` per candidate), as before them.
 3. ``select`` p99 while two threads ingest through ``PrefixIndex.apply_payload`` at full speed ÷ its p99 idle,
    64 workers; then the same with two more threads calling ``select`` concurrently, on routers of their own and
    on the measured router itself. Target: <= 3.
@@ -68,10 +69,11 @@ class _Source:
 
 class ClientLikeStates:
     """A states provider with `KvEventClient`'s per-call costs (its ``worker_status``,
-    ``live_workers`` and ``unvouched_workers`` bodies over a dict of sources), every worker synced;
+    ``live_workers``, ``live_set`` and ``unvouched_workers`` bodies over a dict of sources), every worker synced;
     ``engine_loads`` when the engines report load. The real client needs a live source per worker;
-    the router calls only these. ``vouching=False``: a provider without ``unvouched_workers``
-    (a router asks ``worker_status`` per candidate), as every provider was before it."""
+    the router calls only these. ``vouching=False``: a provider without ``unvouched_workers`` and
+    ``live_set`` (a router asks ``worker_status`` per candidate and copies ``live_workers``), as every
+    provider was before them."""
 
     def __init__(self, workers: list[WorkerKey], engine_loads: object = None, vouching: bool = True) -> None:
         self._subs = {w: _Source() for w in workers}
@@ -79,11 +81,16 @@ class ClientLikeStates:
             self.engine_loads = engine_loads
         # the client's published sets (`kvroute._models.Vouching`): every worker synced, none partial
         self._unvouched: frozenset[WorkerKey] = frozenset()
+        self._live = frozenset(self._subs)
         if vouching:
             self.unvouched_workers = self._unvouched_workers
+            self.live_set = self._live_set
 
     def _unvouched_workers(self, trust_partial: bool) -> frozenset[WorkerKey]:
         return self._unvouched
+
+    def _live_set(self) -> frozenset[WorkerKey]:
+        return self._live
 
     def worker_status(self, worker: WorkerKey) -> WorkerStatus | None:
         sub = self._subs.get(worker)

@@ -168,6 +168,8 @@ class KvEventClient:
         # The subscribed workers a router must not believe (not synced, or partial), kept by
         # each source's machine as its state changes (`unvouched_workers`).
         self._vouching = Vouching()
+        # `_subs`' keys as one immutable set, republished as sources come and go (`live_set`)
+        self._live: frozenset[WorkerKey] = frozenset()
         self._targets: dict[str, anyio.CancelScope] = {}
         # Targets whose first discovery has not answered yet: not synced (see wait_synced).
         self._targets_pending: set[str] = set()
@@ -260,6 +262,7 @@ class KvEventClient:
             for sub in self._subs.values():
                 sub.driver.machine.on_vouching = None
             self._subs.clear()
+            self._live = frozenset()
             self._vouching.clear()
             self._targets.clear()
             self._targets_pending.clear()
@@ -332,6 +335,7 @@ class KvEventClient:
         driver = transport.driver(source, index=self._index, sink=self._hub, on_change=self._wake, resume=cursor)
         scope = anyio.CancelScope()
         self._subs[source.key] = _Subscription(driver, origin, scope)
+        self._live = frozenset(self._subs)
         self._track(driver)
         tg.start_soon(self._run_driver, driver, scope)
         self._wake()
@@ -388,6 +392,7 @@ class KvEventClient:
         sub = self._subs.pop(key, None)
         if sub is None:
             return False
+        self._live = frozenset(self._subs)
         sub.driver.stop()
         # a stopped driver's machine may still take inputs until its task is cancelled
         sub.driver.machine.on_vouching = None
@@ -669,6 +674,11 @@ class KvEventClient:
     def live_workers(self) -> set[WorkerKey]:
         """Every worker with a current source."""
         return set(self._subs)
+
+    def live_set(self) -> frozenset[WorkerKey]:
+        """`live_workers` as one immutable set, kept as sources come and go: a `Router` reads it per
+        ``select`` without copying every key (`VouchingStates`)."""
+        return self._live
 
     def events(self, *, buffer: int | None = None) -> EventStream:
         """A new iterator over every envelope from now on (engine and lifecycle events).

@@ -101,7 +101,7 @@ def select(
     extra_keys: Sequence[Sequence[Any] | None] | None,
     model: Any,
     unit: int,
-    universe: set[WorkerKey] | None,
+    universe: AbstractSet[WorkerKey] | None,
     registered: set[WorkerKey],
     states: Any,
     trust_partial: bool,

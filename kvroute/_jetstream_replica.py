@@ -131,6 +131,7 @@ class JetStreamReplica:
         self._name = name = self.source.name
         self._workers: dict[WorkerKey, _WorkerState] = {}
         self._partials: set[WorkerKey] = set()  # the partial ones among them (`_WorkerState.partial`)
+        self._live: frozenset[WorkerKey] = frozenset()  # their keys (`live_set`), republished on a change
         self._rules = LogRules(
             PrefixIndex(),
             self.source.limits,
@@ -169,12 +170,14 @@ class JetStreamReplica:
         st = self._workers.get(key)
         if st is None:
             st = self._workers[key] = _WorkerState(key, self._partials)
+            self._live = frozenset(self._workers)
         return st
 
     def _remove(self, key: WorkerKey, reason: str) -> None:
         self._rules.index.remove_worker(key)
         self._workers.pop(key, None)
         self._partials.discard(key)
+        self._live = frozenset(self._workers)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -224,6 +227,7 @@ class JetStreamReplica:
             WorkerKey(*k): _WorkerState(WorkerKey(*k), partials, cursors.get(WorkerKey(*k)), WorkerKey(*k) in partial)
             for k in info.workers
         }
+        self._live = frozenset(self._workers)
         self._snapshot_seq = info.stream_seq
         return info.stream_seq
 
@@ -270,11 +274,15 @@ class JetStreamReplica:
         """Every worker the log names (not removed)."""
         return set(self._workers)
 
+    def live_set(self) -> frozenset[WorkerKey]:
+        """`live_workers` as one immutable set, kept as the log names and removes workers."""
+        return self._live
+
     def unvouched_workers(self, trust_partial: bool) -> frozenset[WorkerKey]:
         """The workers whose `worker_status` a router does not trust: every one until the replica
         has caught up with the log, then the partial ones (none with ``trust_partial``)."""
         if not self.synced:
-            return frozenset(self._workers)
+            return self._live
         return frozenset() if trust_partial else frozenset(self._partials)
 
     def cursors(self) -> dict[WorkerKey, Cursor]:

@@ -118,9 +118,14 @@ class VouchingStates(WorkerStates, Protocol):
     """`WorkerStates` that also keep the set of workers whose index claims a router must not believe.
 
     `KvEventClient` and `JetStreamReplica` implement it: a `Router` then reads one set per
-    ``select`` instead of one `worker_status` per candidate with overlap. A provider without it
-    keeps working through `worker_status`.
+    ``select`` instead of one `worker_status` per candidate with overlap, and the live workers
+    without a copy of them. A provider without these keeps working through `worker_status` and
+    `live_workers`.
     """
+
+    def live_set(self) -> AbstractSet[WorkerKey]:
+        """`live_workers` as an immutable set the provider keeps (no copy per call)."""
+        ...
 
     def unvouched_workers(self, trust_partial: bool) -> AbstractSet[WorkerKey]:
         """The known workers not "synced", or (unless ``trust_partial``) partial: exactly those

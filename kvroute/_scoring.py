@@ -27,6 +27,9 @@ from ._index import OverlapScores, PrefixIndex
 from ._load import EngineLoads
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, WorkerStates
 
+#: A call's candidate set: a new set, or a states provider's own immutable one (`VouchingStates.live_set`).
+Universe = set[WorkerKey] | frozenset[WorkerKey]
+
 #: No worker: the unvouched set without a states provider (the index is trusted for every worker).
 _NOBODY: frozenset[WorkerKey] = frozenset()
 
@@ -136,7 +139,7 @@ class _RouterParts(Protocol):
     @property
     def _lock(self) -> AbstractContextManager[Any]: ...
 
-    def _universe(self, candidates: Iterable[WorkerKey] | None) -> set[WorkerKey]: ...
+    def _universe(self, candidates: Iterable[WorkerKey] | None) -> Universe: ...
 
     def _usage(self) -> dict[WorkerKey, float] | None: ...
 
@@ -145,8 +148,8 @@ class _RouterParts(Protocol):
     ) -> tuple[dict[WorkerKey, int] | None, list[bytes]]: ...
 
     def _loads(
-        self, load: Mapping[WorkerKey, float] | None, universe: set[WorkerKey]
-    ) -> tuple[Mapping[WorkerKey, float], float, set[WorkerKey]]: ...
+        self, load: Mapping[WorkerKey, float] | None, universe: Universe
+    ) -> tuple[Mapping[WorkerKey, float], float, Universe]: ...
 
     def _decide(
         self,
@@ -164,7 +167,7 @@ class _RouterParts(Protocol):
         self,
         out: list[CandidateScore],
         scores: OverlapScores,
-        universe: set[WorkerKey],
+        universe: Universe,
         seen: set[WorkerKey],
         ntok: int,
         idle_prefill: float,
@@ -178,7 +181,7 @@ class _RouterParts(Protocol):
         self,
         out: list[CandidateScore],
         credits: dict[WorkerKey, int],
-        universe: set[WorkerKey],
+        universe: Universe,
         seen: set[WorkerKey],
         ntok: int,
         loads: Mapping[WorkerKey, float],
@@ -409,7 +412,7 @@ class ReferenceScoring:
         self: _RouterParts,
         out: list[CandidateScore],
         scores: OverlapScores,
-        universe: set[WorkerKey],
+        universe: Universe,
         seen: set[WorkerKey],
         ntok: int,
         idle_prefill: float,
@@ -492,7 +495,7 @@ class ReferenceScoring:
         self: _RouterParts,
         out: list[CandidateScore],
         credits: dict[WorkerKey, int],
-        universe: set[WorkerKey],
+        universe: Universe,
         seen: set[WorkerKey],
         ntok: int,
         loads: Mapping[WorkerKey, float],

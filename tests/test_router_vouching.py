@@ -44,6 +44,7 @@ def _check(states: WorkerStates, routers: dict[tuple[str, bool], Router], worker
         assert (d.overlap_blocks > 0) == want, (path, trust_partial, status)
         got[trust_partial] = want
     assert isinstance(states, VouchingStates)
+    assert states.live_set() == states.live_workers()
     for trust_partial in (False, True):
         unvouched = {w for w in states.live_workers() if not _believed(states.worker_status(w), trust_partial)}
         assert states.unvouched_workers(trust_partial) == unvouched
@@ -99,6 +100,7 @@ async def test_a_source_turning_partial_unsynced_and_synced_is_judged_by_the_ver
             # A removed source is no longer known: never vouched for, and not live either.
             assert client.remove_source(key)
             assert client.unvouched_workers(False) == client.unvouched_workers(True) == frozenset()
+            assert client.live_set() == frozenset() == client.live_workers()
             # its machine may take inputs until its task is cancelled: they no longer count
             machine.partial = True
             assert client.unvouched_workers(False) == frozenset()
@@ -109,7 +111,7 @@ def test_a_replica_keeps_its_unvouched_workers_with_its_partial_flags() -> None:
     a, b = WorkerKey("a", 0), WorkerKey("b", 0)
     wa, wb = replica._worker(a), replica._worker(b)
     # not caught up with the log yet: nothing is vouched for
-    assert replica.unvouched_workers(True) == replica.unvouched_workers(False) == {a, b}
+    assert replica.unvouched_workers(True) == replica.unvouched_workers(False) == {a, b} == replica.live_set()
     replica._reader.target = replica.position  # the log's end at subscription, reached
     assert replica.synced
     assert replica.unvouched_workers(False) == replica.unvouched_workers(True) == frozenset()
@@ -120,6 +122,7 @@ def test_a_replica_keeps_its_unvouched_workers_with_its_partial_flags() -> None:
     wa.reset("restart", "seq 0 again")
     assert replica.unvouched_workers(False) == {b}
     replica._remove(b, "gone")
+    assert replica.live_set() == {a} == replica.live_workers()
     assert replica.unvouched_workers(False) == frozenset() == replica.partial_workers()
     for w in (a, b):
         status = replica.worker_status(w)

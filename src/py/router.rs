@@ -757,7 +757,7 @@ fn select<'py>(
     extra_keys: &Bound<'py, PyAny>,
     model: &Bound<'py, PyAny>,
     unit: i64,
-    universe: Option<&Bound<'py, PySet>>,
+    universe: Option<&Bound<'py, PyAny>>,
     registered: &Bound<'py, PySet>,
     states: Option<&Bound<'py, PyAny>>,
     trust_partial: bool,
@@ -1067,7 +1067,7 @@ fn select<'py>(
         }
     }
     let universe_len = match (universe, &held) {
-        (Some(u), _) => u.len(),
+        (Some(u), _) => u.len()?,
         (None, Some(h)) => h.count + h.registered_elsewhere,
         (None, None) => 0, // unreachable: `held` is read whenever `universe` is None
     };
@@ -1123,7 +1123,7 @@ type PlacedPy = (Option<usize>, Option<Py<PyAny>>);
 struct NewPlacement<'a, 'py> {
     index: &'a Bound<'py, PyIndex>,
     /// the candidate set (None: the index's workers plus `registered`)
-    universe: Option<&'a Bound<'py, PySet>>,
+    universe: Option<&'a Bound<'py, PyAny>>,
     registered: &'a [PyKey],
     idle_count: usize,
     idle_cost: f64,
@@ -1187,7 +1187,7 @@ impl NewPlacement<'_, '_> {
         let listed: FxHashSet<&PyKey> = listed.iter().collect();
         match self.universe {
             Some(u) => {
-                let mut pool = fp.keys_of(u.iter().collect())?;
+                let mut pool = fp.keys_of(u.try_iter()?.collect::<PyResult<_>>()?)?;
                 pool.retain(|k| !listed.contains(k));
                 Ok(pool)
             }
