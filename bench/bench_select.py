@@ -10,9 +10,10 @@ Figures, each printed with absolute numbers and as a ratio within this run (the 
 2. ``select`` p50 / p99 with 1,024 workers and 1M (block, worker) entries, an 8k-token prompt: a quarter of
    the workers hold a prefix of it at random depths (one all of it), every worker holds filler chains; on an
    idle fleet and with four requests tracked on every worker. Target: p99 <= 100 µs. Then the production
-   path: a states provider built as `KvEventClient` is (`ClientLikeStates`: ``live_workers()`` a new set per
-   call, ``worker_status`` a `WorkerStatus` per call from a dict of sources), alone and with every engine
-   reporting load (`EngineLoads`, one record refreshed per call, as a stream of reports does).
+   path: a states provider built as `KvEventClient` is (`ClientLikeStates`: its kept ``live_set()`` and
+   ``unvouched_workers()``, read once per call), alone and with every engine reporting load (`EngineLoads`, one
+   record refreshed per call, as a stream of reports does); and "status per wkr", a provider without those two
+   (``live_workers()`` a new set per call, ``worker_status`` a `WorkerStatus` per candidate), as before them.
 3. ``select`` p99 while two threads ingest through ``PrefixIndex.apply_payload`` at full speed ÷ its p99 idle,
    64 workers; then the same with two more threads calling ``select`` concurrently, on routers of their own and
    on the measured router itself. Target: <= 3.
@@ -67,14 +68,29 @@ class _Source:
 
 
 class ClientLikeStates:
-    """A states provider with `KvEventClient`'s per-call costs (its ``worker_status`` and
-    ``live_workers`` bodies over a dict of sources), every worker synced; ``engine_loads`` when
-    the engines report load. The real client needs a live source per worker; the router calls only these."""
+    """A states provider with `KvEventClient`'s per-call costs (its ``worker_status``,
+    ``live_workers``, ``live_set`` and ``unvouched_workers`` bodies over a dict of sources), every worker synced;
+    ``engine_loads`` when the engines report load. The real client needs a live source per worker;
+    the router calls only these. ``vouching=False``: a provider without ``unvouched_workers`` and
+    ``live_set`` (a router asks ``worker_status`` per candidate and copies ``live_workers``), as every
+    provider was before them."""
 
-    def __init__(self, workers: list[WorkerKey], engine_loads: object = None) -> None:
+    def __init__(self, workers: list[WorkerKey], engine_loads: object = None, vouching: bool = True) -> None:
         self._subs = {w: _Source() for w in workers}
         if engine_loads is not None:
             self.engine_loads = engine_loads
+        # the client's published sets (`kvroute._models.Vouching`): every worker synced, none partial
+        self._unvouched: frozenset[WorkerKey] = frozenset()
+        self._live = frozenset(self._subs)
+        if vouching:
+            self.unvouched_workers = self._unvouched_workers
+            self.live_set = self._live_set
+
+    def _unvouched_workers(self, trust_partial: bool) -> frozenset[WorkerKey]:
+        return self._unvouched
+
+    def _live_set(self) -> frozenset[WorkerKey]:
+        return self._live
 
     def worker_status(self, worker: WorkerKey) -> WorkerStatus | None:
         sub = self._subs.get(worker)
@@ -166,6 +182,7 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
         for j in range(4):
             busy.on_start((i, j), w, prompt[: rng.randrange(256, 4096)])
     client = Router(index, states=ClientLikeStates(workers), seed=0)
+    per_status = Router(index, states=ClientLikeStates(workers, vouching=False), seed=0)
     loads = KvEventClient(index=index).engine_loads  # the client's own record table (never started here)
     with warnings.catch_warnings():
         # the gateway transport builds these records; a bench can only name their class as deprecated
@@ -191,6 +208,7 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
                        "select, loaded fleet": lambda: busy.select(prompt),
                        "select, Python path": lambda: python.select(prompt),
                        "select, client states": lambda: client.select(prompt),
+                       "select, status per wkr": lambda: per_status.select(prompt),
                        "select, client+loads": select_reported}, iters, repeat, (0.5, 0.99, 0.1, 0.9))
     print(f"\n2. {n_workers:,} workers, {index.num_blocks():,} (block, worker) entries (built in {built:.0f} s), "
           f"{PROMPT_TOKENS}-token prompt, {n_workers // 4} workers hold a prefix of it (µs, best of {repeat}; "

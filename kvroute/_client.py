@@ -35,7 +35,7 @@ from ._events import Envelope, Removed
 from ._fanout import EventStream, Hub, RawTap
 from ._index import PrefixIndex
 from ._load import EngineLoads
-from ._models import EventSource, WorkerKey, WorkerStatus
+from ._models import EventSource, Vouching, WorkerKey, WorkerStatus
 from ._restore import Restored
 from ._snapshot import Cursor
 from ._stats import ClientStats, TotalStats, client_stats
@@ -165,6 +165,11 @@ class KvEventClient:
         self._discovery_grace = discovery_grace
         self._discovery_options = discovery_options or DiscoveryOptions()
         self._subs: dict[WorkerKey, _Subscription] = {}
+        # The subscribed workers a router must not believe (not synced, or partial), kept by
+        # each source's machine as its state changes (`unvouched_workers`).
+        self._vouching = Vouching()
+        # `_subs`' keys as one immutable set, republished as sources come and go (`live_set`)
+        self._live: frozenset[WorkerKey] = frozenset()
         self._targets: dict[str, anyio.CancelScope] = {}
         # Targets whose first discovery has not answered yet: not synced (see wait_synced).
         self._targets_pending: set[str] = set()
@@ -262,7 +267,11 @@ class KvEventClient:
             # Where the sources stopped stays resumable: a snapshot taken after the block, or
             # entering it again, resumes from there (every driver is done: nothing moves now).
             self._restored.restart_from(self._positions())
+            for sub in self._subs.values():
+                sub.driver.machine.on_vouching = None
             self._subs.clear()
+            self._live = frozenset()
+            self._vouching.clear()
             self._targets.clear()
             self._targets_pending.clear()
             self._discovery_errors.clear()
@@ -334,9 +343,21 @@ class KvEventClient:
         driver = transport.driver(source, index=self._index, sink=self._hub, on_change=self._wake, resume=cursor)
         scope = anyio.CancelScope()
         self._subs[source.key] = _Subscription(driver, origin, scope)
+        self._live = frozenset(self._subs)
+        self._track(driver)
         tg.start_soon(self._run_driver, driver, scope)
         self._wake()
         return True
+
+    def _track(self, driver: Driver) -> None:
+        """Keep ``driver``'s worker in `unvouched_workers` as its machine's state changes, from now."""
+        key, machine, vouching = driver.key, driver.machine, self._vouching
+
+        def changed() -> None:
+            vouching.update(key, *machine.vouching)
+
+        machine.on_vouching = changed
+        changed()
 
     def _adopt(self, source: EventSource, like: EventSource) -> bool:
         """Follow ``source``, a rank a gateway stream carries unannounced, as ``like`` is followed (same origin)."""
@@ -379,7 +400,11 @@ class KvEventClient:
         sub = self._subs.pop(key, None)
         if sub is None:
             return False
+        self._live = frozenset(self._subs)
         sub.driver.stop()
+        # a stopped driver's machine may still take inputs until its task is cancelled
+        sub.driver.machine.on_vouching = None
+        self._vouching.discard(key)
         sub.scope.cancel()
         self._index.remove_worker(key)
         self._removed += 1
@@ -637,6 +662,12 @@ class KvEventClient:
         sub = self._subs.get(worker)
         return sub.driver.status() if sub is not None else None
 
+    def unvouched_workers(self, trust_partial: bool) -> frozenset[WorkerKey]:
+        """The subscribed workers whose `worker_status` is not "synced", or (unless ``trust_partial``)
+        partial: those whose index claims a router does not believe (`VouchingStates`). One set,
+        kept as the sources' states change: a `Router` reads it once per ``select``."""
+        return self._vouching.unvouched(trust_partial)
+
     def http_url(self, worker: WorkerKey) -> str | None:
         """Where to send ``worker``'s requests: its engine's HTTP base URL, or None when unknown.
 
@@ -651,6 +682,11 @@ class KvEventClient:
     def live_workers(self) -> set[WorkerKey]:
         """Every worker with a current source."""
         return set(self._subs)
+
+    def live_set(self) -> frozenset[WorkerKey]:
+        """`live_workers` as one immutable set, kept as sources come and go: a `Router` reads it per
+        ``select`` without copying every key (`VouchingStates`)."""
+        return self._live
 
     def events(self, *, buffer: int | None = None) -> EventStream:
         """A new iterator over every envelope from now on (engine and lifecycle events).

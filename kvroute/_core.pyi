@@ -2,6 +2,7 @@
 
 import random
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from ._hashing import MultimodalItem
@@ -100,7 +101,7 @@ def select(
     extra_keys: Sequence[Sequence[Any] | None] | None,
     model: Any,
     unit: int,
-    universe: set[WorkerKey] | None,
+    universe: AbstractSet[WorkerKey] | None,
     registered: set[WorkerKey],
     states: Any,
     trust_partial: bool,
@@ -111,13 +112,15 @@ def select(
     footprint: Footprint | None = None,
     rng: random.Random | None = None,
     record: bool = False,
+    unvouched: AbstractSet[WorkerKey] | None = None,
 ) -> tuple[Scored, int, float, list[int], int, int, tuple[int | None, WorkerKey | None] | None]:
     """Match and price for `Router.select`:
     ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens, placed)``.
 
     ``universe`` None: every worker the index holds blocks for, plus ``registered``. ``placed``: the
     footprint's pick for a new placement (None: not one; ``(None, None)``: the idle group won but
-    was emptied meanwhile); ``record`` counts it."""
+    was emptied meanwhile); ``record`` counts it. ``unvouched``: the workers whose claims are not
+    believed (None: ask ``states.worker_status`` per worker with overlap)."""
 
 class Footprint:
     """Decayed new-placement counts per worker and the pick of a new session's worker (kvroute._footprint)."""

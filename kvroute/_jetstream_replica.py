@@ -34,13 +34,35 @@ __all__ = ["JetStreamReplica", "ReplicaStats"]
 
 
 class _WorkerState:
-    """A worker as the standalone replica keeps it (`LogWorker`): its chain position and partial flag."""
+    """A worker as the standalone replica keeps it (`LogWorker`): its chain position and partial flag.
 
-    __slots__ = ("last", "partial")
+    ``partials``: the replica's set of partial workers, which ``partial`` keeps ``key`` in or out
+    of (`JetStreamReplica.unvouched_workers` reads it without a pass over every worker).
+    """
 
-    def __init__(self, last: Cursor | None = None, partial: bool = False) -> None:
+    __slots__ = ("_key", "_partial", "_partials", "last")
+
+    def __init__(
+        self, key: WorkerKey, partials: set[WorkerKey], last: Cursor | None = None, partial: bool = False
+    ) -> None:
+        self._key = key
+        self._partials = partials
         self.last = last
+        self._partial = False
         self.partial = partial
+
+    @property
+    def partial(self) -> bool:
+        """The worker's history before some point is unknown."""
+        return self._partial
+
+    @partial.setter
+    def partial(self, value: bool) -> None:
+        self._partial = value
+        if value:
+            self._partials.add(self._key)
+        else:
+            self._partials.discard(self._key)
 
     def applied(self, seq: int, ts: float, payload: bytes, blocks: int) -> None:
         """Nothing to keep beyond ``last`` (set by the rules)."""
@@ -108,6 +130,8 @@ class JetStreamReplica:
         self.stream = self.source.stream
         self._name = name = self.source.name
         self._workers: dict[WorkerKey, _WorkerState] = {}
+        self._partials: set[WorkerKey] = set()  # the partial ones among them (`_WorkerState.partial`)
+        self._live: frozenset[WorkerKey] = frozenset()  # their keys (`live_set`), republished on a change
         self._rules = LogRules(
             PrefixIndex(),
             self.source.limits,
@@ -145,12 +169,15 @@ class JetStreamReplica:
     def _worker(self, key: WorkerKey) -> LogWorker:
         st = self._workers.get(key)
         if st is None:
-            st = self._workers[key] = _WorkerState()
+            st = self._workers[key] = _WorkerState(key, self._partials)
+            self._live = frozenset(self._workers)
         return st
 
     def _remove(self, key: WorkerKey, reason: str) -> None:
         self._rules.index.remove_worker(key)
         self._workers.pop(key, None)
+        self._partials.discard(key)
+        self._live = frozenset(self._workers)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -194,9 +221,13 @@ class JetStreamReplica:
             return None
         partial = {WorkerKey(*k) for k in info.partial}
         self._rules.index = index
+        partials: set[WorkerKey] = set()
+        self._partials = partials
         self._workers = {
-            WorkerKey(*k): _WorkerState(cursors.get(WorkerKey(*k)), WorkerKey(*k) in partial) for k in info.workers
+            WorkerKey(*k): _WorkerState(WorkerKey(*k), partials, cursors.get(WorkerKey(*k)), WorkerKey(*k) in partial)
+            for k in info.workers
         }
+        self._live = frozenset(self._workers)
         self._snapshot_seq = info.stream_seq
         return info.stream_seq
 
@@ -243,13 +274,24 @@ class JetStreamReplica:
         """Every worker the log names (not removed)."""
         return set(self._workers)
 
+    def live_set(self) -> frozenset[WorkerKey]:
+        """`live_workers` as one immutable set, kept as the log names and removes workers."""
+        return self._live
+
+    def unvouched_workers(self, trust_partial: bool) -> frozenset[WorkerKey]:
+        """The workers whose `worker_status` a router does not trust: every one until the replica
+        has caught up with the log, then the partial ones (none with ``trust_partial``)."""
+        if not self.synced:
+            return self._live
+        return frozenset() if trust_partial else frozenset(self._partials)
+
     def cursors(self) -> dict[WorkerKey, Cursor]:
         """Each worker's last applied engine batch (seq, ts); none right after a reset."""
         return {k: st.last for k, st in self._workers.items() if st.last is not None}
 
     def partial_workers(self) -> set[WorkerKey]:
         """The workers whose history before some point is unknown."""
-        return {k for k, st in self._workers.items() if st.partial}
+        return set(self._partials)
 
     def stats(self) -> ReplicaStats:
         """A snapshot of the replica's counters."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Final, Literal, NamedTuple, Protocol
+import threading
+from collections.abc import Set as AbstractSet
+from typing import Final, Literal, NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
@@ -109,6 +111,85 @@ class WorkerStates(Protocol):
     def live_workers(self) -> set[WorkerKey]:
         """Every worker currently subscribed (discovered and not removed)."""
         ...
+
+
+@runtime_checkable
+class VouchingStates(WorkerStates, Protocol):
+    """`WorkerStates` that also keep the set of workers whose index claims a router must not believe.
+
+    `KvEventClient` and `JetStreamReplica` implement it: a `Router` then reads one set per
+    ``select`` instead of one `worker_status` per candidate with overlap, and the live workers
+    without a copy of them. A provider without these keeps working through `worker_status` and
+    `live_workers`.
+    """
+
+    def live_set(self) -> AbstractSet[WorkerKey]:
+        """`live_workers` as an immutable set the provider keeps (no copy per call)."""
+        ...
+
+    def unvouched_workers(self, trust_partial: bool) -> AbstractSet[WorkerKey]:
+        """The known workers not "synced", or (unless ``trust_partial``) partial: exactly those
+        among `live_workers` whose `worker_status` a router would not trust. Current as of the call."""
+        ...
+
+
+class Vouching:
+    """The unvouched workers of a states provider, kept as their sources' states change.
+
+    A provider calls `update` for a worker whenever its ``(synced, partial)`` pair may have
+    changed and `discard` when it stops knowing the worker; `unvouched` hands out the current
+    set. The sets are rebuilt by the writer on each change (rare: a state transition, not a
+    batch) and published as one frozenset, so a router on another thread reads them with one
+    attribute load and never sees a half-made change.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # writers: an event loop, a receive thread's hand-over
+        self._unsynced: set[WorkerKey] = set()
+        self._partial: set[WorkerKey] = set()
+        #: Not synced (what ``trust_partial`` routers do not believe).
+        self.unsynced: frozenset[WorkerKey] = frozenset()
+        #: Not synced, or partial (what other routers do not believe).
+        self.untrusted: frozenset[WorkerKey] = frozenset()
+
+    def update(self, worker: WorkerKey, synced: bool, partial: bool) -> None:
+        """Record ``worker``'s current pair."""
+        with self._lock:
+            changed = self._put(self._unsynced, worker, not synced)
+            changed = self._put(self._partial, worker, partial) or changed
+            if changed:
+                self._publish()
+
+    def discard(self, worker: WorkerKey) -> None:
+        """Forget ``worker`` (its source was removed; an unknown worker is never trusted anyway)."""
+        self.update(worker, True, False)
+
+    def clear(self) -> None:
+        """Forget every worker."""
+        with self._lock:
+            self._unsynced.clear()
+            self._partial.clear()
+            self._publish()
+
+    def unvouched(self, trust_partial: bool) -> frozenset[WorkerKey]:
+        """The workers not synced, or (unless ``trust_partial``) partial."""
+        return self.unsynced if trust_partial else self.untrusted
+
+    @staticmethod
+    def _put(members: set[WorkerKey], worker: WorkerKey, present: bool) -> bool:
+        """Make ``worker``'s membership of ``members`` be ``present``; whether that changed it."""
+        if present == (worker in members):
+            return False
+        if present:
+            members.add(worker)
+        else:
+            members.discard(worker)
+        return True
+
+    def _publish(self) -> None:
+        # the untrusted set first: a reader taking both never sees a worker unsynced but trusted
+        self.untrusted = frozenset(self._unsynced | self._partial)
+        self.unsynced = frozenset(self._unsynced)
 
 
 # --- gateway stream endpoints (docs/protocol.md §6) -------------------------------------------------

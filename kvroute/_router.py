@@ -56,7 +56,7 @@ from ._index import PrefixIndex
 from ._load import EngineLoads
 from ._models import WorkerKey, WorkerStates
 from ._routed import RoutedPrefixes
-from ._scoring import ReferenceScoring, _Approx, _Query
+from ._scoring import ReferenceScoring, Universe, _Approx, _Query
 
 __all__ = ["SELECT_BUCKETS", "CandidateScore", "CostModel", "Router", "RouterError", "RouterStats", "RoutingDecision"]
 
@@ -358,16 +358,26 @@ class Router(ReferenceScoring):
 
     # --- selection -----------------------------------------------------------------------
 
-    def _universe(self, candidates: Iterable[WorkerKey] | None) -> set[WorkerKey]:
+    def _live(self) -> Universe:
+        """The states provider's live workers: its kept immutable set when it has one
+        (`VouchingStates.live_set`, no copy of 1,024 keys per call), else `live_workers`."""
+        states = self.states
+        assert states is not None
+        live_set = getattr(states, "live_set", None)
+        found: Universe = live_set() if live_set is not None else states.live_workers()
+        return found
+
+    def _universe(self, candidates: Iterable[WorkerKey] | None) -> Universe:
         if candidates is None:
-            return self.workers()
+            found = self._live() if self.states is not None else self.index.workers()
+            return found | self._registered if self._registered else found
         try:
             wanted = set(candidates)
         except TypeError as exc:
             raise RouterError(f"candidates must be an iterable of WorkerKey: {exc}") from None
         if self.states is None:
             return wanted  # the caller vouches for them: there is no discovery to contradict it
-        return (wanted & self.states.live_workers()) | (wanted & self._registered)
+        return (wanted & self._live()) | (wanted & self._registered)
 
     def select(
         self,
@@ -483,8 +493,8 @@ class Router(ReferenceScoring):
         )
 
     def _loads(
-        self, load: Mapping[WorkerKey, float] | None, universe: set[WorkerKey]
-    ) -> tuple[Mapping[WorkerKey, float], float, set[WorkerKey]]:
+        self, load: Mapping[WorkerKey, float] | None, universe: Universe
+    ) -> tuple[Mapping[WorkerKey, float], float, Universe]:
         """Load per worker, the factor that turns it into cost blocks, and the universe left.
 
         Tracked load is kept in tokens (valid by construction); supplied load is in blocks,
@@ -534,7 +544,7 @@ class Router(ReferenceScoring):
             ntok = len(token_ids)
         except TypeError as exc:
             raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
-        universe: set[WorkerKey] | None
+        universe: Universe | None
         loads: Mapping[WorkerKey, float] | _core.Loads
         if candidates is None and self.states is None and (load is None and not self._engine_reporting()):
             # Every worker the index holds, plus the registered ones: the core reads that
@@ -577,6 +587,7 @@ class Router(ReferenceScoring):
                 footprint,
                 self._rng,
                 request_id is not None,  # count the placement
+                self._unvouched(),  # whose claims are not believed (read once, not per candidate)
             )
         except (TypeError, AttributeError, msgspec.EncodeError) as exc:
             raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None

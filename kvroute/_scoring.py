@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager
 from itertools import islice
 from typing import Any, Protocol
@@ -25,6 +26,12 @@ from ._hashing import MultimodalItem, chain_keys
 from ._index import OverlapScores, PrefixIndex
 from ._load import EngineLoads
 from ._models import CPU, DISK, EXTERNAL, GPU, WorkerKey, WorkerStates
+
+#: A call's candidate set: a new set, or a states provider's own immutable one (`VouchingStates.live_set`).
+Universe = set[WorkerKey] | frozenset[WorkerKey]
+
+#: No worker: the unvouched set without a states provider (the index is trusted for every worker).
+_NOBODY: frozenset[WorkerKey] = frozenset()
 
 # Costs computed by different paths (index overlap, approximate store, idle) can differ in the
 # last bits for equal inputs; closer than this relative margin they are a tie.
@@ -122,14 +129,17 @@ class _RouterParts(Protocol):
     _rng: random.Random
     _clock: Callable[[], float]
     _approx: dict[WorkerKey, _Approx]
+    _registered: set[WorkerKey]
     _footprint: Footprint
+
+    def _unvouched(self) -> AbstractSet[WorkerKey] | None: ...
 
     def _new_placement(self, ntok: int, best_overlap: int) -> bool: ...
 
     @property
     def _lock(self) -> AbstractContextManager[Any]: ...
 
-    def _universe(self, candidates: Iterable[WorkerKey] | None) -> set[WorkerKey]: ...
+    def _universe(self, candidates: Iterable[WorkerKey] | None) -> Universe: ...
 
     def _usage(self) -> dict[WorkerKey, float] | None: ...
 
@@ -138,8 +148,8 @@ class _RouterParts(Protocol):
     ) -> tuple[dict[WorkerKey, int] | None, list[bytes]]: ...
 
     def _loads(
-        self, load: Mapping[WorkerKey, float] | None, universe: set[WorkerKey]
-    ) -> tuple[Mapping[WorkerKey, float], float, set[WorkerKey]]: ...
+        self, load: Mapping[WorkerKey, float] | None, universe: Universe
+    ) -> tuple[Mapping[WorkerKey, float], float, Universe]: ...
 
     def _decide(
         self,
@@ -157,7 +167,7 @@ class _RouterParts(Protocol):
         self,
         out: list[CandidateScore],
         scores: OverlapScores,
-        universe: set[WorkerKey],
+        universe: Universe,
         seen: set[WorkerKey],
         ntok: int,
         idle_prefill: float,
@@ -171,7 +181,7 @@ class _RouterParts(Protocol):
         self,
         out: list[CandidateScore],
         credits: dict[WorkerKey, int],
-        universe: set[WorkerKey],
+        universe: Universe,
         seen: set[WorkerKey],
         ntok: int,
         loads: Mapping[WorkerKey, float],
@@ -188,6 +198,27 @@ class _RouterParts(Protocol):
 
 class ReferenceScoring:
     """`Router`'s Python scoring path (a mixin: its methods read the router through `_RouterParts`)."""
+
+    def _unvouched(self: _RouterParts) -> AbstractSet[WorkerKey] | None:
+        """The workers whose index claims this call does not believe (`Router`'s trust rule: a
+        claim counts only from a worker whose status is "synced" and, unless ``trust_partial``,
+        not partial), read once per call for both scoring paths: the provider's own set
+        (`VouchingStates.unvouched_workers`, kept as its sources' states change) and the
+        registered workers it does not know (no status). Empty without a provider; None when the
+        provider keeps no such set: then each candidate's `worker_status` is read."""
+        states = self.states
+        if states is None:
+            return _NOBODY
+        unvouched_of = getattr(states, "unvouched_workers", None)
+        if unvouched_of is None:
+            return None
+        unvouched: AbstractSet[WorkerKey] = unvouched_of(self.trust_partial)
+        if self._registered:
+            # a copy (one C call): another thread's `add_worker` may change the set meanwhile
+            unknown = {w for w in self._registered.copy() if states.worker_status(w) is None}
+            if unknown:
+                unvouched = unknown.union(unvouched)
+        return unvouched
 
     def _usage(self: _RouterParts) -> dict[WorkerKey, float] | None:
         """Engine-reported KV usage per worker, for `CostModel.eviction` (`EngineLoads.usage`); None
@@ -381,7 +412,7 @@ class ReferenceScoring:
         self: _RouterParts,
         out: list[CandidateScore],
         scores: OverlapScores,
-        universe: set[WorkerKey],
+        universe: Universe,
         seen: set[WorkerKey],
         ntok: int,
         idle_prefill: float,
@@ -406,15 +437,17 @@ class ReferenceScoring:
         load_get = loads.get
         states = self.states
         trust_partial = self.trust_partial
+        unvouched = self._unvouched()
         for w, claimed in scores.items():
             # `seen` holds only approximate workers so far: `w in approx` covers it.
             if w in approx or w not in universe:
                 continue
             w_load = load_get(w, 0) * scale
             bs = block_size_of(w)
-            if states is None:
-                trusted = True  # no states provider: the index is trusted for every worker
+            if unvouched is not None:
+                trusted = not unvouched or w not in unvouched
             else:
+                assert states is not None  # `_unvouched` answers a set without a provider
                 status = states.worker_status(w)
                 trusted = status is not None and status.state == "synced" and (trust_partial or not status.partial)
             if bs is not None and trusted:
@@ -463,7 +496,7 @@ class ReferenceScoring:
         self: _RouterParts,
         out: list[CandidateScore],
         credits: dict[WorkerKey, int],
-        universe: set[WorkerKey],
+        universe: Universe,
         seen: set[WorkerKey],
         ntok: int,
         loads: Mapping[WorkerKey, float],

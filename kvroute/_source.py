@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Callable
 from typing import Literal
 
 from ._events import (
@@ -136,8 +137,15 @@ class RecoveryMachine(ReplayAnswers):
         self.max_held_bytes = max_held_bytes
         #: Newest seq accounted for: applied, or skipped as lost. -1 before anything.
         self.last_seq = -1
-        #: The history before the current run is unknown (see `Partial`).
-        self.partial = False
+        # The history before the current run is unknown (`partial`).
+        self._partial = False
+        #: Called (no argument) whenever whether a router may believe this source's index claims
+        #: changes: `state` entering or leaving "synced", or `partial` flipping. `KvEventClient`
+        #: keeps its set of unvouched workers with it (`kvroute._models.Vouching`), so a router
+        #: reads one set per `select` instead of a status per candidate. None: nobody listens.
+        self.on_vouching: Callable[[], None] | None = None
+        # (state == "synced", partial) as last reported to ``on_vouching``
+        self._vouching = (False, False)
         #: The replay request the driver is carrying out, if any.
         self.replay_in_flight: RequestReplay | None = None
         #: Counted into ``stats`` when given (the driver's per-source counters extend it).
@@ -198,6 +206,22 @@ class RecoveryMachine(ReplayAnswers):
         if self._held or (req is not None and req.purpose in ("gap", "retry")):
             return "resyncing"
         return "synced"
+
+    @property
+    def partial(self) -> bool:
+        """The history before the current run is unknown (see `Partial`)."""
+        return self._partial
+
+    @partial.setter
+    def partial(self, value: bool) -> None:
+        # a transport may mark the history partial outside an input (the JetStream relay's word)
+        self._partial = value
+        self._report(self.state == "synced")
+
+    @property
+    def vouching(self) -> tuple[bool, bool]:
+        """``(state == "synced", partial)``: what a router's trust in this source's claims rests on."""
+        return self.state == "synced", self._partial
 
     @property
     def replay_abandoned(self) -> bool:
@@ -409,9 +433,19 @@ class RecoveryMachine(ReplayAnswers):
     # --- internals ------------------------------------------------------------------
 
     def _done(self, before: SourceState, out: list[Action]) -> list[Action]:
-        if before != "synced" and self.state == "synced":
+        synced = self.state == "synced"
+        if before != "synced" and synced:
             out.append(Emit(Synced()))
+        self._report(synced)
         return out
+
+    def _report(self, synced: bool) -> None:
+        """Call ``on_vouching`` when ``(synced, partial)`` differs from what it last heard."""
+        now = (synced, self._partial)
+        if now != self._vouching:
+            self._vouching = now
+            if self.on_vouching is not None:
+                self.on_vouching()
 
     def _record(self, seq: int, ts: float) -> None:
         i = seq % self.ts_ring
@@ -427,7 +461,7 @@ class RecoveryMachine(ReplayAnswers):
     def _forget(self) -> None:
         """Drop all sequence state, as for a new engine process."""
         self.last_seq = -1
-        self.partial = False
+        self._partial = False
         self._ring_seq = array("Q", [REPLAY_END_SEQ]) * self.ts_ring
         self._newest = -1
         self._held.clear()
@@ -604,7 +638,7 @@ class RecoveryMachine(ReplayAnswers):
             self._move("holding", "reset")
 
     def _mark_partial(self, reason: ResetReason, first_seq: int, out: list[Action]) -> None:
-        self.partial = True
+        self._partial = True
         out.append(Emit(Partial(reason, first_seq)))
 
 

@@ -440,6 +440,31 @@ MUTATIONS: list[Mutation] = [
     ),
     # --- the router ---
     Mutation(
+        "vouching-unreported",
+        "a router believes a source's claims exactly while its state is synced (and not partial): "
+        "the client's unvouched set follows every state change",
+        "kvroute/_source.py",
+        "            if self.on_vouching is not None:\n                self.on_vouching()\n",
+        "            pass\n",
+        ("tests/test_router_vouching.py",),
+        (
+            "tests/test_router_vouching.py::"
+            "test_a_source_turning_partial_unsynced_and_synced_is_judged_by_the_very_next_select",
+        ),
+    ),
+    Mutation(
+        "unvouched-ignored-compiled",
+        "the compiled select does not credit the claims of a worker in the unvouched set",
+        "src/py/router.rs",
+        "            return Ok(!u.contains(w)?);\n",
+        "            return Ok(!u.contains(w)? || true);\n",
+        ("tests/test_router_vouching.py",),
+        (
+            "tests/test_router_vouching.py::"
+            "test_a_source_turning_partial_unsynced_and_synced_is_judged_by_the_very_next_select",
+        ),
+    ),
+    Mutation(
         "router-unlocked",
         "one Router serves several threads: its bookkeeping changes under its lock",
         "kvroute/_router.py",

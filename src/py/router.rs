@@ -458,11 +458,15 @@ fn draw(rng: &Bound<'_, PyAny>, n: usize) -> PyResult<usize> {
         .extract()
 }
 
-/// Whether the router believes a worker's index claim (`Router._scored`'s rule), through the
-/// states provider's `worker_status`, looked up once per `select` rather than once per worker
-/// with overlap (a production router asks a `KvEventClient` for every such worker, every call).
+/// Whether the router believes a worker's index claim (`Router._scored`'s rule: its status is
+/// "synced" and, unless `trust_partial`, not partial). From the set of unvouched workers the
+/// router read once for this call (`ReferenceScoring._unvouched`): none in it, as on a synced
+/// fleet, costs nothing per worker. A states provider that keeps no such set is asked
+/// `worker_status` per worker with overlap, its method looked up once per `select`.
 struct Trust<'py> {
-    /// the provider (None: no provider, every claim is believed)
+    /// the unvouched workers (Some: the rule is "not in it"; an empty set is None here)
+    unvouched: Option<&'py Bound<'py, PyAny>>,
+    /// the provider to ask per worker when it keeps no such set (None: every claim is believed)
     states: Option<&'py Bound<'py, PyAny>>,
     /// its bound `worker_status`, looked up at the first worker with overlap
     status: std::cell::OnceCell<Bound<'py, PyAny>>,
@@ -470,15 +474,33 @@ struct Trust<'py> {
 }
 
 impl<'py> Trust<'py> {
-    fn new(states: Option<&'py Bound<'py, PyAny>>, trust_partial: bool) -> Self {
-        Trust {
+    /// `unvouched`: the set (None: ask `states` per worker, or believe every claim without it).
+    fn new(
+        unvouched: Option<&'py Bound<'py, PyAny>>,
+        states: Option<&'py Bound<'py, PyAny>>,
+        trust_partial: bool,
+    ) -> PyResult<Self> {
+        let (unvouched, states) = match unvouched {
+            Some(u) => (if u.len()? > 0 { Some(u) } else { None }, None),
+            None => (None, states),
+        };
+        Ok(Trust {
+            unvouched,
             states,
             status: std::cell::OnceCell::new(),
             trust_partial,
-        }
+        })
+    }
+
+    /// Every claim is believed (no unvouched worker, no provider to ask): `of` need not be called.
+    fn believes_all(&self) -> bool {
+        self.unvouched.is_none() && self.states.is_none()
     }
 
     fn of(&self, w: &Bound<'py, PyAny>) -> PyResult<bool> {
+        if let Some(u) = self.unvouched {
+            return Ok(!u.contains(w)?);
+        }
         let Some(states) = self.states else {
             return Ok(true);
         };
@@ -661,26 +683,38 @@ struct LoadPass<'a, 'py> {
 const NONE: u32 = u32::MAX;
 
 impl LoadPass<'_, '_> {
-    /// `w`'s load in cost blocks (``loads.get(w, 0) * scale``); `slot` is its index slot if known.
-    fn of(&mut self, w: &Bound<'_, PyAny>, slot: Option<u32>) -> PyResult<f64> {
+    /// The load of the worker at index slot `slot` when it takes no Python object to find (the
+    /// router's table, or no load at all); None for a mapping (then `of`).
+    fn by_slot(&mut self, slot: u32) -> Option<f64> {
+        match &self.source {
+            LoadSource::None => Some(0.0),
+            LoadSource::Mapping(_) => None,
+            LoadSource::Table(t) => Some(match self.pos_of_slot.get(slot as usize) {
+                Some(&pos) if pos != NONE => match t.get_index(pos as usize) {
+                    Some((_, e)) => {
+                        self.taken[pos as usize] = true;
+                        e.tokens as f64 * self.scale
+                    }
+                    None => 0.0,
+                },
+                _ => 0.0,
+            }),
+        }
+    }
+
+    /// `w`'s load in cost blocks (``loads.get(w, 0) * scale``), `w` not an index-scored worker
+    /// (those: `by_slot`, then this only for a mapping).
+    fn of(&mut self, w: &Bound<'_, PyAny>) -> PyResult<f64> {
         match &self.source {
             LoadSource::None => Ok(0.0),
             LoadSource::Mapping(loads) => load_of(loads, w, self.scale),
             LoadSource::Table(t) => {
-                let found = match slot {
-                    Some(s) => match self.pos_of_slot.get(s as usize) {
-                        Some(&pos) if pos != NONE => {
-                            t.get_index(pos as usize).map(|(_, e)| (pos as usize, e))
-                        }
-                        _ => None,
-                    },
-                    None => match PyKey::extract(w) {
-                        Ok(k) => t.get_full(&k).map(|(pos, _, e)| (pos, e)),
-                        Err(_) => None,
-                    },
+                let found = match PyKey::extract(w) {
+                    Ok(k) => t.get_full(&k),
+                    Err(_) => None,
                 };
                 Ok(match found {
-                    Some((pos, e)) => {
+                    Some((pos, _, e)) => {
                         self.taken[pos] = true;
                         e.tokens as f64 * self.scale
                     }
@@ -702,7 +736,8 @@ impl LoadPass<'_, '_> {
 /// (`CostModel.eviction`; None: none), a usage-only worker listed after the load-only ones;
 /// ``footprint``: the router's footprint when the model spreads new sessions at temperature 0
 /// (None: it does not), ``rng`` draws among the footprint's ties, and ``record`` counts the
-/// placement (the request is started).
+/// placement (the request is started); ``unvouched``: the workers whose claims are not believed
+/// (`Trust`; None: ask ``states`` per worker).
 /// Returns ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens, placed)``: the
 /// candidates (`Scored`) in the Python path's order, the idle workers and their cost, the
 /// indices of the entries tied at the least cost with the number of idle workers tied with them,
@@ -710,7 +745,7 @@ impl LoadPass<'_, '_> {
 /// listed candidate, ``(None, worker)`` of an idle one, ``(None, None)`` when the idle group won
 /// but another thread emptied it meanwhile. No candidate and no idle worker: the universe is empty.
 #[pyfunction]
-#[pyo3(signature = (index, token_ids, lora_name, cache_salt, mm_items, extra_keys, model, unit, universe, registered, states, trust_partial, loads, scale, routed, usage=None, footprint=None, rng=None, record=false))]
+#[pyo3(signature = (index, token_ids, lora_name, cache_salt, mm_items, extra_keys, model, unit, universe, registered, states, trust_partial, loads, scale, routed, usage=None, footprint=None, rng=None, record=false, unvouched=None))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn select<'py>(
     py: Python<'py>,
@@ -722,7 +757,7 @@ fn select<'py>(
     extra_keys: &Bound<'py, PyAny>,
     model: &Bound<'py, PyAny>,
     unit: i64,
-    universe: Option<&Bound<'py, PySet>>,
+    universe: Option<&Bound<'py, PyAny>>,
     registered: &Bound<'py, PySet>,
     states: Option<&Bound<'py, PyAny>>,
     trust_partial: bool,
@@ -733,6 +768,7 @@ fn select<'py>(
     footprint: Option<&Bound<'py, Footprint>>,
     rng: Option<&Bound<'py, PyAny>>,
     record: bool,
+    unvouched: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(
     Scored,
     usize,
@@ -743,7 +779,7 @@ fn select<'py>(
     Option<PlacedPy>,
 )> {
     let input = convert::query_input(token_ids, lora_name, cache_salt, mm_items, extra_keys)?;
-    let trust = Trust::new(states, trust_partial);
+    let trust = Trust::new(unvouched, states, trust_partial)?;
     let ntok = input.tokens.len();
     let params = CostParams {
         overlap_weight: weight(model, intern!(py, "overlap_weight"))?,
@@ -873,12 +909,21 @@ fn select<'py>(
         .map(|g| g.iter().map(|s| (s.slot, s.blocks)).collect());
     // by value: each scored worker's key moves into its candidate (no reference count touched)
     for s in result.scores {
-        let w = s.worker.obj(py);
+        // The worker's object only when something asks for it (a universe set, a mapping, an
+        // unvouched worker, a hint, usage): on a fleet with none, 256 candidates touched 256
+        // scattered objects' reference counts for nothing (~6 % of an idle-fleet `select`).
+        let obj = std::cell::OnceCell::new();
+        let w = || obj.get_or_init(|| s.worker.obj(py));
         // a worker the index scores holds blocks
-        if !member(&w, true)? {
-            continue;
+        if let Some(u) = universe {
+            if !u.contains(w())? {
+                continue;
+            }
         }
-        let load = pass.of(&w, Some(s.slot))?;
+        let load = match pass.by_slot(s.slot) {
+            Some(load) => load,
+            None => pass.of(w())?,
+        };
         let claim = Claim {
             claimed: s.blocks,
             block_size: s.block_size,
@@ -889,16 +934,19 @@ fn select<'py>(
             cpu: tiers[0].get(&s.worker).copied().unwrap_or(0),
             disk: tiers[1].get(&s.worker).copied().unwrap_or(0),
             external: tiers[2].get(&s.worker).copied().unwrap_or(0),
-            trusted: trust.of(&w)?,
+            trusted: trust.believes_all() || trust.of(w())?,
         };
         let hint = match routed {
-            Some(r) => routed_of(r, &w)?,
+            Some(r) => routed_of(r, w())?,
             None => 0,
         };
-        let u = usage_in.of(&w)?;
+        let u = match usage {
+            Some(_) => usage_in.of(w())?,
+            None => 0.0,
+        };
         let p = scoring::price(&params, &claim, ntok_i, unit, load, hint, u);
         if let Some(seen) = &seen {
-            seen.add(&w)?;
+            seen.add(w())?;
         }
         workers.push(Who::Key(s.worker));
         rows.push(Row {
@@ -921,7 +969,7 @@ fn select<'py>(
                 continue;
             }
             let hint: i64 = hint.extract()?;
-            let load = pass.of(&w, None)?;
+            let load = pass.of(&w)?;
             let prefill = scoring::routed_prefill(ntok_i, unit, hint);
             let cost = params.cost_at(prefill, load, usage_in.of(&w)?);
             seen.add(&w)?;
@@ -1028,7 +1076,7 @@ fn select<'py>(
         }
     }
     let universe_len = match (universe, &held) {
-        (Some(u), _) => u.len(),
+        (Some(u), _) => u.len()?,
         (None, Some(h)) => h.count + h.registered_elsewhere,
         (None, None) => 0, // unreachable: `held` is read whenever `universe` is None
     };
@@ -1084,7 +1132,7 @@ type PlacedPy = (Option<usize>, Option<Py<PyAny>>);
 struct NewPlacement<'a, 'py> {
     index: &'a Bound<'py, PyIndex>,
     /// the candidate set (None: the index's workers plus `registered`)
-    universe: Option<&'a Bound<'py, PySet>>,
+    universe: Option<&'a Bound<'py, PyAny>>,
     registered: &'a [PyKey],
     idle_count: usize,
     idle_cost: f64,
@@ -1148,7 +1196,7 @@ impl NewPlacement<'_, '_> {
         let listed: FxHashSet<&PyKey> = listed.iter().collect();
         match self.universe {
             Some(u) => {
-                let mut pool = fp.keys_of(u.iter().collect())?;
+                let mut pool = fp.keys_of(u.try_iter()?.collect::<PyResult<_>>()?)?;
                 pool.retain(|k| !listed.contains(k));
                 Ok(pool)
             }
