@@ -53,7 +53,7 @@ async def _caught_up(client: KvEventClient, src: EventSource, last: int) -> None
 
 
 def test_native_receive_is_a_bool_option() -> None:
-    assert SubscriberConfig().native_receive is False
+    assert SubscriberConfig().native_receive is True
     with pytest.raises(ValueError, match="native_receive must be a bool"):
         SubscriberConfig(native_receive=1)  # type: ignore[arg-type]
 
