@@ -251,14 +251,14 @@ async def nothing_arrives(sock: zmq.Socket[bytes], wait: float) -> bool:
 
 
 #: Fast settings for socket tests: quick reconnects, short replay timeouts and quiet ticks. On the
-#: default receiver (the Python one); ``KVROUTE_TEST_RECEIVER=native`` runs every test that uses
-#: these settings on the native receive thread instead.
+#: default receiver (the native thread); ``KVROUTE_TEST_RECEIVER=python`` runs every test that uses
+#: these settings on the Python receiver instead, which the default no longer exercises.
 FAST = SubscriberConfig(
     reconnect_ivl=0.02,
     reconnect_ivl_max=0.1,
     replay_timeout=0.3,
     quiet_interval=0.3,
-    native_receive=os.environ.get("KVROUTE_TEST_RECEIVER", "python") == "native",
+    native_receive=os.environ.get("KVROUTE_TEST_RECEIVER", "native") != "python",
 )
 
 

@@ -500,6 +500,9 @@ async def test_a_replay_made_moot_by_a_disconnect_is_not_waited_for() -> None:
     # The gap's replay is swallowed; the engine then restarts. Waiting out the 5 s replay
     # timeout would hold the new engine's state back: the driver drops the request at once.
     # No quiet probe: one still out when replay is muted would be the request ignored instead.
+    # The gap must reach the SUB live: "synced" says the SUB connected, not that the PUB has its
+    # subscription yet (a slow joiner, docs/recovery.md rule 8), and with quiet ticks off a batch
+    # the PUB sent before it would show no gap at all (1 run in 30 so under CPU hogs, native thread).
     cfg = msgspec.structs.replace(FAST, replay_timeout=5.0, quiet_interval=60.0)
     wl = Workload(22)
     async with EventPublisher() as pub:
@@ -509,6 +512,8 @@ async def test_a_replay_made_moot_by_a_disconnect_is_not_waited_for() -> None:
             for _ in range(5):
                 pub.publish(wl.batch())
             await settle(client, stream, {src.key: 4})
+            await following_live(client, pub, src.key, wl)
+            await settle(client, stream, {src.key: _last(pub)})
             pub.replay_mute = True
             pub.drop_rate = 1.0
             pub.publish(wl.batch())

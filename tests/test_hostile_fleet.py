@@ -40,7 +40,7 @@ pytestmark = pytest.mark.anyio
 
 MiB = 1 << 20
 BLOCK = 4
-# The receiver as FAST's: ``KVROUTE_TEST_RECEIVER=native`` runs these fleet tests on the native thread too.
+# The receiver as FAST's (the native thread; ``KVROUTE_TEST_RECEIVER=python`` runs these fleet tests on the Python one).
 FLEET = SubscriberConfig(
     reconnect_ivl=0.02,
     reconnect_ivl_max=0.1,

@@ -8,6 +8,7 @@ the Python recovery machine. Each test ends with the index checked against the e
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 
 import anyio
 import msgspec
@@ -52,8 +53,18 @@ async def _caught_up(client: KvEventClient, src: EventSource, last: int) -> None
     await wait_for(done, f"{src.key} applied through seq {last}")
 
 
+@contextlib.asynccontextmanager
+async def _following(
+    pub: EventPublisher, src: EventSource, config: SubscriberConfig = NATIVE
+) -> AsyncIterator[tuple[KvEventClient, SourceDriver]]:
+    """A client following ``src`` of ``pub`` alone, synced, and the source's driver."""
+    async with KvEventClient([src], config=config) as client:
+        await client.wait_synced(10)
+        yield client, _driver(client, src)
+
+
 def test_native_receive_is_a_bool_option() -> None:
-    assert SubscriberConfig().native_receive is False
+    assert SubscriberConfig().native_receive is True
     with pytest.raises(ValueError, match="native_receive must be a bool"):
         SubscriberConfig(native_receive=1)  # type: ignore[arg-type]
 
@@ -71,9 +82,7 @@ async def test_the_thread_applies_in_order_batches_and_python_fills_the_gaps() -
     wl = Workload(2)
     async with EventPublisher(drop_rate=0.2, seed=3) as pub:
         src = pub.source("w")
-        async with KvEventClient([src], config=NATIVE) as client:
-            await client.wait_synced(10)
-            driver = _driver(client, src)
+        async with _following(pub, src) as (client, driver):
             assert driver._native is not None
             # In 30 rounds of 10, each sent once the last is caught up: a replay covers everything
             # queued behind its gap (the SUB is parked meanwhile), so 300 batches sent at once to a
@@ -94,8 +103,7 @@ async def test_a_restart_is_handed_to_the_machine() -> None:
     wl = Workload(4)
     async with EventPublisher() as pub:
         src = pub.source("w")
-        async with KvEventClient([src], config=NATIVE) as client:
-            await client.wait_synced(10)
+        async with _following(pub, src) as (client, _):
             for _ in range(20):
                 pub.publish(wl.batch())
             await _caught_up(client, src, 19)
@@ -112,8 +120,7 @@ async def test_bad_payloads_and_frames_are_counted_and_the_rest_applied() -> Non
     wl = Workload(10)
     async with EventPublisher(corrupt_rate=0.2, seed=4, topic="kv") as pub:
         src = pub.source("w")
-        async with KvEventClient([src], config=NATIVE) as client:
-            await client.wait_synced(10)
+        async with _following(pub, src) as (client, _):
             await following_live(client, pub, src.key, wl)
             for i in range(60):
                 pub.publish(wl.batch())
@@ -138,8 +145,7 @@ async def test_a_lost_tail_is_found_by_the_threads_quiet_tick() -> None:
     wl = Workload(8)
     async with EventPublisher() as pub:
         src = pub.source("w")
-        async with KvEventClient([src], config=NATIVE) as client:
-            await client.wait_synced(10)
+        async with _following(pub, src) as (client, _):
             for _ in range(5):
                 pub.publish(wl.batch())
             await _caught_up(client, src, 4)
@@ -157,9 +163,7 @@ async def test_a_listener_gets_every_batch_and_the_thread_resumes_without_one() 
     wl = Workload(12)
     async with EventPublisher() as pub:
         src = pub.source("w")
-        async with KvEventClient([src], config=NATIVE) as client:
-            await client.wait_synced(10)
-            driver = _driver(client, src)
+        async with _following(pub, src) as (client, driver):
             for _ in range(10):
                 pub.publish(wl.batch())
             await _caught_up(client, src, 9)
@@ -189,8 +193,7 @@ async def test_every_batch_after_events_returns_comes_with_its_envelope() -> Non
     wl = Workload(13)
     async with EventPublisher() as pub:
         src = pub.source("w")
-        async with KvEventClient([src], config=NATIVE) as client:
-            await client.wait_synced(10)
+        async with _following(pub, src) as (client, _):
             for _ in range(10):
                 pub.publish(wl.batch())
             await _caught_up(client, src, 9)
@@ -328,9 +331,7 @@ async def test_a_source_waiting_for_its_replay_is_not_read_and_holds_nothing() -
     wl = Workload(31)
     async with EventPublisher() as pub:
         src = pub.source("w")
-        async with KvEventClient([src], config=config) as client:
-            await client.wait_synced(10)
-            driver = _driver(client, src)
+        async with _following(pub, src, config) as (client, driver):
             for _ in range(5):
                 pub.publish(wl.batch())
             await _caught_up(client, src, 4)
@@ -374,17 +375,16 @@ async def test_an_engine_on_ipv6_loopback_is_followed_by_the_thread() -> None:
         async with EventPublisher(endpoint="tcp://[::1]:0", replay_endpoint="tcp://[::1]:0", context=ctx) as pub:
             src = pub.source("v6")
             assert src.endpoint.startswith("tcp://[::1]:")
-            async with KvEventClient([src], config=NATIVE) as client:
-                await client.wait_synced(10)
+            async with _following(pub, src) as (client, driver):
                 # Rounds until the thread applies one itself: on a loaded host a round can come by
                 # replay while the source is parked. An IPv4-only thread never applies one.
                 for _ in range(30):
                     for _ in range(10):
                         pub.publish(wl.batch())
                     await _caught_up(client, src, pub.next_seq - 1)
-                    if _driver(client, src).native_batches > 0:
+                    if driver.native_batches > 0:
                         break
-                assert _driver(client, src).native_batches > 0
+                assert driver.native_batches > 0
                 assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
     finally:
         ctx.term()
@@ -431,9 +431,7 @@ async def test_sources_churning_on_a_shared_endpoint_leave_the_kept_one_followed
     async with EventPublisher() as pub:
         keep = pub.source("keep")
         churn = [pub.source(f"c{i}", replay_endpoint=None) for i in range(20)]
-        async with KvEventClient([keep], config=NATIVE) as client:
-            await client.wait_synced(10)
-            driver = _driver(client, keep)
+        async with _following(pub, keep) as (client, driver):
             for _ in range(60):
                 for src in churn:
                     client.add_source(src)

@@ -402,6 +402,19 @@ fn stop_monitor(sub: &mut zmq::Socket) {
     }
 }
 
+/// Let libzmq carry out the commands `sub`'s own thread owes it, reading no message. On a
+/// reconnect libzmq resends a SUB's subscription only once the socket's own thread processes
+/// the reconnect (a "hiccup" command), inside some call on that socket (a receive, a
+/// getsockopt). A source left unread (parked while its replay runs, as after every reconnect
+/// for the identity check, or stalled for room) that skipped this stayed unsubscribed from the
+/// new connection: the engine's PUB dropped everything it published until the source was read
+/// again (found later as a gap or by the quiet probe, a replay each).
+fn process_commands(sub: &zmq::Socket) {
+    // ZMQ_EVENTS processes pending commands and takes nothing from the queue; its answer
+    // (and an error, on a socket about to be removed) does not matter here.
+    let _ = sub.get_events();
+}
+
 /// Start the receive thread; returns what Python shares with it.
 pub fn start<K: WorkerName + 'static>(
     index: Arc<RwLock<Index<K>>>,
@@ -719,6 +732,7 @@ impl<K: WorkerName> Loop<K> {
             // Its messages wait in libzmq's queue (then the engine's PUB queue); it has
             // something, or will, so it is not quiet: Python asked, a replay is in flight.
             src.last_read = Instant::now();
+            process_commands(&src.sub);
             if !out_pending.is_empty() {
                 let mut out = shared.outbox.lock();
                 out.handovers.append(&mut out_pending);
@@ -730,6 +744,7 @@ impl<K: WorkerName> Loop<K> {
             // No room for more hand-overs: leave this source's messages in libzmq's queue
             // until Python drains. It has something, so it is not quiet (kvroute is slow).
             src.last_read = Instant::now();
+            process_commands(&src.sub);
             let mut out = shared.outbox.lock();
             out.stalled = true;
             if !out_pending.is_empty() {
@@ -1119,6 +1134,60 @@ mod tests {
         assert!(!quiet_ticks(&got).contains(&2));
         shared.command(Command::Stop);
         drop(pubs);
+        assert!(shared.drain().dead.is_none());
+    }
+
+    #[test]
+    fn a_source_parked_across_a_reconnect_subscribes_again() {
+        // The engine restarts on the same port while the source is parked (Python parks it
+        // while a replay runs: after a reconnect, the identity check's). libzmq resends a SUB's
+        // subscription on a reconnect only once the socket's own thread processes the
+        // reconnect; unread, the parked SUB stayed unsubscribed, and the new engine's PUB
+        // dropped all it published until the replay ended. An XPUB sees the subscription.
+        let (ctx, _, shared) = started(64, Duration::from_secs(60), 1 << 20);
+        let xpub = ctx.socket(zmq_sys::ZMQ_XPUB as i32).unwrap();
+        xpub.set_rcvtimeo(10_000).unwrap();
+        xpub.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = xpub.get_last_endpoint().unwrap().unwrap();
+        let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &OPTS).unwrap();
+        shared.command(Command::Add {
+            token: 3,
+            key: W("a"),
+            sub,
+            mon,
+            alive: Arc::new(AtomicBool::new(true)),
+        });
+        assert_eq!(xpub.recv_bytes(0).unwrap(), b"\x01kv");
+        shared.command(Command::Park {
+            token: 3,
+            parked: true,
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        drop(xpub);
+        // libzmq closes a listener in its I/O thread: the port may be busy for a moment.
+        let xpub = ctx.socket(zmq_sys::ZMQ_XPUB as i32).unwrap();
+        xpub.set_rcvtimeo(10_000).unwrap();
+        let until = Instant::now() + Duration::from_secs(5);
+        while let Err(e) = xpub.bind(&endpoint) {
+            assert!(Instant::now() < until, "cannot bind {endpoint} again: {e}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let joined = xpub
+            .recv_bytes(0)
+            .expect("the parked SUB never subscribed again");
+        assert_eq!(joined, b"\x01kv");
+        // What the new engine publishes now waits in the SUB's queue, handed over once read.
+        send(&xpub, 0, &payload(1.0, 1));
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(handed(&[shared.drain()]).is_empty());
+        shared.command(Command::Park {
+            token: 3,
+            parked: false,
+        });
+        let got = wait(&shared, |g| !handed(g).is_empty());
+        assert_eq!(handed(&got), vec![Some(0)]);
+        shared.command(Command::Stop);
+        drop(xpub);
         assert!(shared.drain().dead.is_none());
     }
 
