@@ -44,7 +44,7 @@ path) judges each reply with the core's verdict and applies the answer's run as 
 decodes each reply to an `EventBatch` and applies it event by event. The cold sync is mostly
 replay answers: its time is the figure to compare.
 
-Each line is one row of the README's fleet table.
+Each line is one row of docs/performance.md's fleet tables (the README keeps the latest figures).
 """
 
 from __future__ import annotations

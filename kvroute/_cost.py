@@ -56,7 +56,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     ``overlap_weight`` times the tokens it would recompute. Dynamo's 1.0 prices this request's wait
     alone, and a turn then leaves its history for any longer queue — though the recompute delays the
     requests queued behind it on the new worker, and its copy evicts something; 2 counts one such
-    request. Measured in ``kvroute demo`` (README, "Routing quality"): 1.0 lost 3-5 points of hit
+    request. Measured in ``kvroute demo`` (docs/routing-quality.md): 1.0 lost 3-5 points of hit
     rate against session affinity on conversation traces; above 2, load imbalance passes 1.5.
     ``cpu_credit`` / ``disk_credit`` / ``external_credit``: the fraction of a block's prefill saved
     when it is cached on that tier instead of GPU (a GPU hit saves all of it). CPU 0.8 is llm-d's
@@ -70,7 +70,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     engines; 0 where none is reported, so a router without reports prices as before). A move
     off the worker holding a conversation copies its history into a cache whose running requests
     leave it no free room, evicting another session's; the holder, with little to prefill, pays
-    little. Measured in ``kvroute demo`` (README, "Routing quality"): under cache pressure it kept
+    little. Measured in ``kvroute demo`` (docs/routing-quality.md): under cache pressure it kept
     the sessions that 2.0 alone moved for load. 0 turns it off.
     ``footprint`` (True): spread new sessions, `Router`'s footprint; False turns it off. A *new
     placement* is a prompt no candidate holds ``footprint_new_share`` (0.5) of, by the index's
@@ -84,8 +84,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     prefill evicts (`eviction`) and a short cached prefix (at equal load, under ``band / (1 +
     band)`` of the prompt: a third at 0.5); load balance is what it was. 0 chooses among the
     cheapest only. Counts decay by half every ``footprint_half_life`` (64) new placements the
-    router makes. Applies at ``temperature`` 0. Measured in ``kvroute demo`` (README, "Routing
-    quality").
+    router makes. Applies at ``temperature`` 0. Measured in ``kvroute demo`` (docs/routing-quality.md).
     ``long_prefix`` (False): price a long recompute super-linearly. A prefill ``p`` of more than
     ``long_prefix_floor`` (128) blocks costs ``overlap_weight * p * (1 + (p - long_prefix_floor)
     / long_prefix_scale)`` (``long_prefix_scale`` 1,024) instead of ``overlap_weight * p``, both in
@@ -96,7 +95,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     move imposes on others grows as ``p**2``, while the holder's short prefill imposes almost none.
     So a conversation turn or a document's question leaves the worker holding its history only for
     a queue there several times the recompute. The eviction term and the footprint's band apply to
-    this cost unchanged. Measured in ``kvroute demo`` (README, "Routing quality").
+    this cost unchanged. Measured in ``kvroute demo`` (docs/routing-quality.md).
 
     Overrides must be pure functions of their arguments: the router evaluates the cost of all
     idle workers once. The built-in model is priced in the compiled core (its weights read off

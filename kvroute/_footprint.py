@@ -4,7 +4,7 @@ A cost model prices one request: a new session (a prompt no worker holds much of
 every idle worker, so the cheapest is any of them, drawn at random, and over a run some ranks start
 several times the new sessions of others. Each new session then grows turn by turn in the cache it
 started in; the ranks that took many evict the earlier sessions' histories before their next turn
-(README, "Routing quality": the cause of kvroute's shortfall against session affinity on the
+(docs/routing-quality.md: the cause of kvroute's shortfall against session affinity on the
 conversation shape). The footprint is a count per worker of the new placements the router made
 there, each decaying by half every ``CostModel.footprint_half_life`` new placements (decay by
 placements, not by time: the count compares workers, and a clock-free count means the same at any

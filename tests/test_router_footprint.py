@@ -1,7 +1,7 @@
 """The Router's footprint (`CostModel.footprint`): new sessions spread, cached prefixes kept within the band.
 
 Cost alone sends a prompt nobody holds to any idle worker at random, so over a run some workers start
-many more sessions than others and evict their histories (README, "Routing quality"). Both scoring
+many more sessions than others and evict their histories (docs/routing-quality.md). Both scoring
 paths are run: the built-in `CostModel` (the compiled core) and a subclass (the Python reference).
 The last test routes sessions onto simulated engines over loopback ZMQ through a real `KvEventClient`.
 """

@@ -52,7 +52,7 @@ POLICIES = ("kvroute", "oracle", "session_affinity", "least_load", "round_robin"
 EXTRA_POLICIES = ("kvroute_index_only", "kvroute_no_footprint", "kvroute_long_prefix")
 #: The policies that are kvroute's `Router` (the demo follows the engines' ``/metrics`` for them on ZMQ fleets).
 KVROUTE_POLICIES = ("kvroute", *EXTRA_POLICIES)
-#: ``Router(routed_ttl=)`` of the demo's kvroute: the routing hint on (README, "Routing quality").
+#: ``Router(routed_ttl=)`` of the demo's kvroute: the routing hint on (docs/routing-quality.md).
 ROUTED_TTL = 10.0
 
 #: Leading tokens session affinity hashes: two 512-token blocks of a Mooncake trace, the first of which

@@ -86,7 +86,7 @@ _TRACE_CAPACITY = 32768
 # evicted, session affinity sat at the infinite-cache bound and no policy could be told apart from it on
 # hits. The demo's fleet carries the trace's 7-10 % load; a production rank runs several times busier, so
 # its cache turns over within its sessions' reuse distance. The default scales the cache down instead:
-# the fleet holds this share of the trace's distinct blocks (README, "Routing quality, measured") ...
+# the fleet holds this share of the trace's distinct blocks (docs/routing-quality.md) ...
 _TRACE_SHAPE_CACHE_SHARE = 0.5
 # ... but a rank always holds this many mean-sized requests (prompt and output), so admission (a request
 # waiting for free blocks) does not become the bottleneck where a real rank would still admit.

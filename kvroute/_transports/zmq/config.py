@@ -99,7 +99,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
       native loop"); CURVE and inproc:// sources stay on the Python receiver. ``held_bytes``
       then also bounds the messages the thread has handed over and Python has not taken yet,
       client-wide. False: every SUB is read on the event loop (the Python receiver). Same run,
-      1,024 ranks: cold sync 2.5 s on the thread, 13.7 s on the event loop (README, "Fleet scale").
+      1,024 ranks: cold sync 2.5 s on the thread, 13.7 s on the event loop (docs/performance.md, "Fleet scale").
 
     Memory, per source, at most: ``queue_bytes`` queued in libzmq (SUB), ``held_bytes`` of
     payload held behind an outstanding replay (about 7x that decoded), and its index state;
