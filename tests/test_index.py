@@ -154,7 +154,11 @@ class IndexMachine(RuleBasedStateMachine):
                 continue
             # From block 0 a store of a hash already held on that tier is no copy of its own: the wire
             # cannot tell a reuse report from a real duplicate, and only the first removal is sure to come.
-            b.copies[tier] = 1
+            # Nor does it take a copy away: a reuse report leaves the engine's entries as they were
+            # (vLLM 0.34 BlockPool.emit_cached_block_events: "does NOT modify block state"), and each
+            # entry a store with a parent added still gets its own BlockRemoved (BlockHashToBlockMap.pop
+            # drops one block id per eviction). Held copies stay; an unheld tier becomes one copy.
+            b.copies[tier] = max(b.copies.get(tier, 0), 1)
 
     @precondition(lambda self: any(self.model.values()))
     @rule(w=st.sampled_from(W), picks=st.lists(st.integers(0, 1000), min_size=1, max_size=3),
@@ -291,6 +295,62 @@ def test_a_second_store_of_a_held_block_is_no_second_copy() -> None:
     assert idx.find_matches([1, 2]) == {}
     idx.apply(w, BlockRemoved(block_hashes=[5]))
     assert idx.stats().unknown_removals == 1
+
+
+def test_a_store_from_block_0_keeps_the_copies_a_store_with_a_parent_added() -> None:
+    """vLLM: request A caches blocks 1, 2; request B caches its own entry of block 2 (chunked prefill:
+    a store naming parent 1, a second entry); request C hits the prefix and its reuse report lists 1, 2
+    from block 0 (``emit_cached_block_events`` adds no entry). The engine holds two entries of block 2
+    and removes each with its own BlockRemoved: after the first, block 2 is still held."""
+    idx = PrefixIndex()
+    w = WorkerKey("w", 0)
+    idx.apply(w, BlockStored(block_hashes=[1, 2], token_ids=[0, 0, 0, 0], block_size=2))
+    idx.apply(w, BlockStored(block_hashes=[2], parent_block_hash=1, token_ids=[0, 0], block_size=2))
+    idx.apply(w, BlockStored(block_hashes=[1, 2], token_ids=[0, 0, 0, 0], block_size=2))
+    idx.apply(w, BlockRemoved(block_hashes=[2]))
+    assert idx.num_blocks(w) == 2 and idx.find_matches([0, 0, 0, 0, 0])[w] == 2
+    idx.apply(w, BlockRemoved(block_hashes=[2]))
+    assert idx.num_blocks(w) == 1 and idx.find_matches([0, 0, 0, 0, 0])[w] == 1
+    assert idx.stats().unknown_removals == 0
+
+
+def test_model_steps_a_store_from_block_0_after_a_copy() -> None:
+    """The sequence hypothesis shrank when the model reset a block's GPU copies to one on a store from
+    block 0 (step 15 adds a copy of a0's block with a parent, step 16 stores it again from block 0, step
+    19 removes it once): the index rightly kept it, the model dropped it. Replayed rule by rule."""
+    a0, a1, b0, c0 = W
+    zeros = [0] * 12
+    m = IndexMachine()
+
+    def store(w: WorkerKey, nblocks: int, parent_mode: str, parent_pick: int, reuse_hash: bool) -> None:
+        m.store(w=w, parent_pick=parent_pick, parent_mode=parent_mode, nblocks=nblocks, alphabet=zeros,
+                lora=None, medium=None, reuse_hash=reuse_hash, kind=None)
+
+    steps = [
+        lambda: m.remove_worker(w=a0), lambda: m.remove_worker(w=a0), lambda: m.remove_worker(w=a0),
+        lambda: m.remove_worker(w=a0), lambda: m.remove_worker(w=b0),
+        lambda: store(a0, 1, "root", 0, False),
+        lambda: store(b0, 3, "root", 0, False),
+        lambda: store(a0, 1, "root", 0, False),
+        lambda: m.remove(w=a1, picks=[0], medium=None, unknown=False),
+        lambda: m.remove_worker(w=c0),
+        lambda: m.remove(w=a0, picks=[0], medium=None, unknown=True),
+        lambda: m.remove(w=c0, picks=[0], medium=None, unknown=False),
+        lambda: m.remove_worker(w=c0),
+        lambda: m.remove(w=c0, picks=[0], medium=None, unknown=True),
+        lambda: store(a1, 3, "root", 0, False),
+        lambda: store(a0, 1, "known", 0, True),
+        lambda: store(a0, 2, "root", 23, True),
+        lambda: store(a1, 2, "root", 858, False),
+        lambda: store(a0, 2, "root", 0, False),
+        lambda: m.remove(w=a0, picks=[3], medium=None, unknown=False),
+    ]
+    for step in steps:
+        step()
+        m.no_residue()
+        m.sizes_agree()
+    assert m.index.num_blocks(a0) == 4
+    m.teardown()
 
 
 def test_same_hash_twice_in_one_event_is_one_block_and_leaves_no_orphan() -> None:
