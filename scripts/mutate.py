@@ -384,6 +384,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_router_footprint.py",),
     ),
     Mutation(
+        "reuse-report-drops-copies",
+        "a store from block 0 of a block already held (a reuse report) never lowers the copies a store with a parent added",
+        "src/index/store.rs",
+        "            None => {\n                if pos == 0 {\n                    self.repeated += 1;\n",
+        "            None => {\n                if pos == 0 {\n                    w.copies.remove(ehash);\n                    self.repeated += 1;\n",
+        ("tests/test_index.py",),
+    ),
+    Mutation(
         "long-prefix-unread",
         "the compiled core prices CostModel.long_prefix as the Python reference does (it reads the setting)",
         "src/py/router.rs",
