@@ -261,7 +261,13 @@ class KvEventClient:
             # Anything else the block raised leaves exactly as raised: handed to the group, it would
             # come out wrapped in an ExceptionGroup, and `except NotSyncedError` / `except TimeoutError`
             # around the block would miss `wait_synced`'s timeout.
-            await tg.__aexit__(None, None, None)
+            try:
+                await tg.__aexit__(None, None, None)
+            except BaseException as failure:
+                # a task failed while stopping: its error leaves, the block's own stays attached to it
+                if exc is not None and failure.__context__ is None:
+                    failure.__context__ = exc
+                raise
             return None
         finally:
             # Where the sources stopped stays resumable: a snapshot taken after the block, or
@@ -343,8 +349,10 @@ class KvEventClient:
         driver = transport.driver(source, index=self._index, sink=self._hub, on_change=self._wake, resume=cursor)
         scope = anyio.CancelScope()
         self._subs[source.key] = _Subscription(driver, origin, scope)
-        self._live = frozenset(self._subs)
+        # Unvouched before it is live: a router on another thread that sees the worker among the
+        # live ones must already see it unsynced (a warm restart's index holds its restored state).
         self._track(driver)
+        self._live = frozenset(self._subs)
         tg.start_soon(self._run_driver, driver, scope)
         self._wake()
         return True
@@ -404,9 +412,11 @@ class KvEventClient:
         sub.driver.stop()
         # a stopped driver's machine may still take inputs until its task is cancelled
         sub.driver.machine.on_vouching = None
-        self._vouching.discard(key)
         sub.scope.cancel()
         self._index.remove_worker(key)
+        # Vouched for only once its blocks are gone: a router that read the live set before this
+        # removal must not find the worker trusted while the index still holds what it claimed.
+        self._vouching.discard(key)
         self._removed += 1
         self._hub.publish(Envelope(source=sub.driver.source, seq=None, ts=time.time(), event=Removed(reason=reason)))
         self._wake()

@@ -87,7 +87,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     router makes. Applies at ``temperature`` 0. Measured in ``kvroute demo`` (docs/routing-quality.md).
     ``long_prefix`` (False): price a long recompute super-linearly. A prefill ``p`` of more than
     ``long_prefix_floor`` (128) blocks costs ``overlap_weight * p * (1 + (p - long_prefix_floor)
-    / long_prefix_scale)`` (``long_prefix_scale`` 1,024) instead of ``overlap_weight * p``, both in
+    / long_prefix_scale)`` (``long_prefix_scale`` 1,024, at least 1) instead of ``overlap_weight * p``, both in
     blocks of the router's ``block_size``; a prefill up to the floor is priced exactly as without
     it, so short prompts route as before. Why: a recompute of ``p`` blocks holds the new worker's
     prefill budget for time proportional to ``p``, and the requests arriving there meanwhile, also
@@ -132,7 +132,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         if not isinstance(self.long_prefix, bool):
             raise RouterError(f"long_prefix must be a bool, got {self.long_prefix!r}")
         _check_range("long_prefix_floor", self.long_prefix_floor, 0.0)
-        _check_range("long_prefix_scale", self.long_prefix_scale, 0.0, low_open=True)
+        _check_range("long_prefix_scale", self.long_prefix_scale, 1.0)  # below a block, costs overflow
 
     @property
     def full_credit(self) -> bool:

@@ -144,7 +144,9 @@ class Vouching:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # writers: an event loop, a receive thread's hand-over
+        # Writers run on the provider's event loop (a native thread's hand-overs are applied there too);
+        # the lock keeps each update's two sets one change should a provider write from two threads.
+        self._lock = threading.Lock()
         self._unsynced: set[WorkerKey] = set()
         self._partial: set[WorkerKey] = set()
         #: Not synced (what ``trust_partial`` routers do not believe).

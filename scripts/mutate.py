@@ -318,8 +318,8 @@ MUTATIONS: list[Mutation] = [
         "block-error-wrapped",
         "an exception raised in the client's block leaves it as raised, not wrapped in an ExceptionGroup",
         "kvroute/_client.py",
-        "            await tg.__aexit__(None, None, None)\n            return None\n",
-        "            return await tg.__aexit__(exc_type, exc, tb)\n",
+        "                await tg.__aexit__(None, None, None)\n",
+        "                return await tg.__aexit__(exc_type, exc, tb)\n",
         ("tests/test_sync_errors.py",),
         ("tests/test_sync_errors.py::test_an_error_raised_in_the_block_leaves_it_as_raised",),
     ),
@@ -390,6 +390,24 @@ MUTATIONS: list[Mutation] = [
         "            None => {\n                if pos == 0 {\n                    self.repeated += 1;\n",
         "            None => {\n                if pos == 0 {\n                    w.copies.remove(ehash);\n                    self.repeated += 1;\n",
         ("tests/test_index.py",),
+    ),
+    Mutation(
+        "live-before-unvouched",
+        "a source's worker is in the unvouched set before it joins the live set a router reads",
+        "kvroute/_client.py",
+        "        self._track(driver)\n        self._live = frozenset(self._subs)\n",
+        "        self._live = frozenset(self._subs)\n        self._track(driver)\n",
+        ("tests/test_router_vouching.py",),
+    ),
+    Mutation(
+        "vouched-before-removal",
+        "a removed source's worker stays unvouched until the index has dropped its blocks",
+        "kvroute/_client.py",
+        "        self._index.remove_worker(key)\n        # Vouched for only once its blocks are gone: a router that read the live set before this\n"
+        "        # removal must not find the worker trusted while the index still holds what it claimed.\n"
+        "        self._vouching.discard(key)\n",
+        "        self._vouching.discard(key)\n        self._index.remove_worker(key)\n",
+        ("tests/test_router_vouching.py",),
     ),
     Mutation(
         "long-prefix-unread",

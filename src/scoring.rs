@@ -31,7 +31,9 @@ pub struct CostParams {
 /// in blocks of the router's `block_size`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LongPrefix {
+    /// prefills of at most this many blocks cost what they cost without the term
     pub floor: f64,
+    /// blocks above the floor that double a prefill's cost per block (at least 1: `CostModel` checks it)
     pub scale: f64,
 }
 

@@ -597,6 +597,8 @@ def test_the_long_prefix_settings_are_checked() -> None:
         {"long_prefix_floor": -1.0},
         {"long_prefix_floor": math.inf},
         {"long_prefix_scale": 0.0},
+        {"long_prefix_scale": 5e-324},  # a subnormal scale: every long prefill's cost would overflow
+        {"long_prefix_scale": 0.5},
         {"long_prefix_scale": math.nan},
         {"long_prefix_scale": True},
     ):

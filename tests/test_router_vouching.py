@@ -9,12 +9,14 @@ status rule believes.
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from _publisher_helpers import FAST, wait_for
 
 from kvroute._client import KvEventClient
 from kvroute._jetstream_replica import JetStreamReplica
-from kvroute._models import VouchingStates, WorkerKey, WorkerStates, WorkerStatus
+from kvroute._models import EventSource, VouchingStates, WorkerKey, WorkerStates, WorkerStatus
 from kvroute._router import CostModel, Router
 from kvroute._wire import BlockStored
 from kvroute.sim._publisher import EventPublisher
@@ -128,3 +130,40 @@ def test_a_replica_keeps_its_unvouched_workers_with_its_partial_flags() -> None:
         status = replica.worker_status(w)
         for tp in (False, True):
             assert (w in replica.unvouched_workers(tp)) == (w in replica.live_workers() and not _believed(status, tp))
+
+
+@pytest.mark.anyio
+async def test_a_worker_is_unvouched_before_it_is_live_and_until_its_blocks_are_gone() -> None:
+    # A router on another thread reads the live set, then the unvouched set, then matches: a
+    # worker live but not yet unvouched (a warm restart's restored state, before its identity
+    # check), or vouched for again while the index still holds its blocks, would be believed.
+    # The client orders its two sets around each change so that no such moment exists.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = EventSource(worker_id="w", endpoint=f"tcp://127.0.0.1:{port}", block_size=BS)  # never syncs
+    key = dead.key
+    async with KvEventClient([], config=FAST) as client:
+        live_when_tracked: list[bool] = []
+        update = client._vouching.update
+
+        def tracked(worker: WorkerKey, synced: bool, partial: bool) -> None:
+            if worker == key:
+                live_when_tracked.append(worker in client.live_set())
+            update(worker, synced, partial)
+
+        client._vouching.update = tracked  # type: ignore[method-assign]
+        assert client.add_source(dead)
+        assert live_when_tracked[:1] == [False] and key in client.live_set()
+        assert key in client.unvouched_workers(trust_partial=True)
+        unvouched_at_removal: list[bool] = []
+        remove_worker = client.index.remove_worker
+
+        def removing(worker: WorkerKey) -> None:
+            unvouched_at_removal.append(worker in client.unvouched_workers(trust_partial=True))
+            remove_worker(worker)
+
+        client.index.remove_worker = removing  # type: ignore[method-assign]
+        assert client.remove_source(dead)
+        assert unvouched_at_removal == [True]
+        assert key not in client.live_set() and key not in client.unvouched_workers(trust_partial=True)
