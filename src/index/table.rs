@@ -241,6 +241,9 @@ struct IdIndex {
     id_bits: u32,
 }
 
+/// How many records ahead of its insert a rebuild prefetches a record's new slot.
+const REBUILD_AHEAD: usize = 16;
+
 /// Most keys an `IdIndex` of `cap` slots holds: 7/8 full.
 fn max_load(cap: usize) -> usize {
     cap - cap / 8
@@ -274,21 +277,29 @@ impl IdIndex {
     /// The id whose record holds `key` (hashed `h`).
     #[inline]
     fn find(&self, h: u64, key: &Key, recs: &[Rec]) -> Option<u32> {
+        self.find_or_vacancy(h, key, recs).ok()
+    }
+
+    /// The id whose record holds `key` (hashed `h`), or else the empty slot its probe ended on
+    /// (`usize::MAX` when there are no slots): a new key goes there unless the table is rebuilt
+    /// first, so an insert does not probe a second time.
+    #[inline]
+    fn find_or_vacancy(&self, h: u64, key: &Key, recs: &[Rec]) -> Result<u32, usize> {
         let cap = self.slots.len();
         if cap == 0 {
-            return None;
+            return Err(usize::MAX);
         }
         let (tag, mask) = (self.tag(h), self.id_mask());
         let mut i = self.home(h);
         loop {
             let s = self.slots[i];
             if s == 0 {
-                return None;
+                return Err(i);
             }
             if s & !mask == tag {
                 let id = (s & mask) - 1;
                 if recs[id as usize].key == *key {
-                    return Some(id);
+                    return Ok(id);
                 }
             }
             i += 1;
@@ -299,13 +310,15 @@ impl IdIndex {
     }
 
     /// Make room for one more key whose id is below `ids` (the records' length after it is
-    /// placed): grow by half, or widen the id bits, rebuilding from the live records.
-    fn reserve_one(&mut self, ids: usize, recs: &[Rec]) {
+    /// placed): grow by half, or widen the id bits, rebuilding from the live records. True when
+    /// it rebuilt (a vacancy found before is stale).
+    fn reserve_one(&mut self, ids: usize, recs: &[Rec]) -> bool {
         let need_bits = (usize::BITS - ids.leading_zeros()).max(1);
         if self.len < max_load(self.slots.len()) && need_bits <= self.id_bits {
-            return;
+            return false;
         }
         self.grow(self.len + 1, need_bits, recs);
+        true
     }
 
     /// Rebuild with room for `want` keys and ids of `need_bits` bits (one bit of headroom, so
@@ -332,12 +345,27 @@ impl IdIndex {
         self.id_bits = id_bits;
         let len = self.len;
         self.len = 0;
+        // The records stream in order, but their homes in the new table are random: the slot of
+        // the record `REBUILD_AHEAD` places on is prefetched, so the misses overlap (the rebuild
+        // stalled on each in turn: most of a fill's time in the key index).
         for (id, rec) in recs.iter().enumerate() {
+            if let Some(ahead) = recs.get(id + REBUILD_AHEAD) {
+                self.prefetch(hash(&ahead.key));
+            }
             if rec.refs != 0 || rec.one != NO_HOLDER {
                 self.insert(hash(&rec.key), id as u32);
             }
         }
         debug_assert_eq!(self.len, len, "every indexed key is a live record");
+    }
+
+    /// Index `id` under hash `h` at `vacancy`, the empty slot `find_or_vacancy` ended on (no
+    /// rebuild since).
+    #[inline]
+    fn insert_at(&mut self, vacancy: usize, h: u64, id: u32) {
+        debug_assert_eq!(self.slots[vacancy], 0);
+        self.slots[vacancy] = self.tag(h) | (id + 1);
+        self.len += 1;
     }
 
     /// Index `id` under hash `h` (not indexed yet; room made by `reserve_one`).
@@ -481,19 +509,26 @@ impl KeyTable {
     /// The id of `key`, interned if new, with one more reference.
     pub(crate) fn retain_key(&mut self, key: &Key) -> u32 {
         let h = hash(key);
-        if let Some(id) = self.ids.find(h, key, &self.recs) {
-            self.recs[id as usize].refs += 1;
-            return id;
-        }
+        let vacancy = match self.ids.find_or_vacancy(h, key, &self.recs) {
+            Ok(id) => {
+                self.recs[id as usize].refs += 1;
+                return id;
+            }
+            Err(at) => at,
+        };
         let ids = self.recs.len() + usize::from(self.free.is_empty());
-        self.ids.reserve_one(ids, &self.recs);
+        let rebuilt = self.ids.reserve_one(ids, &self.recs);
         let rec = Rec {
             key: *key,
             refs: 1,
             one: NO_HOLDER,
         };
         let id = place(&mut self.recs, &mut self.free, rec);
-        self.ids.insert(h, id);
+        if rebuilt {
+            self.ids.insert(h, id);
+        } else {
+            self.ids.insert_at(vacancy, h, id);
+        }
         id
     }
 
