@@ -390,6 +390,11 @@ impl IdIndex {
         let mask = self.id_mask();
         let mut i = self.home(h);
         while self.slots[i] & mask != id + 1 {
+            if self.slots[i] == 0 {
+                // `id` is not here (no caller removes an id twice): the empty slot ends its
+                // probe; looping on would spin for ever with the index's write lock held.
+                return;
+            }
             i += 1;
             if i == cap {
                 i = 0;
