@@ -970,6 +970,26 @@ mod tests {
                 assert!(t.ids.len < t.ids.slots.len(), "a slot stays empty");
             }
         }
+        // Then past 2^16 ids, so the slots' id field widens (a rebuild of every slot), and back.
+        let widths = t.ids.id_mask();
+        // (odd n: keys spread out; the shared-home cluster is exercised above)
+        let many: Vec<Key> = (500_000..570_000u64).map(|n| key(2 * n + 1)).collect();
+        for k in &many {
+            let id = t.retain_key(k);
+            want.insert(*k, id);
+        }
+        assert_ne!(t.ids.id_mask(), widths, "the id field widened");
+        for (k, &id) in &want {
+            assert_eq!(t.id(k), Some(id));
+        }
+        for k in &many {
+            t.release(want.remove(k).unwrap());
+            assert_eq!(t.id(k), None);
+        }
+        for (k, &id) in &want {
+            assert_eq!(t.id(k), Some(id));
+        }
+        assert_eq!(t.ids.len, want.len());
         for (_, id) in want.drain() {
             t.release(id);
         }
