@@ -385,10 +385,12 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "reuse-report-drops-copies",
-        "a store from block 0 of a block already held (a reuse report) never lowers the copies a store with a parent added",
+        "a store from block 0 of a block already held (a reuse report) never lowers the copies a store with a parent"
+        " added",
         "src/index/store.rs",
         "            None => {\n                if pos == 0 {\n                    self.repeated += 1;\n",
-        "            None => {\n                if pos == 0 {\n                    w.copies.remove(ehash);\n                    self.repeated += 1;\n",
+        "            None => {\n                if pos == 0 {\n"
+        "                    w.copies.remove(ehash);\n                    self.repeated += 1;\n",
         ("tests/test_index.py",),
     ),
     Mutation(
@@ -403,7 +405,8 @@ MUTATIONS: list[Mutation] = [
         "vouched-before-removal",
         "a removed source's worker stays unvouched until the index has dropped its blocks",
         "kvroute/_client.py",
-        "        self._index.remove_worker(key)\n        # Vouched for only once its blocks are gone: a router that read the live set before this\n"
+        "        self._index.remove_worker(key)\n"
+        "        # Vouched for only once its blocks are gone: a router that read the live set before this\n"
         "        # removal must not find the worker trusted while the index still holds what it claimed.\n"
         "        self._vouching.discard(key)\n",
         "        self._vouching.discard(key)\n        self._index.remove_worker(key)\n",
