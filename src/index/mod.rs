@@ -53,7 +53,7 @@ pub use snapshot::{
     read as read_snapshot, SnapFile, SnapGroup, SnapKey, SnapReadError, SnapWorker,
 };
 pub(crate) use table::prefetch;
-use table::KeyTable;
+use table::{close_hole, scaled, KeyTable};
 
 /// What identifies a worker (a `WorkerKey` in Python): hashable, cheap to clone, printable.
 pub trait WorkerName: Clone + Eq + Hash + Send + Sync {
@@ -188,7 +188,7 @@ impl<V> Default for IntMap<V> {
 impl<V: Copy + Default> IntMap<V> {
     #[inline]
     fn home(&self, h: u64) -> usize {
-        ((u128::from(hash_u64(h)) * self.slots.len() as u128) >> 64) as usize
+        scaled(hash_u64(h), self.slots.len())
     }
 
     /// The slot holding `h`, or the empty slot that ends its probe (None: no slots yet).
@@ -254,35 +254,19 @@ impl<V: Copy + Default> IntMap<V> {
         if h == EMPTY_HASH {
             return self.at_empty.take();
         }
-        let mut i = self.probe(h)?;
+        let i = self.probe(h)?;
         if self.slots[i].0.get() != h {
             return None;
         }
         let out = self.slots[i].1;
         let cap = self.slots.len();
-        let mut j = i;
-        loop {
-            j += 1;
-            if j == cap {
-                j = 0;
-            }
-            let e = self.slots[j];
-            if e.0.get() == EMPTY_HASH {
-                break;
-            }
-            let home = self.home(e.0.get());
-            // The entry at j may fill the hole at i unless its home lies cyclically in (i, j].
-            let stays = if i <= j {
-                i < home && home <= j
-            } else {
-                i < home || home <= j
-            };
-            if !stays {
-                self.slots[i] = e;
-                i = j;
-            }
-        }
-        self.slots[i] = (H64::new(EMPTY_HASH), V::default());
+        close_hole(
+            &mut self.slots,
+            i,
+            (H64::new(EMPTY_HASH), V::default()),
+            |e| e.0.get() == EMPTY_HASH,
+            |e| scaled(hash_u64(e.0.get()), cap),
+        );
         self.len -= 1;
         Some(out)
     }

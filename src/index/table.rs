@@ -245,6 +245,49 @@ struct IdIndex {
 const REBUILD_AHEAD: usize = 16;
 
 /// Most keys an `IdIndex` of `cap` slots holds: 7/8 full.
+/// A 64-bit hash scaled to a slot of `cap` (its high bits: any capacity, not only powers of two).
+#[inline]
+pub(crate) fn scaled(h: u64, cap: usize) -> usize {
+    ((u128::from(h) * cap as u128) >> 64) as usize
+}
+
+/// Empty the slot `hole` of a linear-probing table, shifting back the entries after it whose
+/// probe runs through it, so that no probe sequence has a hole (no tombstones: lookups never
+/// slow down with churn). `is_empty` tells a slot that ends a run, `home` an entry's home slot;
+/// the slot left over at the end becomes `empty`.
+pub(crate) fn close_hole<S: Copy>(
+    slots: &mut [S],
+    mut hole: usize,
+    empty: S,
+    is_empty: impl Fn(&S) -> bool,
+    home: impl Fn(&S) -> usize,
+) {
+    let cap = slots.len();
+    let mut j = hole;
+    loop {
+        j += 1;
+        if j == cap {
+            j = 0;
+        }
+        let s = slots[j];
+        if is_empty(&s) {
+            break;
+        }
+        let h = home(&s);
+        // The entry at j may fill the hole unless its home lies cyclically in (hole, j].
+        let stays = if hole <= j {
+            hole < h && h <= j
+        } else {
+            hole < h || h <= j
+        };
+        if !stays {
+            slots[hole] = s;
+            hole = j;
+        }
+    }
+    slots[hole] = empty;
+}
+
 fn max_load(cap: usize) -> usize {
     cap - cap / 8
 }
@@ -252,7 +295,7 @@ fn max_load(cap: usize) -> usize {
 impl IdIndex {
     #[inline]
     fn home(&self, h: u64) -> usize {
-        ((u128::from(h) * self.slots.len() as u128) >> 64) as usize
+        scaled(h, self.slots.len())
     }
 
     #[inline]
@@ -400,29 +443,13 @@ impl IdIndex {
                 i = 0;
             }
         }
-        let mut j = i;
-        loop {
-            j += 1;
-            if j == cap {
-                j = 0;
-            }
-            let s = self.slots[j];
-            if s == 0 {
-                break;
-            }
-            let home = self.home(hash(&recs[((s & mask) - 1) as usize].key));
-            // The entry at j may fill the hole at i unless its home lies cyclically in (i, j].
-            let stays = if i <= j {
-                i < home && home <= j
-            } else {
-                i < home || home <= j
-            };
-            if !stays {
-                self.slots[i] = s;
-                i = j;
-            }
-        }
-        self.slots[i] = 0;
+        close_hole(
+            &mut self.slots,
+            i,
+            0,
+            |&s| s == 0,
+            |&s| scaled(hash(&recs[((s & mask) - 1) as usize].key), cap),
+        );
         self.len -= 1;
     }
 
