@@ -234,9 +234,8 @@ class Router(ReferenceScoring):
         return worker in self._approx
 
     def workers(self) -> set[WorkerKey]:
-        """The current candidate universe (before any ``candidates`` restriction)."""
-        found = self.states.live_workers() if self.states is not None else self.index.workers()
-        return found | self._registered if self._registered else found
+        """The current candidate universe (before any ``candidates`` restriction), as a new set."""
+        return set(self._universe(None))
 
     # --- load ----------------------------------------------------------------------------
 
@@ -610,7 +609,7 @@ class Router(ReferenceScoring):
         if at is None:
             if chosen_w is None:
                 if universe is None:
-                    universe = self.workers()  # the idle group won: the set is built only now
+                    universe = self._universe(None)  # the idle group won: the set is built only now
                 idle = universe.difference(scored.workers())
                 if not idle:
                     # another thread's ingest changed the fleet between the core's read and now
