@@ -315,6 +315,18 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_recv.py::test_every_batch_after_events_returns_comes_with_its_envelope",),
     ),
     Mutation(
+        "removed-source-applies-unrecorded",
+        "what the native thread applied for a source before it leaves is recorded in the source's position",
+        "kvroute/_transports/zmq/native.py",
+        "            held = self.hold()\n",
+        "            held = False\n",
+        ("tests/test_warm_restart.py",),
+        (
+            "tests/test_warm_restart.py::"
+            "test_a_batch_applied_off_the_event_loop_as_the_client_leaves_is_in_its_position",
+        ),
+    ),
+    Mutation(
         "block-error-wrapped",
         "an exception raised in the client's block leaves it as raised, not wrapped in an ExceptionGroup",
         "kvroute/_client.py",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import msgspec
@@ -306,6 +307,56 @@ async def test_gap_past_the_buffer_resets_and_is_partial(tmp_path: Path) -> None
             # A partial worker is saved without a position: resuming from it would hide that.
             client.snapshot(path)
         assert PrefixIndex.restore(path).restored_cursors == {}
+
+
+@pytest.mark.anyio
+async def test_a_batch_applied_off_the_event_loop_as_the_client_leaves_is_in_its_position(tmp_path: Path) -> None:
+    # The native receive thread applies a batch before the event loop records its seq. A
+    # client left right after such an apply must still record it: a snapshot (or a re-entry)
+    # that saved the older seq would resume with the batch in the index ahead of its position
+    # (chaos caught it: a "complete" worker holding one block more than its position implies).
+    if not FAST.native_receive:
+        pytest.skip("the Python receiver records each batch as it applies it, on the event loop")
+    wl = Workload(40)
+    path = tmp_path / "index.kvs"
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        for _ in range(5):
+            pub.publish(wl.batch())
+        client = KvEventClient([src], config=FAST)
+        async with client:
+            async with client.events() as stream:
+                await settle(client, stream, {src.key: pub.next_seq - 1})
+            # No listener now: the fast path reopens at the next hand-over, then applies on the thread.
+            applied_off_loop = False
+            for _ in range(200):
+                seq = pub.next_seq
+                pub.publish(wl.batch())
+                want = truth_index({src.key: pub}).num_blocks(src.key)
+                if want != client.index.num_blocks(src.key):
+                    deadline = time.monotonic() + 2
+                    # Not awaiting: only the thread can apply it, and the loop cannot record it.
+                    while client.index.num_blocks(src.key) != want and time.monotonic() < deadline:
+                        time.sleep(0.001)  # noqa: ASYNC251 (an await would let the loop record it)
+                    if client.index.num_blocks(src.key) == want and seq not in _recorded(client, src.key):
+                        applied_off_loop = True
+                        break
+                await wait_for(lambda seq=seq: seq in _recorded(client, src.key), f"seq {seq} recorded")
+            assert applied_off_loop, "the thread never applied a batch on its own"
+        # Left without an await since the apply: the position saved names the batch the index holds.
+        client.snapshot(path)
+        restored = PrefixIndex.restore(path)
+        assert restored.restored_cursors == {src.key: Cursor(pub.next_seq - 1, pub.history[-1].ts)}
+        assert_index_equal(restored, truth_index({src.key: pub}), wl.queries)
+
+
+def _recorded(client: KvEventClient, key: WorkerKey) -> range:
+    """The seqs ``key``'s source has recorded (the event loop's side of the thread's applies).
+
+    Read from its stats, not `KvEventClient.cursors`, which would hold the thread until the
+    event loop's next turn.
+    """
+    return range(client.stats().sources[key].last_seq + 1)
 
 
 @pytest.mark.anyio

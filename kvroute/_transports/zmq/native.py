@@ -57,6 +57,8 @@ class NativeReceiver(_LoopLeader):
         self.draining = False
         # The core receiver whose thread this side holds (`hold`), if any.
         self._held: _core.NativeReceiver | None = None
+        # The source `remove` is draining for: its hand-overs are dropped, as after its removal.
+        self._removing: int | None = None
 
     @staticmethod
     def eligible(source: EventSource) -> bool:
@@ -102,8 +104,22 @@ class NativeReceiver(_LoopLeader):
     def remove(self, token: int) -> None:
         """Stop following ``token`` (its sockets close on the thread; its later hand-overs are dropped)."""
         core = self._core
-        if self._drivers.pop(token, None) is None or core is None:
+        if token not in self._drivers or core is None:
+            self._drivers.pop(token, None)
             return
+        # Batches the thread applied for this source wait in its outbox until the next drain:
+        # have its machine record them before the driver goes, or the source's position (kept
+        # for a snapshot or the next session) would name an older batch than the index holds.
+        # Stopped first, then held at a visit's end, nothing of it is applied after this drain.
+        core.stop(token)
+        self._removing = token
+        try:
+            held = self.hold()
+        finally:
+            self._removing = None
+        if held:
+            self.release()
+        del self._drivers[token]
         core.remove(token)
         if not self._drivers:
             # The client may be leaving: no thread, no sockets while no source runs.
@@ -196,7 +212,7 @@ class NativeReceiver(_LoopLeader):
         try:
             for h in handovers:
                 d = drivers.get(h[1])
-                if d is None or d._recreate:
+                if d is None or d._recreate or h[1] == self._removing:
                     continue  # a removed source's, or a SUB's being recreated (a dead engine's stream)
                 d._native_consumed += 1
                 kind = h[0]
