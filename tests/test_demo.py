@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
+from kvroute import WorkerKey
 from kvroute.cli import POLICIES, DemoOptions, main, run_demo
+from kvroute.cli._demo_report import load_imbalance
 
 REQUIRED = ("hit_rate", "prefill_tokens", "ttft_p50", "ttft_p99", "decision_p50_us", "decision_p99_us")
 
@@ -189,3 +191,12 @@ def test_router_replicas_agree_and_engine_load_spreads(capsys: pytest.CaptureFix
         assert len(r["index_digests"]) == 3 and len(set(r["index_digests"])) == 1, r["index_digests"]
         assert r["index_blocks"] == r["engine_blocks"] > 0
         assert r["hit_rate"] > 0.4
+
+
+def test_load_imbalance_counts_every_worker_that_took_a_request() -> None:
+    a, b, c = (WorkerKey(w, 0) for w in "abc")
+    assert load_imbalance({a: 4, b: 4}, {a, b}) == 1.0
+    assert load_imbalance({a: 6, b: 2}, {a, b, c}) == 2.25  # c took none: the mean is 8 / 3
+    # b left the fleet before the end (dropped by discovery) but took half: busiest ÷ mean is 1, not 0.5.
+    assert load_imbalance({a: 4, b: 4}, {a}) == 1.0
+    assert load_imbalance({}, {a, b}) == 0.0

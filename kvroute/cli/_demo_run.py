@@ -47,6 +47,7 @@ from ._demo_report import (
     PolicyResult,
     Reporter,
     RequestRecord,
+    load_imbalance,
     make_reporter,
     percentile,
     with_oracle_shares,
@@ -484,10 +485,10 @@ async def _run_policy(
         index_memory = client.index.memory_bytes()
         index_blocks = client.index.num_blocks()
         engine_blocks = sum(e.cache(r).num_cached_blocks for e in engines for r in range(e.config.ranks))
-        workers = len(client.live_workers())
+        live = client.live_workers()
+    workers = len(live)
     tally, lifecycle, faults = run.tally, run.lifecycle, run.faults
     totals = stats.totals
-    mean_load = sum(tally.per_worker.values()) / workers if workers else 0.0
     result = PolicyResult(
         policy=policy_name,
         requests=len(workload),
@@ -505,7 +506,7 @@ async def _run_policy(
         ttft_p99=round(percentile(tally.ttfts, 99), 6),
         latency_p50=round(percentile(tally.latencies, 50), 4),
         latency_p99=round(percentile(tally.latencies, 99), 4),
-        load_imbalance=round(max(tally.per_worker.values(), default=0) / mean_load, 3) if mean_load else 0.0,
+        load_imbalance=load_imbalance(tally.per_worker, live),
         decision_p50_us=round(percentile(tally.decisions_ns, 50) / 1e3, 1),
         decision_p99_us=round(percentile(tally.decisions_ns, 99) / 1e3, 1),
         index_blocks=index_blocks,
