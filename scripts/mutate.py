@@ -336,6 +336,15 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_sync_errors.py::test_an_error_raised_in_the_block_leaves_it_as_raised",),
     ),
     Mutation(
+        "sim-block-error-wrapped",
+        "an exception raised in a simulated engine's or publisher's block leaves it as raised, like the client's",
+        "kvroute/sim/_lifecycle.py",
+        "                await stack.__aexit__(None, None, None)\n",
+        "                await stack.__aexit__(exc_type, exc, tb)\n",
+        ("tests/test_sim_engine.py::test_an_error_raised_in_the_block_leaves_it_as_raised",),
+        ("tests/test_sim_engine.py::test_an_error_raised_in_the_block_leaves_it_as_raised",),
+    ),
+    Mutation(
         "silent-restore-drop",
         "restored state a source cannot resume is announced with a Reset, so replicas of the log drop it too",
         "kvroute/_restore.py",

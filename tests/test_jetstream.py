@@ -546,10 +546,17 @@ async def test_a_replica_back_after_the_engines_buffers_wrapped_is_exact(nats_se
                 assert_same(back.index, truth, fleet.queries())
 
 
-async def _read_lines(proc: anyio.abc.Process, lines: list[str]) -> None:
+async def _read_lines(proc: anyio.abc.Process, lines: list[str], eof: anyio.Event) -> None:
+    """Append each whole line ``proc`` writes to ``lines``; set ``eof`` once its stdout is closed and read out."""
     assert proc.stdout is not None
-    async for chunk in TextReceiveStream(proc.stdout):
-        lines.extend(chunk.splitlines())
+    partial = ""
+    try:
+        async for chunk in TextReceiveStream(proc.stdout):
+            # A chunk may end mid-line: the rest comes with the next one.
+            *whole, partial = (partial + chunk).split("\n")
+            lines.extend(whole)
+    finally:
+        eof.set()
 
 
 async def converged(replica: JetStreamReplica, direct: KvEventClient, timeout: float = 30.0) -> None:  # noqa: ASYNC109
@@ -582,6 +589,7 @@ async def test_standby_relay_takes_over_when_the_active_one_is_killed(nats_serve
         relay_cmd = [sys.executable, "-m", "kvroute.cli", "relay", *targets, "--nats", nats_server.url, "--stream", "H"]
         relay_cmd += ["--lease-ttl", "1", "--snapshot-interval", "0.5", "--status-interval", "0.1"]
         lines: dict[str, list[str]] = {"ra": [], "rb": []}
+        read_out = {"ra": anyio.Event(), "rb": anyio.Event()}
 
         def active() -> str | None:
             for name, out in lines.items():
@@ -595,8 +603,8 @@ async def test_standby_relay_takes_over_when_the_active_one_is_killed(nats_serve
             anyio.create_task_group() as tg,
         ):
             procs = {"ra": ra, "rb": rb}
-            tg.start_soon(_read_lines, ra, lines["ra"])
-            tg.start_soon(_read_lines, rb, lines["rb"])
+            tg.start_soon(_read_lines, ra, lines["ra"], read_out["ra"])
+            tg.start_soon(_read_lines, rb, lines["rb"], read_out["rb"])
             try:
                 async with (
                     KvEventClient(targets=targets, config=FAST) as direct,
@@ -604,16 +612,21 @@ async def test_standby_relay_takes_over_when_the_active_one_is_killed(nats_serve
                     JetStreamReplica(nats_server.url, stream="H") as r2,
                     JetStreamReplica(nats_server.url, stream="H") as r3,
                 ):
-                    with anyio.fail_after(30):
+                    with anyio.move_on_after(30):
                         while active() is None:  # noqa: ASYNC110 (a subprocess's output, polled)
                             await anyio.sleep(0.05)
                     first = active()
-                    assert first is not None
+                    assert first is not None, {name: out[-3:] for name, out in lines.items()}
                     await traffic([ea, eb], 30)
                     await converged(r1, direct)
                     # SIGKILL: the lease is not released; the standby waits out its ttl (1 s) and takes over.
                     procs[first].kill()
                     killed = anyio.current_time()
+                    # Its pipe may still hold status lines it wrote while active: read them out before
+                    # forgetting its output, or one read after the clear shows the dead relay active.
+                    with anyio.fail_after(10):
+                        await procs[first].wait()
+                        await read_out[first].wait()
                     lines[first].clear()
                     await traffic([ea, eb], 30)  # the engines' replay buffers carry these over the handover
                     with anyio.fail_after(15):

@@ -28,6 +28,7 @@ from kvroute._wire import BlockRemoved, BlockStored, EventBatch, decode_batch, e
 from kvroute.sim._cache import CapacityError, InvalidRequestError
 from kvroute.sim._engine import RequestAbortedError, SimConfig, SimEngine
 from kvroute.sim._http import detokenize, tokenize
+from kvroute.sim._publisher import EventPublisher
 
 pytestmark = pytest.mark.anyio
 
@@ -457,6 +458,28 @@ async def test_http_request_in_flight_during_restart_gets_503() -> None:
             await wait_for(lambda: eng.cache().num_running > 0, "the request is in flight")
             await eng.restart()
         assert got == [503]
+
+
+# --- the async with block ------------------------------------------------------------------------------
+
+
+async def test_an_error_raised_in_the_block_leaves_it_as_raised() -> None:
+    # As with KvEventClient: the engine's and the publisher's task groups must not wrap the caller's own
+    # exception in an ExceptionGroup, or `except TimeoutError` around the block misses a `fail_after`.
+    with pytest.raises(TimeoutError) as info:
+        async with engine(http_port=None):
+            with anyio.fail_after(0.01):
+                await anyio.sleep_forever()
+    assert type(info.value) is TimeoutError
+    with pytest.raises(ValueError, match="the caller's own") as raised:
+        async with EventPublisher():
+            raise ValueError("the caller's own")
+    assert type(raised.value) is ValueError
+    # Cancelling the block from outside still ends it quietly.
+    with anyio.move_on_after(0.05) as scope:
+        async with engine(http_port=None):
+            await anyio.sleep_forever()
+    assert scope.cancelled_caught
 
 
 # --- discovery -------------------------------------------------------------------------------------

@@ -3,6 +3,11 @@
 `AsyncService.__aenter__` enters what `_start` puts on an exit stack (task groups, servers,
 callbacks) and keeps that stack until ``__aexit__`` unwinds it; `_release` then frees what lives
 outside the stack (sockets, a ZMQ context), and also runs when `_start` fails half-way.
+
+An exception the ``async with`` block raises leaves it as raised, as `kvroute.KvEventClient`'s does:
+handed to the stack, the service's task groups would wrap it in an ExceptionGroup, and an
+``except TimeoutError`` around the block would miss it. Only a cancellation goes into the stack (it may
+be a task group's own, which only that group can absorb and replace with what failed).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import abc
 import contextlib
 from types import TracebackType
 from typing import TypeVar
+
+import anyio
 
 __all__ = ["AsyncService"]
 
@@ -46,7 +53,16 @@ class AsyncService(abc.ABC):
         assert self._stack is not None
         stack, self._stack = self._stack, None
         try:
-            await stack.__aexit__(exc_type, exc, tb)
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                await stack.__aexit__(exc_type, exc, tb)
+                return None
+            try:
+                await stack.__aexit__(None, None, None)
+            except BaseException as failure:
+                # stopping failed: that error leaves, with the block's own attached to it
+                if exc is not None and failure.__context__ is None:
+                    failure.__context__ = exc
+                raise
         finally:
             self._release()
         return None
