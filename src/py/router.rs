@@ -474,7 +474,7 @@ struct MembersState {
     last: Option<Py<PyAny>>,
     /// the set copied, its keys, whether they are the index's own key objects yet (`adopt`),
     /// and its generation (`EngEntry::member`)
-    kept: Option<(Py<PyAny>, Arc<FxHashSet<PyKey>>, bool, u64)>,
+    kept: Option<(Py<PyAny>, KeptKeys)>,
 }
 
 /// The keys of a kept live set (`Members::keys_of`): the set, whether its keys are the index's
@@ -492,9 +492,9 @@ impl Members {
         }
         let seen_before = {
             let st = self.state.lock();
-            if let Some((obj, keys, adopted, gen)) = &st.kept {
+            if let Some((obj, keys)) = &st.kept {
                 if obj.is(u) {
-                    return Some((keys.clone(), *adopted, *gen));
+                    return Some(keys.clone());
                 }
             }
             st.last.as_ref().is_some_and(|o| o.is(u))
@@ -517,7 +517,7 @@ impl Members {
             let mut st = self.state.lock();
             let old = st
                 .kept
-                .replace((u.clone().unbind(), keys.clone(), false, gen));
+                .replace((u.clone().unbind(), (keys.clone(), false, gen)));
             (old, st.last.take())
         };
         drop(old);
@@ -531,7 +531,7 @@ impl Members {
         let old = {
             let mut st = self.state.lock();
             match &mut st.kept {
-                Some((obj, kept, adopted, _)) if obj.is(u) => {
+                Some((obj, (kept, adopted, _))) if obj.is(u) => {
                     *adopted = true;
                     Some(std::mem::replace(kept, keys))
                 }
@@ -1457,22 +1457,19 @@ fn select<'py>(
         }
         None => None,
     };
-    let mut uni = match universe {
-        Some(u) => Some(Universe {
-            set: u,
-            // the index's key objects once adopted (kept for the next calls), else the set's
-            keys: match (adopted, members) {
-                (Some(keys), Some(m)) => {
-                    m.get().adopt(u, keys.clone());
-                    Some(keys)
-                }
-                _ => kept.as_ref().map(|k| k.0.clone()),
-            },
-            gen: kept.as_ref().map_or(0, |k| k.2),
-            vetoed: FxHashSet::default(),
-        }),
-        None => None,
-    };
+    let mut uni = universe.map(|u| Universe {
+        set: u,
+        // the index's key objects once adopted (kept for the next calls), else the set's
+        keys: match (adopted, members) {
+            (Some(keys), Some(m)) => {
+                m.get().adopt(u, keys.clone());
+                Some(keys)
+            }
+            _ => kept.as_ref().map(|k| k.0.clone()),
+        },
+        gen: kept.as_ref().map_or(0, |k| k.2),
+        vetoed: FxHashSet::default(),
+    });
     // Vetoes (`EngineLoads.blend`): wedged engines, and workers whose records stopped while they
     // hold this router's requests; applied only while another candidate is left.
     let (mut vetoed_in, mut applied, mut vetoes) = (0usize, Vec::new(), 0usize);
