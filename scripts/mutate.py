@@ -399,7 +399,7 @@ MUTATIONS: list[Mutation] = [
         "kvroute/_client.py",
         "        self._track(driver)\n        self._subs[source.key] = _Subscription(driver, origin, scope)\n",
         "        self._subs[source.key] = _Subscription(driver, origin, scope)\n        self._track(driver)\n",
-        ("tests/test_router_vouching.py",),
+        ("tests/test_router_vouching.py", "tests/test_client_live_set.py"),
     ),
     Mutation(
         "engine-veto-ignored-compiled",
