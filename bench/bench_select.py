@@ -12,8 +12,10 @@ Figures, each printed with absolute numbers and as a ratio within this run (the 
    idle fleet and with four requests tracked on every worker. Target: p99 <= 100 µs. Then the production
    path: a states provider built as `KvEventClient` is (`ClientLikeStates`: its kept ``live_set()`` and
    ``unvouched_workers()``, read once per call), alone and with every engine reporting load (`EngineLoads`, one
-   record refreshed per call, as a stream of reports does); and "status per wkr", a provider without those two
-   (``live_workers()`` a new set per call, ``worker_status`` a `WorkerStatus` per candidate), as before them.
+   record refreshed per call, as a stream of reports does; target ÷ ``find_matches`` <= 1.3), and reporting
+   KV-cache usage too (priced by `CostModel.eviction`, as vLLM and SGLang engines report it); and "status per
+   wkr", a provider without those two (``live_workers()`` a new set per call, ``worker_status`` a `WorkerStatus`
+   per candidate), as before them.
 3. ``select`` p99 while two threads ingest through ``PrefixIndex.apply_payload`` at full speed ÷ its p99 idle,
    64 workers; then the same with two more threads calling ``select`` concurrently, on routers of their own and
    on the measured router itself. Target: <= 3.
@@ -188,20 +190,28 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
         # the gateway transport builds these records; a bench can only name their class as deprecated
         warnings.simplefilter("ignore", DeprecationWarning)
         EngineLoad = kvroute.EngineLoad
+    # the same, each engine also reporting its KV-cache usage (as vLLM and SGLang always do: priced
+    # by `CostModel.eviction`)
+    used = KvEventClient(index=index).engine_loads
     now = time.monotonic()
     for i, w in enumerate(workers):
         loads.update(w, EngineLoad(running_requests=4, waiting_requests=i % 3, waiting_uncached_tokens=(i % 7) * 512,
                                    received=now))
+        used.update(w, EngineLoad(running_requests=4, waiting_requests=i % 3, waiting_uncached_tokens=(i % 7) * 512,
+                                  token_usage=0.05 + (i % 10) / 20, received=now))
     reporting = Router(index, states=ClientLikeStates(workers, loads), seed=0)
+    reporting_usage = Router(index, states=ClientLikeStates(workers, used), seed=0)
     tick = [0]
 
-    def select_reported() -> object:
+    def select_reported(router: Router = reporting, table: object = loads) -> object:
         # one engine's record refreshed per call, as a stream of load reports does
         tick[0] += 1
         w = workers[tick[0] % len(workers)]
-        loads.update(w, EngineLoad(running_requests=4, waiting_requests=tick[0] % 3,
-                                   waiting_uncached_tokens=(tick[0] % 7) * 512, received=time.monotonic()))
-        return reporting.select(prompt)
+        usage = 0.05 + (tick[0] % 10) / 20 if table is used else 0.0
+        table.update(w, EngineLoad(running_requests=4, waiting_requests=tick[0] % 3,  # type: ignore[attr-defined]
+                                   waiting_uncached_tokens=(tick[0] % 7) * 512, token_usage=usage,
+                                   received=time.monotonic()))
+        return router.select(prompt)
 
     got = interleaved({"find_matches": lambda: index.find_matches(prompt),
                        "select, idle fleet": lambda: idle.select(prompt),
@@ -209,7 +219,9 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
                        "select, Python path": lambda: python.select(prompt),
                        "select, client states": lambda: client.select(prompt),
                        "select, status per wkr": lambda: per_status.select(prompt),
-                       "select, client+loads": select_reported}, iters, repeat, (0.5, 0.99, 0.1, 0.9))
+                       "select, client+loads": select_reported,
+                       "select, +loads+usage": lambda: select_reported(reporting_usage, used)},
+                      iters, repeat, (0.5, 0.99, 0.1, 0.9))
     print(f"\n2. {n_workers:,} workers, {index.num_blocks():,} (block, worker) entries (built in {built:.0f} s), "
           f"{PROMPT_TOKENS}-token prompt, {n_workers // 4} workers hold a prefix of it (µs, best of {repeat}; "
           "p10 and p90 beside p50 and p99, which a loaded machine's preemptions set)")
@@ -221,6 +233,9 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
           f"loaded {got['select, loaded fleet'][1]:.0f} µs, with client states "
           f"{got['select, client states'][1]:.0f} µs, client states and engine loads "
           f"{got['select, client+loads'][1]:.0f} µs")
+    print(f"  target: client states and engine loads ÷ find_matches p50 <= 1.3; now "
+          f"{got['select, client+loads'][0] / b50:.2f} (with usage reported too "
+          f"{got['select, +loads+usage'][0] / b50:.2f})")
 
 
 def figure_ingest(seconds: float, repeat: int) -> None:

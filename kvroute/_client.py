@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -168,8 +169,11 @@ class KvEventClient:
         # The subscribed workers a router must not believe (not synced, or partial), kept by
         # each source's machine as its state changes (`unvouched_workers`).
         self._vouching = Vouching()
-        # `_subs`' keys as one immutable set, republished as sources come and go (`live_set`)
-        self._live: frozenset[WorkerKey] = frozenset()
+        # `_subs`' keys as one immutable set (`live_set`), built by the first reader after a change
+        # (None: not built since): a start adding 4,096 sources builds it once, not once per
+        # source. The lock orders a reader's build against a change (`_live_changed`).
+        self._live: frozenset[WorkerKey] | None = frozenset()
+        self._live_lock = threading.Lock()
         self._targets: dict[str, anyio.CancelScope] = {}
         # Targets whose first discovery has not answered yet: not synced (see wait_synced).
         self._targets_pending: set[str] = set()
@@ -276,7 +280,7 @@ class KvEventClient:
             for sub in self._subs.values():
                 sub.driver.machine.on_vouching = None
             self._subs.clear()
-            self._live = frozenset()
+            self._live_changed()
             self._vouching.clear()
             self._targets.clear()
             self._targets_pending.clear()
@@ -348,11 +352,12 @@ class KvEventClient:
         cursor = self._restored.take(source)
         driver = transport.driver(source, index=self._index, sink=self._hub, on_change=self._wake, resume=cursor)
         scope = anyio.CancelScope()
-        self._subs[source.key] = _Subscription(driver, origin, scope)
         # Unvouched before it is live: a router on another thread that sees the worker among the
-        # live ones must already see it unsynced (a warm restart's index holds its restored state).
+        # live ones (`live_set` reads `_subs`) must already see it unsynced (a warm restart's
+        # index holds its restored state).
         self._track(driver)
-        self._live = frozenset(self._subs)
+        self._subs[source.key] = _Subscription(driver, origin, scope)
+        self._live_changed()
         tg.start_soon(self._run_driver, driver, scope)
         self._wake()
         return True
@@ -408,7 +413,7 @@ class KvEventClient:
         sub = self._subs.pop(key, None)
         if sub is None:
             return False
-        self._live = frozenset(self._subs)
+        self._live_changed()
         sub.driver.stop()
         # a stopped driver's machine may still take inputs until its task is cancelled
         sub.driver.machine.on_vouching = None
@@ -694,9 +699,22 @@ class KvEventClient:
         return set(self._subs)
 
     def live_set(self) -> frozenset[WorkerKey]:
-        """`live_workers` as one immutable set, kept as sources come and go: a `Router` reads it per
+        """`live_workers` as one immutable set, kept until sources come or go: a `Router` reads it per
         ``select`` without copying every key (`VouchingStates`)."""
-        return self._live
+        live = self._live
+        if live is None:
+            with self._live_lock:
+                live = self._live
+                if live is None:
+                    # `_subs` as of now: a change after this read marks the set stale again, once
+                    # this build is stored (both under the lock), so no build outlives a change
+                    live = self._live = frozenset(self._subs)
+        return live
+
+    def _live_changed(self) -> None:
+        """`_subs` changed: the next `live_set` builds the set again."""
+        with self._live_lock:
+            self._live = None
 
     def events(self, *, buffer: int | None = None) -> EventStream:
         """A new iterator over every envelope from now on (engine and lifecycle events).

@@ -113,14 +113,55 @@ def select(
     rng: random.Random | None = None,
     record: bool = False,
     unvouched: AbstractSet[WorkerKey] | None = None,
-) -> tuple[Scored, int, float, list[int], int, int, tuple[int | None, WorkerKey | None] | None]:
+    engine: tuple[EngineTable, float, float, str, int] | None = None,
+    members: Members | None = None,
+) -> tuple[
+    Scored,
+    int,
+    float,
+    list[int],
+    int,
+    int,
+    tuple[int | None, WorkerKey | None] | None,
+    list[WorkerKey],
+    int,
+]:
     """Match and price for `Router.select`:
-    ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens, placed)``.
+    ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens, placed, vetoed, vetoes)``.
 
     ``universe`` None: every worker the index holds blocks for, plus ``registered``. ``placed``: the
     footprint's pick for a new placement (None: not one; ``(None, None)``: the idle group won but
     was emptied meanwhile); ``record`` counts it. ``unvouched``: the workers whose claims are not
-    believed (None: ask ``states.worker_status`` per worker with overlap)."""
+    believed (None: ask ``states.worker_status`` per worker with overlap). ``engine``: ``(records,
+    now, stale_after, mode, requests in flight)`` blended with ``loads`` (the router's `Loads`) as
+    `EngineLoads.blend` does, ``usage`` then read from the records; ``vetoed`` the workers its
+    vetoes took out of ``universe``, ``vetoes`` how many it vetoed. ``members``: the router's copy
+    of its provider's live set."""
+
+class EngineTable:
+    """The engines' newest load records per worker, in arrival order (`EngineLoads` writes them)."""
+
+    per_request: float
+    def __init__(self, request_tokens: float) -> None: ...
+    def __len__(self) -> int: ...
+    def put(
+        self,
+        worker: WorkerKey,
+        received: float,
+        queued: float,
+        requests: float,
+        silence: float,
+        allowance: float,
+        usage: float,
+    ) -> None:
+        """Keep ``worker``'s newest record (a worker present keeps its place)."""
+    def remove(self, worker: WorkerKey) -> None:
+        """Forget ``worker``'s record."""
+
+class Members:
+    """A router's copy of its states provider's live set, as keys (kept while it is the same frozenset)."""
+
+    def __init__(self) -> None: ...
 
 class Footprint:
     """Decayed new-placement counts per worker and the pick of a new session's worker (kvroute._footprint)."""

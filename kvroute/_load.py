@@ -24,6 +24,10 @@ Veto (a wedged engine): a worker is vetoed when its engine reports silence
 (``engine_silence_ms``) past ``wedge_after`` plus the time its pending prefill may take at
 ``prefill_tokens_per_s``, or when its records stopped for longer than ``stale_after`` while the
 router has requests in flight on it. The Router vetoes only while another candidate is left.
+
+`EngineLoads.blend` is the reference: the Python scoring path (a `CostModel` subclass) calls it per
+`select`. The compiled path reads the same records from the core (`EngineLoads.update` writes each
+one there as it arrives) and blends them in the pass that prices the candidates, by these rules.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from collections.abc import Callable, Mapping
 
 import anyio
 import msgspec
+
+import kvroute._core as _core
 
 from ._errors import MetricsError
 from ._models import WorkerKey
@@ -242,7 +248,10 @@ class EngineLoads:
         self._zeros = False
         self._counts: dict[WorkerKey, int] = {}
         self._cache: tuple[tuple[int, int], float, dict[WorkerKey, float], set[WorkerKey], set[WorkerKey]] | None = None
-        self._per_request = self.policy.request_tokens
+        # The same records in the core, written as each arrives: the compiled `Router.select` blends
+        # them there in its pricing pass (no Python per worker), with `blend` below as its reference.
+        # It also keeps what a request reported by count only is priced at (both paths learn it).
+        self._core = _core.EngineTable(self.policy.request_tokens)
         # What `usage` answers, and until when: fresh reports above 0, in record order.
         self._usage: tuple[float, dict[WorkerKey, float]] | None = None
         #: Veto decisions taken (a worker vetoed in one `blend` call counts once).
@@ -263,13 +272,15 @@ class EngineLoads:
         silence = -1.0 if record.engine_silence_ms is None else float(record.engine_silence_ms)
         by_count = record.waiting_uncached_tokens is None and record.prefill_pending_tokens is None
         requests = record.running_requests + record.waiting_requests if by_count else -1
-        figures = (record.received, record.queued_tokens, requests, silence, allowance)
+        received, queued = record.received, record.queued_tokens
+        figures = (received, queued, requests, silence, allowance)
         with self._lock:
             old = self._records.get(worker)
             if old is not None and record.sample and old.sample > record.sample:
                 return
             self._records[worker] = record
             self._figures[worker] = figures
+            self._core.put(worker, received, float(queued), float(requests), silence, allowance, record.token_usage)
             self._version += 1
             if self._cache is not None and not self._patch(worker, figures):
                 self._cache = None
@@ -360,6 +371,7 @@ class EngineLoads:
         with self._lock:
             self._records.pop(worker, None)
             self._figures.pop(worker, None)
+            self._core.remove(worker)
             self._version += 1
             self._usage = None  # recomputed (a new dict): the one handed out keeps its size
 
@@ -442,8 +454,8 @@ class EngineLoads:
             if self._counts:
                 held = sum(own_requests.values()) if own_requests else 0
                 if held:
-                    self._per_request = sum(own_tokens.values()) / held
-                per = self._per_request / unit
+                    self._core.per_request = sum(own_tokens.values()) / held
+                per = self._core.per_request / unit
                 engine = dict(engine)
                 for w, n in self._counts.items():
                     engine[w] = loads[w] = n * per
@@ -461,4 +473,9 @@ class EngineLoads:
                         vetoed.add(w)  # records stopped while it holds routed work
             self.vetoes += len(vetoed)
             return loads, vetoed
+
+    def _count_vetoes(self, n: int) -> None:
+        """Count ``n`` veto decisions the compiled `Router.select` took from the core's records."""
+        with self._lock:
+            self.vetoes += n
 

@@ -27,7 +27,9 @@ holding nothing. Workers the discovery layer removed are never chosen. *Approxim
 seconds; the index is not consulted for them.
 
 Hot path: with the built-in `CostModel` and no approximate worker, one call into the compiled core
-(`kvroute._core.select`) matches the prompt and prices every candidate with overlap or load;
+(`kvroute._core.select`) matches the prompt and prices every candidate with overlap or load, the
+engines' reported load blended in the same pass (their records are kept in the core as they arrive,
+`EngineLoads`; the blend's rules are `EngineLoads.blend`'s);
 otherwise one ``find_matches`` and per-worker Python work for workers with overlap, load or an
 approximate store (the reference path, `kvroute._scoring`). Every other candidate is *idle*:
 nothing cached, no load, one shared cost — they are counted, and one is drawn at random only if the idle group wins.
@@ -182,6 +184,8 @@ class Router(ReferenceScoring):
         self._request_worker: dict[Hashable, WorkerKey] = {}
         self._routed = RoutedPrefixes(float(routed_ttl), routed_per_worker)
         self._footprint = _core.Footprint()  # new placements per worker (`CostModel.footprint`)
+        # the states provider's live set as keys, kept while it is the same set (`_core.Members`)
+        self._members = _core.Members()
         self._unknown_finishes = 0
         # `select` calls and their times per SELECT_BUCKETS bound (plus one for slower calls),
         # counted in the core without the lock below (see `_core.SelectTimes`)
@@ -545,6 +549,10 @@ class Router(ReferenceScoring):
             raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
         universe: Universe | None
         loads: Mapping[WorkerKey, float] | _core.Loads
+        # the engines' records to blend in the core (`EngineLoads.blend`'s rules): None, or
+        # (their table, now, stale_after, mode, requests in flight)
+        engine: tuple[_core.EngineTable, float, float, str, int] | None = None
+        usage: dict[WorkerKey, float] | None = None
         if candidates is None and self.states is None and (load is None and not self._engine_reporting()):
             # Every worker the index holds, plus the registered ones: the core reads that
             # membership under its lock instead of this call building the set (~60 µs at 1,024
@@ -556,7 +564,16 @@ class Router(ReferenceScoring):
                 # bad input is reported before the fleet's state
                 self._check_query(token_ids, lora_name, cache_salt, mm_items, extra_keys)
                 self._no_workers(candidates)
-            loads, scale, universe = self._loads(load, universe)
+            reported = self.engine_loads
+            if load is None and reported is not None and reported.reporting:
+                # blended in the core's pricing pass, vetoes too: no Python per worker
+                policy = reported.policy
+                loads, scale = self._load, 1.0 / self.block_size
+                in_flight = len(self._request_worker)
+                engine = (reported._core, reported.clock(), policy.stale_after, policy.mode, in_flight)
+            else:
+                loads, scale, universe = self._loads(load, universe)
+                usage = self._usage()  # engine KV usage, for `CostModel.eviction`
         model = self.cost_model
         credits: dict[WorkerKey, int] | None = None
         routed_keys: list[bytes] = []
@@ -566,7 +583,7 @@ class Router(ReferenceScoring):
         # the footprint picks in the core for a new placement (`kvroute._footprint`)
         footprint = self._footprint if model.footprint and model.temperature == 0.0 else None
         try:
-            scored, idle_count, idle_cost, tied, idle_tied, _, placed = _core.select(
+            scored, idle_count, idle_cost, tied, idle_tied, _, placed, vetoed, vetoes = _core.select(
                 self.index._core,
                 token_ids,
                 lora_name,
@@ -582,14 +599,19 @@ class Router(ReferenceScoring):
                 loads,
                 scale,
                 credits,
-                self._usage(),  # engine KV usage, for `CostModel.eviction`
+                usage,
                 footprint,
                 self._rng,
                 request_id is not None,  # count the placement
                 self._unvouched(),  # whose claims are not believed (read once, not per candidate)
+                engine,
+                self._members,
             )
         except (TypeError, AttributeError, msgspec.EncodeError) as exc:
             raise RouterError(f"token_ids / mm_items / extra_keys: not ints, items, keys: {exc}") from None
+        if vetoes:
+            assert self.engine_loads is not None  # only its records veto
+            self.engine_loads._count_vetoes(vetoes)
         if not idle_count and not len(scored):
             self._no_workers(candidates)
         chosen_w: WorkerKey | None = None  # the footprint's idle worker, when it picks one
@@ -610,7 +632,7 @@ class Router(ReferenceScoring):
             if chosen_w is None:
                 if universe is None:
                     universe = self._universe(None)  # the idle group won: the set is built only now
-                idle = universe.difference(scored.workers())
+                idle = universe.difference(scored.workers(), vetoed)
                 if not idle:
                     # another thread's ingest changed the fleet between the core's read and now
                     return self._select_reference(

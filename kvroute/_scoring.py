@@ -215,7 +215,14 @@ class ReferenceScoring:
         unvouched: AbstractSet[WorkerKey] = unvouched_of(self.trust_partial)
         if self._registered:
             # a copy (one C call): another thread's `add_worker` may change the set meanwhile
-            unknown = {w for w in self._registered.copy() if states.worker_status(w) is None}
+            registered = self._registered.copy()
+            live_set = getattr(states, "live_set", None)
+            if live_set is not None:
+                # the workers it gives a status are its live ones (`VouchingStates`): one set
+                # difference, not a `worker_status` per registered worker
+                unknown = registered.difference(live_set())
+            else:
+                unknown = {w for w in registered if states.worker_status(w) is None}
             if unknown:
                 unvouched = unknown.union(unvouched)
         return unvouched

@@ -212,6 +212,84 @@ pub fn ties(costs: &[f64], idle_count: usize, idle_cost: f64) -> (Vec<usize>, us
     (tied, idle_tied)
 }
 
+/// How engine-reported load is priced (`LoadPolicy.mode`, kvroute/_load.py).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadMode {
+    /// the larger of the engine's queue and the router's own in-flight tokens
+    Blend,
+    /// the engine's queue where a fresh record exists, the router's own tokens elsewhere
+    Engine,
+    /// the router's own tokens only: records are ignored (and veto nobody)
+    Router,
+}
+
+/// One worker's newest engine load record, as `EngineLoads.update` reduces it (its `_figures`
+/// plus the KV usage): what the blend and the eviction term read.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EngineFigures {
+    /// the local monotonic time it arrived
+    pub received: f64,
+    /// prefill work queued at the engine, in tokens (`EngineLoad.queued_tokens`)
+    pub queued: f64,
+    /// requests held when the record counts requests only (a `/metrics` scrape); <= 0: priced
+    /// in tokens (`queued`)
+    pub requests: f64,
+    /// engine silence in ms (-1: none reported)
+    pub silence: f64,
+    /// the silence allowed in ms before a veto (wedge_after plus the pending prefill's time)
+    pub allowance: f64,
+    /// the reported KV-cache usage, as reported (`EngineLoad.token_usage`)
+    pub usage: f64,
+}
+
+impl EngineFigures {
+    /// Whether the blend may use the record at `now` (`EngineLoads._engine_part`: stale once
+    /// ``received + stale_after < now``, that expression exactly).
+    pub fn fresh(&self, now: f64, stale_after: f64) -> bool {
+        self.received + stale_after >= now
+    }
+
+    /// Whether it counts requests only (priced at the router's mean request, `EngineLoads.blend`).
+    pub fn by_count(&self) -> bool {
+        self.requests > 0.0
+    }
+
+    /// The engine's load in blocks of `unit` tokens, `per_request` tokens a counted request.
+    pub fn blocks(&self, unit: f64, per_request: f64) -> f64 {
+        if self.by_count() {
+            self.requests * (per_request / unit)
+        } else {
+            self.queued / unit
+        }
+    }
+
+    /// Whether the engine has been silent for longer than it may be (a fresh record's veto).
+    pub fn wedged(&self) -> bool {
+        self.silence > self.allowance
+    }
+
+    /// The KV usage `CostModel.eviction` prices at `now` (`EngineLoads.usage`: fresh while
+    /// ``now - received <= stale_after``, above 0, capped at 1; NaN is none); 0: none.
+    pub fn usage_at(&self, now: f64, stale_after: f64) -> f64 {
+        if now - self.received <= stale_after && self.usage > 0.0 {
+            self.usage.min(1.0)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// One worker's load in blocks as `EngineLoads.blend` prices it: `engine` its fresh record's
+/// figure (`EngineFigures::blocks`; None: no fresh record), `mine` the router's own in-flight
+/// tokens there divided by the unit (None: none).
+pub fn blend(mode: LoadMode, engine: Option<f64>, mine: Option<f64>) -> f64 {
+    match (mode, engine, mine) {
+        (LoadMode::Router, _, m) | (_, None, m) => m.unwrap_or(0.0),
+        (LoadMode::Blend, Some(e), Some(m)) if m > e => m,
+        (_, Some(e), _) => e,
+    }
+}
+
 /// Raw footprint counts grow by the decay's inverse on every placement; past this they are
 /// rescaled (an `f64` holds up to ~1e308, and the ratio between workers is all that is compared).
 pub const RESCALE_AT: f64 = 1e100;
@@ -516,6 +594,49 @@ mod tests {
         assert_eq!((tied, idle), (vec![1, 2], 4));
         let (tied, idle) = ties(&[1.0], 4, 2.0);
         assert_eq!((tied, idle), (vec![0], 0));
+    }
+
+    fn record(received: f64, queued: f64, requests: f64, silence: f64) -> EngineFigures {
+        EngineFigures {
+            received,
+            queued,
+            requests,
+            silence,
+            allowance: 30_000.0,
+            usage: 0.5,
+        }
+    }
+
+    #[test]
+    fn the_blend_takes_the_larger_figure_and_only_fresh_records() {
+        let r = record(100.0, 640.0, -1.0, -1.0);
+        assert!(r.fresh(115.0, 15.0) && !r.fresh(115.5, 15.0));
+        assert_eq!(r.blocks(16.0, 1024.0), 40.0);
+        // counted requests are priced at the router's mean request
+        assert_eq!(
+            record(100.0, 0.0, 3.0, -1.0).blocks(16.0, 320.0),
+            3.0 * 20.0
+        );
+        assert_eq!(blend(LoadMode::Blend, Some(40.0), Some(50.0)), 50.0);
+        assert_eq!(blend(LoadMode::Blend, Some(40.0), Some(30.0)), 40.0);
+        assert_eq!(blend(LoadMode::Engine, Some(40.0), Some(50.0)), 40.0);
+        assert_eq!(blend(LoadMode::Router, Some(40.0), Some(5.0)), 5.0);
+        assert_eq!(blend(LoadMode::Blend, None, Some(5.0)), 5.0);
+        assert_eq!(blend(LoadMode::Engine, None, None), 0.0);
+    }
+
+    #[test]
+    fn usage_is_fresh_positive_and_capped() {
+        let mut r = record(100.0, 0.0, -1.0, -1.0);
+        assert_eq!(r.usage_at(110.0, 15.0), 0.5);
+        assert_eq!(r.usage_at(116.0, 15.0), 0.0);
+        r.usage = 2.0;
+        assert_eq!(r.usage_at(110.0, 15.0), 1.0);
+        r.usage = f64::NAN;
+        assert_eq!(r.usage_at(110.0, 15.0), 0.0);
+        assert!(
+            record(0.0, 0.0, -1.0, 30_001.0).wedged() && !record(0.0, 0.0, -1.0, -1.0).wedged()
+        );
     }
 
     /// (cost, load, worker) of a listed candidate.

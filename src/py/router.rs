@@ -14,12 +14,12 @@ use pyo3::exceptions::PyKeyError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyFrozenSet, PyList, PySet, PyString, PyTuple, PyType};
 use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
 
 use super::index::{convert, PyIndex, PyKey};
 use crate::index::Index;
-use crate::scoring::{self, Claim, CostParams, Placed};
+use crate::scoring::{self, Claim, CostParams, EngineFigures, LoadMode, Placed};
 
 /// `kvroute._router.CandidateScore`, registered when kvroute._router is imported.
 static CANDIDATE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -128,18 +128,28 @@ impl Entry {
     /// This entry's worker (`key`) in the index: its slot, whether it holds blocks, and the
     /// index's own key object for it.
     fn locate<'i>(&self, idx: &'i Index<PyKey>, key: &PyKey) -> Option<(u32, bool, &'i PyKey)> {
-        let hint = self.slot_hint.load(Ordering::Relaxed);
-        if let Some((at, holds)) = idx.at_slot(hint) {
-            // the slot may have been freed and reused by another worker: compare the keys (the
-            // same object once `Loads::adopt` gave the table the index's, without reading either)
-            if at == key {
-                return Some((hint, holds, at));
-            }
-        }
-        let slot = idx.slot_of(key)?;
-        self.slot_hint.store(slot, Ordering::Relaxed);
-        idx.at_slot(slot).map(|(at, holds)| (slot, holds, at))
+        locate(&self.slot_hint, idx, key)
     }
+}
+
+/// `key`'s worker in the index, tried first at the slot `hint` kept (and kept again when it
+/// moved): its slot, whether it holds blocks, and the index's own key object for it.
+fn locate<'i>(
+    hint: &AtomicU32,
+    idx: &'i Index<PyKey>,
+    key: &PyKey,
+) -> Option<(u32, bool, &'i PyKey)> {
+    let kept = hint.load(Ordering::Relaxed);
+    if let Some((at, holds)) = idx.at_slot(kept) {
+        // the slot may have been freed and reused by another worker: compare the keys (the
+        // same object once `Loads::adopt` gave the table the index's, without reading either)
+        if at == key {
+            return Some((kept, holds, at));
+        }
+    }
+    let slot = idx.slot_of(key)?;
+    hint.store(slot, Ordering::Relaxed);
+    idx.at_slot(slot).map(|(at, holds)| (slot, holds, at))
 }
 
 impl Loads {
@@ -288,6 +298,268 @@ impl Loads {
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         self.keys(py)?.try_iter().map(Bound::into_any)
+    }
+}
+
+/// The engines' newest load records (`EngineLoads`, kvroute/_load.py), one per worker in the
+/// order the records first arrived, as the dict they mirror orders them. `EngineLoads.update`
+/// writes a record here as it arrives (a few hundred ns, not re-read per `select`), and the
+/// compiled `select` blends it with the router's own load in the pass that prices the
+/// candidates, with no Python call per worker (`EngineLoads.blend` is the reference it equals).
+///
+/// Threads: the rules of `Loads` (frozen, copy-on-write behind a mutex never held while Python
+/// code can run).
+#[pyclass(frozen, module = "kvroute._core", name = "EngineTable")]
+pub struct EngineTable {
+    table: Mutex<Arc<EngMap>>,
+    /// tokens a request that an engine reports by count only is priced at: the mean of the
+    /// router's own in-flight requests when it last had any (`LoadPolicy.request_tokens` until
+    /// then), as `f64` bits; both scoring paths learn and read it here
+    per_request: AtomicU64,
+}
+
+type EngMap = IndexMap<PyKey, EngEntry, FxBuildHasher>;
+
+/// A worker's record, and whether the worker is in the live set a router last kept
+/// (`Members`): that set's generation shifted left by one, or'd with the answer (0: not asked).
+/// The answer never changes for one generation (a kept set is immutable), so a `select` reads
+/// it here instead of looking the worker up in the set (a hash lookup per record, most of
+/// the engine pass at 1,024 workers).
+struct EngEntry {
+    figures: EngineFigures,
+    member: AtomicU64,
+}
+
+impl Clone for EngEntry {
+    fn clone(&self) -> Self {
+        EngEntry {
+            figures: self.figures,
+            member: AtomicU64::new(self.member.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+impl EngineTable {
+    fn snapshot(&self) -> Arc<EngMap> {
+        self.table.lock().clone()
+    }
+
+    /// Give the records the index's own key objects (`adopt`: record position, the index's key
+    /// equal to the one there), as `Loads::adopt` does and for the same reason: `locate` and the
+    /// membership lookups then compare pointers. Only while the table is still `seen`.
+    fn adopt(&self, seen: Arc<EngMap>, adopt: Vec<(usize, PyKey)>) {
+        let mut replaced = Vec::with_capacity(adopt.len());
+        {
+            let mut guard = self.table.lock();
+            if !Arc::ptr_eq(&guard, &seen) {
+                return;
+            }
+            drop(seen); // not the last reference (the mutex holds one): make_mut need not copy
+            let t = Arc::make_mut(&mut guard);
+            for (pos, key) in adopt {
+                if let Some((k, _)) = t.get_index_mut2(pos) {
+                    if *k == key {
+                        replaced.push(std::mem::replace(k, key));
+                    }
+                }
+            }
+        }
+        drop(replaced); // the mutex released (see `Loads`)
+    }
+
+    fn per_request(&self) -> f64 {
+        f64::from_bits(self.per_request.load(Ordering::Relaxed))
+    }
+}
+
+#[pymethods]
+impl EngineTable {
+    #[new]
+    fn new(request_tokens: f64) -> Self {
+        EngineTable {
+            table: Mutex::default(),
+            per_request: AtomicU64::new(request_tokens.to_bits()),
+        }
+    }
+
+    fn __len__(&self) -> usize {
+        self.table.lock().len()
+    }
+
+    /// Keep ``worker``'s newest record (a worker already present keeps its place): ``received``
+    /// (monotonic s), ``queued`` tokens, ``requests`` (> 0: priced by request count), engine
+    /// ``silence`` ms (-1: none), the ``allowance`` ms before a veto, KV ``usage``.
+    #[allow(clippy::too_many_arguments)]
+    fn put(
+        &self,
+        worker: &Bound<'_, PyAny>,
+        received: f64,
+        queued: f64,
+        requests: f64,
+        silence: f64,
+        allowance: f64,
+        usage: f64,
+    ) -> PyResult<()> {
+        let k = PyKey::extract(worker)?;
+        let figures = EngineFigures {
+            received,
+            queued,
+            requests,
+            silence,
+            allowance,
+            usage,
+        };
+        // the key not inserted (the worker was present) is dropped after the mutex is released
+        let spare = {
+            let mut guard = self.table.lock();
+            let t = Arc::make_mut(&mut guard);
+            match t.get_mut(&k) {
+                Some(e) => {
+                    e.figures = figures;
+                    Some(k)
+                }
+                None => {
+                    t.insert(
+                        k,
+                        EngEntry {
+                            figures,
+                            member: AtomicU64::new(0),
+                        },
+                    );
+                    None
+                }
+            }
+        };
+        drop(spare);
+        Ok(())
+    }
+
+    /// Forget ``worker``'s record (the rest keep their order; a worker reporting again goes last).
+    fn remove(&self, worker: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = PyKey::extract(worker)?;
+        let gone = {
+            let mut guard = self.table.lock();
+            Arc::make_mut(&mut guard).shift_remove_entry(&k)
+        };
+        drop(gone);
+        Ok(())
+    }
+
+    /// Tokens a request reported by count only is priced at (see `EngineTable`).
+    #[getter(per_request)]
+    fn get_per_request(&self) -> f64 {
+        self.per_request()
+    }
+
+    #[setter(per_request)]
+    fn set_per_request(&self, tokens: f64) {
+        self.per_request.store(tokens.to_bits(), Ordering::Relaxed);
+    }
+}
+
+/// A router's copy of its states provider's live set, as keys: `select` asks whether each of up
+/// to 1,024 candidates is a member, and a Python set lookup per candidate (hashing a `WorkerKey`
+/// tuple) cost ~60 ns each. Only an exact frozenset is kept (immutable: the same object always
+/// holds the same workers), and only once the same object came twice in a row: a set built per
+/// call is never copied. Each entry holds its set, so no other set can take its address.
+#[pyclass(frozen, module = "kvroute._core", name = "Members")]
+#[derive(Default)]
+pub struct Members {
+    state: Mutex<MembersState>,
+}
+
+#[derive(Default)]
+struct MembersState {
+    /// the set the last call was given, not copied (yet)
+    last: Option<Py<PyAny>>,
+    /// the set copied, its keys, whether they are the index's own key objects yet (`adopt`),
+    /// and its generation (`EngEntry::member`)
+    kept: Option<(Py<PyAny>, KeptKeys)>,
+}
+
+/// The keys of a kept live set (`Members::keys_of`): the set, whether its keys are the index's
+/// own objects (else `select` gives it those, `Members::adopt`), and its generation.
+type KeptKeys = (Arc<FxHashSet<PyKey>>, bool, u64);
+
+/// The next kept set's generation, unique in the process (0 is "none").
+static MEMBER_GEN: AtomicU64 = AtomicU64::new(1);
+
+impl Members {
+    /// The keys of `u` when they are (or now become) kept; None: ask `u` itself.
+    fn keys_of(&self, u: &Bound<'_, PyAny>) -> Option<KeptKeys> {
+        if !u.is_exact_instance_of::<PyFrozenSet>() {
+            return None;
+        }
+        let seen_before = {
+            let st = self.state.lock();
+            if let Some((obj, keys)) = &st.kept {
+                if obj.is(u) {
+                    return Some(keys.clone());
+                }
+            }
+            st.last.as_ref().is_some_and(|o| o.is(u))
+        };
+        if !seen_before {
+            let old = self.state.lock().last.replace(u.clone().unbind());
+            drop(old); // the mutex released: it may hold the last reference to its set
+            return None;
+        }
+        // read with the mutex released (a name is read from Python objects); a member that is no
+        // worker key leaves the set unkept (Python's lookup answers for it)
+        let keys: FxHashSet<PyKey> = u
+            .try_iter()
+            .ok()?
+            .map(|w| w.ok().and_then(|w| PyKey::extract(&w).ok()))
+            .collect::<Option<_>>()?;
+        let keys = Arc::new(keys);
+        let gen = MEMBER_GEN.fetch_add(1, Ordering::Relaxed);
+        let old = {
+            let mut st = self.state.lock();
+            let old = st
+                .kept
+                .replace((u.clone().unbind(), (keys.clone(), false, gen)));
+            (old, st.last.take())
+        };
+        drop(old);
+        Some((keys, false, gen))
+    }
+
+    /// Keep `keys`, the index's own key objects for the members of `u`, while `u` is still the set
+    /// kept: a lookup of an index worker then compares two pointers, not two names (~25 ns a
+    /// candidate at 1,024 workers).
+    fn adopt(&self, u: &Bound<'_, PyAny>, keys: Arc<FxHashSet<PyKey>>) {
+        let old = {
+            let mut st = self.state.lock();
+            match &mut st.kept {
+                Some((obj, (kept, adopted, _))) if obj.is(u) => {
+                    *adopted = true;
+                    Some(std::mem::replace(kept, keys))
+                }
+                _ => None,
+            }
+        };
+        drop(old); // the mutex released: a key may hold the last reference to its object
+    }
+}
+
+/// `keys` with each member the index holds replaced by the index's own key object for it.
+fn index_keys(idx: &Index<PyKey>, keys: &FxHashSet<PyKey>) -> FxHashSet<PyKey> {
+    let mut out = keys.clone();
+    for slot in 0..idx.workers.len() as u32 {
+        if let Some((k, _)) = idx.at_slot(slot) {
+            if out.contains(k) {
+                out.replace(k.clone());
+            }
+        }
+    }
+    out
+}
+
+#[pymethods]
+impl Members {
+    #[new]
+    fn new() -> Self {
+        Members::default()
     }
 }
 
@@ -677,16 +949,190 @@ struct LoadPass<'a, 'py> {
     /// index slot -> position of that worker's entry in the table (`NONE`: no entry with
     /// tokens), from the entries' kept slots: a scored worker's load without a lookup by name
     pos_of_slot: Vec<u32>,
+    /// the engines' records blended with the table (`EngineLoads.blend`; None: not blended)
+    engine: Option<EngineView>,
 }
 
 /// No table position.
 const NONE: u32 = u32::MAX;
 
+/// This call's reading of the engines' records (`EngineTable`) and how each blends with the
+/// router's own tokens (`crate::scoring::blend`), by record position.
+struct EngineView {
+    records: Arc<EngMap>,
+    mode: LoadMode,
+    unit: f64,
+    /// per record: the engine's load in blocks when the record is fresh (None: stale)
+    fresh: Vec<Option<f64>>,
+    /// per record: the KV usage the eviction term prices (0: none, or the term is off)
+    usage: Vec<f64>,
+    /// per record: its worker priced already
+    taken: Vec<bool>,
+    /// per record: the position of its worker's entry in the router's table (`NONE`: none)
+    own_of: Vec<u32>,
+    /// per router-table entry with tokens: the position of its worker's record (`NONE`: none)
+    record_of: Vec<u32>,
+    /// records found by an equal key that is the index's own object: (position, that key), for
+    /// `EngineTable::adopt`
+    adopt: Vec<(usize, PyKey)>,
+}
+
+impl EngineView {
+    /// The blended load of a worker with record `at` and the router's own `tokens` there
+    /// (0: none), in blocks; `EngineLoads.blend`'s value, division for division.
+    fn load(&self, at: Option<usize>, tokens: i64) -> f64 {
+        let mine = (tokens != 0).then(|| tokens as f64 / self.unit);
+        scoring::blend(self.mode, at.and_then(|i| self.fresh[i]), mine)
+    }
+
+    /// The position of `key`'s record (None: none); `index_key`: `key` is the index's own object,
+    /// to be adopted by a record holding another.
+    fn find(&mut self, key: &PyKey, index_key: bool) -> Option<usize> {
+        let (i, k, _) = self.records.get_full(key)?;
+        if index_key && !k.same(key) {
+            self.adopt.push((i, key.clone()));
+        }
+        Some(i)
+    }
+}
+
+impl EngineView {
+    /// The workers to veto (`EngineLoads.blend`): a fresh record's engine silent past its
+    /// allowance, and a worker holding the router's requests (`own`) whose records went stale.
+    fn vetoed(&self, own: &Table) -> Vec<PyKey> {
+        if self.mode == LoadMode::Router {
+            return Vec::new();
+        }
+        let wedged = self
+            .records
+            .iter()
+            .enumerate()
+            .filter(|(i, (_, e))| self.fresh[*i].is_some() && e.figures.wedged())
+            .map(|(_, (k, _))| k.clone());
+        let stale = own
+            .iter()
+            .enumerate()
+            .filter(|(p, (_, e))| {
+                e.tokens != 0 && pos(self.record_of[*p]).is_some_and(|i| self.fresh[i].is_none())
+            })
+            .map(|(_, (k, _))| k.clone());
+        wedged.chain(stale).collect()
+    }
+}
+
+/// This call's `EngineView`: `records` (``table``'s, read once) at ``(now, stale_after, mode,
+/// requests in flight)``, `own` the router's table and `own_located` which of its entries hold
+/// the index's key object; the usage read only when `eviction` is priced. Learns the mean request
+/// (`EngineTable::per_request`) as `EngineLoads.blend` does: when a fresh record counts requests
+/// and the router has some.
+fn engine_view(
+    table: &EngineTable,
+    records: Arc<EngMap>,
+    (now, stale_after, mode, requests): (f64, f64, LoadMode, usize),
+    own: Option<&Table>,
+    own_located: &[bool],
+    unit: i64,
+    eviction: bool,
+) -> EngineView {
+    let blends = mode != LoadMode::Router;
+    let counted = blends
+        && records
+            .values()
+            .any(|e| e.figures.by_count() && e.figures.fresh(now, stale_after));
+    let per = if counted && requests > 0 {
+        let sum: i64 = own.map_or(0, |t| t.values().map(|e| e.tokens).sum());
+        let mean = sum as f64 / requests as f64;
+        table.set_per_request(mean);
+        mean
+    } else {
+        table.per_request()
+    };
+    let unit_f = unit as f64;
+    let fresh = records
+        .values()
+        .map(|e| {
+            (blends && e.figures.fresh(now, stale_after)).then(|| e.figures.blocks(unit_f, per))
+        })
+        .collect();
+    let usage = records
+        .values()
+        .map(|e| {
+            if eviction {
+                e.figures.usage_at(now, stale_after)
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mut view = EngineView {
+        taken: vec![false; records.len()],
+        own_of: vec![NONE; records.len()],
+        record_of: Vec::new(),
+        adopt: Vec::new(),
+        records,
+        mode,
+        unit: unit_f,
+        fresh,
+        usage,
+    };
+    // each loaded worker's record, found by key (a key the index's own object once adopted)
+    if let Some(t) = own {
+        let mut record_of = vec![NONE; t.len()];
+        for (p, (k, e)) in t.iter().enumerate() {
+            if e.tokens == 0 {
+                continue;
+            }
+            if let Some(i) = view.find(k, own_located.get(p).copied().unwrap_or(false)) {
+                record_of[p] = i as u32;
+                view.own_of[i] = p as u32;
+            }
+        }
+        view.record_of = record_of;
+    }
+    view
+}
+
+/// `u32` position to `Option<usize>` (`NONE`: None).
+fn pos(p: u32) -> Option<usize> {
+    (p != NONE).then_some(p as usize)
+}
+
 impl LoadPass<'_, '_> {
-    /// The load of the worker at index slot `slot` when it takes no Python object to find (the
-    /// router's table, or no load at all); None for a mapping (then `of`).
-    fn by_slot(&mut self, slot: u32) -> Option<f64> {
-        match &self.source {
+    /// The router's own tokens at table position `at` (None: 0), that entry taken.
+    fn own_tokens(&mut self, at: Option<usize>) -> i64 {
+        match (&self.source, at) {
+            (LoadSource::Table(t), Some(p)) => {
+                self.taken[p] = true;
+                t.get_index(p).map_or(0, |(_, e)| e.tokens)
+            }
+            _ => 0,
+        }
+    }
+
+    /// The engine usage of `w` (None: the records are not blended here).
+    fn key_usage(&self, w: &Bound<'_, PyAny>) -> Option<f64> {
+        let v = self.engine.as_ref()?;
+        let at = PyKey::extract(w)
+            .ok()
+            .and_then(|k| v.records.get_index_of(&k));
+        Some(at.map_or(0.0, |i| v.usage[i]))
+    }
+
+    /// The load of the worker at index slot `slot` (`key` the index's key for it) when it takes
+    /// no Python object to find (the router's table, the engines' records, or no load at all),
+    /// with its engine usage when the records are blended here; None for a mapping (then `of`).
+    fn by_slot(&mut self, slot: u32, key: &PyKey) -> Option<(f64, Option<f64>)> {
+        if self.engine.is_some() {
+            let own = self.pos_of_slot.get(slot as usize).copied().and_then(pos);
+            let tokens = self.own_tokens(own);
+            let v = self.engine.as_mut()?;
+            let at = v.find(key, true);
+            if let Some(i) = at {
+                v.taken[i] = true;
+            }
+            return Some((v.load(at, tokens), Some(at.map_or(0.0, |i| v.usage[i]))));
+        }
+        let load = match &self.source {
             LoadSource::None => Some(0.0),
             LoadSource::Mapping(_) => None,
             LoadSource::Table(t) => Some(match self.pos_of_slot.get(slot as usize) {
@@ -699,12 +1145,29 @@ impl LoadPass<'_, '_> {
                 },
                 _ => 0.0,
             }),
-        }
+        };
+        load.map(|l| (l, None))
     }
 
     /// `w`'s load in cost blocks (``loads.get(w, 0) * scale``), `w` not an index-scored worker
     /// (those: `by_slot`, then this only for a mapping).
     fn of(&mut self, w: &Bound<'_, PyAny>) -> PyResult<f64> {
+        if self.engine.is_some() {
+            let key = PyKey::extract(w).ok();
+            let own = match (&self.source, &key) {
+                (LoadSource::Table(t), Some(k)) => t.get_index_of(k),
+                _ => None,
+            };
+            let tokens = self.own_tokens(own);
+            let Some(v) = self.engine.as_mut() else {
+                return Ok(0.0);
+            };
+            let at = key.and_then(|k| v.records.get_index_of(&k));
+            if let Some(i) = at {
+                v.taken[i] = true;
+            }
+            return Ok(v.load(at, tokens));
+        }
         match &self.source {
             LoadSource::None => Ok(0.0),
             LoadSource::Mapping(loads) => load_of(loads, w, self.scale),
@@ -725,6 +1188,63 @@ impl LoadPass<'_, '_> {
     }
 }
 
+/// Who is a candidate when `select` is given a universe set: its members (from the kept copy of
+/// a provider's live set when there is one, `Members`), less the vetoed workers.
+struct Universe<'a, 'py> {
+    set: &'a Bound<'py, PyAny>,
+    keys: Option<Arc<FxHashSet<PyKey>>>,
+    /// the kept set's generation (0: `keys` is None)
+    gen: u64,
+    /// the workers the engines' records veto this call (empty: none, or none applied)
+    vetoed: FxHashSet<PyKey>,
+}
+
+impl Universe<'_, '_> {
+    /// Whether `k`'s worker is a member, ignoring vetoes.
+    fn holds_key(&self, k: &PyKey) -> PyResult<bool> {
+        match &self.keys {
+            Some(keys) => Ok(keys.contains(k)),
+            None => self.set.contains(k.obj(self.set.py())),
+        }
+    }
+
+    /// Whether `k`'s worker is a candidate.
+    fn has_key(&self, k: &PyKey) -> PyResult<bool> {
+        Ok(self.holds_key(k)? && (self.vetoed.is_empty() || !self.vetoed.contains(k)))
+    }
+
+    /// Whether the worker of record `e` (key `k`) is a candidate, its membership read from the
+    /// record when it was found for this generation of the kept set (`EngEntry::member`).
+    fn has_record(&self, e: &EngEntry, k: &PyKey) -> PyResult<bool> {
+        let held = if self.gen == 0 {
+            self.holds_key(k)?
+        } else {
+            let m = e.member.load(Ordering::Relaxed);
+            if m >> 1 == self.gen {
+                m & 1 == 1
+            } else {
+                let held = self.holds_key(k)?;
+                e.member
+                    .store(self.gen << 1 | u64::from(held), Ordering::Relaxed);
+                held
+            }
+        };
+        Ok(held && (self.vetoed.is_empty() || !self.vetoed.contains(k)))
+    }
+
+    /// Whether `w` is a candidate.
+    fn has(&self, w: &Bound<'_, PyAny>) -> PyResult<bool> {
+        if !self.set.contains(w)? {
+            return Ok(false);
+        }
+        Ok(self.vetoed.is_empty() || PyKey::extract(w).map_or(true, |k| !self.vetoed.contains(&k)))
+    }
+}
+
+/// The engine-load arguments of `select`: the records, the clock's `now`, `stale_after`, the
+/// policy's mode, and how many requests the router has in flight.
+type EngineArgs<'py> = (Bound<'py, EngineTable>, f64, f64, String, usize);
+
 /// Match ``token_ids`` (checked as `find_matches` checks them) and price the candidates for
 /// `Router.select` with the built-in cost model ``model``. ``universe``: the candidate set, or
 /// None for every worker the index holds blocks for plus ``registered`` (`Router.workers()`
@@ -737,15 +1257,22 @@ impl LoadPass<'_, '_> {
 /// ``footprint``: the router's footprint when the model spreads new sessions at temperature 0
 /// (None: it does not), ``rng`` draws among the footprint's ties, and ``record`` counts the
 /// placement (the request is started); ``unvouched``: the workers whose claims are not believed
-/// (`Trust`; None: ask ``states`` per worker).
-/// Returns ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens, placed)``: the
+/// (`Trust`; None: ask ``states`` per worker); ``engine``: ``(table, now, stale_after, mode,
+/// requests)``, the engines' load records (`EngineTable`) to blend with ``loads`` (the router's
+/// `Loads`) as `EngineLoads.blend` does, ``requests`` the router's requests in flight (None:
+/// ``loads`` and ``usage`` are used as given); ``members``: the router's copy of its provider's
+/// live set (`Members`; None: ``universe`` is asked per candidate).
+/// Returns ``(scored, idle_count, idle_cost, tied, idle_tied, query_tokens, placed, vetoed,
+/// vetoes)``: the
 /// candidates (`Scored`) in the Python path's order, the idle workers and their cost, the
 /// indices of the entries tied at the least cost with the number of idle workers tied with them,
 /// and the footprint's pick for a new placement (None: not one): ``(position, worker)`` of a
 /// listed candidate, ``(None, worker)`` of an idle one, ``(None, None)`` when the idle group won
-/// but another thread emptied it meanwhile. No candidate and no idle worker: the universe is empty.
+/// but another thread emptied it meanwhile; the workers the engines' records vetoed out of the
+/// universe (none while that would leave it empty), and how many they vetoed (applied or not).
+/// No candidate and no idle worker: the universe is empty.
 #[pyfunction]
-#[pyo3(signature = (index, token_ids, lora_name, cache_salt, mm_items, extra_keys, model, unit, universe, registered, states, trust_partial, loads, scale, routed, usage=None, footprint=None, rng=None, record=false, unvouched=None))]
+#[pyo3(signature = (index, token_ids, lora_name, cache_salt, mm_items, extra_keys, model, unit, universe, registered, states, trust_partial, loads, scale, routed, usage=None, footprint=None, rng=None, record=false, unvouched=None, engine=None, members=None))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn select<'py>(
     py: Python<'py>,
@@ -769,6 +1296,8 @@ fn select<'py>(
     rng: Option<&Bound<'py, PyAny>>,
     record: bool,
     unvouched: Option<&Bound<'py, PyAny>>,
+    engine: Option<EngineArgs<'py>>,
+    members: Option<&Bound<'py, Members>>,
 ) -> PyResult<(
     Scored,
     usize,
@@ -777,6 +1306,8 @@ fn select<'py>(
     usize,
     usize,
     Option<PlacedPy>,
+    Vec<Py<PyAny>>,
+    usize,
 )> {
     let input = convert::query_input(token_ids, lora_name, cache_salt, mm_items, extra_keys)?;
     let trust = Trust::new(unvouched, states, trust_partial)?;
@@ -801,6 +1332,35 @@ fn select<'py>(
     // this call's copy of the router's table (`Loads`: other threads may change it meanwhile)
     let table = loads.cast::<Loads>().ok().map(|t| t.get().snapshot());
     let mapping_has_items = table.is_none() && loads.len()? > 0;
+    // the engines' records as of now (another thread's reports may change them meanwhile)
+    let engine = match engine {
+        Some((et, now, stale_after, mode, requests)) => {
+            let mode = match mode.as_str() {
+                "blend" => LoadMode::Blend,
+                "engine" => LoadMode::Engine,
+                "router" => LoadMode::Router,
+                _ => {
+                    return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                        "mode must be 'blend', 'engine' or 'router', not {mode:?}"
+                    )))
+                }
+            };
+            if universe.is_none() || table.is_none() {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "engine loads are blended with a universe set and the router's Loads",
+                ));
+            }
+            let records = et.get().snapshot();
+            Some((et, records, now, stale_after, mode, requests))
+        }
+        None => None,
+    };
+    // the provider's live set as keys, when the router keeps them (`Members`)
+    let kept = match (universe, members) {
+        (Some(u), Some(m)) => m.get().keys_of(u),
+        _ => None,
+    };
+    let unadopted = kept.as_ref().filter(|k| !k.1).map(|k| &*k.0);
     // Without a universe set, membership is the index's (a worker holding blocks) or the
     // registration: the keys whose membership the index decides are read before the lock.
     let (reg_keys, routed_keys): (Vec<PyKey>, Vec<Option<PyKey>>) = if universe.is_none() {
@@ -821,64 +1381,118 @@ fn select<'py>(
     let reg_ref = &reg_keys;
     // Match and, when some held block is off GPU and tiers are priced below GPU, the tier runs
     // too: one locked section, one consistent view of the index.
-    let (result, tiers, held, pos_of_slot, adopt) = index.get().with_query(py, ntok, move |idx| {
-        let mut q = idx.query(input);
-        let r = idx.find_matches(&mut q);
-        let mut tiers: [FxHashMap<PyKey, i64>; 3] = Default::default();
-        if want_tiers && r.gpu.is_some() {
-            let any: Vec<(PyKey, i64, i64)> = r
-                .scores
-                .iter()
-                .map(|s| (s.worker.clone(), s.blocks, s.block_size))
-                .collect();
-            for (pos, t) in tiers.iter_mut().enumerate() {
-                *t = idx.tier_scores(&mut q, pos + 1, &any).into_iter().collect();
-            }
-        }
-        // Each loaded worker's slot (a worker without load is never a load-only candidate
-        // and its load is 0 wherever it is scored: no lookup for it), and whether it holds blocks.
-        let mut table_holds = Vec::new();
-        let mut pos_of_slot = Vec::new();
-        let mut adopt = Vec::new();
-        if let Some(m) = table_ref {
-            table_holds.reserve(m.len());
-            pos_of_slot = vec![NONE; idx.workers.len()];
-            for (pos, (k, e)) in m.iter().enumerate() {
-                let found = if e.tokens != 0 {
-                    e.locate(idx, k)
-                } else {
-                    None
-                };
-                if let Some((slot, _, at)) = found {
-                    pos_of_slot[slot as usize] = pos as u32;
-                    if !at.same(k) {
-                        adopt.push((pos, at.clone()));
-                    }
+    let (result, tiers, held, pos_of_slot, adopt, adopted) =
+        index.get().with_query(py, ntok, move |idx| {
+            let mut q = idx.query(input);
+            let r = idx.find_matches(&mut q);
+            let mut tiers: [FxHashMap<PyKey, i64>; 3] = Default::default();
+            if want_tiers && r.gpu.is_some() {
+                let any: Vec<(PyKey, i64, i64)> = r
+                    .scores
+                    .iter()
+                    .map(|s| (s.worker.clone(), s.blocks, s.block_size))
+                    .collect();
+                for (pos, t) in tiers.iter_mut().enumerate() {
+                    *t = idx.tier_scores(&mut q, pos + 1, &any).into_iter().collect();
                 }
-                table_holds.push(found.is_some_and(|(_, holds, _)| holds));
             }
-        }
-        let held = whole.then(|| Held {
-            count: idx.holding_count(),
-            registered_elsewhere: reg_ref.iter().filter(|k| !idx.holds(k)).count(),
-            table: table_holds,
-            routed: routed_keys
-                .iter()
-                .map(|k| k.as_ref().is_some_and(|k| idx.holds(k)))
-                .collect(),
+            // Each loaded worker's slot (a worker without load is never a load-only candidate
+            // and its load is 0 wherever it is scored: no lookup for it), and whether it holds blocks.
+            let mut table_holds = Vec::new();
+            let mut pos_of_slot = Vec::new();
+            let mut adopt = Vec::new();
+            if let Some(m) = table_ref {
+                table_holds.reserve(m.len());
+                pos_of_slot = vec![NONE; idx.workers.len()];
+                for (pos, (k, e)) in m.iter().enumerate() {
+                    let found = if e.tokens != 0 {
+                        e.locate(idx, k)
+                    } else {
+                        None
+                    };
+                    if let Some((slot, _, at)) = found {
+                        pos_of_slot[slot as usize] = pos as u32;
+                        if !at.same(k) {
+                            adopt.push((pos, at.clone()));
+                        }
+                    }
+                    table_holds.push(found.is_some_and(|(_, holds, _)| holds));
+                }
+            }
+            let adopted = unadopted.map(|keys| Arc::new(index_keys(idx, keys)));
+            let held = whole.then(|| Held {
+                count: idx.holding_count(),
+                registered_elsewhere: reg_ref.iter().filter(|k| !idx.holds(k)).count(),
+                table: table_holds,
+                routed: routed_keys
+                    .iter()
+                    .map(|k| k.as_ref().is_some_and(|k| idx.holds(k)))
+                    .collect(),
+            });
+            (r, tiers, held, pos_of_slot, adopt, adopted)
         });
-        (r, tiers, held, pos_of_slot, adopt)
-    });
     let table_map = table.as_deref();
     let source = match table_map {
         Some(t) => LoadSource::Table(t),
         None if mapping_has_items => LoadSource::Mapping(loads),
         None => LoadSource::None,
     };
+    let engine_table = engine.as_ref().map(|e| e.0.clone());
+    let view = match engine {
+        Some((et, records, now, stale_after, mode, requests)) => {
+            // the router's entries the index holds (their keys are the index's, once adopted)
+            let mut own_located = vec![false; table_map.map_or(0, IndexMap::len)];
+            for &p in pos_of_slot.iter().filter(|&&p| p != NONE) {
+                own_located[p as usize] = true;
+            }
+            Some(engine_view(
+                et.get(),
+                records,
+                (now, stale_after, mode, requests),
+                table_map,
+                &own_located,
+                unit,
+                params.eviction_weight != 0.0,
+            ))
+        }
+        None => None,
+    };
+    let mut uni = universe.map(|u| Universe {
+        set: u,
+        // the index's key objects once adopted (kept for the next calls), else the set's
+        keys: match (adopted, members) {
+            (Some(keys), Some(m)) => {
+                m.get().adopt(u, keys.clone());
+                Some(keys)
+            }
+            _ => kept.as_ref().map(|k| k.0.clone()),
+        },
+        gen: kept.as_ref().map_or(0, |k| k.2),
+        vetoed: FxHashSet::default(),
+    });
+    // Vetoes (`EngineLoads.blend`): wedged engines, and workers whose records stopped while they
+    // hold this router's requests; applied only while another candidate is left.
+    let (mut vetoed_in, mut applied, mut vetoes) = (0usize, Vec::new(), 0usize);
+    if let (Some(v), Some(t), Some(u)) = (&view, table_map, &mut uni) {
+        let vetoed = v.vetoed(t);
+        vetoes = vetoed.len();
+        if !vetoed.is_empty() {
+            let mut inside = 0;
+            for k in &vetoed {
+                inside += usize::from(u.holds_key(k)?);
+            }
+            if inside < u.set.len()? {
+                vetoed_in = inside;
+                u.vetoed = vetoed.iter().cloned().collect();
+                applied = vetoed;
+            }
+        }
+    }
+    let uni = uni;
     // Is `w` a candidate? `by_index`: whether the index holds it (known when `universe` is None).
     let member = |w: &Bound<'py, PyAny>, by_index: bool| -> PyResult<bool> {
-        match universe {
-            Some(u) => u.contains(w),
+        match &uni {
+            Some(u) => u.has(w),
             None => Ok(by_index || registered.contains(w)?),
         }
     };
@@ -893,6 +1507,7 @@ fn select<'py>(
         source,
         scale,
         pos_of_slot,
+        engine: view,
     };
     // the scored workers, for the hint-only pass to skip (only kept when there is a hint)
     let seen = match routed {
@@ -915,14 +1530,14 @@ fn select<'py>(
         let obj = std::cell::OnceCell::new();
         let w = || obj.get_or_init(|| s.worker.obj(py));
         // a worker the index scores holds blocks
-        if let Some(u) = universe {
-            if !u.contains(w())? {
+        if let Some(u) = &uni {
+            if !u.has_key(&s.worker)? {
                 continue;
             }
         }
-        let load = match pass.by_slot(s.slot) {
-            Some(load) => load,
-            None => pass.of(w())?,
+        let (load, engine_usage) = match pass.by_slot(s.slot, &s.worker) {
+            Some(found) => found,
+            None => (pass.of(w())?, None),
         };
         let claim = Claim {
             claimed: s.blocks,
@@ -940,9 +1555,10 @@ fn select<'py>(
             Some(r) => routed_of(r, w())?,
             None => 0,
         };
-        let u = match usage {
-            Some(_) => usage_in.of(w())?,
-            None => 0.0,
+        let u = match (engine_usage, usage) {
+            (Some(u), _) => u,
+            (None, Some(_)) => usage_in.of(w())?,
+            (None, None) => 0.0,
         };
         let p = scoring::price(&params, &claim, ntok_i, unit, load, hint, u);
         if let Some(seen) = &seen {
@@ -971,7 +1587,11 @@ fn select<'py>(
             let hint: i64 = hint.extract()?;
             let load = pass.of(&w)?;
             let prefill = scoring::routed_prefill(ntok_i, unit, hint);
-            let cost = params.cost_at(prefill, load, usage_in.of(&w)?);
+            let u = match pass.key_usage(&w) {
+                Some(u) => u,
+                None => usage_in.of(&w)?,
+            };
+            let cost = params.cost_at(prefill, load, u);
             seen.add(&w)?;
             workers.push(Who::Obj(w.unbind()));
             rows.push(Row {
@@ -1004,9 +1624,71 @@ fn select<'py>(
         overlap_tokens: 0,
         routed_tokens: 0,
     };
-    match &pass.source {
-        LoadSource::None => {}
-        LoadSource::Table(t) => {
+    match (&pass.source, pass.engine.as_mut(), &uni) {
+        (LoadSource::Table(t), Some(v), Some(u)) => {
+            // `EngineLoads.blend`'s order: the engines' queues (records in order), the requests
+            // records count, then the router's own workers no fresh queue covers
+            let mut list = |k: &PyKey, load: f64, usage: f64| {
+                workers.push(Who::Key(k.clone()));
+                rows.push(idle_row(load, usage));
+            };
+            if v.mode != LoadMode::Router {
+                for counted in [false, true] {
+                    for (i, (k, e)) in v.records.iter().enumerate() {
+                        let Some(queue) = v.fresh[i] else { continue };
+                        // a zero queue is no entry of the blend (the router's own count may be)
+                        if v.taken[i]
+                            || e.figures.by_count() != counted
+                            || (!counted && queue == 0.0)
+                        {
+                            continue;
+                        }
+                        let own = pos(v.own_of[i]);
+                        let load = v.load(Some(i), own.map_or(0, |p| t[p].tokens));
+                        if load != 0.0 && u.has_record(e, k)? {
+                            v.taken[i] = true;
+                            if let Some(p) = own {
+                                pass.taken[p] = true;
+                            }
+                            list(k, load, v.usage[i]);
+                        }
+                    }
+                }
+            }
+            for (p, (k, e)) in t.iter().enumerate() {
+                if e.tokens == 0 || pass.taken[p] {
+                    continue;
+                }
+                let at = pos(v.record_of[p]);
+                let uncovered = match at.map(|i| (i, v.fresh[i])) {
+                    None | Some((_, None)) => true,
+                    Some((i, Some(queue))) => {
+                        v.mode == LoadMode::Router
+                            || (v.mode == LoadMode::Blend
+                                && !v.records[i].figures.by_count()
+                                && queue == 0.0)
+                    }
+                };
+                let load = v.load(at, e.tokens);
+                if uncovered && load != 0.0 && u.has_key(k)? {
+                    pass.taken[p] = true;
+                    if let Some(i) = at {
+                        v.taken[i] = true;
+                    }
+                    list(k, load, at.map_or(0.0, |i| v.usage[i]));
+                }
+            }
+            // usage-only workers: a report above 0, nothing claimed, no load
+            for (i, (k, e)) in v.records.iter().enumerate() {
+                if v.usage[i] > 0.0 && !v.taken[i] && u.has_record(e, k)? {
+                    v.taken[i] = true;
+                    list(k, 0.0, v.usage[i]);
+                }
+            }
+        }
+        (_, Some(_), _) => unreachable!("checked above: a universe set and a `Loads` table"),
+        (LoadSource::None, ..) => {}
+        (LoadSource::Table(t), None, _) => {
             for (pos, (k, e)) in t.iter().enumerate() {
                 if e.tokens == 0 || pass.taken[pos] {
                     continue;
@@ -1014,7 +1696,11 @@ fn select<'py>(
                 let by_index = held.as_ref().is_some_and(|h| h.table[pos]);
                 // the index or the registration vouches for it without a Python call
                 let known = universe.is_none() && by_index;
-                if known || member(&k.obj(py), by_index)? {
+                let listed = match &uni {
+                    Some(u) => u.has_key(k)?,
+                    None => known || member(&k.obj(py), by_index)?,
+                };
+                if listed {
                     let u = match usage {
                         Some(_) => usage_in.of(&k.obj(py))?,
                         None => 0.0,
@@ -1024,7 +1710,7 @@ fn select<'py>(
                 }
             }
         }
-        LoadSource::Mapping(loads) => {
+        (LoadSource::Mapping(loads), None, _) => {
             // the scored and hint-only workers, for this pass to skip
             let priced = PySet::new(py, workers.iter().map(|w| w.bind(py)))?;
             let mut visit = |w: Bound<'py, PyAny>, t: Bound<'py, PyAny>| -> PyResult<()> {
@@ -1076,13 +1762,21 @@ fn select<'py>(
         }
     }
     let universe_len = match (universe, &held) {
-        (Some(u), _) => u.len()?,
+        (Some(u), _) => u.len()? - vetoed_in,
         (None, Some(h)) => h.count + h.registered_elsewhere,
         (None, None) => 0, // unreachable: `held` is read whenever `universe` is None
     };
     let idle_count = universe_len.saturating_sub(rows.len());
     let costs: Vec<f64> = rows.iter().map(|r| r.cost).collect();
     let (tied, idle_tied) = scoring::ties(&costs, idle_count, idle_cost);
+    // the view's reference to the records moved in: the table is then copied only if another
+    // thread holds it
+    if let (Some(v), Some(e)) = (
+        pass.engine.take().filter(|v| !v.adopt.is_empty()),
+        &engine_table,
+    ) {
+        e.get().adopt(v.records, v.adopt);
+    }
     if let (Some(seen), false) = (table, adopt.is_empty()) {
         if let Ok(t) = loads.cast::<Loads>() {
             t.get().adopt(seen, adopt);
@@ -1101,6 +1795,7 @@ fn select<'py>(
                 let place = NewPlacement {
                     index,
                     universe,
+                    vetoed: uni.as_ref().map(|u| &u.vetoed),
                     registered: &reg_keys,
                     idle_count,
                     idle_cost,
@@ -1120,6 +1815,8 @@ fn select<'py>(
         idle_tied,
         ntok,
         placed,
+        applied.iter().map(|k| k.obj(py).unbind()).collect(),
+        vetoes,
     ))
 }
 
@@ -1133,6 +1830,8 @@ struct NewPlacement<'a, 'py> {
     index: &'a Bound<'py, PyIndex>,
     /// the candidate set (None: the index's workers plus `registered`)
     universe: Option<&'a Bound<'py, PyAny>>,
+    /// the workers vetoed out of `universe` (None or empty: none)
+    vetoed: Option<&'a FxHashSet<PyKey>>,
     registered: &'a [PyKey],
     idle_count: usize,
     idle_cost: f64,
@@ -1197,7 +1896,8 @@ impl NewPlacement<'_, '_> {
         match self.universe {
             Some(u) => {
                 let mut pool = fp.keys_of(u.try_iter()?.collect::<PyResult<_>>()?)?;
-                pool.retain(|k| !listed.contains(k));
+                let vetoed = self.vetoed.filter(|v| !v.is_empty());
+                pool.retain(|k| !listed.contains(k) && vetoed.is_none_or(|v| !v.contains(k)));
                 Ok(pool)
             }
             None => {
@@ -1332,6 +2032,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(new_frozen, m)?)?;
     m.add_class::<Scored>()?;
     m.add_class::<Loads>()?;
+    m.add_class::<EngineTable>()?;
+    m.add_class::<Members>()?;
     m.add_class::<Footprint>()?;
     m.add_class::<SelectTimes>()?;
     Ok(())
