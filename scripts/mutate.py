@@ -224,6 +224,14 @@ MUTATIONS: list[Mutation] = [
         engines="evicting",
     ),
     Mutation(
+        "key-buffer-kept",
+        "a block's content key covers only its own tokens, extras and lookahead (its buffer is rewritten per block)",
+        "src/keys.rs",
+        "        buf.truncate(fixed);\n",
+        "",
+        ("tests/test_core_differential.py",),
+    ),
+    Mutation(
         "bigram-cap",
         "an SGLang EAGLE worker is credited the bigram view of the prompt minus one token: floor((n - 2) / P) pages",
         "src/index/query.rs",

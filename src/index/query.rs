@@ -59,6 +59,11 @@ impl Query {
         }
         let (bs, la) = (cls.0 as usize, cls.1 as usize);
         let mut got = self.keys.remove(&cls).unwrap_or_default();
+        if got.capacity() == 0 {
+            // room for every key of the prompt up front: the match hashes in chunks that
+            // double, and growing the vector each time copied the keys hashed so far again
+            got.reserve_exact(self.n_blocks(cls));
+        }
         let parent = got.last().copied().unwrap_or(self.root);
         let input = &self.input;
         let toks = &input.tokens[have * bs..n * bs];
