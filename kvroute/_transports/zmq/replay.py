@@ -227,6 +227,18 @@ class ReplayRequester:
         self._retry = retry
         self._slots.defer(retry)
 
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[Turn]:
+        """Hold a replay slot for a turn of a request carried out elsewhere (the native thread,
+        `SourceDriver._native_fetch`): the slot reserved for it, else one waited for."""
+        reserved, self._reserved = self._reserved, None
+        async with self._slots.turn(reserved) as turn:
+            self._turn = turn
+            try:
+                yield turn
+            finally:
+                self._turn = None
+
     async def fetch(self, start: int) -> tuple[list[tuple[int, float, Payload | None]], bool, str | None]:
         """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).
 
