@@ -6,7 +6,7 @@
 //! ``dead``: nothing here panics into Python.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,6 +21,9 @@ use crate::recv::{
     Terms,
 };
 
+/// A replay request's "armed" flag and its progress, shared with the thread.
+type ReplayFlags = (Arc<AtomicBool>, Arc<AtomicU64>);
+
 /// One receive thread over every SUB socket of a client.
 #[pyclass(frozen, module = "kvroute._core", name = "NativeReceiver")]
 pub struct PyNativeReceiver {
@@ -30,8 +33,9 @@ pub struct PyNativeReceiver {
     closed: AtomicBool,
     /// Each source's "alive" flag (see `crate::recv`), cleared by `stop`.
     alive: Mutex<HashMap<u64, Arc<AtomicBool>>>,
-    /// Each replay request's "armed" flag (`crate::recv::ReplayRequest`), cleared by `disarm_replay`.
-    armed: Mutex<HashMap<u64, Arc<AtomicBool>>>,
+    /// Each replay request's "armed" flag (`crate::recv::ReplayRequest`), cleared by
+    /// `disarm_replay`, and its progress (decodable replies so far).
+    armed: Mutex<HashMap<u64, ReplayFlags>>,
 }
 
 #[pymethods]
@@ -206,7 +210,10 @@ impl PyNativeReceiver {
             return Err(PyRuntimeError::new_err("replay id out of range"));
         }
         let armed = Arc::new(AtomicBool::new(whole));
-        self.armed.lock().insert(id, armed.clone());
+        let progress = Arc::new(AtomicU64::new(0));
+        self.armed
+            .lock()
+            .insert(id, (armed.clone(), progress.clone()));
         self.shared.command(Command::Replay(Box::new(ReplayRequest {
             id,
             token,
@@ -221,6 +228,7 @@ impl PyNativeReceiver {
             from_seq,
             terms: whole.then_some(Terms { anchor, late_ok }),
             armed,
+            progress,
             consumed,
             silent: seconds(silent),
             deadline: seconds(deadline),
@@ -234,9 +242,17 @@ impl PyNativeReceiver {
     /// The thread applies nothing of replay ``id`` from now on (synchronous: checked under the
     /// index's lock); its replies are handed over instead.
     fn disarm_replay(&self, id: u64) {
-        if let Some(armed) = self.armed.lock().get(&id) {
+        if let Some((armed, _)) = self.armed.lock().get(&id) {
             armed.store(false, Ordering::SeqCst);
         }
+    }
+
+    /// Decodable replies of replay ``id`` so far; 0 once it ended.
+    fn replay_progress(&self, id: u64) -> u64 {
+        self.armed
+            .lock()
+            .get(&id)
+            .map_or(0, |(_, p)| p.load(Ordering::Relaxed))
     }
 
     /// End replay ``id`` now, applying nothing; its outcome (``cancelled``) is still handed over.

@@ -766,7 +766,7 @@ impl<K: WorkerName> Loop<K> {
                 // Read at once: the descriptor is edge-triggered, and reading resets it.
                 self.replays_ready.push(id);
             }
-            Err((req, why)) => self.hand_over(replay::failed(&req, why), Vec::new()),
+            Err(outcome) => self.hand_over(*outcome, Vec::new()),
         }
     }
 

@@ -15,7 +15,7 @@
 //! checked under the index's write lock, as `alive` is).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -52,6 +52,9 @@ pub struct Request {
     pub terms: Option<Terms>,
     /// Cleared by Python when the machine would no longer take the answer whole.
     pub armed: Arc<AtomicBool>,
+    /// Decodable replies so far (Python reads it while the request runs: whether its slot's
+    /// turn is productive, and the source's counters move as replies come).
+    pub progress: Arc<AtomicU64>,
     /// The source's risky hand-overs (`Source::risky`) Python had taken when it asked: the
     /// answer is applied only if no other came since.
     pub consumed: u64,
@@ -139,25 +142,26 @@ pub enum Step {
     Ended(Option<String>),
 }
 
-/// Open `req`'s DEALER on `ctx`'s `socket` and send the request; Err(why) ends it at once.
+/// Open `req`'s DEALER (a fresh `socket`) and send the request; Err: its outcome, as it ended
+/// at once (no socket, or the request refused).
 pub fn begin(
     req: Request,
     socket: impl FnOnce() -> Result<zmq::Socket, String>,
-) -> Result<Running, (Request, String)> {
+) -> Result<Running, Box<Outcome>> {
     let dealer = match socket().and_then(|s| configure(s, &req)) {
         Ok(s) => s,
-        Err(e) => return Err((req, format!("cannot open the replay socket: {e}"))),
+        Err(e) => return Err(failed(&req, format!("cannot open the replay socket: {e}"))),
     };
     let fd = match dealer.get_fd() {
         Ok(fd) => fd,
-        Err(e) => return Err((req, format!("cannot open the replay socket: {e}"))),
+        Err(e) => return Err(failed(&req, format!("cannot open the replay socket: {e}"))),
     };
     let seq8 = req.from_seq.to_be_bytes();
     if dealer
         .send_multipart([&b""[..], &seq8[..]], zmq::DONTWAIT)
         .is_err()
     {
-        return Err((req, "replay request refused (queue full)".into()));
+        return Err(failed(&req, "replay request refused (queue full)".into()));
     }
     let now = Instant::now();
     Ok(Running {
@@ -196,8 +200,8 @@ fn configure(sock: zmq::Socket, req: &Request) -> Result<zmq::Socket, String> {
 }
 
 /// An outcome for a request that never ran (its socket could not be opened, or was refused).
-pub fn failed(req: &Request, why: String) -> Outcome {
-    Outcome {
+fn failed(req: &Request, why: String) -> Box<Outcome> {
+    Box::new(Outcome {
         id: req.id,
         token: req.token,
         applied: None,
@@ -211,7 +215,7 @@ pub fn failed(req: &Request, why: String) -> Outcome {
         bad: Vec::new(),
         bad_count: 0,
         skipped: HashMap::new(),
-    }
+    })
 }
 
 impl Running {
@@ -293,6 +297,7 @@ impl Running {
         };
         if let Some(batch) = &batch {
             self.good += 1;
+            self.req.progress.fetch_add(1, Ordering::Relaxed);
             self.last_good = Instant::now();
             for (why, k) in &batch.skipped {
                 *self.skipped.entry(why.clone()).or_default() += k;

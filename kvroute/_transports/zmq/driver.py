@@ -10,6 +10,7 @@ stops the pump.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -107,6 +108,10 @@ class NativeThread(Protocol):
         """End replay ``request_id`` now, applying nothing (its outcome still comes)."""
         ...
 
+    def replay_progress(self, request_id: int) -> int:
+        """Decodable replies of replay ``request_id`` so far."""
+        ...
+
     def disarm_replay(self, request_id: int) -> None:
         """Apply nothing of replay ``request_id`` from now on (hand its replies over)."""
         ...
@@ -119,7 +124,7 @@ class NativeThread(Protocol):
 class _NativeReplay:
     """A replay request the native thread carries out for a driver, until its outcome comes."""
 
-    __slots__ = ("abandoned", "done", "id", "replies", "yielded")
+    __slots__ = ("abandoned", "counted", "done", "error", "id", "replies", "yielded")
 
     def __init__(self, request_id: int) -> None:
         self.id = request_id
@@ -130,6 +135,10 @@ class _NativeReplay:
         self.yielded = False
         #: Replies the thread read (the request's budget across turns).
         self.replies = 0
+        #: What carrying out the machine's answer raised (the source fails, alone, in its task).
+        self.error: Exception | None = None
+        #: Decodable replies already counted in ``replayed_batches`` while it ran (`refresh_counters`).
+        self.counted = 0
 
 
 class SourceDriver(DriverBase):
@@ -223,8 +232,14 @@ class SourceDriver(DriverBase):
             self._native.stop(self._native_token)
 
     def refresh_counters(self) -> None:
-        """The decoder counts unknown event types itself."""
+        """The decoder counts unknown event types itself; a native replay's replies count as they come."""
         self.counters.unknown_events = self._decoder.unknown_events
+        pending = self._native_replay
+        if pending is not None and self._native is not None:
+            got = self._native.replay_progress(pending.id)
+            if got > pending.counted:
+                self.counters.replayed_batches += got - pending.counted
+                pending.counted = got
 
     def stats(self) -> SourceStats:
         """A snapshot of this source's counters and condition, with its apply lag."""
@@ -631,6 +646,7 @@ class SourceDriver(DriverBase):
                 if rid is None:
                     return False
                 pending = self._native_replay = _NativeReplay(rid)
+                turn.progress = functools.partial(native.replay_progress, rid)
                 try:
                     with anyio.CancelScope() as scope:
                         turn.scope = scope
@@ -649,6 +665,8 @@ class SourceDriver(DriverBase):
             if not pending.done.is_set():
                 self.execute(self.machine.on_replay_failed("the native receive thread did not answer"))
                 return True
+            if pending.error is not None:
+                raise pending.error
             if not pending.yielded:
                 return True
             replies += pending.replies
@@ -681,7 +699,7 @@ class SourceDriver(DriverBase):
         pending.replies = replies
         self.native_replays += 1
         counters = self.counters
-        counters.replayed_batches += good + bad_count
+        counters.replayed_batches += good + bad_count - pending.counted
         if junk_frames:
             counters.skipped_frames += junk_frames
             self._log.warn("skipped replay reply", f"{junk_frames} malformed")
@@ -712,7 +730,12 @@ class SourceDriver(DriverBase):
                 payloads: list[tuple[int, float, Payload | None]] = list(items)
                 actions = m.on_replay(payloads, complete=complete)
         pending.done.set()
-        self.execute(actions)
+        try:
+            self.execute(actions)
+        except Exception as exc:
+            # Raised in the replay task (the source fails alone), not in the thread's drain,
+            # which every source shares.
+            pending.error = exc
 
     def _native_replay_gone(self, request_id: int) -> None:
         """The thread that carried out ``request_id`` is gone (its last source left): ask again."""

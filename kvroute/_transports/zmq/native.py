@@ -198,6 +198,12 @@ class NativeReceiver(_LoopLeader):
         if self._core is not None and request_id in self._replays:
             self._core.cancel_replay(request_id)
 
+    def replay_progress(self, request_id: int) -> int:
+        """Decodable replies of replay ``request_id`` so far (0 once it ended)."""
+        if self._core is not None and request_id in self._replays:
+            return self._core.replay_progress(request_id)
+        return 0
+
     def disarm_replay(self, request_id: int) -> None:
         """Apply nothing of replay ``request_id`` from now on (synchronous); its replies are handed over."""
         if self._core is not None and request_id in self._replays:
