@@ -42,7 +42,11 @@ syncs from cold; the publishers' seqs go on), so the two rows are a same-run com
 path) judges each reply with the core's verdict and applies the answer's run as payload bytes
 (`PrefixIndex.apply_payloads`); "decoded" (the path before it, and still the one with a listener)
 decodes each reply to an `EventBatch` and applies it event by event. The cold sync is mostly
-replay answers: its time is the figure to compare.
+replay answers: its time is the figure to compare. ``--replay-readers native,python`` does the
+same, on the native receiver, for who reads replay replies: "native" (kvroute's path: the
+receive thread opens the DEALER, judges each reply with one decode and applies an answer the
+recovery machine takes whole itself, `SourceDriver._native_fetch`) or "python" (the path before:
+each reply received and judged in Python, the answer applied from the machine's `Apply`).
 
 Each line is one row of docs/performance.md's fleet tables (the README keeps the latest figures).
 """
@@ -285,12 +289,23 @@ def _count_replays(client: KvEventClient, counts: Counter[tuple[str, str]]) -> A
         counts[purposes.pop(requester, "?"), how] += 1
         return await fetch(requester, start)
 
+    native_fetch = driver_type._native_fetch
+
+    async def begun_native(driver: Any, start: int) -> Any:
+        # The same request carried out on the native thread (`SourceDriver._native_fetch`).
+        requester = driver._replays
+        how = "at once" if requester.holding or requester.slot_free() else "queued"
+        counts[purposes.pop(requester, "?"), how] += 1
+        return await native_fetch(driver, start)
+
     driver_type.on_action = asked
     requester_type.fetch = begun
+    driver_type._native_fetch = begun_native
 
     def undo() -> None:
         driver_type.on_action = on_action
         requester_type.fetch = fetch
+        driver_type._native_fetch = native_fetch
 
     return undo
 
@@ -369,8 +384,25 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                 index.lags.extend(lags)
             native_applied(driver, seqs, tss, lags, elided, blocks, skipped)
 
+        native_replay_done = driver_type._native_replay_done
+
+        def replay_counted(driver: Any, rid: int, applied: Any, *rest: Any) -> None:
+            # A replay answer the thread applied whole: counted here too (its lags from the ts).
+            if applied is not None:
+                index.applied_blocks += BLOCKS * applied[4]
+                if index.recording:
+                    now = time.time()
+                    index.lags.extend(now - ts for ts in applied[3])
+            native_replay_done(driver, rid, applied, *rest)
+
         driver_type._native_applied = counted
-        return lambda: setattr(driver_type, "_native_applied", native_applied)
+        driver_type._native_replay_done = replay_counted
+
+        def undo() -> None:
+            driver_type._native_applied = native_applied
+            driver_type._native_replay_done = native_replay_done
+
+        return undo
 
     replay_counts: Counter[tuple[str, str]] = Counter()
     undo_replays = None
@@ -380,20 +412,28 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             undo_replays = _count_replays(client, replay_counts)
             if args.replay_path == "decoded":
                 _decoded_replies(client)
+            if args.replay_reader == "python":
+                for sub in client._subs.values():
+                    sub.driver._native_replays = False  # the path before: replies read in Python
             subs = client._subs
             if args.native:
                 tg.start_soon(_undo_at_exit, count_native(client))
             tg.start_soon(ticker)
             tg.start_soon(rss_sampler)
             t_start = time.perf_counter()
+            cpu_start = time.process_time()
             try:
                 await client.wait_synced(args.sync_timeout)
                 sync = f"{time.perf_counter() - t_start:.1f} s"
             except Exception as exc:
                 sync = f"not synced after {args.sync_timeout:g} s ({type(exc).__name__})"
+            # The client's CPU time for the sync (its thread's included): on a loaded machine the
+            # wall time is mostly other processes' share of the core.
+            sync_cpu = time.process_time() - cpu_start
             st = client.stats()
             print(
-                f"# sync from cold: {sync}; subscribed {st.totals.sources}/{len(sources)}, synced {st.totals.synced}, "
+                f"# sync from cold: {sync} (client CPU {sync_cpu:.1f} s); "
+                f"subscribed {st.totals.sources}/{len(sources)}, synced {st.totals.synced}, "
                 f"refused {st.refused_sources}; fds {len(os.listdir('/proc/self/fd'))}; "
                 f"peak RSS {peak_rss[0] / 1e9:.2f} GB, peak held batches {peak_held[0]:,}",
                 flush=True,
@@ -533,10 +573,20 @@ def main() -> None:
         help="raw (replay answers judged and applied as bytes), decoded (each reply decoded to an EventBatch, "
         "the path before), or both, e.g. raw,decoded: one client after the other (same-run ratios)",
     )
+    ap.add_argument(
+        "--replay-readers",
+        default="native",
+        help="with the native receiver, who reads replay replies: native (its thread: judged, and applied "
+        "whole when the machine's terms allow), python (the path before: every reply read and judged in "
+        "Python), or both, e.g. native,python: one client after the other (same-run ratios)",
+    )
     args = ap.parse_args()
     receivers = (args.receivers or ("native" if args.native else "python")).split(",")
     if not set(receivers) <= {"python", "native"}:
         ap.error(f"--receivers takes python and native, not {args.receivers!r}")
+    readers = args.replay_readers.split(",")
+    if not set(readers) <= {"python", "native"}:
+        ap.error(f"--replay-readers takes python and native, not {args.replay_readers!r}")
     paths = args.replay_paths.split(",")
     if not set(paths) <= {"raw", "decoded"}:
         ap.error(f"--replay-paths takes raw and decoded, not {args.replay_paths!r}")
@@ -577,14 +627,17 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         for receiver in receivers:
-            for path in paths:
+            # Who reads replay replies matters only on the native receiver with the raw path.
+            runs = [(p, r) for p in paths for r in (readers if receiver == "native" and p == "raw" else ["python"])]
+            for path, reader in runs:
                 args.native = receiver == "native"
                 args.replay_path = path
+                args.replay_reader = reader
                 rate.value = args.rate if args.sync_rate is None else args.sync_rate
                 print(
                     f"# {args.ranks} ranks, {args.procs} publisher processes, fd limit {soft}/{hard}, "
                     f"load average {os.getloadavg()[0]:.1f}, Python {sys.version.split()[0]}, receiver {receiver}, "
-                    f"replay answers {path}",
+                    f"replay answers {path}, replay replies read by {reader}",
                     flush=True,
                 )
                 anyio.run(_run, args, sources, rate, published, backend=args.backend)

@@ -285,6 +285,30 @@ class NativeReceiver:
     def open(self, token: int, next_seq: int, consumed: int) -> None: ...
     def close_fast(self, token: int) -> None: ...
     def park(self, token: int, parked: bool) -> None: ...
+    def replay(
+        self,
+        id: int,
+        token: int,
+        endpoint: str,
+        rcvhwm: int,
+        max_message_size: int,
+        reconnect_ivl_ms: int,
+        reconnect_ivl_max_ms: int,
+        tcp_keepalive: bool,
+        from_seq: int,
+        whole: bool,
+        anchor: float | None,
+        late_ok: bool,
+        consumed: int,
+        silent: float,
+        deadline: float,
+        budget: int,
+        max_items: int,
+        max_bytes: int,
+    ) -> None: ...
+    def disarm_replay(self, id: int) -> None: ...
+    def replay_progress(self, id: int) -> int: ...
+    def cancel_replay(self, id: int) -> None: ...
     def drain(
         self,
     ) -> tuple[

@@ -21,6 +21,7 @@ from ._recovery import (
     Action,
     Apply,
     Emit,
+    Holding,
     Identity,
     Payload,
     RecoveryStats,
@@ -55,6 +56,7 @@ class ReplayAnswers:
     _first_reason: ResetReason
     _identity: Identity
     _reply: Reply
+    _holding: Holding
 
     if TYPE_CHECKING:
         # The machine's methods this half calls (defined in kvroute._source.RecoveryMachine).
@@ -96,6 +98,72 @@ class ReplayAnswers:
             self._answer_anchored(req, anchor_ts, items, complete, out)
         else:
             self._answer(req, req.from_seq, items, complete, True, out)
+        self._advance(out)
+        return self._done(before, out)
+
+    def replay_terms(self) -> tuple[float | None, bool] | None:
+        """Whether a complete, clean answer to the request in flight would be taken whole, and on what terms.
+
+        ``(anchor_ts, late_ok)`` when nothing is held and the answer will not be moot: every reply
+        decodable and trusted, seqs without a hole from the request's start (after its anchor, the
+        first reply, whose ts must be ``anchor_ts``, for an identity check or probe: rule 7), or
+        from a later first seq when ``late_ok`` (rules 5-6: a loss that resets nothing, as nothing
+        was applied yet). Such an answer is applied in full and nothing else happens but what
+        `on_replay_applied` does; the native receive thread applies it itself on these terms
+        (`kvroute._transports.zmq.native`). None: the answer must come through `on_replay`.
+        """
+        req = self.replay_in_flight
+        if req is None or self._reply != "awaited" or self._held:
+            return None
+        if self._anchor_ts is not None:
+            return (self._anchor_ts, False) if self.last_seq == req.from_seq else None
+        if self.last_seq + 1 != req.from_seq:
+            return None
+        return None, self._holding == "nothing"
+
+    def on_replay_applied(
+        self, first: int, last: int, records: Sequence[tuple[int, float]], count: int
+    ) -> list[Action]:
+        """The driver applied the whole answer to the request in flight itself, on `replay_terms`.
+
+        ``first``..``last``: the ``count`` seqs applied (none: the anchor alone answered);
+        ``records``: the newest of them with their ts (the ts ring's worth). The same transitions
+        as `on_replay` with that answer, less the `Apply`. An answer applied off those terms (a
+        driver bug: the index now holds what the machine did not take) starts the source over.
+        """
+        req = self.replay_in_flight
+        terms = self.replay_terms()
+        before = self.state
+        out: list[Action] = []
+        if req is not None:
+            self.replay_in_flight = None
+            self._anchor_ts = None
+            self._move("reply", "settle")
+        anchor_ts, late_ok = terms if terms is not None else (None, False)
+        start = -1 if req is None else req.from_seq + (anchor_ts is not None)
+        if req is None or terms is None or (
+            count and (first < start or (first > start and not late_ok) or last != first + count - 1)
+        ):
+            self._restart(f"replay seqs {first}..{last} were applied off the machine's terms", out)
+        else:
+            if anchor_ts is not None:
+                self._move("identity", "vouch")
+                self._identity_failures = 0
+            self._move("history", "known")
+            if count:
+                record = self._record
+                for seq, ts in records:
+                    record(seq, ts)
+                self.last_seq = last
+                self._move("holding", "apply")
+                self.stats.batches += count
+            if count or req.purpose in ("cold", "gap", "retry"):
+                out.append(Emit(Replayed(req.from_seq, count, req.purpose)))
+            if count and first > start:
+                # A start older than the buffer (docs/protocol.md §4) with nothing applied before:
+                # `_uncover`'s loss, whose reset has nothing to drop.
+                self.stats.uncovered += 1
+                self._mark_partial("not-in-buffer", first, out)
         self._advance(out)
         return self._done(before, out)
 

@@ -314,6 +314,15 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_recv.py::test_sources_churning_on_a_shared_endpoint_leave_the_kept_one_followed",),
     ),
     Mutation(
+        "native-replay-hole-taken-whole",
+        "the native thread applies a replay answer whole only if its seqs run without a hole (rules 3-4)",
+        "src/recv/replay.rs",
+        "            if it.batch.is_none() || it.seq != prev + 1 {\n",
+        "            if it.batch.is_none() {\n",
+        ("tests/test_native_replay.py",),
+        ("tests/test_native_replay.py::test_an_answer_with_a_hole_goes_to_the_machine",),
+    ),
+    Mutation(
         "listener-fast-path-left-open",
         "a listener that comes while the native thread's fast paths are open gets every batch applied after it",
         "kvroute/_transports/zmq/native.py",

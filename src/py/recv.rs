@@ -6,7 +6,7 @@
 //! ``dead``: nothing here panics into Python.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +16,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use super::index::{PyIndex, PyKey};
-use crate::recv::{self, Command, Context, Handover, Settings, Shared, SubOptions};
+use crate::recv::{
+    self, Command, Context, Handover, ReplayOutcome, ReplayRequest, Settings, Shared, SubOptions,
+    Terms,
+};
+
+/// A replay request's "armed" flag and its progress, shared with the thread.
+type ReplayFlags = (Arc<AtomicBool>, Arc<AtomicU64>);
 
 /// One receive thread over every SUB socket of a client.
 #[pyclass(frozen, module = "kvroute._core", name = "NativeReceiver")]
@@ -27,6 +33,9 @@ pub struct PyNativeReceiver {
     closed: AtomicBool,
     /// Each source's "alive" flag (see `crate::recv`), cleared by `stop`.
     alive: Mutex<HashMap<u64, Arc<AtomicBool>>>,
+    /// Each replay request's "armed" flag (`crate::recv::ReplayRequest`), cleared by
+    /// `disarm_replay`, and its progress (decodable replies so far).
+    armed: Mutex<HashMap<u64, ReplayFlags>>,
 }
 
 #[pymethods]
@@ -68,6 +77,7 @@ impl PyNativeReceiver {
             ctx,
             closed: AtomicBool::new(false),
             alive: Mutex::new(HashMap::new()),
+            armed: Mutex::new(HashMap::new()),
         })
     }
 
@@ -159,10 +169,104 @@ impl PyNativeReceiver {
         self.shared.command(Command::Park { token, parked });
     }
 
+    /// Carry out replay request ``id`` for source ``token`` on the thread: a DEALER to
+    /// ``endpoint`` (the SUB's options), asking from ``from_seq``. ``whole``: the machine would
+    /// take a complete, clean answer whole (`ReplayAnswers.replay_terms`: ``anchor``, the ts the
+    /// first reply must have; ``late_ok``, a later first seq is a loss that resets nothing), so
+    /// the thread applies it itself if the source handed nothing over since that may change the
+    /// machine's mind (``consumed``: the messages, quiet ticks and monitor events other than a
+    /// completed handshake Python had taken when it asked). It ends
+    /// after ``silent`` s without a decodable reply, ``deadline`` s, ``budget`` replies, or
+    /// ``max_items`` batches or ``max_bytes`` payload bytes; its outcome is a hand-over.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (id, token, endpoint, rcvhwm, max_message_size, reconnect_ivl_ms,
+        reconnect_ivl_max_ms, tcp_keepalive, from_seq, whole, anchor, late_ok, consumed, silent,
+        deadline, budget, max_items, max_bytes))]
+    fn replay(
+        &self,
+        id: u64,
+        token: u64,
+        endpoint: String,
+        rcvhwm: i32,
+        max_message_size: i64,
+        reconnect_ivl_ms: i32,
+        reconnect_ivl_max_ms: i32,
+        tcp_keepalive: bool,
+        from_seq: u64,
+        whole: bool,
+        anchor: Option<f64>,
+        late_ok: bool,
+        consumed: u64,
+        silent: f64,
+        deadline: f64,
+        budget: u64,
+        max_items: usize,
+        max_bytes: usize,
+    ) -> PyResult<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(PyRuntimeError::new_err("the native receiver is closed"));
+        }
+        if id >= 1 << 62 {
+            return Err(PyRuntimeError::new_err("replay id out of range"));
+        }
+        let armed = Arc::new(AtomicBool::new(whole));
+        let progress = Arc::new(AtomicU64::new(0));
+        self.armed
+            .lock()
+            .insert(id, (armed.clone(), progress.clone()));
+        self.shared.command(Command::Replay(Box::new(ReplayRequest {
+            id,
+            token,
+            endpoint,
+            opts: SubOptions {
+                rcvhwm,
+                max_message_size,
+                reconnect_ivl: reconnect_ivl_ms,
+                reconnect_ivl_max: reconnect_ivl_max_ms,
+                tcp_keepalive,
+            },
+            from_seq,
+            terms: whole.then_some(Terms { anchor, late_ok }),
+            armed,
+            progress,
+            consumed,
+            silent: seconds(silent),
+            deadline: seconds(deadline),
+            budget,
+            max_items: max_items.max(1),
+            max_bytes: max_bytes.max(1),
+        })));
+        Ok(())
+    }
+
+    /// The thread applies nothing of replay ``id`` from now on (synchronous: checked under the
+    /// index's lock); its replies are handed over instead.
+    fn disarm_replay(&self, id: u64) {
+        if let Some((armed, _)) = self.armed.lock().get(&id) {
+            armed.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// Decodable replies of replay ``id`` so far; 0 once it ended.
+    fn replay_progress(&self, id: u64) -> u64 {
+        self.armed
+            .lock()
+            .get(&id)
+            .map_or(0, |(_, p)| p.load(Ordering::Relaxed))
+    }
+
+    /// End replay ``id`` now, applying nothing; its outcome (``cancelled``) is still handed over.
+    fn cancel_replay(&self, id: u64) {
+        self.disarm_replay(id);
+        self.shared.command(Command::CancelReplay { id });
+    }
+
     /// Everything waiting: ``(applied, handovers, logs, dead)``. ``applied``: per source
     /// ``(token, seqs, ts, lags, elided, blocks, skipped)``; ``handovers`` in order: ``(0,
     /// token, frames)`` a message, ``(1, token, event, value, endpoint)`` a monitor event,
-    /// ``(2, token)`` a quiet tick; ``dead``: why the thread stopped, or None.
+    /// ``(2, token)`` a quiet tick, ``(3, token, id, applied, items, complete, cut, cancelled,
+    /// good, junk_frames, bad, bad_count, skipped, replies)`` a replay request's end (`replay_outcome`);
+    /// ``dead``: why the thread stopped, or None.
     #[allow(clippy::type_complexity)]
     fn drain<'py>(
         &self,
@@ -212,6 +316,10 @@ impl PyNativeReceiver {
                     endpoint,
                 } => (1u64, token, event, value, endpoint).into_pyobject(py)?,
                 Handover::Quiet { token } => (2u64, token).into_pyobject(py)?,
+                Handover::Replay(outcome) => {
+                    self.armed.lock().remove(&outcome.id);
+                    replay_outcome(py, *outcome)?
+                }
             };
             handovers.append(item)?;
         }
@@ -238,6 +346,58 @@ impl PyNativeReceiver {
             self.shared.release();
         }
     }
+}
+
+/// A duration from Python's seconds: negative or NaN is none, past a day (or infinite) a day.
+fn seconds(s: f64) -> Duration {
+    Duration::from_secs_f64(if s.is_nan() {
+        0.0
+    } else {
+        s.clamp(0.0, 86_400.0)
+    })
+}
+
+/// A replay request's end as `drain` hands it: ``applied`` None, or ``(first, last, seqs, ts,
+/// count, blocks)`` when the thread applied the answer whole; ``items`` its replies otherwise,
+/// ``(seq, ts, payload or None)``; ``bad`` the first few ``(kind, detail)`` of payloads that
+/// did not decode or were untrusted, ``bad_count`` all of them; ``skipped`` events left out.
+fn replay_outcome<'py>(py: Python<'py>, o: ReplayOutcome) -> PyResult<Bound<'py, PyTuple>> {
+    let applied = match o.applied {
+        Some(a) => {
+            let (seqs, ts): (Vec<u64>, Vec<f64>) = a.records.into_iter().unzip();
+            Some((a.first, a.last, seqs, ts, a.count, a.blocks))
+        }
+        None => None,
+    };
+    let items = PyList::empty(py);
+    for (seq, ts, payload) in o.items {
+        let payload = payload.map(|p| PyBytes::new(py, &p));
+        items.append((seq, ts, payload))?;
+    }
+    let skipped = PyDict::new(py);
+    for (why, k) in o.skipped {
+        skipped.set_item(why, k)?;
+    }
+    let bad: Vec<(&str, String)> = o.bad;
+    PyTuple::new(
+        py,
+        [
+            3u64.into_pyobject(py)?.into_any(),
+            o.token.into_pyobject(py)?.into_any(),
+            o.id.into_pyobject(py)?.into_any(),
+            applied.into_pyobject(py)?.into_any(),
+            items.into_any(),
+            o.complete.into_pyobject(py)?.to_owned().into_any(),
+            o.cut.into_pyobject(py)?.into_any(),
+            o.cancelled.into_pyobject(py)?.to_owned().into_any(),
+            o.good.into_pyobject(py)?.into_any(),
+            o.junk_frames.into_pyobject(py)?.into_any(),
+            bad.into_pyobject(py)?.into_any(),
+            o.bad_count.into_pyobject(py)?.into_any(),
+            skipped.into_any(),
+            o.replies.into_pyobject(py)?.into_any(),
+        ],
+    )
 }
 
 impl Drop for PyNativeReceiver {

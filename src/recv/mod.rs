@@ -30,6 +30,11 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::index::{Index, WorkerName};
 use crate::wire;
 
+mod replay;
+pub use replay::{
+    Applied as ReplayApplied, Outcome as ReplayOutcome, Request as ReplayRequest, Terms,
+};
+
 /// Monitor events the Python driver acts on (the same mask as kvroute/_subscriber.py).
 pub const MONITOR_EVENTS: i32 = (zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED
     | zmq_sys::ZMQ_EVENT_DISCONNECTED
@@ -46,6 +51,9 @@ const QUIET_SCAN: Duration = Duration::from_millis(250);
 /// Readiness events taken per poll call (a look repeats the call while the list comes back full).
 const POLL_EVENTS: usize = 4096;
 const WAKER: Token = Token(usize::MAX);
+/// The bit of a poll token that marks a replay DEALER (its request id below it); a source's
+/// tokens (`token << 1`, its SUB, `| 1`, its monitor) stay below it (tokens < 2^62).
+const REPLAY_BIT: usize = 1 << 63;
 static MONITOR_IDS: AtomicU64 = AtomicU64::new(0);
 
 /// The receive loop's settings (from `SubscriberConfig`).
@@ -87,6 +95,8 @@ pub enum Handover {
     },
     /// The SUB had nothing to read for the quiet interval.
     Quiet { token: u64 },
+    /// A replay request ended (`Command::Replay`): applied whole, or its replies.
+    Replay(Box<ReplayOutcome>),
 }
 
 /// The batches the thread applied for one source since the last drain.
@@ -140,6 +150,11 @@ pub enum Command<K> {
     /// Park the source (leave its messages in libzmq's queue and the engine's PUB queue while
     /// a replay of it is in flight: Python would only hold them) or read it again.
     Park { token: u64, parked: bool },
+    /// Carry out a replay request on a DEALER of the thread's own (`replay`).
+    Replay(Box<ReplayRequest>),
+    /// End a replay request now with what it got (Python gave up waiting, or gives way to
+    /// another source): handed over, never applied.
+    CancelReplay { id: u64 },
     /// End the thread, closing every socket.
     Stop,
 }
@@ -168,6 +183,11 @@ impl Context {
             }
             Ok(Context(ctx))
         }
+    }
+
+    /// A DEALER for one replay request (`replay::begin` sets its options and connects it).
+    fn dealer(&self) -> Result<zmq::Socket, String> {
+        self.socket(zmq_sys::ZMQ_DEALER as i32)
     }
 
     fn socket(&self, kind: i32) -> Result<zmq::Socket, String> {
@@ -381,6 +401,11 @@ struct Source<K> {
     parked: bool,
     /// Hand-overs of this source so far (Python opens the fast path only when it consumed all).
     handed: u64,
+    /// Of those, the ones that may change the machine's mind about a replay answer: messages,
+    /// quiet ticks and monitor events other than a completed handshake (a first connect changes
+    /// nothing; a reconnect comes after a disconnect, which counts). A replay answer is applied
+    /// only if none came since the request (`ReplayRequest::consumed`).
+    risky: u64,
     last_read: Instant,
 }
 
@@ -448,6 +473,8 @@ pub fn start<K: WorkerName + 'static>(
                     backlog: VecDeque::new(),
                     in_backlog: HashMap::new(),
                     stalled: Vec::new(),
+                    replays: HashMap::new(),
+                    replays_ready: Vec::new(),
                     _ctx: ctx,
                 }
                 .run()
@@ -494,6 +521,10 @@ struct Loop<K: WorkerName> {
     in_backlog: HashMap<u64, ()>,
     /// Sources with messages waiting for room in the outbox (`Visit::Stalled`).
     stalled: Vec<u64>,
+    /// Replay requests being carried out, by id.
+    replays: HashMap<u64, replay::Running>,
+    /// Replay requests whose DEALER may have something to read.
+    replays_ready: Vec<u64>,
     // Last: dropped after `sources`, so the context terminates once its sockets are closed.
     _ctx: Arc<Context>,
 }
@@ -515,8 +546,11 @@ impl<K: WorkerName> Loop<K> {
             let caught_up = self.backlog.is_empty()
                 && self.stalled.is_empty()
                 && self.shared.outbox.lock().handovers.is_empty();
-            let mut timeout = if self.backlog.is_empty() {
-                next_scan.saturating_duration_since(Instant::now())
+            let mut timeout = if self.backlog.is_empty() && self.replays_ready.is_empty() {
+                // Wake for the next quiet scan, or the next replay request's timer.
+                let due = self.replays.values().map(replay::Running::due).min();
+                let wake = due.map_or(next_scan, |d| d.min(next_scan));
+                wake.saturating_duration_since(Instant::now())
             } else {
                 Duration::ZERO
             };
@@ -532,7 +566,12 @@ impl<K: WorkerName> Loop<K> {
                 }
                 for ev in events.iter() {
                     let t = ev.token();
-                    if t != WAKER {
+                    if t == WAKER {
+                        continue;
+                    }
+                    if t.0 & REPLAY_BIT != 0 {
+                        self.replays_ready.push((t.0 & !REPLAY_BIT) as u64);
+                    } else {
                         self.mark(t.0 as u64 >> 1);
                     }
                 }
@@ -561,6 +600,7 @@ impl<K: WorkerName> Loop<K> {
                 }
             }
             self.round();
+            self.replay_round();
             // Quiet is judged as of a look, never as of the end of the round: a round can
             // last long (a flood, a busy core, the index lock) while sources it already read
             // receive more, which only the next look reports. And only as of a look taken
@@ -621,6 +661,7 @@ impl<K: WorkerName> Loop<K> {
                             open: false,
                             parked: false,
                             handed: 0,
+                            risky: 0,
                             last_read: Instant::now(),
                         },
                     );
@@ -668,6 +709,8 @@ impl<K: WorkerName> Loop<K> {
                         src.open = false;
                     }
                 }
+                Command::Replay(req) => self.begin_replay(*req),
+                Command::CancelReplay { id } => self.end_replay(id, None, true),
                 // The commands after it are dropped with this loop's iterator (their sockets close).
                 Command::Stop => return Ok(false),
             }
@@ -699,6 +742,111 @@ impl<K: WorkerName> Loop<K> {
         }
     }
 
+    /// Open a replay request's DEALER and send it; a request that cannot be sent ends at once.
+    fn begin_replay(&mut self, req: ReplayRequest) {
+        let ctx = self._ctx.clone();
+        match replay::begin(req, || ctx.dealer()) {
+            Ok(running) => {
+                let id = running.req.id;
+                let fd = running.fd;
+                let registered = self.poll.registry().register(
+                    &mut SourceFd(&fd),
+                    Token(REPLAY_BIT | id as usize),
+                    Interest::READABLE,
+                );
+                self.replays.insert(id, running);
+                if let Err(e) = registered {
+                    self.end_replay(
+                        id,
+                        Some(format!("cannot watch the replay socket: {e}")),
+                        false,
+                    );
+                    return;
+                }
+                // Read at once: the descriptor is edge-triggered, and reading resets it.
+                self.replays_ready.push(id);
+            }
+            Err(outcome) => self.hand_over(*outcome, Vec::new()),
+        }
+    }
+
+    /// Read every replay request that may have something, and end those whose time is up.
+    fn replay_round(&mut self) {
+        if self.replays.is_empty() {
+            self.replays_ready.clear();
+            return;
+        }
+        self.shared.held();
+        let now = Instant::now();
+        let mut ready = std::mem::take(&mut self.replays_ready);
+        ready.extend(
+            self.replays
+                .iter()
+                .filter(|(_, r)| r.due() <= now)
+                .map(|(id, _)| *id),
+        );
+        ready.sort_unstable();
+        ready.dedup();
+        let visit = self.settings.visit;
+        for id in ready {
+            let Some(r) = self.replays.get_mut(&id) else {
+                continue;
+            };
+            match r.read(visit, &self.settings.limits) {
+                replay::Step::Going => {
+                    // Stopped at the visit's cap with more to read: again next round.
+                    if r.dealer.get_events().is_ok_and(|e| e.contains(zmq::POLLIN)) {
+                        self.replays_ready.push(id);
+                    }
+                }
+                replay::Step::Ended(cut) => self.end_replay(id, cut, false),
+            }
+        }
+    }
+
+    /// End replay request `id` (closing its DEALER): applied whole if the machine's terms and
+    /// the source's state allow, else its replies handed over.
+    fn end_replay(&mut self, id: u64, cut: Option<String>, cancelled: bool) {
+        let Some(r) = self.replays.remove(&id) else {
+            return;
+        };
+        // Before the socket closes: its descriptor number is reused at once.
+        let _ = self.poll.registry().deregister(&mut SourceFd(&r.fd));
+        let token = r.req.token;
+        let consumed = r.req.consumed;
+        let src = self.sources.get(&token);
+        let index = &self.index;
+        let mut logs = Vec::new();
+        let outcome = r.finish(cut, cancelled, |run, armed| {
+            // Only if the source handed nothing over since the request that may have changed
+            // the machine's mind (a disconnect, a message: `Source::risky`).
+            let src = src.filter(|s| s.risky == consumed)?;
+            let mut idx = index.write();
+            if !src.alive.load(Ordering::SeqCst) || !armed.load(Ordering::SeqCst) {
+                return None;
+            }
+            let mut blocks = 0;
+            for batch in run {
+                blocks += idx.apply_batch(&src.key, batch).stored_blocks;
+            }
+            logs.extend(idx.take_logs());
+            Some(blocks)
+        });
+        self.hand_over(outcome, logs);
+    }
+
+    fn hand_over(&self, outcome: ReplayOutcome, mut logs: Vec<String>) {
+        let mut out = self.shared.outbox.lock();
+        out.bytes += outcome
+            .items
+            .iter()
+            .map(|(_, _, p)| p.as_ref().map_or(0, Vec::len))
+            .sum::<usize>();
+        out.handovers.push(Handover::Replay(Box::new(outcome)));
+        out.logs.append(&mut logs);
+        self.shared.signal(&mut out);
+    }
+
     /// Read `token`'s monitor, then up to one visit's worth of its messages.
     fn visit(&mut self, token: u64) -> Visit {
         let Some(src) = self.sources.get_mut(&token) else {
@@ -721,6 +869,9 @@ impl<K: WorkerName> Loop<K> {
                 u32::from_ne_bytes([frames[0][2], frames[0][3], frames[0][4], frames[0][5]]);
             src.open = false;
             src.handed += 1;
+            if u32::from(event) != zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED {
+                src.risky += 1;
+            }
             out_pending.push(Handover::Monitor {
                 token,
                 event,
@@ -809,6 +960,7 @@ impl<K: WorkerName> Loop<K> {
             }
             src.open = false;
             src.handed += 1;
+            src.risky += 1;
             out_pending.push(Handover::Message {
                 token,
                 frames: frames.iter().map(|f| f.to_vec()).collect(),
@@ -863,6 +1015,7 @@ impl<K: WorkerName> Loop<K> {
             src.last_read = looked;
             src.open = false;
             src.handed += 1;
+            src.risky += 1;
             ticks.push(Handover::Quiet { token: *token });
         }
         if !ticks.is_empty() {

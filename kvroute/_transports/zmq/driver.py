@@ -10,8 +10,9 @@ stops the pump.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import anyio
@@ -88,9 +89,56 @@ class NativeThread(Protocol):
         """Leave ``token``'s messages unread while ``parked``, or read them again."""
         ...
 
+    def replay(
+        self,
+        driver: SourceDriver,
+        from_seq: int,
+        terms: tuple[float | None, bool] | None,
+        *,
+        silent: float,
+        deadline: float,
+        budget: int,
+        max_items: int,
+        max_bytes: int,
+    ) -> int | None:
+        """Send ``driver``'s replay request from ``from_seq`` to the thread (its id), or None when no thread runs."""
+        ...
+
+    def cancel_replay(self, request_id: int) -> None:
+        """End replay ``request_id`` now, applying nothing (its outcome still comes)."""
+        ...
+
+    def replay_progress(self, request_id: int) -> int:
+        """Decodable replies of replay ``request_id`` so far."""
+        ...
+
+    def disarm_replay(self, request_id: int) -> None:
+        """Apply nothing of replay ``request_id`` from now on (hand its replies over)."""
+        ...
+
     async def serve(self) -> None:
         """Run the thread's hand-over loop, or wait while another session runs it."""
         ...
+
+
+class _NativeReplay:
+    """A replay request the native thread carries out for a driver, until its outcome comes."""
+
+    __slots__ = ("abandoned", "counted", "done", "error", "id", "replies", "yielded")
+
+    def __init__(self, request_id: int) -> None:
+        self.id = request_id
+        self.done = anyio.Event()
+        #: Cancelled because the machine will ignore the answer (it gets `on_replay_failed`).
+        self.abandoned = False
+        #: Ended with nothing to show to give its slot way, or with its thread: ask again.
+        self.yielded = False
+        #: Replies the thread read (the request's budget across turns).
+        self.replies = 0
+        #: What carrying out the machine's answer raised (the source fails, alone, in its task).
+        self.error: Exception | None = None
+        #: Decodable replies already counted in ``replayed_batches`` while it ran (`refresh_counters`).
+        self.counted = 0
 
 
 class SourceDriver(DriverBase):
@@ -158,11 +206,22 @@ class SourceDriver(DriverBase):
         # This SUB's token on the thread, the hand-overs taken for it, and the last fast-path open sent.
         self._native_token: int | None = None
         self._native_consumed = 0
+        # Of those, the ones that may change the machine's mind about a replay answer (the
+        # thread applies one whole only if none came since the request: `NativeReceiver.replay`).
+        self._native_risky = 0
         self._native_opened: tuple[int, int] | None = None
         # Whether this side last asked the thread to park the SUB (a replay in flight).
         self._native_parked = False
-        #: Batches the native thread applied for this source.
+        # Replay requests go to the thread too when its endpoint is one the thread can reach.
+        rep = source.replay_endpoint
+        self._native_replays = self._native is not None and rep is not None and rep.startswith(("tcp://", "ipc://"))
+        # The request the thread carries out now, if any.
+        self._native_replay: _NativeReplay | None = None
+        #: Batches the native thread applied for this source (live; its replay answers below).
         self.native_batches = 0
+        #: Replay requests the native thread carried out, and the batches it applied of their answers.
+        self.native_replays = 0
+        self.native_replayed = 0
         #: Seconds from the newest applied live batch's ts (the engine's clock) to its apply.
         self.apply_lag = 0.0
 
@@ -173,8 +232,14 @@ class SourceDriver(DriverBase):
             self._native.stop(self._native_token)
 
     def refresh_counters(self) -> None:
-        """The decoder counts unknown event types itself."""
+        """The decoder counts unknown event types itself; a native replay's replies count as they come."""
         self.counters.unknown_events = self._decoder.unknown_events
+        pending = self._native_replay
+        if pending is not None and self._native is not None:
+            got = self._native.replay_progress(pending.id)
+            if got > pending.counted:
+                self.counters.replayed_batches += got - pending.counted
+                pending.counted = got
 
     def stats(self) -> SourceStats:
         """A snapshot of this source's counters and condition, with its apply lag."""
@@ -259,6 +324,7 @@ class SourceDriver(DriverBase):
         # As `_run_session`, with the SUB and its monitor on the native thread.
         self._recreate = False
         self._native_consumed = 0
+        self._native_risky = 0
         self._native_opened = None
         self._native_parked = False
         token: int | None = None
@@ -518,6 +584,8 @@ class SourceDriver(DriverBase):
             request, self._replay_request = self._replay_request, None
             if request is None:
                 continue
+            if self._native_replays and await self._native_fetch(request.from_seq):
+                continue
             with anyio.CancelScope() as scope:
                 self._replay_scope = scope
                 items, complete, failure = await self._replays.fetch(request.from_seq)
@@ -533,7 +601,170 @@ class SourceDriver(DriverBase):
             else:
                 self.execute(self.machine.on_replay(items, complete=complete))
 
+    async def _native_fetch(self, from_seq: int) -> bool:
+        """Carry out the machine's replay request on the native thread, in turns of the shared slots.
+
+        As `ReplayRequester.fetch`, with the DEALER, its replies and their verdicts on the thread:
+        a turn sends the request with what the request may still spend (time, replies) and waits
+        for its outcome, which `_native_replay_done` feeds the machine in the thread's hand-over
+        order. A turn that has held its slot for its slice while others wait is cancelled: with
+        replies, the machine takes them and asks for the rest; with none, the request goes to
+        the back of the queue. False when no thread runs (the Python requester asks instead).
+        """
+        try:
+            return await self._native_turns(from_seq)
+        finally:
+            # As after `ReplayRequester.fetch`: no deferred probe or reserved slot outlives it.
+            self._replays.close()
+
+    async def _native_turns(self, from_seq: int) -> bool:
+        native, cfg, replays = self._native, self._cfg, self._replays
+        assert native is not None  # _native_replays
+        deadline = math.inf
+        replies = 0
+        while True:
+            async with replays.turn() as turn:
+                now = anyio.current_time()
+                if deadline == math.inf:
+                    deadline = now + cfg.replay_deadline
+                m = self.machine
+                if m.replay_abandoned:
+                    # Made moot while it waited for a slot: never sent.
+                    self.execute(m.on_replay_failed("abandoned"))
+                    return True
+                terms = None if self._sink.active else m.replay_terms()
+                rid = native.replay(
+                    self,
+                    from_seq,
+                    terms,
+                    silent=cfg.replay_timeout,
+                    deadline=deadline - now,
+                    budget=cfg.replay_budget - replies,
+                    max_items=m.max_held,
+                    max_bytes=cfg.held_bytes,
+                )
+                if rid is None:
+                    return False
+                pending = self._native_replay = _NativeReplay(rid)
+                turn.progress = functools.partial(native.replay_progress, rid)
+                try:
+                    with anyio.CancelScope() as scope:
+                        turn.scope = scope
+                        await pending.done.wait()
+                    turn.scope = None
+                    if not pending.done.is_set():
+                        # Another source waits and this turn had its slice: give way.
+                        native.cancel_replay(rid)
+                        with anyio.move_on_after(cfg.replay_timeout + 1.0, shield=True):
+                            await pending.done.wait()
+                finally:
+                    if not pending.done.is_set():
+                        # Cancelled (the source leaves) or the outcome never came: end it there.
+                        native.cancel_replay(rid)
+                        self._native_replay = None
+            if not pending.done.is_set():
+                self.execute(self.machine.on_replay_failed("the native receive thread did not answer"))
+                return True
+            if pending.error is not None:
+                raise pending.error
+            if not pending.yielded:
+                return True
+            replies += pending.replies
+            self.counters.replay_yields += 1
+
+    def _native_replay_done(
+        self,
+        request_id: int,
+        applied: tuple[int, int, list[int], list[float], int, int] | None,
+        items: list[tuple[int, float, bytes | None]],
+        complete: bool,
+        cut: str | None,
+        cancelled: bool,
+        good: int,
+        junk_frames: int,
+        bad: list[tuple[str, str]],
+        bad_count: int,
+        skipped: dict[str, int],
+        replies: int,
+    ) -> None:
+        """A replay request the thread carried out ended (`kvroute._core.NativeReceiver.drain`'s hand-over).
+
+        Fed to the machine here, in the thread's order: applied whole (`on_replay_applied`), or
+        its replies judged by the machine (`on_replay`), or no answer (`on_replay_failed`).
+        """
+        pending = self._native_replay
+        if pending is None or pending.id != request_id:
+            return  # a request given up (its source left, or the wait for it ended)
+        self._native_replay = None
+        pending.replies = replies
+        self.native_replays += 1
+        counters = self.counters
+        counters.replayed_batches += good + bad_count - pending.counted
+        if junk_frames:
+            counters.skipped_frames += junk_frames
+            self._log.warn("skipped replay reply", f"{junk_frames} malformed")
+        for kind, detail in bad:
+            self._bad_payload(kind, detail)
+        counters.decode_errors += bad_count - len(bad)
+        if skipped:
+            self._decoder.count_skipped(skipped)
+        m = self.machine
+        if applied is not None:
+            first, last, seqs, tss, count, blocks = applied
+            counters.blocks += blocks
+            self.native_replayed += count
+            actions = m.on_replay_applied(first, last, list(zip(seqs, tss)), count)
+        elif pending.abandoned:
+            actions = m.on_replay_failed("abandoned")
+        elif cancelled and not items:
+            pending.yielded = True  # gave way with nothing to show: asked again in a later turn
+            pending.done.set()
+            return
+        else:
+            if not complete and cut is not None:
+                counters.replay_cutoffs += 1
+                self._log.warn("replay cut short", cut)
+            if not items and not complete:
+                actions = m.on_replay_failed(cut or f"no reply within {self._cfg.replay_timeout:g} s")
+            else:
+                payloads: list[tuple[int, float, Payload | None]] = list(items)
+                actions = m.on_replay(payloads, complete=complete)
+        pending.done.set()
+        try:
+            self.execute(actions)
+        except Exception as exc:
+            # Raised in the replay task (the source fails alone), not in the thread's drain,
+            # which every source shares.
+            pending.error = exc
+
+    def _native_replay_gone(self, request_id: int) -> None:
+        """The thread that carried out ``request_id`` is gone (its last source left): ask again."""
+        pending = self._native_replay
+        if pending is not None and pending.id == request_id:
+            self._native_replay = None
+            pending.yielded = True
+            pending.done.set()
+
+    def _disarm_native_replay(self) -> None:
+        """The machine will not take the answer in flight whole any more: the thread applies none of it."""
+        pending = self._native_replay
+        if pending is not None and self._native is not None:
+            self._native.disarm_replay(pending.id)
+
     # --- actions --------------------------------------------------------------------------------
+
+    def execute(self, actions: Sequence[Action]) -> None:
+        """`DriverBase.execute`; first, a native replay the machine abandoned is disarmed and ended.
+
+        Before any action runs: a reset (`ResetWorker`) must not be followed by the thread
+        applying the abandoned answer.
+        """
+        pending = self._native_replay
+        if pending is not None and not pending.abandoned and self.machine.replay_abandoned:
+            pending.abandoned = True
+            assert self._native is not None  # a native replay runs
+            self._native.cancel_replay(pending.id)
+        super().execute(actions)
 
     def on_action(self, action: Action) -> None:
         """Ask a replay (the replay task carries it out) or recreate the SUB socket."""

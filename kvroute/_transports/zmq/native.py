@@ -7,6 +7,7 @@ import logging
 import time
 
 import anyio
+import zmq
 
 import kvroute._core as _core
 
@@ -22,6 +23,7 @@ __all__ = ["NativeReceiver"]
 log = logging.getLogger("kvroute.subscriber")
 
 _tokens = itertools.count(1)
+_replay_ids = itertools.count(1)
 _index_log = logging.getLogger("kvroute.index")
 
 
@@ -59,6 +61,8 @@ class NativeReceiver(_LoopLeader):
         self._held: _core.NativeReceiver | None = None
         # The source `remove` is draining for: its hand-overs are dropped, as after its removal.
         self._removing: int | None = None
+        # The replay requests the thread carries out, and whose they are.
+        self._replays: dict[int, SourceDriver] = {}
 
     @staticmethod
     def eligible(source: EventSource) -> bool:
@@ -127,6 +131,10 @@ class NativeReceiver(_LoopLeader):
             self.release()
             core.close()
             self._core, self._fd = None, -1
+            # Its replay requests end with it: their drivers ask again.
+            replays, self._replays = self._replays, {}
+            for rid, d in replays.items():
+                d._native_replay_gone(rid)
 
     def stop(self, token: int) -> None:
         """Apply nothing more for ``token`` from now on (synchronous: before its worker leaves the index)."""
@@ -147,6 +155,75 @@ class NativeReceiver(_LoopLeader):
         """Leave ``token``'s messages unread while ``parked`` (a replay of it is in flight), or read them again."""
         if self._core is not None and token in self._drivers:
             self._core.park(token, parked)
+
+    def replay(
+        self,
+        driver: SourceDriver,
+        from_seq: int,
+        terms: tuple[float | None, bool] | None,
+        *,
+        silent: float,
+        deadline: float,
+        budget: int,
+        max_items: int,
+        max_bytes: int,
+    ) -> int | None:
+        """Have the thread ask ``driver``'s replay endpoint for every batch from ``from_seq``; the request's id.
+
+        The thread opens a DEALER of its own, reads and judges the replies, and ends the request
+        at the end marker or a limit (``silent`` s without a decodable reply, ``deadline`` s,
+        ``budget`` replies, ``max_items`` batches or ``max_bytes`` bytes). ``terms``: the
+        machine's `replay_terms` (None: apply nothing); on them the thread applies a complete,
+        clean answer itself, if the SUB handed nothing over since that may change the machine's
+        mind (a message, a disconnect: `_native_risky`). Its outcome comes to
+        ``driver._native_replay_done`` in hand-over order. None when no thread runs or the driver's
+        SUB is not on it (between two sessions): the Python requester asks instead.
+        """
+        core, token = self._core, driver._native_token
+        if core is None or token is None or token not in self._drivers:
+            return None
+        src, cfg = driver.source, self._cfg
+        assert src.replay_endpoint is not None  # the driver asks only for a source with one
+        rid = next(_replay_ids)
+        anchor, late_ok = terms if terms is not None else (None, False)
+        core.replay(
+            rid,
+            token,
+            src.replay_endpoint,
+            cfg.sub_rcvhwm(None),
+            cfg.max_message_size,
+            max(1, round(cfg.reconnect_ivl * 1000)),
+            max(0, round(cfg.reconnect_ivl_max * 1000)),
+            cfg.tcp_keepalive,
+            from_seq,
+            terms is not None,
+            anchor,
+            late_ok,
+            driver._native_risky,
+            silent,
+            deadline,
+            budget,
+            max_items,
+            max_bytes,
+        )
+        self._replays[rid] = driver
+        return rid
+
+    def cancel_replay(self, request_id: int) -> None:
+        """End replay ``request_id`` now, applying nothing of it; its outcome is still handed over."""
+        if self._core is not None and request_id in self._replays:
+            self._core.cancel_replay(request_id)
+
+    def replay_progress(self, request_id: int) -> int:
+        """Decodable replies of replay ``request_id`` so far (0 once it ended)."""
+        if self._core is not None and request_id in self._replays:
+            return self._core.replay_progress(request_id)
+        return 0
+
+    def disarm_replay(self, request_id: int) -> None:
+        """Apply nothing of replay ``request_id`` from now on (synchronous); its replies are handed over."""
+        if self._core is not None and request_id in self._replays:
+            self._core.disarm_replay(request_id)
 
     def hold(self) -> bool:
         """Stop the thread applying until `release`, with every batch it applied recorded by its source's machine.
@@ -174,6 +251,9 @@ class NativeReceiver(_LoopLeader):
             if d._native_opened is not None and d._sink.active:
                 core.close_fast(token)
                 d._native_opened = None
+            if d._sink.active:
+                # Its replay answer, too, must come as events: the machine takes it reply by reply.
+                d._disarm_native_replay()
         return newly
 
     def release(self) -> None:
@@ -211,11 +291,19 @@ class NativeReceiver(_LoopLeader):
         self.draining = True
         try:
             for h in handovers:
+                if h[0] == 3:
+                    owner = self._replays.pop(h[2], None)
+                    if owner is not None:
+                        owner._native_replay_done(*h[2:])
+                        touched[owner] = None  # unparked, its fast path opened, at the end
+                    continue
                 d = drivers.get(h[1])
                 if d is None or d._recreate or h[1] == self._removing:
                     continue  # a removed source's, or a SUB's being recreated (a dead engine's stream)
                 d._native_consumed += 1
                 kind = h[0]
+                if kind != 1 or h[2] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    d._native_risky += 1  # as the thread counts them (`src/recv`, `Source::risky`)
                 if kind == 0:
                     d._on_messages([h[2]], wall)
                 elif kind == 1:

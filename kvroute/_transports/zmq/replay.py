@@ -32,18 +32,22 @@ _PRODUCTIVE_SLICES = 10
 class Turn:
     """One replay turn holding a slot: since when, how productive, and the scope of its current wait."""
 
-    __slots__ = ("batches", "began", "nudged", "scope")
+    __slots__ = ("batches", "began", "nudged", "progress", "scope")
 
     def __init__(self) -> None:
         self.began = 0.0
         self.batches = 0
         self.nudged = False
         self.scope: anyio.CancelScope | None = None
+        #: The decodable replies so far of a turn carried out elsewhere (the native thread), read
+        #: instead of ``batches``.
+        self.progress: Callable[[], int] | None = None
 
     def limit(self, now: float, slice_seconds: float) -> float:
         """How long this turn may hold its slot while another source waits."""
         held = now - self.began
-        productive = held > 0 and self.batches >= _PRODUCTIVE_RATE * held
+        batches = self.batches if self.progress is None else self.progress()
+        productive = held > 0 and batches >= _PRODUCTIVE_RATE * held
         return slice_seconds * (_PRODUCTIVE_SLICES if productive else 1)
 
 
@@ -226,6 +230,18 @@ class ReplayRequester:
         """Have ``retry`` called once when a slot is next free (`ReplaySlots.defer`), until `close`."""
         self._retry = retry
         self._slots.defer(retry)
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[Turn]:
+        """Hold a replay slot for a turn of a request carried out elsewhere (the native thread,
+        `SourceDriver._native_fetch`): the slot reserved for it, else one waited for."""
+        reserved, self._reserved = self._reserved, None
+        async with self._slots.turn(reserved) as turn:
+            self._turn = turn
+            try:
+                yield turn
+            finally:
+                self._turn = None
 
     async def fetch(self, start: int) -> tuple[list[tuple[int, float, Payload | None]], bool, str | None]:
         """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).

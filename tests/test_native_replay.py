@@ -1,0 +1,228 @@
+"""Replay requests carried out by the native receive thread, end to end over loopback sockets.
+
+The thread opens the DEALER, reads and judges every reply, and applies an answer the recovery
+machine's rules take whole (`ReplayAnswers.replay_terms`) itself, handing Python one summary;
+any other answer (empty, cut short, with a hole, timed out) is handed over reply by reply and
+judged by the machine as before. Each test checks the index against the engine's truth and that
+the thread did the work (`SourceDriver.native_replays` / `native_replayed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+import msgspec
+import pytest
+import zmq
+from _publisher_helpers import (
+    FAST,
+    Workload,
+    assert_index_equal,
+    assert_index_subset,
+    truth_index,
+    wait_for,
+)
+
+from kvroute._client import KvEventClient
+from kvroute._models import EventSource
+from kvroute._recovery import REPLAY_END_MARKER
+from kvroute._transports.zmq import sockets as _zmq
+from kvroute._transports.zmq.driver import SourceDriver
+from kvroute.sim._publisher import EventPublisher
+
+pytestmark = pytest.mark.anyio
+
+NATIVE = msgspec.structs.replace(FAST, native_receive=True)
+
+
+def _driver(client: KvEventClient, src: EventSource) -> SourceDriver:
+    driver = client._subs[src.key].driver  # type: ignore[attr-defined]
+    assert isinstance(driver, SourceDriver)
+    return driver
+
+
+async def _caught_up(client: KvEventClient, src: EventSource, last: int) -> None:
+    def done() -> bool:
+        st = client.stats().sources.get(src.key)
+        return st is not None and st.last_seq == last and st.state == "synced"
+
+    await wait_for(done, f"{src.key} applied through seq {last}")
+
+
+@contextlib.asynccontextmanager
+async def _router(
+    pub: EventPublisher, answer: Callable[[int, int], list[int] | None]
+) -> AsyncIterator[str]:
+    """A replay endpoint serving ``pub``'s buffer as ``answer(n, start)`` says for the n-th request.
+
+    ``answer`` lists the seqs to send (then the end marker), or None: send the first 5 from
+    ``start`` and close the socket mid-answer (a disconnect; later requests find a new one bound
+    on the same port). Yields its endpoint.
+    """
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+
+    async def serve() -> None:
+        nonlocal sock
+        n = 0
+        while True:
+            for frames in await _zmq.recv_many(sock, 16):
+                ident, start = frames[0], int.from_bytes(frames[2], "big")
+                buffered = dict(pub._buffer)  # type: ignore[attr-defined]
+                seqs = answer(n, start)
+                n += 1
+                for seq in seqs if seqs is not None else range(start, start + 5):
+                    sock.send_multipart([ident, b"", b"", seq.to_bytes(8, "big"), buffered[seq]])
+                if seqs is None:
+                    await anyio.sleep(0.05)
+                    _zmq.close(sock)
+                    sock = ctx.socket(zmq.ROUTER)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    for _ in range(200):
+                        try:
+                            sock.bind(endpoint)
+                            break
+                        except zmq.ZMQError:
+                            await anyio.sleep(0.01)  # libzmq releases the port in its own thread
+                    break
+                sock.send_multipart([ident, b"", b"", REPLAY_END_MARKER, b""])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve)
+        try:
+            yield endpoint
+        finally:
+            tg.cancel_scope.cancel()
+            _zmq.close(sock)
+
+
+async def test_a_cold_answer_is_applied_whole_by_the_thread() -> None:
+    wl = Workload(1)
+    async with EventPublisher() as pub:
+        for _ in range(50):
+            pub.publish(wl.batch())
+        src = pub.source("w")
+        async with KvEventClient([src], config=NATIVE) as client:
+            await client.wait_synced(10)
+            driver = _driver(client, src)
+            await _caught_up(client, src, 49)
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+            st = client.stats().sources[src.key]
+            assert driver.native_replayed == 50 and driver.native_replays >= 1
+            assert st.batches == 50 and st.resets == 0 and not st.partial
+            assert st.replayed_batches >= 50
+
+
+async def test_an_answer_that_starts_late_is_applied_and_marks_the_history_partial() -> None:
+    # The buffer keeps the newest 10 of 30: the cold answer starts at seq 20 (rule 6).
+    wl = Workload(2)
+    async with EventPublisher(buffer_steps=10) as pub:
+        for _ in range(30):
+            pub.publish(wl.batch())
+        src = pub.source("w")
+        async with KvEventClient([src], config=NATIVE) as client:
+            await client.wait_synced(10)
+            driver = _driver(client, src)
+            await _caught_up(client, src, 29)
+            st = client.stats().sources[src.key]
+            assert driver.native_replayed == 10
+            assert st.partial and st.uncovered == 1 and st.resets == 0 and st.batches == 10
+            assert_index_subset(client.index, truth_index({src.key: pub}), wl.queries)
+
+
+async def test_an_empty_identity_answer_is_a_restart() -> None:
+    # After a restart on the same port the reconnect's identity check asks from seq 9; the new
+    # engine never got that far and answers nothing: the machine resets and starts over cold.
+    wl = Workload(3)
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        async with KvEventClient([src], config=NATIVE) as client:
+            await client.wait_synced(10)
+            driver = _driver(client, src)
+            for _ in range(10):
+                pub.publish(wl.batch())
+            await _caught_up(client, src, 9)
+            asked = driver.native_replays
+            pub.restart()
+            wl = Workload(30)  # the new process's cache starts empty
+            await wait_for(lambda: client.stats().sources[src.key].restarts >= 1, "the restart is seen")
+            for _ in range(5):
+                pub.publish(wl.batch())
+            await _caught_up(client, src, 4)
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+            assert driver.native_replays > asked
+
+
+async def test_an_answer_cut_short_by_a_disconnect_is_applied_and_the_rest_asked_again() -> None:
+    # The endpoint sends seqs 0-4 of 20 and drops the connection: no end marker. After the
+    # silence the thread hands the five over, the machine applies them and asks from 5 (rule 4),
+    # which the endpoint (bound again) answers whole.
+    wl = Workload(4)
+    async with EventPublisher() as pub:
+        for _ in range(20):
+            pub.publish(wl.batch())
+
+        def answer(n: int, start: int) -> list[int] | None:
+            return None if n == 0 else list(range(start, pub.next_seq))
+
+        async with _router(pub, answer) as endpoint:
+            src = pub.source("w", replay_endpoint=endpoint)
+            async with KvEventClient([src], config=NATIVE) as client:
+                await client.wait_synced(10)
+                driver = _driver(client, src)
+                await _caught_up(client, src, 19)
+                assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+                st = client.stats().sources[src.key]
+                assert st.resets == 0 and not st.partial and st.batches == 20
+                # The five came reply by reply; the retry's 15 the thread applied whole.
+                assert driver.native_replayed == 15
+
+
+async def test_an_answer_with_a_hole_goes_to_the_machine() -> None:
+    # Seq 3 is missing from the first answer (a ROUTER past its hwm drops replies silently):
+    # it is not taken whole; the machine applies 0-2, holds 4.., asks from 3 (the retry, with
+    # batches held, is the machine's too) and applies the rest, no reset.
+    wl = Workload(5)
+    async with EventPublisher() as pub:
+        for _ in range(12):
+            pub.publish(wl.batch())
+
+        def answer(n: int, start: int) -> list[int]:
+            seqs = list(range(start, pub.next_seq))
+            return [s for s in seqs if s != 3] if n == 0 else seqs
+
+        async with _router(pub, answer) as endpoint:
+            src = pub.source("w", replay_endpoint=endpoint)
+            async with KvEventClient([src], config=NATIVE) as client:
+                await client.wait_synced(10)
+                driver = _driver(client, src)
+                await _caught_up(client, src, 11)
+                assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+                st = client.stats().sources[src.key]
+                assert st.resets == 0 and st.restarts == 0 and not st.partial
+                assert driver.native_replays >= 2 and driver.native_replayed == 0
+
+
+async def test_an_unanswered_request_times_out_on_the_thread() -> None:
+    wl = Workload(6)
+    async with EventPublisher() as pub:
+        for _ in range(5):
+            pub.publish(wl.batch())
+        pub.replay_mute = True
+        src = pub.source("w")
+        async with KvEventClient([src], config=NATIVE) as client:
+            driver = _driver(client, src)
+            await wait_for(lambda: client.stats().sources[src.key].replay_failures >= 1, "the cold replay times out")
+            assert driver.native_replays >= 1 and driver.native_replayed == 0
+            # The cold replay failed: the first live seq starts the history, partial (rule 6).
+            pub.replay_mute = False
+            pub.publish(wl.batch())
+            await _caught_up(client, src, 5)
+            st = client.stats().sources[src.key]
+            assert st.partial
+            assert_index_subset(client.index, truth_index({src.key: pub}), wl.queries)
