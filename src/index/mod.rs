@@ -186,7 +186,8 @@ impl<V> Default for IntMap<V> {
 }
 
 impl<V: Copy + Default> IntMap<V> {
-    #[inline]
+    /// The slot a probe of `h` starts at (the tests' check of how homes spread).
+    #[cfg(test)]
     fn home(&self, h: u64) -> usize {
         scaled(hash_u64(h), self.slots.len())
     }
@@ -194,11 +195,18 @@ impl<V: Copy + Default> IntMap<V> {
     /// The slot holding `h`, or the empty slot that ends its probe (None: no slots yet).
     #[inline]
     fn probe(&self, h: u64) -> Option<usize> {
+        self.probe_hashed(h, hash_u64(h))
+    }
+
+    /// `probe` with `hh`, `hash_u64(h)`, computed by the caller (the store path computes it
+    /// once, to prefetch the slot ahead of the insert).
+    #[inline]
+    fn probe_hashed(&self, h: u64, hh: u64) -> Option<usize> {
         let cap = self.slots.len();
         if cap == 0 {
             return None;
         }
-        let mut i = self.home(h);
+        let mut i = scaled(hh, cap);
         loop {
             let k = self.slots[i].0.get();
             if k == h || k == EMPTY_HASH {
@@ -234,6 +242,12 @@ impl<V: Copy + Default> IntMap<V> {
     /// The value under `h`, inserted as `v` if absent: (its place, whether it was inserted).
     #[inline]
     fn entry(&mut self, h: u64, v: V) -> (&mut V, bool) {
+        self.entry_hashed(h, hash_u64(h), v)
+    }
+
+    /// `entry` with `hh`, `hash_u64(h)`, computed by the caller.
+    #[inline]
+    fn entry_hashed(&mut self, h: u64, hh: u64, v: V) -> (&mut V, bool) {
         if h == EMPTY_HASH {
             let fresh = self.at_empty.is_none();
             return (self.at_empty.get_or_insert(v), fresh);
@@ -241,7 +255,7 @@ impl<V: Copy + Default> IntMap<V> {
         if self.len >= int_map_load(self.slots.len()) {
             self.grow_to(self.len + 1);
         }
-        let i = self.probe(h).expect("room was made");
+        let i = self.probe_hashed(h, hh).expect("room was made");
         let fresh = self.slots[i].0.get() == EMPTY_HASH;
         if fresh {
             self.slots[i] = (H64::new(h), v);
@@ -290,6 +304,20 @@ impl<V: Copy + Default> IntMap<V> {
                 let i = self.probe(e.0.get()).expect("slots");
                 self.slots[i] = e;
             }
+        }
+    }
+
+    /// Start bringing the slot a probe of an engine hash whose `hash_u64` is `hh` reads first
+    /// into cache (a worker's table at 1M entries is megabytes: every insert missed on it).
+    #[inline]
+    fn prefetch_hashed(&self, hh: u64) {
+        if !self.slots.is_empty() {
+            prefetch(
+                self.slots
+                    .as_ptr()
+                    .wrapping_add(scaled(hh, self.slots.len()))
+                    .cast(),
+            );
         }
     }
 
@@ -365,12 +393,42 @@ impl<V: Copy + Default> EMap<V> {
         }
     }
 
-    /// Insert `v` under `h` unless `h` is there already: Ok when inserted, Err (`v` back) when
-    /// not (the store path's one probe: present or not, and the insert, in one lookup).
+    /// The hash a uint64 engine hash's slot comes from (0 for a bytes hash, which a hashbrown
+    /// table keeps): computed once per block by the store path, for `prefetch_hashed` and
+    /// `try_insert_hashed`.
     #[inline]
-    pub(crate) fn try_insert(&mut self, h: &BlockHash, v: V) -> Result<(), V> {
+    pub(crate) fn slot_hash(h: &BlockHash) -> u64 {
         match h {
-            BlockHash::Int(i) => match self.ints.entry(*i, v) {
+            BlockHash::Int(i) => hash_u64(*i),
+            BlockHash::Bytes(_) => 0,
+        }
+    }
+
+    /// Bytes of the uint64 hashes' slots (what a probe reads at random).
+    #[inline]
+    pub(crate) fn slot_bytes(&self) -> usize {
+        self.ints.memory_bytes()
+    }
+
+    /// Start bringing the slot of an engine hash whose `slot_hash` is `hh` into cache.
+    #[inline]
+    pub(crate) fn prefetch_hashed(&self, hh: u64) {
+        self.ints.prefetch_hashed(hh);
+    }
+
+    /// Insert `v` under `h` unless `h` is there already: Ok when inserted, Err (`v` back) when
+    /// not (the store path's one probe: present or not, and the insert, in one lookup). The
+    /// store path calls `try_insert_hashed`; this is the tests' form.
+    #[cfg(test)]
+    pub(crate) fn try_insert(&mut self, h: &BlockHash, v: V) -> Result<(), V> {
+        self.try_insert_hashed(h, Self::slot_hash(h), v)
+    }
+
+    /// `try_insert` with `hh`, `slot_hash(h)`, computed by the caller.
+    #[inline]
+    pub(crate) fn try_insert_hashed(&mut self, h: &BlockHash, hh: u64, v: V) -> Result<(), V> {
+        match h {
+            BlockHash::Int(i) => match self.ints.entry_hashed(*i, hh, v) {
                 (_, true) => Ok(()),
                 (_, false) => Err(v),
             },
@@ -674,6 +732,8 @@ pub struct Index<K: WorkerName> {
 #[derive(Default)]
 pub(crate) struct Scratch {
     pub(crate) keys: Vec<Key>,
+    /// each block's `EMap::slot_hash` (store.rs: computed once, to prefetch then insert)
+    pub(crate) slot_hashes: Vec<u64>,
     pub(crate) ids: Vec<u32>,
     pub(crate) held: Vec<bool>,
 }
@@ -1068,6 +1128,45 @@ mod tests {
         let mut want: Vec<(u64, u32)> = model.into_iter().collect();
         want.sort_unstable();
         assert_eq!(got, want);
+    }
+
+    /// Past `FAR_TABLE_BYTES` of slots the store path prefetches with the slot hashes it took
+    /// before the inserts; the table grows under those inserts, so the hashes must be the
+    /// ones every other lookup uses (the empty marker, stored as a real hash, included).
+    #[test]
+    fn a_worker_past_the_prefetch_threshold_stores_and_finds_every_block() {
+        let mut idx: Index<W> = Index::new(Limits::default());
+        let (bs, per, events) = (2i64, 512u64, 120u64); // 61,440 blocks: > 512 KB of 12-byte slots
+        let mut prev: Option<u64> = None;
+        for e in 0..events {
+            let hashes: Vec<u64> = (0..per)
+                .map(|i| match e * per + i {
+                    7 => u64::MAX, // the slots' empty marker, as an engine hash
+                    n => n.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1,
+                })
+                .collect();
+            let tokens: Vec<i64> = (0..per as i64 * bs)
+                .map(|t| t + (e * per) as i64 * bs)
+                .collect();
+            idx.apply(&W("a"), &stored(&hashes, prev, &tokens, bs));
+            prev = hashes.last().copied();
+        }
+        assert_eq!(idx.num_blocks(Some(&W("a"))), events * per);
+        let slot = idx.by_key[&W("a")];
+        let w = idx.workers[slot as usize].as_ref().expect("live worker");
+        assert!(w.blocks.slot_bytes() > super::store::FAR_TABLE_BYTES);
+        for n in [0, 7, 8, 30_000, events * per - 1] {
+            let h = if n == 7 {
+                u64::MAX
+            } else {
+                n.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1
+            };
+            assert!(w.blocks.contains(&BlockHash::Int(h)), "block {n}");
+        }
+        // The chain matches through the first 10,000 blocks (a prompt of 20,001 tokens: the
+        // last token is never served from cache).
+        let prompt: Vec<u32> = (0..20_001).collect();
+        assert_eq!(matches(&idx, &prompt), vec![("a", 10_000)]);
     }
 
     #[test]

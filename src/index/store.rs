@@ -12,6 +12,10 @@ use super::{
 use crate::keys::{self, Key};
 use crate::protocols::{Batch, BlockHash, BlockRemoved, BlockStored, Event, Value};
 
+/// A worker's engine-hash table past this many bytes of slots has its slots prefetched on the
+/// store path (half of this machine's 1 MB L2 per core: a smaller one is mostly in cache).
+pub(crate) const FAR_TABLE_BYTES: usize = 512 << 10;
+
 /// An event's per-block extras, encoded (None: a block without extras).
 pub(crate) type Extras = Vec<Option<Vec<u8>>>;
 
@@ -731,10 +735,27 @@ impl<K: WorkerName> Index<K> {
         for k in sc.keys.iter().take(LOOKUP_AHEAD) {
             self.table.prefetch_key(k);
         }
+        // A worker's own table is megabytes at 1M entries over a few workers (bench_fill.py's
+        // `at1M`: its insert was the largest single cost there, a cache miss a block). Each
+        // block's slot hash is taken once; when the table is larger than a core's share of L2,
+        // its slot is prefetched during the interning, well before the insert below (a table
+        // that fits gains nothing, and the 64-worker fill measured slower with it).
+        sc.slot_hashes.clear();
+        sc.slot_hashes
+            .extend(hashes.iter().map(EMap::<u32>::slot_hash));
+        let far = w.blocks.slot_bytes() > FAR_TABLE_BYTES;
+        if far {
+            for &hh in sc.slot_hashes.iter().take(LOOKUP_AHEAD) {
+                w.blocks.prefetch_hashed(hh);
+            }
+        }
         sc.ids.clear();
         for i in 0..sc.keys.len() {
             if let Some(k) = sc.keys.get(i + LOOKUP_AHEAD) {
                 self.table.prefetch_key(k);
+                if far {
+                    w.blocks.prefetch_hashed(sc.slot_hashes[i + LOOKUP_AHEAD]);
+                }
             }
             sc.ids.push(self.table.retain_key(&sc.keys[i]));
         }
@@ -743,8 +764,9 @@ impl<K: WorkerName> Index<K> {
         sc.held.clear();
         sc.held
             .extend(sc.ids.iter().map(|&id| self.table.flags(id, slot) & H != 0));
-        for (i, (ehash, &id)) in hashes.iter().zip(&sc.ids).enumerate() {
-            if w.blocks.try_insert(ehash, id).is_err() {
+        for (i, ((ehash, &hh), &id)) in hashes.iter().zip(&sc.slot_hashes).zip(&sc.ids).enumerate()
+        {
+            if w.blocks.try_insert_hashed(ehash, hh, id).is_err() {
                 // Held already, or earlier in this event: undo, for the caller's slow path.
                 for h in &hashes[..i] {
                     w.blocks.remove(h);
