@@ -256,6 +256,9 @@ class KvEventClient:
     ) -> bool | None:
         tg, self._tg = self._tg, None
         assert tg is not None
+        # Nothing is applied off the event loop from here on (what was is recorded as each source
+        # stops): one hold for every source, released once they are all gone.
+        held = [t for t in self._transports if t.hold()]
         tg.cancel_scope.cancel()
         try:
             if isinstance(exc, anyio.get_cancelled_exc_class()):
@@ -274,6 +277,8 @@ class KvEventClient:
                 raise
             return None
         finally:
+            for transport in held:
+                transport.release()
             # Where the sources stopped stays resumable: a snapshot taken after the block, or
             # entering it again, resumes from there (every driver is done: nothing moves now).
             self._restored.restart_from(self._positions())
@@ -622,7 +627,17 @@ class KvEventClient:
             self._changed = None
 
     def _all_synced(self) -> bool:
-        return not self._targets_pending and all(s.driver.machine.state == "synced" for s in self._subs.values())
+        if self._targets_pending:
+            return False
+        # `wait_synced` asks at every change: a pass over every source each time is O(n²) over a
+        # cold sync (11 % of a 4,096-source one). A source the vouching set names unsynced is
+        # looked at first; found unsynced, that is the answer. Only a yes takes the whole pass.
+        for key in self._vouching.unsynced:
+            sub = self._subs.get(key)
+            if sub is not None and sub.driver.machine.state != "synced":
+                return False
+            break
+        return all(s.driver.machine.state == "synced" for s in self._subs.values())
 
     async def wait_synced(self, timeout: float) -> None:  # noqa: ASYNC109 (the public API names it, docs/architecture.md)
         """Return once every current source is caught up (cold-start replay done, no gap pending).

@@ -115,14 +115,19 @@ class NativeReceiver(_LoopLeader):
         # have its machine record them before the driver goes, or the source's position (kept
         # for a snapshot or the next session) would name an older batch than the index holds.
         # Stopped first, then held at a visit's end, nothing of it is applied after this drain.
+        # A client leaving holds the thread once for all its sources (`KvEventClient.__aexit__`):
+        # a hold per source would wait for the thread 4,096 times at a 4,096-source exit.
         core.stop(token)
+        hold = self._held is not core
+        if hold:
+            core.hold()
         self._removing = token
         try:
-            held = self.hold()
+            self._drain()
         finally:
             self._removing = None
-        if held:
-            self.release()
+            if hold:
+                core.release()
         del self._drivers[token]
         core.remove(token)
         if not self._drivers:
