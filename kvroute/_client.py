@@ -256,8 +256,10 @@ class KvEventClient:
     ) -> bool | None:
         tg, self._tg = self._tg, None
         assert tg is not None
-        # Nothing is applied off the event loop from here on (what was is recorded as each source
-        # stops): one hold for every source, released once they are all gone.
+        # A receive thread applies a batch (or a whole replay answer) before the event loop records
+        # it, and a source's records still in its outbox are dropped with the source: held (and
+        # drained) before any source stops, the positions kept for a snapshot or the next entry
+        # name what the index holds, and nothing more is applied off the loop while they stop.
         held = [t for t in self._transports if t.hold()]
         tg.cancel_scope.cancel()
         try:

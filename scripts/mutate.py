@@ -334,9 +334,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "removed-source-applies-unrecorded",
         "what the native thread applied for a source before it leaves is recorded in the source's position",
-        "kvroute/_transports/zmq/native.py",
-        "            held = self.hold()\n",
-        "            held = False\n",
+        "kvroute/_client.py",
+        "        held = [t for t in self._transports if t.hold()]\n        tg.cancel_scope.cancel()\n",
+        "        held: list[Transport] = []\n        tg.cancel_scope.cancel()\n",
         ("tests/test_warm_restart.py",),
         (
             "tests/test_warm_restart.py::"

@@ -59,8 +59,6 @@ class NativeReceiver(_LoopLeader):
         self.draining = False
         # The core receiver whose thread this side holds (`hold`), if any.
         self._held: _core.NativeReceiver | None = None
-        # The source `remove` is draining for: its hand-overs are dropped, as after its removal.
-        self._removing: int | None = None
         # The replay requests the thread carries out, and whose they are.
         self._replays: dict[int, SourceDriver] = {}
 
@@ -108,27 +106,8 @@ class NativeReceiver(_LoopLeader):
     def remove(self, token: int) -> None:
         """Stop following ``token`` (its sockets close on the thread; its later hand-overs are dropped)."""
         core = self._core
-        if token not in self._drivers or core is None:
-            self._drivers.pop(token, None)
+        if self._drivers.pop(token, None) is None or core is None:
             return
-        # Batches the thread applied for this source wait in its outbox until the next drain:
-        # have its machine record them before the driver goes, or the source's position (kept
-        # for a snapshot or the next session) would name an older batch than the index holds.
-        # Stopped first, then held at a visit's end, nothing of it is applied after this drain.
-        # A client leaving holds the thread once for all its sources (`KvEventClient.__aexit__`):
-        # a hold per source would wait for the thread 4,096 times at a 4,096-source exit.
-        core.stop(token)
-        hold = self._held is not core
-        if hold:
-            core.hold()
-        self._removing = token
-        try:
-            self._drain()
-        finally:
-            self._removing = None
-            if hold:
-                core.release()
-        del self._drivers[token]
         core.remove(token)
         if not self._drivers:
             # The client may be leaving: no thread, no sockets while no source runs.
@@ -303,7 +282,7 @@ class NativeReceiver(_LoopLeader):
                         touched[owner] = None  # unparked, its fast path opened, at the end
                     continue
                 d = drivers.get(h[1])
-                if d is None or d._recreate or h[1] == self._removing:
+                if d is None or d._recreate:
                     continue  # a removed source's, or a SUB's being recreated (a dead engine's stream)
                 d._native_consumed += 1
                 kind = h[0]
