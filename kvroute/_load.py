@@ -207,6 +207,17 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
         return (self.waiting_uncached_tokens or 0) + (self.prefill_pending_tokens or 0)
 
 
+def _check_record(record: EngineLoad) -> None:
+    """Raise ValueError naming the figures of ``record`` that are negative (no engine reports one).
+
+    A usage that is not a number is the engine's word that it has none, priced as such.
+    """
+    names = ("running_requests", "waiting_requests", "waiting_uncached_tokens", "prefill_pending_tokens")
+    bad = [n for n in (*names, "engine_silence_ms") if (v := getattr(record, n)) is not None and v < 0]
+    if bad:
+        raise ValueError(f"engine load record with negative {', '.join(bad)}: {record!r}")
+
+
 class LoadPolicy(msgspec.Struct, frozen=True, kw_only=True):
     """How engine load is priced. ``mode``: "blend" (default), "engine" (engine figures only,
     the router's own count where no fresh record exists) or "router" (ignore the engine's).
@@ -266,7 +277,12 @@ class EngineLoads:
         return bool(self._records)
 
     def update(self, worker: WorkerKey, record: EngineLoad) -> None:
-        """Keep ``record`` as ``worker``'s load unless an already-kept one has a newer ``sample``."""
+        """Keep ``record`` as ``worker``'s load unless an already-kept one has a newer ``sample``.
+
+        Raises ValueError for a record no engine reports (a negative count, queue or silence):
+        kept, it would be priced into every `Router.select`.
+        """
+        _check_record(record)
         p = self.policy
         allowance = (p.wedge_after + (record.prefill_pending_tokens or 0) / p.prefill_tokens_per_s) * 1000.0
         silence = -1.0 if record.engine_silence_ms is None else float(record.engine_silence_ms)

@@ -344,6 +344,15 @@ MUTATIONS: list[Mutation] = [
         ),
     ),
     Mutation(
+        "deferred-probe-beside-open-fast-path",
+        "a deferred quiet probe closes the native fast path, with what it applied recorded, before it is asked",
+        "kvroute/_transports/zmq/driver.py",
+        "        self._close_native_fast()\n",
+        "        pass\n",
+        ("tests/test_native_replay.py",),
+        ("tests/test_native_replay.py::test_a_deferred_probe_asked_beside_an_open_fast_path_is_no_restart",),
+    ),
+    Mutation(
         "block-error-wrapped",
         "an exception raised in the client's block leaves it as raised, not wrapped in an ExceptionGroup",
         "kvroute/_client.py",

@@ -10,6 +10,7 @@ the thread did the work (`SourceDriver.native_replays` / `native_replayed`).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 
 import anyio
@@ -26,7 +27,7 @@ from _publisher_helpers import (
 )
 
 from kvroute._client import KvEventClient
-from kvroute._models import EventSource
+from kvroute._models import EventSource, WorkerKey
 from kvroute._recovery import REPLAY_END_MARKER
 from kvroute._transports.zmq import sockets as _zmq
 from kvroute._transports.zmq.driver import SourceDriver
@@ -226,3 +227,75 @@ async def test_an_unanswered_request_times_out_on_the_thread() -> None:
             st = client.stats().sources[src.key]
             assert st.partial
             assert_index_subset(client.index, truth_index({src.key: pub}), wl.queries)
+
+
+@contextlib.asynccontextmanager
+async def _slow_replayer(pub: EventPublisher, delay: float) -> AsyncIterator[str]:
+    """A replay endpoint answering every request from ``pub``'s buffer ``delay`` seconds late; yields it."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    async def serve() -> None:
+        while True:
+            for frames in await _zmq.recv_many(sock, 16):
+                ident, start = frames[0], int.from_bytes(frames[2], "big")
+                await anyio.sleep(delay)
+                buffered = dict(pub._buffer)  # type: ignore[attr-defined]
+                for seq in range(start, pub.next_seq):
+                    sock.send_multipart([ident, b"", b"", seq.to_bytes(8, "big"), buffered[seq]])
+                sock.send_multipart([ident, b"", b"", REPLAY_END_MARKER, b""])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve)
+        try:
+            yield f"tcp://127.0.0.1:{port}"
+        finally:
+            tg.cancel_scope.cancel()
+            _zmq.close(sock)
+
+
+async def test_a_deferred_probe_asked_beside_an_open_fast_path_is_no_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One replay slot, which a's slow answers keep busy, so a quiet tick is deferred (rule 9).
+    # Just before that source's deferred probe is asked, its engine publishes a batch and the
+    # thread applies it on the fast path the source's last drain opened, the loop kept from
+    # running. The probe's answer must not look applied "off the machine's terms" (a reset and a
+    # cold replay of a healthy worker, found in review): the fast path is closed, and what it
+    # applied recorded, first.
+    cfg = msgspec.structs.replace(NATIVE, max_concurrent_replays=1)
+    forced: list[WorkerKey] = []
+    armed: list[tuple[KvEventClient, dict[WorkerKey, tuple[EventPublisher, Workload]]]] = []
+    original = SourceDriver._deferred_probe
+
+    def deferred_probe(driver: SourceDriver) -> None:
+        key = driver.source.key
+        if armed and not forced and driver._deferred_tick is not None:
+            client, engines = armed[0]
+            pub, wl = engines[key]
+            pub.publish(wl.batch())
+            want = truth_index({key: pub}).num_blocks(key)
+            deadline = time.monotonic() + 2
+            while client.index.num_blocks(key) != want and time.monotonic() < deadline:
+                time.sleep(0.0005)  # the loop does not run: only the thread can apply it
+            assert client.index.num_blocks(key) == want, "the thread did not apply the batch on its fast path"
+            forced.append(key)
+        original(driver)
+
+    monkeypatch.setattr(SourceDriver, "_deferred_probe", deferred_probe)
+    async with EventPublisher() as pa, EventPublisher() as pb:
+        wa, wb = Workload(50), Workload(51)
+        for _ in range(3):
+            pa.publish(wa.batch())
+            pb.publish(wb.batch())
+        async with _slow_replayer(pa, 0.15) as endpoint:
+            sa, sb = pa.source("a", replay_endpoint=endpoint), pb.source("b")
+            async with KvEventClient([sa, sb], config=cfg) as client:
+                await client.wait_synced(20)
+                engines = {sa.key: (pa, wa), sb.key: (pb, wb)}
+                armed.append((client, engines))
+                await wait_for(lambda: bool(forced), "a deferred probe")
+                for src, (pub, _) in zip((sa, sb), engines.values()):
+                    await _caught_up(client, src, pub.next_seq - 1)
+                st = client.stats().sources[forced[0]]
+                assert (st.restarts, st.resets) == (0, 0)
+                assert_index_equal(client.index, truth_index({sa.key: pa, sb.key: pb}), wa.queries + wb.queries)

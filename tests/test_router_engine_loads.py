@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -244,3 +245,23 @@ def test_counted_requests_are_priced_at_the_routers_mean_request() -> None:
         r.on_finish("r2")
         by = {c.worker: c for c in r.select(PROMPT).candidates}
         assert by[a].load_blocks == 4 * 64 / 16, type(model).__name__  # the mean learnt last
+
+
+def test_a_record_with_negative_or_non_finite_figures_is_refused_and_select_carries_on() -> None:
+    # Kept, a negative queue would be priced into every select (the footprint's tie arithmetic
+    # assumes costs are not negative: every select failed, found in review).
+    a, b = WorkerKey("a", 0), WorkerKey("b", 0)
+    index = PrefixIndex()
+    _fleet(index, {a: 12, b: 2})
+    loads = EngineLoads(clock=lambda: 10.0)
+    loads.update(a, EngineLoad(waiting_uncached_tokens=0, received=10.0))
+    for bad in (
+        EngineLoad(waiting_uncached_tokens=-5, received=10.0),
+        EngineLoad(running_requests=-1, received=10.0),
+        EngineLoad(prefill_pending_tokens=-1, received=10.0),
+        EngineLoad(engine_silence_ms=-1, received=10.0),
+    ):
+        with pytest.raises(ValueError, match="negative"):
+            loads.update(a, bad)
+    for model in (CostModel(), _PythonModel()):
+        assert Router(index, cost=model, engine_loads=loads, seed=0).select(PROMPT).worker == a

@@ -89,6 +89,14 @@ class NativeThread(Protocol):
         """Leave ``token``'s messages unread while ``parked``, or read them again."""
         ...
 
+    def hold(self) -> bool:
+        """Stop the thread applying, with what it applied recorded; True when this call held it."""
+        ...
+
+    def release(self) -> None:
+        """Let a held thread apply again."""
+        ...
+
     def replay(
         self,
         driver: SourceDriver,
@@ -495,10 +503,33 @@ class SourceDriver(DriverBase):
         at, messages = tick
         # Still quiet: nothing received since the tick, and within one quiet interval of it
         # (past that, a message may wait unread behind a slow loop: the next tick decides).
+        self._close_native_fast()
         if self.counters.messages != messages or anyio.current_time() - at > self._cfg.quiet_interval:
             return
         self._replays.reserve()
         self.execute(self.machine.on_quiet())
+
+    def _close_native_fast(self) -> None:
+        """Close the thread's fast path for this source, with what it applied on it recorded.
+
+        A deferred probe is asked outside any hand-over of this source, so the fast path its last
+        drain opened may still be open: a live batch the thread applied (or applies) meanwhile,
+        recorded after the probe was asked, would make the probe's whole answer look applied off
+        the machine's terms (a spurious restart). Held, the thread's applies so far are drained
+        (``counters.messages`` moves, so the tick no longer counts as quiet), and the close is
+        carried out before it applies again.
+        """
+        native, token = self._native, self._native_token
+        if native is None or token is None or self._native_opened is None:
+            return
+        held = native.hold()
+        try:
+            if self._native_token == token:
+                native.close_fast(token)
+                self._native_opened = None
+        finally:
+            if held:
+                native.release()
 
     def _decode(self, payload: bytes) -> EventBatch | None:
         batch, kind, detail = _decode_checked(self._decoder, payload)
