@@ -632,7 +632,10 @@ class Router(ReferenceScoring):
             if chosen_w is None:
                 if universe is None:
                     universe = self._universe(None)  # the idle group won: the set is built only now
-                idle = universe.difference(scored.workers(), vetoed)
+                # Narrowed as the reference path narrows it (`_price`: ``universe - vetoed`` unless that
+                # is empty), then the listed removed: same set, same iteration order, same draw.
+                narrowed = universe - set(vetoed) if vetoed else universe
+                idle = (narrowed or universe).difference(scored.workers())
                 if not idle:
                     # another thread's ingest changed the fleet between the core's read and now
                     return self._select_reference(

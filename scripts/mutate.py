@@ -353,6 +353,15 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_replay.py::test_a_deferred_probe_asked_beside_an_open_fast_path_is_no_restart",),
     ),
     Mutation(
+        "idle-draw-built-otherwise",
+        "the compiled path builds the idle set as the reference does, so one seed draws the same idle worker",
+        "kvroute/_router.py",
+        "                idle = (narrowed or universe).difference(scored.workers())\n",
+        "                idle = universe.difference(scored.workers(), vetoed)\n",
+        ("tests/test_router_engine_loads.py",),
+        (),
+    ),
+    Mutation(
         "block-error-wrapped",
         "an exception raised in the client's block leaves it as raised, not wrapped in an ExceptionGroup",
         "kvroute/_client.py",

@@ -265,3 +265,33 @@ def test_a_record_with_negative_or_non_finite_figures_is_refused_and_select_carr
             loads.update(a, bad)
     for model in (CostModel(), _PythonModel()):
         assert Router(index, cost=model, engine_loads=loads, seed=0).select(PROMPT).worker == a
+
+
+def test_the_idle_draw_beside_a_vetoed_worker_is_the_same_on_both_paths() -> None:
+    # Both paths draw the idle worker from one seed, so each must build the idle set the same way
+    # (the reference narrows the universe by the vetoed first): built otherwise, the same members
+    # iterate in another order and one seed picks another worker (found in review: 30 of 192).
+    differing = []
+    for n in range(2, 8):
+        workers = [WorkerKey(f"w{i}", i % 2) for i in range(n)]
+        statuses = {w: WorkerStatus(state="synced", partial=False) for w in workers}
+        for wedged in range(n):
+            for seed in range(4):
+                for vouching in (False, True):
+                    picks = []
+                    for model in (CostModel, _PythonModel):
+                        loads = EngineLoads(LoadPolicy(mode="blend"), clock=lambda: 100.0)
+                        silent = EngineLoad(waiting_uncached_tokens=0, engine_silence_ms=90_000, received=99.5)
+                        loads.update(workers[wedged], silent)
+                        r = Router(
+                            PrefixIndex(),
+                            states=_States(statuses, set(workers), vouching),
+                            cost=model(overlap_weight=0.0, eviction_weight=0.0, temperature=0.0, footprint=False),
+                            block_size=4,
+                            seed=seed,
+                            engine_loads=loads,
+                        )
+                        picks.append([r.select([], request_id=("q", k)).worker for k in range(3)])
+                    if picks[0] != picks[1]:
+                        differing.append((n, wedged, seed, vouching, picks))
+    assert differing == []
