@@ -254,11 +254,12 @@ async def test_bad_replayers_cannot_starve_an_honest_cold_start() -> None:
             f"{statistics.median(beside) * 1000:.0f} ms (medians of 3; min {min(alone) * 1000:.0f} / "
             f"{min(beside) * 1000:.0f} ms)"
         )
-        # The best of three on each side: the machine's other load adds noise to single runs,
-        # while starvation by the bad replayers would slow every run.
+        # The median of three on each side: starvation by the bad replayers would slow every run,
+        # while the machine's other load moves single runs either way. (The best of three let one
+        # lucky "alone" run decide: 0.13 s beside 0.40 and 0.35, then 3.1x, at load 15-30.)
         # The aim is 2x; in the full suite on a loaded 2-core machine trio runs have
-        # measured up to 2.2x (min of three), so the test holds 3x and the figures are printed.
-        assert min(beside) <= 3 * min(alone), (alone, beside)
+        # measured up to 2.2x, so the test holds 3x and the figures are printed.
+        assert statistics.median(beside) <= 3 * statistics.median(alone), (alone, beside)
         # The bad ones gave their slots up (junk: no decodable reply within replay_timeout;
         # drips: handed over what came at a slice boundary) instead of holding them.
         # The bad ones still got their turns: nothing here starves them either.
