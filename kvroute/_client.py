@@ -256,31 +256,29 @@ class KvEventClient:
     ) -> bool | None:
         tg, self._tg = self._tg, None
         assert tg is not None
-        # A receive thread applies a batch (or a whole replay answer) before the event loop records
-        # it, and a source's records still in its outbox are dropped with the source: held (and
-        # drained) before any source stops, the positions kept for a snapshot or the next entry
-        # name what the index holds, and nothing more is applied off the loop while they stop.
-        held = [t for t in self._transports if t.hold()]
-        tg.cancel_scope.cancel()
         try:
-            if isinstance(exc, anyio.get_cancelled_exc_class()):
-                # A cancellation may be the task group's own (a task failed, or the scope was
-                # cancelled): only the group can absorb it and raise what failed.
-                return await tg.__aexit__(exc_type, exc, tb)
-            # Anything else the block raised leaves exactly as raised: handed to the group, it would
-            # come out wrapped in an ExceptionGroup, and `except NotSyncedError` / `except TimeoutError`
-            # around the block would miss `wait_synced`'s timeout.
-            try:
-                await tg.__aexit__(None, None, None)
-            except BaseException as failure:
-                # a task failed while stopping: its error leaves, the block's own stays attached to it
-                if exc is not None and failure.__context__ is None:
-                    failure.__context__ = exc
-                raise
-            return None
+            # A receive thread applies a batch (or a whole replay answer) before the event loop records
+            # it, and a source's records still in its outbox are dropped with the source: held (and
+            # drained) before any source stops, the positions kept for a snapshot or the next entry
+            # name what the index holds, and nothing more is applied off the loop while they stop.
+            with self._receivers_held():
+                tg.cancel_scope.cancel()
+                if isinstance(exc, anyio.get_cancelled_exc_class()):
+                    # A cancellation may be the task group's own (a task failed, or the scope was
+                    # cancelled): only the group can absorb it and raise what failed.
+                    return await tg.__aexit__(exc_type, exc, tb)
+                # Anything else the block raised leaves exactly as raised: handed to the group, it
+                # would come out wrapped in an ExceptionGroup, and `except NotSyncedError` / `except
+                # TimeoutError` around the block would miss `wait_synced`'s timeout.
+                try:
+                    await tg.__aexit__(None, None, None)
+                except BaseException as failure:
+                    # a task failed while stopping: its error leaves, the block's own stays attached
+                    if exc is not None and failure.__context__ is None:
+                        failure.__context__ = exc
+                    raise
+                return None
         finally:
-            for transport in held:
-                transport.release()
             # Where the sources stopped stays resumable: a snapshot taken after the block, or
             # entering it again, resumes from there (every driver is done: nothing moves now).
             self._restored.restart_from(self._positions())

@@ -44,6 +44,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Set as AbstractSet
 from itertools import accumulate, islice
 from typing import Any, Protocol, runtime_checkable
 
@@ -89,6 +90,17 @@ class ReportsLoads(WorkerStates, Protocol):
 #: Upper bounds (seconds) of the `select` latency histogram in `RouterStats`.
 SELECT_BUCKETS: tuple[float, ...] = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3)
 
+
+
+def _unvetoed(universe: Universe, vetoed: AbstractSet[WorkerKey]) -> Universe:
+    """``universe`` less the ``vetoed`` workers, unless that leaves none (a fleet all wedged keeps them all).
+
+    Both `select` paths narrow through this one function: the idle draw takes the n-th member of
+    the set, so the two must build it alike to draw the same worker from one seed.
+    """
+    if not vetoed:
+        return universe
+    return universe - vetoed or universe
 
 class RouterStats(msgspec.Struct, frozen=True, kw_only=True):
     """Counters of a `Router`.
@@ -509,9 +521,7 @@ class Router(ReferenceScoring):
             with self._lock:  # the requests and their tokens as of one moment
                 in_flight = {w: len(active) for w, active in self._active.items()}
                 loads, vetoed = self.engine_loads.blend(self._load, unit, in_flight)
-            if vetoed and universe - vetoed:
-                universe = universe - vetoed
-            return loads, 1.0, universe
+            return loads, 1.0, _unvetoed(universe, vetoed)
         if load is None:
             return self._load, 1.0 / unit, universe
         try:
@@ -632,10 +642,7 @@ class Router(ReferenceScoring):
             if chosen_w is None:
                 if universe is None:
                     universe = self._universe(None)  # the idle group won: the set is built only now
-                # Narrowed as the reference path narrows it (`_price`: ``universe - vetoed`` unless that
-                # is empty), then the listed removed: same set, same iteration order, same draw.
-                narrowed = universe - set(vetoed) if vetoed else universe
-                idle = (narrowed or universe).difference(scored.workers())
+                idle = _unvetoed(universe, set(vetoed)).difference(scored.workers())
                 if not idle:
                     # another thread's ingest changed the fleet between the core's read and now
                     return self._select_reference(

@@ -335,8 +335,8 @@ MUTATIONS: list[Mutation] = [
         "removed-source-applies-unrecorded",
         "what the native thread applied for a source before it leaves is recorded in the source's position",
         "kvroute/_client.py",
-        "        held = [t for t in self._transports if t.hold()]\n        tg.cancel_scope.cancel()\n",
-        "        held: list[Transport] = []\n        tg.cancel_scope.cancel()\n",
+        "            with self._receivers_held():\n                tg.cancel_scope.cancel()\n",
+        "            with contextlib.nullcontext():\n                tg.cancel_scope.cancel()\n",
         ("tests/test_warm_restart.py",),
         (
             "tests/test_warm_restart.py::"
@@ -356,7 +356,7 @@ MUTATIONS: list[Mutation] = [
         "idle-draw-built-otherwise",
         "the compiled path builds the idle set as the reference does, so one seed draws the same idle worker",
         "kvroute/_router.py",
-        "                idle = (narrowed or universe).difference(scored.workers())\n",
+        "                idle = _unvetoed(universe, set(vetoed)).difference(scored.workers())\n",
         "                idle = universe.difference(scored.workers(), vetoed)\n",
         ("tests/test_router_engine_loads.py",),
         (),
