@@ -54,9 +54,9 @@ async def _caught_up(client: KvEventClient, src: EventSource, last: int) -> None
 
 @contextlib.asynccontextmanager
 async def _router(
-    pub: EventPublisher, answer: Callable[[int, int], list[int] | None]
+    pub: EventPublisher, answer: Callable[[int, int], list[int] | None], delay: float = 0.0
 ) -> AsyncIterator[str]:
-    """A replay endpoint serving ``pub``'s buffer as ``answer(n, start)`` says for the n-th request.
+    """A replay endpoint serving ``pub``'s buffer as ``answer(n, start)`` says for the n-th request, ``delay`` s late.
 
     ``answer`` lists the seqs to send (then the end marker), or None: send the first 5 from
     ``start`` and close the socket mid-answer (a disconnect; later requests find a new one bound
@@ -74,6 +74,7 @@ async def _router(
         while True:
             for frames in await _zmq.recv_many(sock, 16):
                 ident, start = frames[0], int.from_bytes(frames[2], "big")
+                await anyio.sleep(delay)
                 buffered = dict(pub._buffer)  # type: ignore[attr-defined]
                 seqs = answer(n, start)
                 n += 1
@@ -229,32 +230,6 @@ async def test_an_unanswered_request_times_out_on_the_thread() -> None:
             assert_index_subset(client.index, truth_index({src.key: pub}), wl.queries)
 
 
-@contextlib.asynccontextmanager
-async def _slow_replayer(pub: EventPublisher, delay: float) -> AsyncIterator[str]:
-    """A replay endpoint answering every request from ``pub``'s buffer ``delay`` seconds late; yields it."""
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-
-    async def serve() -> None:
-        while True:
-            for frames in await _zmq.recv_many(sock, 16):
-                ident, start = frames[0], int.from_bytes(frames[2], "big")
-                await anyio.sleep(delay)
-                buffered = dict(pub._buffer)  # type: ignore[attr-defined]
-                for seq in range(start, pub.next_seq):
-                    sock.send_multipart([ident, b"", b"", seq.to_bytes(8, "big"), buffered[seq]])
-                sock.send_multipart([ident, b"", b"", REPLAY_END_MARKER, b""])
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(serve)
-        try:
-            yield f"tcp://127.0.0.1:{port}"
-        finally:
-            tg.cancel_scope.cancel()
-            _zmq.close(sock)
-
-
 async def test_a_deferred_probe_asked_beside_an_open_fast_path_is_no_restart(monkeypatch: pytest.MonkeyPatch) -> None:
     # One replay slot, which a's slow answers keep busy, so a quiet tick is deferred (rule 9).
     # Just before that source's deferred probe is asked, its engine publishes a batch and the
@@ -287,7 +262,7 @@ async def test_a_deferred_probe_asked_beside_an_open_fast_path_is_no_restart(mon
         for _ in range(3):
             pa.publish(wa.batch())
             pb.publish(wb.batch())
-        async with _slow_replayer(pa, 0.15) as endpoint:
+        async with _router(pa, lambda n, start: list(range(start, pa.next_seq)), delay=0.15) as endpoint:
             sa, sb = pa.source("a", replay_endpoint=endpoint), pb.source("b")
             async with KvEventClient([sa, sb], config=cfg) as client:
                 await client.wait_synced(20)
