@@ -68,6 +68,13 @@ class Mutation:
     #: A ``-k`` expression for the engine-conformance stage (tests/engines/run.sh, the engines' own
     #: cache code in their cached venvs); a failing run counts as the test ``tests/engines::<expr>``.
     engines: str | None = None
+    #: Environment for this mutation's test run, e.g. the receiver a rule lives in: the tests run on
+    #: the default (native) receiver, so a rule of the Python receiver's is checked on that one.
+    env: tuple[tuple[str, str], ...] = ()
+
+
+#: The Python receiver for the socket tests (tests/_publisher_helpers.py FAST), as CI's second pass runs them.
+PYTHON_RECEIVER = (("KVROUTE_TEST_RECEIVER", "python"),)
 
 
 MUTATIONS: list[Mutation] = [
@@ -150,6 +157,7 @@ MUTATIONS: list[Mutation] = [
         "        fast = raw is not None or not self._sink.active\n",
         ("tests/test_client.py",),
         ("tests/test_client.py::test_a_removed_source_touches_the_index_no_more",),
+        env=PYTHON_RECEIVER,
     ),
     Mutation(
         "partial-positions",
@@ -184,11 +192,22 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "no-apply",
         "the client applies what its sources publish (examples show it)",
+        "src/recv/mod.rs",
+        "                                let counts = idx.apply_batch(&src.key, &batch);\n",
+        "                                let counts = crate::index::ApplyCounts::default();\n",
+        ("tests/test_examples.py",),
+        ("tests/test_examples.py",),
+    ),
+    Mutation(
+        "no-apply-python-receiver",
+        "the Python receiver applies what its sources publish",
         "kvroute/_transports/zmq/payloads.py",
         "    report = index.apply_payload(key, payload, decoder.limits)\n",
         "    report = PrefixIndex().apply_payload(key, payload, decoder.limits)\n",
-        ("tests/test_examples.py",),
-        ("tests/test_examples.py",),
+        ("tests/test_client.py",),
+        # Live batches with no events() listener: the fast path (a listener takes the decoded path).
+        ("tests/test_client.py::test_a_removed_source_touches_the_index_no_more",),
+        env=PYTHON_RECEIVER,
     ),
     # --- production configurations (issue: kvroute against the engines as they really run) ---
     Mutation(
@@ -633,8 +652,8 @@ def _build_core(tree: Path) -> None:
         shutil.copy2(target / "release" / "libkvroute_core.so", tree / "kvroute" / "_core.abi3.so")
 
 
-def _env(tree: Path) -> dict[str, str]:
-    env = dict(os.environ)
+def _env(tree: Path, extra: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
+    env = dict(os.environ) | dict(extra)
     env["PYTHONPATH"] = str(tree) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["CI"] = "1"  # fixed hypothesis seed: a mutation's verdict does not depend on the day's search
     return env
@@ -654,15 +673,17 @@ def _check_import(tree: Path) -> None:
             raise SystemExit(f"kvroute imports {path}, not from the mutated copy {tree}")
 
 
-def _run(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[set[str], set[str], float]:
-    """Run ``tests`` in ``tree``: (failed node ids, passed node ids, seconds)."""
+def _run(
+    tree: Path, tests: tuple[str, ...], timeout: float, extra: tuple[tuple[str, str], ...] = ()
+) -> tuple[set[str], set[str], float]:
+    """Run ``tests`` in ``tree`` with ``extra`` in the environment: (failed node ids, passed node ids, seconds)."""
     report = tree / "junit.xml"
     report.unlink(missing_ok=True)
     t0 = time.monotonic()
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *tests],
         cwd=tree,
-        env=_env(tree),
+        env=_env(tree, extra),
         capture_output=True,
         timeout=timeout,
     )
@@ -755,7 +776,7 @@ def main() -> int:
             path.write_text(text.replace(m.old, m.new))
             if m.file.startswith("src/"):
                 _build_core(tree)
-            failed, passed, took = _run(tree, m.tests, args.timeout)
+            failed, passed, took = _run(tree, m.tests, args.timeout, m.env)
             if m.engines is not None:
                 node = f"tests/engines::{m.engines}"
                 if not _run_engines(pristine, m.engines, args.timeout):
