@@ -204,10 +204,10 @@ MUTATIONS: list[Mutation] = [
         "kvroute/_transports/zmq/payloads.py",
         "    report = index.apply_payload(key, payload, decoder.limits)\n",
         "    report = PrefixIndex().apply_payload(key, payload, decoder.limits)\n",
-        ("tests/test_client.py",),
-        # Live batches with no events() listener: the fast path (a listener takes the decoded path).
-        ("tests/test_client.py::test_a_removed_source_touches_the_index_no_more",),
-        env=PYTHON_RECEIVER,
+        # Live batches with no events() listener take the fast path (a listener takes the decoded
+        # one); this test runs on both receivers by its own parameter.
+        ("tests/test_hostile_fleet.py",),
+        ("tests/test_hostile_fleet.py::test_a_flood_of_large_batches_stays_in_its_memory_bound_and_never_stalls_the_loop",),
     ),
     # --- production configurations (issue: kvroute against the engines as they really run) ---
     Mutation(
