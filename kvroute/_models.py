@@ -138,21 +138,20 @@ class Vouching:
 
     A provider calls `update` for a worker whenever its ``(synced, partial)`` pair may have
     changed and `discard` when it stops knowing the worker; `unvouched` hands out the current
-    set. The sets are rebuilt by the writer on each change (rare: a state transition, not a
-    batch) and published as one frozenset, so a router on another thread reads them with one
-    attribute load and never sees a half-made change.
+    set. A change only edits two private sets and marks the published pair stale; the first
+    reader after it builds both frozensets at once, under the lock (a cold sync of 4,096
+    sources changes states ~10,000 times: rebuilding per change was O(n²), 6 % of its profile).
+    A router on another thread so reads one consistent pair and never a half-made change.
     """
 
     def __init__(self) -> None:
         # Writers run on the provider's event loop (a native thread's hand-overs are applied there too);
-        # the lock keeps each update's two sets one change should a provider write from two threads.
+        # readers may be routers on other threads: the lock orders a build after the changes it saw.
         self._lock = threading.Lock()
         self._unsynced: set[WorkerKey] = set()
         self._partial: set[WorkerKey] = set()
-        #: Not synced (what ``trust_partial`` routers do not believe).
-        self.unsynced: frozenset[WorkerKey] = frozenset()
-        #: Not synced, or partial (what other routers do not believe).
-        self.untrusted: frozenset[WorkerKey] = frozenset()
+        # (not synced, not synced or partial) as of the last build; None: a change since.
+        self._published: tuple[frozenset[WorkerKey], frozenset[WorkerKey]] | None = (frozenset(), frozenset())
 
     def update(self, worker: WorkerKey, synced: bool, partial: bool) -> None:
         """Record ``worker``'s current pair."""
@@ -160,7 +159,7 @@ class Vouching:
             changed = self._put(self._unsynced, worker, not synced)
             changed = self._put(self._partial, worker, partial) or changed
             if changed:
-                self._publish()
+                self._published = None
 
     def discard(self, worker: WorkerKey) -> None:
         """Forget ``worker`` (its source was removed; an unknown worker is never trusted anyway)."""
@@ -171,11 +170,29 @@ class Vouching:
         with self._lock:
             self._unsynced.clear()
             self._partial.clear()
-            self._publish()
+            self._published = None
+
+    @property
+    def unsynced(self) -> frozenset[WorkerKey]:
+        """The workers not synced (what ``trust_partial`` routers do not believe)."""
+        return self._sets()[0]
+
+    @property
+    def untrusted(self) -> frozenset[WorkerKey]:
+        """The workers not synced, or partial (what other routers do not believe)."""
+        return self._sets()[1]
 
     def unvouched(self, trust_partial: bool) -> frozenset[WorkerKey]:
         """The workers not synced, or (unless ``trust_partial``) partial."""
-        return self.unsynced if trust_partial else self.untrusted
+        unsynced, untrusted = self._sets()
+        return unsynced if trust_partial else untrusted
+
+    def any_unsynced(self) -> WorkerKey | None:
+        """One worker not synced, or None when all are: without building the published sets."""
+        with self._lock:
+            for worker in self._unsynced:
+                return worker
+        return None
 
     @staticmethod
     def _put(members: set[WorkerKey], worker: WorkerKey, present: bool) -> bool:
@@ -188,10 +205,18 @@ class Vouching:
             members.discard(worker)
         return True
 
-    def _publish(self) -> None:
-        # the untrusted set first: a reader taking both never sees a worker unsynced but trusted
-        self.untrusted = frozenset(self._unsynced | self._partial)
-        self.unsynced = frozenset(self._unsynced)
+    def _sets(self) -> tuple[frozenset[WorkerKey], frozenset[WorkerKey]]:
+        """The published pair, built now if a change made it stale (kept until the next change)."""
+        published = self._published
+        if published is None:
+            with self._lock:
+                published = self._published
+                if published is None:
+                    published = self._published = (
+                        frozenset(self._unsynced),
+                        frozenset(self._unsynced | self._partial),
+                    )
+        return published
 
 
 # --- gateway stream endpoints (docs/protocol.md §6) -------------------------------------------------

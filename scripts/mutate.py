@@ -342,6 +342,35 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_replay.py::test_an_answer_with_a_hole_goes_to_the_machine",),
     ),
     Mutation(
+        "native-replay-risky-ignored",
+        "the native thread applies no replay answer whole once the source handed Python a message or a "
+        "disconnect since the request (the machine may have changed its mind)",
+        "src/recv/mod.rs",
+        "            let src = src.filter(|s| s.risky == consumed)?;\n",
+        "            let src = src.filter(|s| s.risky >= consumed)?;\n",
+        ("tests/test_native_replay_guards.py",),
+        ("tests/test_native_replay_guards.py::test_an_answer_after_a_risky_hand_over_is_handed_over_not_applied",),
+    ),
+    Mutation(
+        "native-replay-disarm-ignored",
+        "the native thread applies no replay answer whole once Python disarmed the request",
+        "src/recv/mod.rs",
+        "            if !src.alive.load(Ordering::SeqCst) || !armed.load(Ordering::SeqCst) {\n",
+        "            if !src.alive.load(Ordering::SeqCst) {\n",
+        ("tests/test_native_replay_guards.py",),
+        ("tests/test_native_replay_guards.py::test_a_disarmed_answer_is_handed_over_not_applied",),
+    ),
+    Mutation(
+        "replay-applied-late-uncounted",
+        "an answer the native thread applied whole from a late start counts the loss as `on_replay` does "
+        "(rules 5-6, `on_replay_applied` against `on_replay`)",
+        "kvroute/_replay_answers.py",
+        "                self.stats.uncovered += 1\n"
+        "                self._mark_partial(\"not-in-buffer\", first, out)\n",
+        "                self._mark_partial(\"not-in-buffer\", first, out)\n",
+        ("tests/test_replay_applied.py",),
+    ),
+    Mutation(
         "listener-fast-path-left-open",
         "a listener that comes while the native thread's fast paths are open gets every batch applied after it",
         "kvroute/_transports/zmq/native.py",

@@ -10,6 +10,7 @@ the subscriber) go to the driver's `DriverBase.on_action`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Annotated, Protocol, get_args
@@ -31,6 +32,7 @@ __all__ = [
     "Driver",
     "DriverBase",
     "EventSink",
+    "FleetWarning",
     "RateLimitedLog",
     "SourceCounters",
     "SourceStats",
@@ -156,6 +158,47 @@ class RateLimitedLog:
         suffix = f" ({more} more since the last report)" if more else ""
         self._logger.warning("%s: %s: %s%s", self._who, kind, detail, suffix)
 
+    def now(self, level: int, kind: str, detail: str) -> None:
+        """Log ``detail`` under ``kind`` at ``level`` now, not rate-limited (a `FleetWarning` limits its own)."""
+        self._logger.log(level, "%s: %s: %s", self._who, kind, detail)
+
+
+class FleetWarning:
+    """One kind of warning every source of a fleet may raise at once: one WARNING per 10 s across
+    all of them, naming the first source and counting the others; each source's own line at DEBUG.
+
+    A cold sync of 4,096 ranks whose replay buffers have wrapped makes every source's history
+    partial together: a line per source was 4,096 WARNING lines and ~10 % of the sync's CPU. Per
+    process, not per client (each driver's own `RateLimitedLog` is per source); the lock is for
+    clients running on several threads.
+    """
+
+    __slots__ = ("_kind", "_lock", "_next", "_suppressed")
+
+    def __init__(self, kind: str) -> None:
+        self._kind = kind
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._suppressed = 0
+
+    def warn(self, source_log: RateLimitedLog, detail: str) -> None:
+        """Log ``detail`` for the source of ``source_log`` at DEBUG; at WARNING unless another source
+        was warned of in the last 10 s (then count it for the next warning)."""
+        source_log.now(logging.DEBUG, self._kind, detail)
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                self._suppressed += 1
+                return
+            self._next = now + _LOG_EVERY
+            more, self._suppressed = self._suppressed, 0
+        suffix = f" (and {more} more sources since the last report: each at DEBUG, in its stats)" if more else ""
+        source_log.now(logging.WARNING, self._kind, f"{detail}{suffix}")
+
+
+#: Partial histories (`Partial`): a fleet's cold sync may make every source's partial at once.
+_HISTORY_INCOMPLETE = FleetWarning("history incomplete")
+
 
 def apply_items(
     index: PrefixIndex,
@@ -196,11 +239,12 @@ def apply_items(
 
 
 def emit_lifecycle(log: RateLimitedLog, sink: EventSink, source: EventSource, event: LifecycleEvent) -> None:
-    """Log a reset or a partial history (rate-limited) and fan the lifecycle event out (any transport)."""
+    """Log a reset (rate-limited per source) or a partial history (per fleet: `FleetWarning`), and fan
+    the lifecycle event out (any transport)."""
     if isinstance(event, Reset):
         log.warn("index state reset", f"{event.reason}: {event.detail}")
     elif isinstance(event, Partial):
-        log.warn("history incomplete", f"{event.reason}: blocks known from seq {event.first_seq} on")
+        _HISTORY_INCOMPLETE.warn(log, f"{event.reason}: blocks known from seq {event.first_seq} on")
     sink.publish(Envelope(source=source, seq=None, ts=time.time(), event=event))
 
 

@@ -375,10 +375,11 @@ fn replay_outcome<'py>(py: Python<'py>, o: ReplayOutcome) -> PyResult<Bound<'py,
         items.append((seq, ts, payload))?;
     }
     let skipped = PyDict::new(py);
-    for (why, k) in o.skipped {
+    let c = o.counts;
+    for (why, k) in c.skipped {
         skipped.set_item(why, k)?;
     }
-    let bad: Vec<(&str, String)> = o.bad;
+    let bad: Vec<(&str, String)> = c.bad;
     PyTuple::new(
         py,
         [
@@ -390,12 +391,12 @@ fn replay_outcome<'py>(py: Python<'py>, o: ReplayOutcome) -> PyResult<Bound<'py,
             o.complete.into_pyobject(py)?.to_owned().into_any(),
             o.cut.into_pyobject(py)?.into_any(),
             o.cancelled.into_pyobject(py)?.to_owned().into_any(),
-            o.good.into_pyobject(py)?.into_any(),
-            o.junk_frames.into_pyobject(py)?.into_any(),
+            c.good.into_pyobject(py)?.into_any(),
+            c.junk_frames.into_pyobject(py)?.into_any(),
             bad.into_pyobject(py)?.into_any(),
-            o.bad_count.into_pyobject(py)?.into_any(),
+            c.bad_count.into_pyobject(py)?.into_any(),
             skipped.into_any(),
-            o.replies.into_pyobject(py)?.into_any(),
+            c.replies.into_pyobject(py)?.into_any(),
         ],
     )
 }

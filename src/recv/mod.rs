@@ -1414,4 +1414,131 @@ mod tests {
         drop(pub_);
         assert!(shared.drain().dead.is_none());
     }
+    /// How a replay test interferes between the request and its answer.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Meanwhile {
+        Nothing,
+        /// The source hands a live message over (the machine may change its mind: `risky`).
+        Message,
+        /// Python disarms the request (`armed`).
+        Disarm,
+    }
+
+    /// One replay of seqs 0..3 from a ROUTER the test plays, with terms the machine would take
+    /// whole; `meanwhile` happens after the request is read and before it is answered. The
+    /// request's outcome, and the blocks the worker has in the index after it.
+    fn replay_answered(meanwhile: Meanwhile) -> (ReplayOutcome, u64) {
+        let (ctx, index, shared) = started(64, Duration::from_secs(60), 1 << 20);
+        let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
+        pub_.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
+        let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &OPTS).unwrap();
+        shared.command(Command::Add {
+            token: 5,
+            key: W("a"),
+            sub,
+            mon,
+            alive: Arc::new(AtomicBool::new(true)),
+        });
+        // The handshake is handed over but is not risky: the request's `consumed` is 0.
+        wait(&shared, |g| {
+            g.iter().flat_map(|o| &o.handovers).any(|h| {
+                matches!(h, Handover::Monitor { event, .. }
+                    if u32::from(*event) == zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED)
+            })
+        });
+        let router = ctx.socket(zmq_sys::ZMQ_ROUTER as i32).unwrap();
+        router.set_rcvtimeo(10_000).unwrap();
+        router.bind("tcp://127.0.0.1:*").unwrap();
+        let armed = Arc::new(AtomicBool::new(true));
+        shared.command(Command::Replay(Box::new(ReplayRequest {
+            id: 11,
+            token: 5,
+            endpoint: router.get_last_endpoint().unwrap().unwrap(),
+            opts: OPTS,
+            from_seq: 0,
+            terms: Some(Terms {
+                anchor: None,
+                late_ok: false,
+            }),
+            armed: armed.clone(),
+            progress: Arc::new(AtomicU64::new(0)),
+            consumed: 0,
+            silent: Duration::from_secs(10),
+            deadline: Duration::from_secs(20),
+            budget: 1000,
+            max_items: 1000,
+            max_bytes: 1 << 20,
+        })));
+        let request = router.recv_multipart(0).unwrap();
+        assert_eq!(request[2], 0u64.to_be_bytes());
+        match meanwhile {
+            Meanwhile::Nothing => {}
+            Meanwhile::Message => {
+                // The fast path is closed (never opened): the message is handed over.
+                std::thread::sleep(Duration::from_millis(100));
+                send(&pub_, 9, &payload(10.0, 10));
+                wait(&shared, |g| handed(g) == vec![Some(9)]);
+            }
+            Meanwhile::Disarm => armed.store(false, Ordering::SeqCst),
+        }
+        let peer = &request[0];
+        for seq in 0..3u64 {
+            let body = payload(1.0 + seq as f64, seq + 1);
+            router
+                .send_multipart([&peer[..], b"", &seq.to_be_bytes()[..], &body[..]], 0)
+                .unwrap();
+        }
+        router
+            .send_multipart([&peer[..], b"", &u64::MAX.to_be_bytes()[..], b""], 0)
+            .unwrap();
+        let got = wait(&shared, |g| {
+            g.iter()
+                .flat_map(|o| &o.handovers)
+                .any(|h| matches!(h, Handover::Replay(_)))
+        });
+        let outcome = got
+            .into_iter()
+            .flat_map(|o| o.handovers)
+            .find_map(|h| match h {
+                Handover::Replay(o) => Some(*o),
+                _ => None,
+            })
+            .unwrap();
+        let blocks = index.read().num_blocks(Some(&W("a")));
+        shared.command(Command::Stop);
+        drop((pub_, router));
+        assert!(shared.drain().dead.is_none());
+        (outcome, blocks)
+    }
+
+    #[test]
+    fn a_clean_answer_is_applied_whole() {
+        let (out, blocks) = replay_answered(Meanwhile::Nothing);
+        let applied = out.applied.expect("applied whole");
+        assert_eq!((applied.first, applied.last, applied.count), (0, 2, 3));
+        assert!(out.items.is_empty() && out.complete);
+        assert_eq!((out.counts.replies, out.counts.good), (4, 3));
+        assert_eq!(blocks, 3);
+    }
+
+    #[test]
+    fn an_answer_after_a_risky_hand_over_is_handed_over_not_applied() {
+        // The machine took a message the thread handed over after the request: it may no
+        // longer take the answer whole (`risky` != the request's `consumed`).
+        let (out, blocks) = replay_answered(Meanwhile::Message);
+        assert!(out.applied.is_none());
+        let seqs: Vec<u64> = out.items.iter().map(|it| it.0).collect();
+        assert_eq!(seqs, vec![0, 1, 2]);
+        assert!(out.items.iter().all(|it| it.2.is_some()));
+        assert_eq!(blocks, 0);
+    }
+
+    #[test]
+    fn a_disarmed_answer_is_handed_over_not_applied() {
+        let (out, blocks) = replay_answered(Meanwhile::Disarm);
+        assert!(out.applied.is_none());
+        assert_eq!(out.items.len(), 3);
+        assert_eq!(blocks, 0);
+    }
 }

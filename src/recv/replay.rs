@@ -103,6 +103,12 @@ pub struct Outcome {
     pub cut: Option<String>,
     /// Python cancelled it.
     pub cancelled: bool,
+    pub counts: Counts,
+}
+
+/// What a request's replies were, counted as they are read (a running request's and its outcome's).
+#[derive(Default)]
+pub struct Counts {
     /// Replies read, malformed ones and the end marker included (the request's budget).
     pub replies: u64,
     /// Replies decoded and trusted.
@@ -116,6 +122,29 @@ pub struct Outcome {
     pub skipped: HashMap<String, u64>,
 }
 
+impl Outcome {
+    /// `req`'s outcome with nothing applied and no reply handed over (yet): the one place an
+    /// outcome is made, for a request that never ran and for one that ended.
+    fn new(
+        req: &Request,
+        complete: bool,
+        cut: Option<String>,
+        cancelled: bool,
+        counts: Counts,
+    ) -> Outcome {
+        Outcome {
+            id: req.id,
+            token: req.token,
+            applied: None,
+            items: Vec::new(),
+            complete,
+            cut,
+            cancelled,
+            counts,
+        }
+    }
+}
+
 /// A request being carried out.
 pub struct Running {
     pub req: Request,
@@ -126,13 +155,8 @@ pub struct Running {
     last_good: Instant,
     items: Vec<Item>,
     bytes: usize,
-    replies: u64,
     complete: bool,
-    good: u64,
-    junk_frames: u64,
-    bad: Vec<(&'static str, String)>,
-    bad_count: u64,
-    skipped: HashMap<String, u64>,
+    counts: Counts,
 }
 
 /// Whether a running request has ended, and why.
@@ -172,13 +196,8 @@ pub fn begin(
         last_good: now,
         items: Vec::new(),
         bytes: 0,
-        replies: 0,
         complete: false,
-        good: 0,
-        junk_frames: 0,
-        bad: Vec::new(),
-        bad_count: 0,
-        skipped: HashMap::new(),
+        counts: Counts::default(),
     })
 }
 
@@ -201,21 +220,13 @@ fn configure(sock: zmq::Socket, req: &Request) -> Result<zmq::Socket, String> {
 
 /// An outcome for a request that never ran (its socket could not be opened, or was refused).
 fn failed(req: &Request, why: String) -> Box<Outcome> {
-    Box::new(Outcome {
-        id: req.id,
-        token: req.token,
-        applied: None,
-        items: Vec::new(),
-        complete: false,
-        cut: Some(why),
-        cancelled: false,
-        replies: 0,
-        good: 0,
-        junk_frames: 0,
-        bad: Vec::new(),
-        bad_count: 0,
-        skipped: HashMap::new(),
-    })
+    Box::new(Outcome::new(
+        req,
+        false,
+        Some(why),
+        false,
+        Counts::default(),
+    ))
 }
 
 impl Running {
@@ -242,7 +253,7 @@ impl Running {
                     self.req.deadline.as_secs_f64()
                 )));
             }
-            if self.replies >= self.req.budget {
+            if self.counts.replies >= self.req.budget {
                 return Step::Ended(Some(format!(
                     "past the reply budget ({} replies)",
                     self.req.budget
@@ -258,7 +269,7 @@ impl Running {
                 return Step::Going;
             };
             taken += 1;
-            self.replies += 1;
+            self.counts.replies += 1;
             self.reply(frames, limits);
         }
     }
@@ -269,7 +280,7 @@ impl Running {
         let n = frames.len();
         let ok_shape = (n == 4 || n == 3) && frames[0].is_empty() && frames[n - 2].len() == 8;
         if !ok_shape {
-            self.junk_frames += 1;
+            self.counts.junk_frames += 1;
             return;
         }
         let payload = frames.pop().unwrap_or_default();
@@ -296,11 +307,11 @@ impl Running {
             }
         };
         if let Some(batch) = &batch {
-            self.good += 1;
+            self.counts.good += 1;
             self.req.progress.fetch_add(1, Ordering::Relaxed);
             self.last_good = Instant::now();
             for (why, k) in &batch.skipped {
-                *self.skipped.entry(why.clone()).or_default() += k;
+                *self.counts.skipped.entry(why.clone()).or_default() += k;
             }
         }
         self.items.push(Item {
@@ -312,16 +323,16 @@ impl Running {
     }
 
     fn bad_payload(&mut self, kind: &'static str, detail: String) {
-        self.bad_count += 1;
-        if self.bad.len() < KEEP_BAD {
-            self.bad.push((kind, detail));
+        self.counts.bad_count += 1;
+        if self.counts.bad.len() < KEEP_BAD {
+            self.counts.bad.push((kind, detail));
         }
     }
 
     /// Whether the answer is one the machine takes whole under `terms`: complete, every reply
     /// decodable, seqs without a hole from where `terms` let it start.
     fn whole(&self, terms: &Terms) -> bool {
-        if !self.complete || self.junk_frames > 0 || self.items.is_empty() {
+        if !self.complete || self.counts.junk_frames > 0 || self.items.is_empty() {
             return false;
         }
         let from = self.req.from_seq;
@@ -352,7 +363,8 @@ impl Running {
     /// The request's end: apply the answer with `apply` when the machine takes it whole (given
     /// the batches and the request's `armed` flag, it returns the stored blocks, or None when it
     /// may not: stopped, disarmed, or the source handed something over since), else hand every
-    /// reply over.
+    /// reply over. `apply` is the one place `armed` is checked: under the index's write lock, so
+    /// a disarm either comes before the check or after the answer is in the index.
     pub fn finish(
         self,
         cut: Option<String>,
@@ -365,30 +377,12 @@ impl Running {
             req,
             items,
             complete,
-            replies,
-            good,
-            junk_frames,
-            bad,
-            bad_count,
-            skipped,
+            counts,
             ..
         } = self;
-        let mut out = Outcome {
-            id: req.id,
-            token: req.token,
-            applied: None,
-            items: Vec::new(),
-            complete,
-            cut,
-            cancelled,
-            replies,
-            good,
-            junk_frames,
-            bad,
-            bad_count,
-            skipped,
-        };
-        if whole && req.armed.load(Ordering::SeqCst) {
+        let mut out = Outcome::new(&req, complete, cut, cancelled, counts);
+        // `armed` is `apply`'s to check, under the index's lock: a check here could go stale.
+        if whole {
             let skip = usize::from(terms.is_some_and(|t| t.anchor.is_some()));
             let run: Vec<&Batch> = items[skip..]
                 .iter()

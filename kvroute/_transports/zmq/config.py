@@ -195,6 +195,13 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
         # An advertised 0 is libzmq's "unlimited" (and a negative one is nonsense): the cap.
         return cap if wanted < 1 else min(wanted, cap)
 
+    def reconnect_ms(self) -> tuple[int, int]:
+        """``reconnect_ivl`` and ``reconnect_ivl_max`` in the compiled core's whole milliseconds.
+
+        A positive interval never rounds down to 0 ms; a 0 maximum stays 0 (no back-off).
+        """
+        return max(1, round(self.reconnect_ivl * 1000)), max(0, round(self.reconnect_ivl_max * 1000))
+
 
 def curve_keys(source: EventSource, config: SubscriberConfig) -> _zmq.CurveKeys | None:
     """The client's CURVE key pair for ``source``, when the source names a server key and the config has a pair."""

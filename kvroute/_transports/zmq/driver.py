@@ -503,6 +503,11 @@ class SourceDriver(DriverBase):
         at, messages = tick
         # Still quiet: nothing received since the tick, and within one quiet interval of it
         # (past that, a message may wait unread behind a slow loop: the next tick decides).
+        # The age first: it needs no hold of the native thread. When the last cold replays of a
+        # fleet end, every source deferred meanwhile is offered a slot in one burst, most of
+        # them long past their tick: holding the thread for each was O(n) holds at once.
+        if anyio.current_time() - at > self._cfg.quiet_interval:
+            return
         self._close_native_fast()
         if self.counters.messages != messages or anyio.current_time() - at > self._cfg.quiet_interval:
             return

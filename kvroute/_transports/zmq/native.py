@@ -13,6 +13,7 @@ import kvroute._core as _core
 
 from ..._errors import ClientStateError
 from ..._models import EventSource
+from .._base import EventSink
 from . import sockets as _zmq
 from .config import SubscriberConfig
 from .driver import SourceDriver
@@ -53,6 +54,11 @@ class NativeReceiver(_LoopLeader):
         self._core: _core.NativeReceiver | None = None
         self._fd = -1
         self._drivers: dict[int, SourceDriver] = {}
+        # The drivers' sinks (a client's one fan-out), with how many drivers share each: `hold`
+        # asks these whether anybody listens instead of every driver (a deferred quiet probe
+        # holds the thread: a pass over 4,096 drivers each time was most of a cold sync's CPU).
+        # (Keyed by identity: a sink need not be hashable.)
+        self._sinks: dict[int, tuple[EventSink, int]] = {}
         super().__init__()
         self._dead: str | None = None
         # Set while `_drain` feeds drivers: they open their fast paths at its end, not per action.
@@ -96,17 +102,26 @@ class NativeReceiver(_LoopLeader):
             src.topic.encode("utf-8"),
             cfg.sub_rcvhwm(src.hwm),
             cfg.max_message_size,
-            max(1, round(cfg.reconnect_ivl * 1000)),
-            max(0, round(cfg.reconnect_ivl_max * 1000)),
+            *cfg.reconnect_ms(),
             cfg.tcp_keepalive,
         )
         self._drivers[token] = driver
+        sink = driver._sink
+        self._sinks[id(sink)] = (sink, self._sinks.get(id(sink), (sink, 0))[1] + 1)
         return token
 
     def remove(self, token: int) -> None:
         """Stop following ``token`` (its sockets close on the thread; its later hand-overs are dropped)."""
         core = self._core
-        if self._drivers.pop(token, None) is None or core is None:
+        driver = self._drivers.pop(token, None)
+        if driver is None:
+            return
+        sink, sharing = self._sinks[id(driver._sink)]
+        if sharing > 1:
+            self._sinks[id(sink)] = (sink, sharing - 1)
+        else:
+            del self._sinks[id(sink)]
+        if core is None:
             return
         core.remove(token)
         if not self._drivers:
@@ -176,8 +191,7 @@ class NativeReceiver(_LoopLeader):
             src.replay_endpoint,
             cfg.sub_rcvhwm(None),
             cfg.max_message_size,
-            max(1, round(cfg.reconnect_ivl * 1000)),
-            max(0, round(cfg.reconnect_ivl_max * 1000)),
+            *cfg.reconnect_ms(),
             cfg.tcp_keepalive,
             from_seq,
             terms is not None,
@@ -231,6 +245,8 @@ class NativeReceiver(_LoopLeader):
             core.hold()
             self._held = core
         self._drain()
+        if not any(sink.active for sink, _ in self._sinks.values()):
+            return newly
         for token, d in self._drivers.items():
             if d._native_opened is not None and d._sink.active:
                 core.close_fast(token)
