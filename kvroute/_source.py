@@ -103,12 +103,22 @@ __all__ = [
     "SourceMachine",
 ]
 
+
+def _first_ring_cap(ts_ring: int) -> int:
+    """The ts ring's first capacity: ``ts_ring`` halved while it stays even and at least 64 slots."""
+    cap = ts_ring
+    while cap % 2 == 0 and cap // 2 >= 64:
+        cap //= 2
+    return cap
+
+
 class RecoveryMachine(ReplayAnswers):
     """Sequence, gap, restart and replay logic of one source, as a pure state machine (formerly `SourceMachine`).
 
     ``has_replay``: the source has a replay endpoint. ``ts_ring``: how many applied seqs
-    keep their ts, to tell a duplicate from a restart (rule 2); the default 4,096 (64 KB a
-    source) outlasts a replay's overlap with live traffic (a ROUTER sends at most 1,000
+    keep their ts, to tell a duplicate from a restart (rule 2); the default 4,096 (up to 64 KB a
+    source, grown as seqs are applied from 1 KB: a fleet of idle or freshly synced sources does not
+    pay it up front) outlasts a replay's overlap with live traffic (a ROUTER sends at most 1,000
     replies ahead of the reader, docs/protocol.md §4), and an older seq costs one identity check,
     never a wrong answer. ``max_held``: how many batches may wait for a replay; past it the
     newest is dropped (the replay or a later one fetches it again from the engine's buffer),
@@ -150,10 +160,15 @@ class RecoveryMachine(ReplayAnswers):
         self.replay_in_flight: RequestReplay | None = None
         #: Counted into ``stats`` when given (the driver's per-source counters extend it).
         self.stats = stats if stats is not None else RecoveryStats()
-        # The ts ring: slot seq % ts_ring holds the newest applied seq of that residue and its
-        # ts (REPLAY_END_SEQ: empty). Two flat arrays, 16 bytes a slot, one store each per batch.
-        self._ring_seq = array("Q", [REPLAY_END_SEQ]) * ts_ring
-        self._ring_ts = array("d", [0.0]) * ts_ring
+        # The ts ring: it holds what a ring of ``ts_ring`` slots would (slot seq % ts_ring: the
+        # newest applied seq of that residue and its ts), in ``_ring_cap`` slots at seq % _ring_cap
+        # (REPLAY_END_SEQ: empty). Two flat arrays, 16 bytes a slot, one store each per batch. The
+        # capacity starts small and doubles (`_grow`) before a store would drop a seq the full ring
+        # keeps: at 4,096 sources the full rings, allocated up front, were 256 MB and ~6 % of a
+        # cold sync's CPU.
+        self._ring_cap = _first_ring_cap(ts_ring)
+        self._ring_seq = array("Q", [REPLAY_END_SEQ]) * self._ring_cap
+        self._ring_ts = array("d", [0.0]) * self._ring_cap
         #: Newest seq recorded in the ring (-1: none since the last restart).
         self._newest = -1
         self._held: dict[int, Held] = {}
@@ -242,7 +257,7 @@ class RecoveryMachine(ReplayAnswers):
         """
         if self._holding == "nothing" or self._newest < 0:
             return None
-        return self._newest, self._ring_ts[self._newest % self.ts_ring]
+        return self._newest, self._ring_ts[self._newest % self._ring_cap]
 
     @property
     def probe_due(self) -> bool:
@@ -325,7 +340,9 @@ class RecoveryMachine(ReplayAnswers):
         """The driver applied the live batch ``seq`` (``ts`` finite) itself, after `in_order` said so."""
         # Rule 1 as in `on_live` (`_record` inlined, and the holding table's "apply", which leads
         # to "run" from either value, written direct): the ring, the run, the count.
-        i = seq % self.ts_ring
+        i = seq % self._ring_cap
+        if self._ring_cap != self.ts_ring:
+            i = self._ring_slot(seq, i)
         self._ring_seq[i] = seq
         self._ring_ts[i] = ts
         self._newest = self.last_seq = seq
@@ -448,21 +465,49 @@ class RecoveryMachine(ReplayAnswers):
                 self.on_vouching()
 
     def _record(self, seq: int, ts: float) -> None:
-        i = seq % self.ts_ring
+        i = seq % self._ring_cap
+        if self._ring_cap != self.ts_ring:
+            i = self._ring_slot(seq, i)
         self._ring_seq[i] = seq
         self._ring_ts[i] = ts
         self._newest = seq
 
+    def _ring_slot(self, seq: int, i: int) -> int:
+        """Slot ``i`` (seq % _ring_cap) for storing ``seq``, after growing the ring while that store
+        would drop a seq a ring of ``ts_ring`` slots keeps (one of another residue mod ts_ring)."""
+        while True:
+            old = self._ring_seq[i]
+            if old == REPLAY_END_SEQ or (old - seq) % self.ts_ring == 0 or self._ring_cap == self.ts_ring:
+                return i
+            self._grow()
+            i = seq % self._ring_cap
+
+    def _grow(self) -> None:
+        """Double the ring's capacity (it divides ``ts_ring``, so it reaches it): every seq keeps its ts.
+
+        Two seqs in different slots mod the old capacity are in different slots mod a multiple of it.
+        """
+        cap = self._ring_cap * 2
+        ring_seq = array("Q", [REPLAY_END_SEQ]) * cap
+        ring_ts = array("d", [0.0]) * cap
+        for old, ts in zip(self._ring_seq, self._ring_ts):
+            if old != REPLAY_END_SEQ:
+                ring_seq[old % cap] = old
+                ring_ts[old % cap] = ts
+        self._ring_cap, self._ring_seq, self._ring_ts = cap, ring_seq, ring_ts
+
     def _recorded(self, seq: int) -> float | None:
         """The ts ``seq`` was applied with, if the ring still holds it."""
-        i = seq % self.ts_ring
+        i = seq % self._ring_cap
         return self._ring_ts[i] if self._ring_seq[i] == seq else None
 
     def _forget(self) -> None:
         """Drop all sequence state, as for a new engine process."""
         self.last_seq = -1
         self._partial = False
-        self._ring_seq = array("Q", [REPLAY_END_SEQ]) * self.ts_ring
+        self._ring_cap = _first_ring_cap(self.ts_ring)
+        self._ring_seq = array("Q", [REPLAY_END_SEQ]) * self._ring_cap
+        self._ring_ts = array("d", [0.0]) * self._ring_cap
         self._newest = -1
         self._held.clear()
         self._held_size.clear()

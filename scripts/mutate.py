@@ -199,6 +199,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_examples.py",),
     ),
     Mutation(
+        "ts-ring-never-grown",
+        "the ts ring grown on demand keeps every seq a full ring keeps (rule 2: a duplicate is told from a restart)",
+        "kvroute/_source.py",
+        "            if old == REPLAY_END_SEQ or (old - seq) % self.ts_ring == 0 or self._ring_cap == self.ts_ring:\n",
+        "            if True:\n",
+        ("tests/test_source.py", "tests/test_warm_restart.py"),
+    ),
+    Mutation(
         "no-apply-python-receiver",
         "the Python receiver applies what its sources publish",
         "kvroute/_transports/zmq/payloads.py",

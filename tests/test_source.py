@@ -1046,3 +1046,51 @@ def test_model_lossy_world_index_stays_a_true_contiguous_run(
     """Drops, duplicates, corrupt payloads, lossy replies, timeouts, shallow buffers, restarts, overflows."""
     world = World(has_replay=has_replay, depth=depth, ts_ring=ts_ring, max_held=max_held)
     run_world(world, steps, final=final, faults=True, lost_tail=lost_tail)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ts_ring=st.sampled_from([1, 7, 64, 100, 128, 256, 4096]),
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("apply"), st.integers(0, 9_000)),
+            st.tuples(st.just("run"), st.integers(1, 300)),
+            st.tuples(st.just("forget"), st.just(0)),
+        ),
+        max_size=30,
+    ),
+)
+def test_the_ts_ring_grown_on_demand_keeps_what_a_full_ring_keeps(ts_ring: int, steps: list[tuple[str, int]]) -> None:
+    # The ring starts at a fraction of ts_ring and doubles before a store would drop a seq the
+    # full ring keeps: every seq's recorded ts, and the saved position, are the full ring's.
+    m = SourceMachine(has_replay=True, ts_ring=ts_ring)
+    full: dict[int, tuple[int, float]] = {}  # slot seq % ts_ring -> (seq, ts)
+    newest = -1
+    for kind, n in steps:
+        if kind == "forget":
+            m._forget()
+            full.clear()
+            newest = -1
+            continue
+        seqs = [n] if kind == "apply" else range(newest + 1, newest + 1 + n)
+        for seq in seqs:
+            ts = 1_000.0 + seq + 0.5 * len(full)
+            m.on_applied(seq, ts)
+            full[seq % ts_ring] = (seq, ts)
+            newest = seq
+    assert m._ring_cap <= ts_ring and ts_ring % m._ring_cap == 0
+    for seq in range(max(0, newest - 2 * ts_ring), newest + 2):
+        kept = full.get(seq % ts_ring)
+        assert m._recorded(seq) == (kept[1] if kept is not None and kept[0] == seq else None), seq
+    if newest >= 0:
+        assert m.applied == (newest, full[newest % ts_ring][1])
+
+
+def test_the_ts_ring_starts_small_and_grows_only_with_the_applied_seqs() -> None:
+    m = SourceMachine(has_replay=True)  # ts_ring 4,096: 64 KB a source when full
+    assert m._ring_cap == 64
+    for seq in range(256):  # a cold replay of a 256-batch buffer
+        m.on_applied(seq, float(seq))
+    assert m._ring_cap == 256
+    m._forget()
+    assert m._ring_cap == 64
