@@ -50,12 +50,14 @@ import xxhash
 
 from kvroute import CostModel, KvEventClient, WorkerKey
 from kvroute.cli import _demo_run
-from kvroute.cli._demo_policies import Policy
+from kvroute.cli._demo_policies import KvRoutePolicy, Policy
 from kvroute.cli._demo_policies import make_policy as _make_policy
 from kvroute.cli._workload import TRACE_SHAPES, WorkloadRequest
 from kvroute.sim import SimEngine
 
 BS = 16
+#: The key of an idle worker's figures in a decision's ``priced`` (idle workers are priced as one group).
+_IDLE = WorkerKey("(idle)", -1)
 
 
 def _lcp_blocks(a: Sequence[int], b: Sequence[int]) -> int:
@@ -85,10 +87,25 @@ class _Recorder:
             held = [_lcp_blocks(token_ids, t) for w2, t in self.active.values() if w2 == w]
             flight[w] = max(held, default=0) * BS
         claimed = {w: min(n, c * BS) for w, c in self.client.index.find_matches(token_ids).items()}
-        worker = self.inner.choose(request_id, token_ids)
+        priced: dict[WorkerKey, tuple[float, float, float]] = {}
+        if isinstance(self.inner, KvRoutePolicy):
+            # What `KvRoutePolicy.choose` does, keeping the decision: each candidate's (prefill, load, cost).
+            decision = self.inner.router.select(token_ids, request_id=request_id)
+            worker = decision.worker
+            priced = {c.worker: (c.prefill_blocks, c.load_blocks, c.cost) for c in decision.candidates}
+            priced[_IDLE] = (n / BS, 0.0, decision.idle_cost)
+        else:
+            worker = self.inner.choose(request_id, token_ids)
         self.active[request_id] = (worker, token_ids)
         assert isinstance(request_id, tuple)  # the demo's ids: (request id, attempt)
-        self.log[request_id[0]] = {"n": n, "truth": truth, "flight": flight, "claimed": claimed, "chosen": worker}
+        self.log[request_id[0]] = {
+            "n": n,
+            "truth": truth,
+            "flight": flight,
+            "claimed": claimed,
+            "chosen": worker,
+            "priced": priced,
+        }
         return worker
 
     def prefill_done(self, request_id: Hashable) -> None:
@@ -166,6 +183,9 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
         lost: collections.Counter[str] = collections.Counter()
         starts: collections.Counter[WorkerKey] = collections.Counter({w: 0 for w in log[records[0].id]["truth"]})
         moves = 0
+        # kvroute's moves, as its Router priced them: (the holder's load above the chosen's, the recompute
+        # at the chosen worker, both in blocks of BS tokens; whether the chosen cost more: the footprint's pick)
+        priced_moves: list[tuple[float, float, bool]] = []
         for r in records:
             d = log[r.id]
             n = d["n"]
@@ -188,6 +208,11 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
                 elif d["claimed"].get(best, 0) >= cap(d["truth"][best]) - BS:
                     lost["placement: index knew (load/weight)"] += gap
                     moves += 1
+                    priced = d["priced"]
+                    if priced:
+                        p_c, load_c, cost_c = priced.get(chosen, priced[_IDLE])
+                        _, load_b, cost_b = priced.get(best, priced[_IDLE])
+                        priced_moves.append((load_b - load_c, p_c, cost_c > cost_b))
                 else:
                     lost["placement: index lag"] += gap
             short = anywhere(chosen) - r.cached_tokens
@@ -209,6 +234,15 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
         )
         for cause, tokens in sorted(lost.items()):
             print(f"  {cause:<40} {tokens / total:7.2%}")
+        if priced_moves:
+            queue = sorted(m[0] * BS for m in priced_moves)
+            redo = sorted(m[1] * BS for m in priced_moves)
+            print(
+                f"  moves as priced: the holder's queue above the chosen's {queue[len(queue) // 2]:,.0f} tokens "
+                f"(median; {queue[0]:,.0f} to {queue[-1]:,.0f}), recomputing {redo[len(redo) // 2]:,.0f} "
+                f"({redo[0]:,.0f} to {redo[-1]:,.0f}); {sum(m[2] for m in priced_moves)} of {len(priced_moves)} "
+                "cost more than the holder (the footprint's pick of a new placement)"
+            )
 
     return figures
 
