@@ -177,6 +177,7 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
         f"load average {load_before:.1f}-{os.getloadavg()[0]:.1f}"
     )
     figures = {}
+    moved: dict[str, list[int]] = {}  # per policy, the requests it moved off a worker the index knew held more
     for name, records in result.records.items():
         log = recorders[name].log
         total = sum(r.prompt_tokens for r in records)
@@ -208,6 +209,7 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
                 elif d["claimed"].get(best, 0) >= cap(d["truth"][best]) - BS:
                     lost["placement: index knew (load/weight)"] += gap
                     moves += 1
+                    moved.setdefault(name, []).append(r.id)
                     priced = d["priced"]
                     if priced:
                         p_c, load_c, cost_c = priced.get(chosen, priced[_IDLE])
@@ -244,6 +246,24 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
                 "cost more than the holder (the footprint's pick of a new placement)"
             )
 
+    if "session_affinity" in result.records:
+        sticky = {r.id: r for r in result.records["session_affinity"]}
+        for name, ids in moved.items():
+            if name == "session_affinity":
+                continue
+            mine = {r.id: r for r in result.records[name]}
+            both = [i for i in ids if i in sticky]
+            if not both:
+                continue
+            # The same requests under session affinity, which kept them: what each move bought and cost.
+            ttft_m = sorted(mine[i].ttft for i in both)
+            ttft_s = sorted(sticky[i].ttft for i in both)
+            print(
+                f"{name}'s {len(both)} moved requests: TTFT median {ttft_m[len(both) // 2] * 1e3:.1f} ms "
+                f"against {ttft_s[len(both) // 2] * 1e3:.1f} under session affinity; cached "
+                f"{sum(mine[i].cached_tokens for i in both):,} against {sum(sticky[i].cached_tokens for i in both):,} "
+                f"tokens (of {sum(mine[i].prompt_tokens for i in both):,})"
+            )
     return figures
 
 
@@ -277,13 +297,13 @@ def _summary(runs: Sequence[dict[str, _Figures]]) -> None:
         if name not in ("kvroute", "session_affinity") and "kvroute" in runs[0]:
             pairs = [(run[name], run["kvroute"]) for run in runs if name in run]
             diff = [(f.hit_rate - k.hit_rate) * 100 for f, k in pairs]
-            ttft = [f.ttft_p50 / k.ttft_p50 for f, k in pairs if k.ttft_p50]
+            per = [f.ttft_p50 / k.ttft_p50 for f, k in pairs if k.ttft_p50]
             line += (
                 f"; vs kvroute on hits mean {sum(diff) / len(diff):+.2f} points ({min(diff):+.1f} to {max(diff):+.1f},"
                 f" above in {sum(d > 0 for d in diff)}/{len(diff)})"
             )
-            if ttft:
-                line += f", TTFT p50 ÷ kvroute's {sum(ttft) / len(ttft):.3f} ({min(ttft):.2f}-{max(ttft):.2f})"
+            if per:
+                line += f", TTFT p50 ÷ kvroute's {sum(per) / len(per):.3f} ({min(per):.2f}-{max(per):.2f})"
         print(line)
 
 
