@@ -88,7 +88,7 @@ class _Recorder:
             flight[w] = max(held, default=0) * BS
         claimed = {w: min(n, c * BS) for w, c in self.client.index.find_matches(token_ids).items()}
         priced: dict[WorkerKey, tuple[float, float, float]] = {}
-        if isinstance(self.inner, KvRoutePolicy):
+        if type(self.inner) is KvRoutePolicy:  # a subclass chooses otherwise
             # What `KvRoutePolicy.choose` does, keeping the decision: each candidate's (prefill, load, cost).
             decision = self.inner.router.select(token_ids, request_id=request_id)
             worker = decision.worker
