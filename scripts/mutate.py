@@ -640,6 +640,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_router_threads.py",),
         ("tests/test_router_threads.py::test_worker_threads_select_while_the_client_ingests_a_live_engine",),
     ),
+    Mutation(
+        "hashed-placement-unhashed",
+        "the demo's kvroute_hashed places a new session by a hash of its leading tokens, not where cost alone sends it",
+        "kvroute/cli/_demo_policies.py",
+        '            worker = max(eligible, key=lambda w: _ring_hash(key + f"#{w.worker_id}#{w.dp_rank}".encode()))\n',
+        "            worker = d.worker\n",
+        ("tests/test_demo_policies.py",),
+    ),
 ]
 
 

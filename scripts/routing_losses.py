@@ -50,12 +50,14 @@ import xxhash
 
 from kvroute import CostModel, KvEventClient, WorkerKey
 from kvroute.cli import _demo_run
-from kvroute.cli._demo_policies import Policy
+from kvroute.cli._demo_policies import KvRoutePolicy, Policy
 from kvroute.cli._demo_policies import make_policy as _make_policy
 from kvroute.cli._workload import TRACE_SHAPES, WorkloadRequest
 from kvroute.sim import SimEngine
 
 BS = 16
+#: The key of an idle worker's figures in a decision's ``priced`` (idle workers are priced as one group).
+_IDLE = WorkerKey("(idle)", -1)
 
 
 def _lcp_blocks(a: Sequence[int], b: Sequence[int]) -> int:
@@ -85,10 +87,25 @@ class _Recorder:
             held = [_lcp_blocks(token_ids, t) for w2, t in self.active.values() if w2 == w]
             flight[w] = max(held, default=0) * BS
         claimed = {w: min(n, c * BS) for w, c in self.client.index.find_matches(token_ids).items()}
-        worker = self.inner.choose(request_id, token_ids)
+        priced: dict[WorkerKey, tuple[float, float, float]] = {}
+        if type(self.inner) is KvRoutePolicy:  # a subclass chooses otherwise
+            # What `KvRoutePolicy.choose` does, keeping the decision: each candidate's (prefill, load, cost).
+            decision = self.inner.router.select(token_ids, request_id=request_id)
+            worker = decision.worker
+            priced = {c.worker: (c.prefill_blocks, c.load_blocks, c.cost) for c in decision.candidates}
+            priced[_IDLE] = (n / BS, 0.0, decision.idle_cost)
+        else:
+            worker = self.inner.choose(request_id, token_ids)
         self.active[request_id] = (worker, token_ids)
         assert isinstance(request_id, tuple)  # the demo's ids: (request id, attempt)
-        self.log[request_id[0]] = {"n": n, "truth": truth, "flight": flight, "claimed": claimed, "chosen": worker}
+        self.log[request_id[0]] = {
+            "n": n,
+            "truth": truth,
+            "flight": flight,
+            "claimed": claimed,
+            "chosen": worker,
+            "priced": priced,
+        }
         return worker
 
     def prefill_done(self, request_id: Hashable) -> None:
@@ -160,12 +177,16 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
         f"load average {load_before:.1f}-{os.getloadavg()[0]:.1f}"
     )
     figures = {}
+    moved: dict[str, list[int]] = {}  # per policy, the requests it moved off a worker the index knew held more
     for name, records in result.records.items():
         log = recorders[name].log
         total = sum(r.prompt_tokens for r in records)
         lost: collections.Counter[str] = collections.Counter()
         starts: collections.Counter[WorkerKey] = collections.Counter({w: 0 for w in log[records[0].id]["truth"]})
         moves = 0
+        # kvroute's moves, as its Router priced them: (the holder's load above the chosen's, the recompute
+        # at the chosen worker, both in blocks of BS tokens; whether the chosen cost more: the footprint's pick)
+        priced_moves: list[tuple[float, float, bool]] = []
         for r in records:
             d = log[r.id]
             n = d["n"]
@@ -188,6 +209,12 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
                 elif d["claimed"].get(best, 0) >= cap(d["truth"][best]) - BS:
                     lost["placement: index knew (load/weight)"] += gap
                     moves += 1
+                    moved.setdefault(name, []).append(r.id)
+                    priced = d["priced"]
+                    if priced:
+                        p_c, load_c, cost_c = priced.get(chosen, priced[_IDLE])
+                        _, load_b, cost_b = priced.get(best, priced[_IDLE])
+                        priced_moves.append((load_b - load_c, p_c, cost_c > cost_b))
                 else:
                     lost["placement: index lag"] += gap
             short = anywhere(chosen) - r.cached_tokens
@@ -209,7 +236,34 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
         )
         for cause, tokens in sorted(lost.items()):
             print(f"  {cause:<40} {tokens / total:7.2%}")
+        if priced_moves:
+            queue = sorted(m[0] * BS for m in priced_moves)
+            redo = sorted(m[1] * BS for m in priced_moves)
+            print(
+                f"  moves as priced: the holder's queue above the chosen's {queue[len(queue) // 2]:,.0f} tokens "
+                f"(median; {queue[0]:,.0f} to {queue[-1]:,.0f}), recomputing {redo[len(redo) // 2]:,.0f} "
+                f"({redo[0]:,.0f} to {redo[-1]:,.0f}); {sum(m[2] for m in priced_moves)} of {len(priced_moves)} "
+                "cost more than the holder (the footprint's pick of a new placement)"
+            )
 
+    if "session_affinity" in result.records:
+        sticky = {r.id: r for r in result.records["session_affinity"]}
+        for name, ids in moved.items():
+            if name == "session_affinity":
+                continue
+            mine = {r.id: r for r in result.records[name]}
+            both = [i for i in ids if i in sticky]
+            if not both:
+                continue
+            # The same requests under session affinity, which kept them: what each move bought and cost.
+            ttft_m = sorted(mine[i].ttft for i in both)
+            ttft_s = sorted(sticky[i].ttft for i in both)
+            print(
+                f"{name}'s {len(both)} moved requests: TTFT median {ttft_m[len(both) // 2] * 1e3:.1f} ms "
+                f"against {ttft_s[len(both) // 2] * 1e3:.1f} under session affinity; cached "
+                f"{sum(mine[i].cached_tokens for i in both):,} against {sum(sticky[i].cached_tokens for i in both):,} "
+                f"tokens (of {sum(mine[i].prompt_tokens for i in both):,})"
+            )
     return figures
 
 
@@ -243,13 +297,13 @@ def _summary(runs: Sequence[dict[str, _Figures]]) -> None:
         if name not in ("kvroute", "session_affinity") and "kvroute" in runs[0]:
             pairs = [(run[name], run["kvroute"]) for run in runs if name in run]
             diff = [(f.hit_rate - k.hit_rate) * 100 for f, k in pairs]
-            ttft = [f.ttft_p50 / k.ttft_p50 for f, k in pairs if k.ttft_p50]
+            per = [f.ttft_p50 / k.ttft_p50 for f, k in pairs if k.ttft_p50]
             line += (
                 f"; vs kvroute on hits mean {sum(diff) / len(diff):+.2f} points ({min(diff):+.1f} to {max(diff):+.1f},"
                 f" above in {sum(d > 0 for d in diff)}/{len(diff)})"
             )
-            if ttft:
-                line += f", TTFT p50 ÷ kvroute's {sum(ttft) / len(ttft):.3f} ({min(ttft):.2f}-{max(ttft):.2f})"
+            if per:
+                line += f", TTFT p50 ÷ kvroute's {sum(per) / len(per):.3f} ({min(per):.2f}-{max(per):.2f})"
         print(line)
 
 

@@ -10,9 +10,10 @@ import anyio
 import msgspec
 import pytest
 
-from kvroute import CostModel, KvEventClient, SubscriberConfig, WorkerKey
+from kvroute import CostModel, KvEventClient, PrefixIndex, Router, SubscriberConfig, WorkerKey
 from kvroute.cli._demo_policies import (
     POLICIES,
+    HashedPlacementPolicy,
     KvRoutePolicy,
     LeastLoadPolicy,
     OraclePolicy,
@@ -173,3 +174,28 @@ async def test_kvroute_prices_the_kv_usage_the_engines_serve_on_a_zmq_fleet() ->
                 assert only.cost > 2.0 * 4
         finally:
             a.abort(running)
+
+
+def test_hashed_placement_keeps_prompts_with_one_lead_together_and_never_picks_a_busier_worker() -> None:
+    # kvroute_hashed (a prototype, docs/routing-quality.md session 10): a new session goes to the eligible worker
+    # its leading tokens hash to, so prompts sharing them land together; the footprint's load rule still holds.
+    workers = [WorkerKey(f"w{i}", 0) for i in range(4)]
+    router = Router(PrefixIndex(), block_size=16, seed=0, cost=CostModel(footprint=False), routed_ttl=10.0)
+    for w in workers:
+        router.add_worker(w)
+    policy = HashedPlacementPolicy(router, affinity_tokens=64)
+    rng = random.Random(5)
+    leads = [_tokens(rng, 64) for _ in range(12)]
+    homes = []
+    for i, lead in enumerate(leads):
+        picks = set()
+        for j in range(3):  # three sessions sharing one lead, each finished before the next
+            picks.add(policy.choose((i, j), [*lead, *_tokens(rng, 200)]))
+            policy.finished((i, j))
+        assert len(picks) == 1
+        homes.append(picks.pop())
+    assert len(set(homes)) >= 3  # different leads spread
+    # While the lead's home is busy, a new session sharing its lead goes to an idle worker instead.
+    first = policy.choose("busy", [*leads[0], *_tokens(rng, 200)])
+    assert first == homes[0] and router.load_blocks(first) > 0
+    assert policy.choose("next", [*leads[0], *_tokens(rng, 200)]) != first

@@ -48,8 +48,9 @@ __all__ = [
 POLICIES = ("kvroute", "oracle", "session_affinity", "least_load", "round_robin", "random")
 #: Policies run only when named: ``kvroute_index_only`` is kvroute without its routing hint,
 #: ``kvroute_no_footprint`` kvroute without its footprint (``CostModel(footprint=False)``),
-#: ``kvroute_long_prefix`` kvroute with the long-prefix term (``CostModel(long_prefix=True)``).
-EXTRA_POLICIES = ("kvroute_index_only", "kvroute_no_footprint", "kvroute_long_prefix")
+#: ``kvroute_long_prefix`` kvroute with the long-prefix term (``CostModel(long_prefix=True)``),
+#: ``kvroute_hashed`` kvroute placing new sessions by a stable hash of their leading tokens (`HashedPlacementPolicy`).
+EXTRA_POLICIES = ("kvroute_index_only", "kvroute_no_footprint", "kvroute_long_prefix", "kvroute_hashed")
 #: The policies that are kvroute's `Router` (the demo follows the engines' ``/metrics`` for them on ZMQ fleets).
 KVROUTE_POLICIES = ("kvroute", *EXTRA_POLICIES)
 #: ``Router(routed_ttl=)`` of the demo's kvroute: the routing hint on (docs/routing-quality.md).
@@ -96,6 +97,47 @@ class KvRoutePolicy:
 
     def finished(self, request_id: Hashable) -> None:
         self.router.on_finish(request_id)
+
+
+class HashedPlacementPolicy(KvRoutePolicy):
+    """kvroute, with a new session placed by a stable hash of its leading tokens instead of the footprint.
+
+    A prototype measured by ``scripts/routing_losses.py`` (docs/routing-quality.md, session 10): session
+    affinity's strength is that prompts sharing their leading ``affinity_tokens`` land together even
+    when no cache holds them yet, or holds too little of them to count. Here a *new placement* (no
+    candidate holds ``footprint_new_share`` of the prompt, by counted overlap or routing hint, as the
+    footprint judges it) goes, among the workers the footprint could pick (cost within
+    `CostModel.footprint_limit` of the cheapest, load no more than the cheapest's), to the one
+    whose rendezvous hash with the prompt's leading tokens is highest; any other prompt goes where
+    the Router's cost sends it. The Router runs with the footprint off, and `Router.on_start` records
+    the pick as `select` would.
+    """
+
+    def __init__(self, router: Router, *, affinity_tokens: int = AFFINITY_TOKENS) -> None:
+        super().__init__(router)
+        self._tokens = affinity_tokens
+
+    def choose(self, request_id: Hashable, token_ids: Sequence[int]) -> WorkerKey:
+        router = self.router
+        model = router.cost_model
+        d = router.select(token_ids)
+        ntok = len(token_ids)
+        scored = d.candidates
+        worker, cached = d.worker, d.overlap_tokens
+        if max((max(c.overlap_tokens, c.routed_tokens) for c in scored), default=0) < model.footprint_new_share * ntok:
+            cheapest = min([c.cost for c in scored] + ([d.idle_cost] if d.idle_workers else []))
+            limit = model.footprint_limit(cheapest) * (1.0 + 1e-9)
+            # the footprint's rule: never a busier worker than the cheapest (the largest load at that cost)
+            cap = max((c.load_blocks for c in scored if c.cost <= cheapest * (1.0 + 1e-9)), default=0.0)
+            eligible = {c.worker: c.overlap_tokens for c in scored if c.cost <= limit and c.load_blocks <= cap}
+            if d.idle_workers and d.idle_cost <= limit:
+                listed = {c.worker for c in scored}
+                eligible.update((w, 0) for w in router.workers() if w not in listed)
+            key = array("I", token_ids[: self._tokens]).tobytes()
+            worker = max(eligible, key=lambda w: _ring_hash(key + f"#{w.worker_id}#{w.dp_rank}".encode()))
+            cached = eligible[worker]
+        router.on_start(request_id, worker, token_ids, cached_tokens=cached)
+        return worker
 
 
 class OracleDecision(msgspec.Struct, frozen=True):
@@ -313,11 +355,12 @@ def make_policy(
     """
     if name in KVROUTE_POLICIES:
         ttl = 0.0 if name == "kvroute_index_only" else ROUTED_TTL
-        if name == "kvroute_no_footprint":
+        if name in ("kvroute_no_footprint", "kvroute_hashed"):
             cost = msgspec.structs.replace(cost or CostModel(), footprint=False)
         elif name == "kvroute_long_prefix":
             cost = msgspec.structs.replace(cost or CostModel(), long_prefix=True)
-        return KvRoutePolicy(
+        kind = HashedPlacementPolicy if name == "kvroute_hashed" else KvRoutePolicy
+        return kind(
             Router(
                 client.index,
                 states=client,
