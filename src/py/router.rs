@@ -845,8 +845,8 @@ struct Row {
 pub struct Scored {
     workers: Vec<Who>,
     rows: Vec<Row>,
-    /// the engine records' keys `Who::Listed` positions name (empty: none)
-    listed: Arc<[PyKey]>,
+    /// the engine records' keys `Who::Listed` positions name (None: no engine records)
+    listed: Option<Arc<[PyKey]>>,
 }
 
 /// A candidate's worker: a key (the index's or the load table's, holding its object), or an
@@ -871,6 +871,13 @@ impl Who {
     }
 }
 
+impl Scored {
+    /// The keys `Who::Listed` positions name.
+    fn listed(&self) -> &[PyKey] {
+        self.listed.as_deref().unwrap_or(&[])
+    }
+}
+
 #[pymethods]
 impl Scored {
     fn __len__(&self) -> usize {
@@ -884,7 +891,7 @@ impl Scored {
                 "candidate index out of range",
             ));
         };
-        candidate(&candidate_type(py)?, w.bind(py, &self.listed), r)
+        candidate(&candidate_type(py)?, w.bind(py, self.listed()), r)
     }
 
     /// Every candidate as a `CandidateScore`, in order.
@@ -892,14 +899,14 @@ impl Scored {
         let cls = candidate_type(py)?;
         let out = PyList::empty(py);
         for (w, r) in self.workers.iter().zip(&self.rows) {
-            out.append(candidate(&cls, w.bind(py, &self.listed), r)?)?;
+            out.append(candidate(&cls, w.bind(py, self.listed()), r)?)?;
         }
         Ok(out)
     }
 
     /// The candidates' workers, in order.
     fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.workers.iter().map(|w| w.bind(py, &self.listed)))
+        PyList::new(py, self.workers.iter().map(|w| w.bind(py, self.listed())))
     }
 
     /// The candidates' costs, in order.
@@ -1662,10 +1669,8 @@ fn select<'py>(
         routed_tokens: 0,
     };
     // the engine records' keys a load-only candidate is listed by (`Who::Listed`)
-    let listed: Arc<[PyKey]> = pass
-        .engine
-        .as_ref()
-        .map_or_else(|| Arc::from([]), |v| v.keys.clone());
+    let listed: Option<Arc<[PyKey]>> = pass.engine.as_ref().map(|v| v.keys.clone());
+    let listed_keys = listed.as_deref().unwrap_or(&[]);
     match (&pass.source, pass.engine.as_mut(), &uni) {
         (LoadSource::Table(t), Some(v), Some(u)) => {
             // `EngineLoads.blend`'s order: the engines' queues (records in order), the requests
@@ -1754,7 +1759,7 @@ fn select<'py>(
         }
         (LoadSource::Mapping(loads), None, _) => {
             // the scored and hint-only workers, for this pass to skip
-            let priced = PySet::new(py, workers.iter().map(|w| w.bind(py, &listed)))?;
+            let priced = PySet::new(py, workers.iter().map(|w| w.bind(py, listed_keys)))?;
             let mut visit = |w: Bound<'py, PyAny>, t: Bound<'py, PyAny>| -> PyResult<()> {
                 if !t.is_truthy()? || priced.contains(&w)? {
                     return Ok(());
@@ -1787,7 +1792,7 @@ fn select<'py>(
     // group; none when every reporting worker was priced above.
     let unpriced = usage.filter(|u| u.len() > usage_in.priced);
     if let Some(usage) = unpriced {
-        let priced = PySet::new(py, workers.iter().map(|w| w.bind(py, &listed)))?;
+        let priced = PySet::new(py, workers.iter().map(|w| w.bind(py, listed_keys)))?;
         // a list of the items, not the dict's iterator: the GIL may be released below
         // (`index_holds`), and an engine's report may change the dict meanwhile
         for item in usage.items().iter() {
@@ -1842,7 +1847,7 @@ fn select<'py>(
                     idle_count,
                     idle_cost,
                 };
-                Some(place.pick(model, fp.get(), (&workers, &listed), &rows, rng, record)?)
+                Some(place.pick(model, fp.get(), (&workers, listed_keys), &rows, rng, record)?)
             } else {
                 None
             }
