@@ -27,8 +27,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import random
+import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -167,16 +172,19 @@ def figure_ratio(iters: int, repeat: int, entries: int) -> None:
     print(f"  target: select (compiled) ÷ find_matches <= 1.1; now {got['select (compiled)'][0] / b50:.2f} (p50)")
 
 
-def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
+def fleet_shape(n_workers: int) -> tuple[random.Random, list[int], list[WorkerKey], list[int]]:
+    """The fleet figure's seeded prompt, workers and prefix depths (and the generator, drawn on after them)."""
     rng = random.Random(2)
     prompt = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
     workers = [WorkerKey(f"engine-{i // 8}", i % 8) for i in range(n_workers)]
     full = PROMPT_TOKENS // BS
     depths = [full if i == 0 else (rng.randint(1, full) if i < n_workers // 4 else 0) for i in range(n_workers)]
-    index = PrefixIndex()
-    t0 = time.perf_counter()
-    fill(index, workers, entries, prompt, depths)
-    built = time.perf_counter() - t0
+    return rng, prompt, workers, depths
+
+
+def fleet_calls(index: PrefixIndex, rng: random.Random, prompt: list[int],
+                workers: list[WorkerKey]) -> dict[str, Callable[[], object]]:
+    """The fleet figure's calls on ``index``, by name (routers and states built once, here)."""
     idle = Router(index, seed=0)
     busy = Router(index, seed=0)
     python = Router(index, cost=PythonPath(), seed=0)
@@ -213,15 +221,23 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
                                    received=time.monotonic()))
         return router.select(prompt)
 
-    got = interleaved({"find_matches": lambda: index.find_matches(prompt),
-                       "select, idle fleet": lambda: idle.select(prompt),
-                       "select, loaded fleet": lambda: busy.select(prompt),
-                       "select, Python path": lambda: python.select(prompt),
-                       "select, client states": lambda: client.select(prompt),
-                       "select, status per wkr": lambda: per_status.select(prompt),
-                       "select, client+loads": select_reported,
-                       "select, +loads+usage": lambda: select_reported(reporting_usage, used)},
-                      iters, repeat, (0.5, 0.99, 0.1, 0.9))
+    return {"find_matches": lambda: index.find_matches(prompt),
+            "select, idle fleet": lambda: idle.select(prompt),
+            "select, loaded fleet": lambda: busy.select(prompt),
+            "select, Python path": lambda: python.select(prompt),
+            "select, client states": lambda: client.select(prompt),
+            "select, status per wkr": lambda: per_status.select(prompt),
+            "select, client+loads": select_reported,
+            "select, +loads+usage": lambda: select_reported(reporting_usage, used)}
+
+
+def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
+    rng, prompt, workers, depths = fleet_shape(n_workers)
+    index = PrefixIndex()
+    t0 = time.perf_counter()
+    fill(index, workers, entries, prompt, depths)
+    built = time.perf_counter() - t0
+    got = interleaved(fleet_calls(index, rng, prompt, workers), iters, repeat, (0.5, 0.99, 0.1, 0.9))
     print(f"\n2. {n_workers:,} workers, {index.num_blocks():,} (block, worker) entries (built in {built:.0f} s), "
           f"{PROMPT_TOKENS}-token prompt, {n_workers // 4} workers hold a prefix of it (µs, best of {repeat}; "
           "p10 and p90 beside p50 and p99, which a loaded machine's preemptions set)")
@@ -236,6 +252,79 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
     print(f"  target: client states and engine loads ÷ find_matches p50 <= 1.3; now "
           f"{got['select, client+loads'][0] / b50:.2f} (with usage reported too "
           f"{got['select, +loads+usage'][0] / b50:.2f})")
+
+
+# The calls the alternated fleet figure times (`--baseline`): the match, an idle fleet's select, and the
+# production path with every engine reporting load.
+ALTERNATED = ("find_matches", "select, idle fleet", "select, client states", "select, client+loads")
+
+
+def fleet_child(snapshot: str, n_workers: int, iters: int, repeat: int) -> None:
+    """One build's fleet figures from ``snapshot``, printed as JSON: per call, wall p10 / p50 / p99 and thread
+    CPU p10 (µs), each the best of ``repeat`` rounds of ``iters`` interleaved calls."""
+    rng, prompt, workers, _ = fleet_shape(n_workers)
+    index = PrefixIndex.restore(snapshot)
+    calls = {n: f for n, f in fleet_calls(index, rng, prompt, workers).items() if n in ALTERNATED}
+    best: dict[str, list[float]] = {}
+    for _ in range(repeat):
+        gc.collect()
+        wall: dict[str, list[float]] = {n: [] for n in calls}
+        cpu: dict[str, list[float]] = {n: [] for n in calls}
+        for _ in range(iters):
+            for name, fn in calls.items():
+                c0 = time.thread_time()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                cpu[name].append(time.thread_time() - c0)
+                wall[name].append(t1 - t0)
+        for name in calls:
+            now = [pct(wall[name], 0.1) * 1e6, pct(wall[name], 0.5) * 1e6, pct(wall[name], 0.99) * 1e6,
+                   pct(cpu[name], 0.1) * 1e6]
+            best[name] = now if name not in best else [min(a, b) for a, b in zip(best[name], now)]
+    print(json.dumps({"entries": index.num_blocks(), "figures": best}))
+
+
+def figure_fleet_alternated(baseline: str, rounds: int, iters: int, repeat: int, n_workers: int, entries: int,
+                            snapshot: str | None) -> None:
+    """The fleet figure, this build against ``baseline`` (another venv's Python), one child per build per round,
+    in alternating order, both restoring one snapshot of the fleet (built here unless ``snapshot`` exists)."""
+    path = snapshot or os.path.join(tempfile.gettempdir(), f"bench_select_fleet_{n_workers}_{entries}.snap")
+    if not os.path.exists(path):
+        _, prompt, workers, depths = fleet_shape(n_workers)
+        index = PrefixIndex()
+        t0 = time.perf_counter()
+        fill(index, workers, entries, prompt, depths)
+        index.snapshot(path)
+        print(f"fleet built and written to {path} in {time.perf_counter() - t0:.0f} s", flush=True)
+        del index
+    builds = {"this": sys.executable, "baseline": baseline}
+    cmd = [os.path.abspath(__file__), "--child-fleet", path, "--workers", str(n_workers), "--iters", str(iters),
+           "--repeat", str(repeat)]
+    got: dict[str, list[dict[str, list[float]]]] = {"this": [], "baseline": []}
+    print(f"\n2'. {n_workers:,} workers, {entries:,} entries, this build and the baseline alternated, {rounds} rounds "
+          f"of one child each (best of {repeat} x {iters} interleaved calls; µs: wall p10 / p50 / p99, thread CPU p10)")
+    for r in range(rounds):
+        order = ["this", "baseline"] if r % 2 == 0 else ["baseline", "this"]
+        loads = []
+        for name in order:
+            loads.append(os.getloadavg()[0])
+            res = subprocess.run([builds[name], *cmd], capture_output=True, text=True, check=True)
+            got[name].append(json.loads(res.stdout)["figures"])
+        print(f"round {r + 1} ({order[0]} first; load average {loads[0]:.1f}, {loads[1]:.1f}):")
+        for call in ALTERNATED:
+            t, b = got["this"][-1][call], got["baseline"][-1][call]
+            print(f"  {call:22} this {t[0]:6.1f} / {t[1]:6.1f} / {t[2]:6.1f}, cpu {t[3]:6.1f}   "
+                  f"baseline {b[0]:6.1f} / {b[1]:6.1f} / {b[2]:6.1f}, cpu {b[3]:6.1f}   "
+                  f"this ÷ baseline p50 {t[1] / b[1]:.3f} cpu p10 {t[3] / b[3]:.3f}", flush=True)
+    print("median over rounds (this / baseline): p50, p99, thread CPU p10; ratio to find_matches p50")
+    for call in ALTERNATED:
+        row = []
+        for name in ("this", "baseline"):
+            med = [statistics.median(x[call][i] for x in got[name]) for i in range(4)]
+            fm = statistics.median(x["find_matches"][1] for x in got[name])
+            row.append(f"{med[1]:6.1f} / {med[2]:6.1f} / {med[3]:6.1f} ({med[1] / fm:.2f}x)")
+        print(f"  {call:22} this {row[0]}   baseline {row[1]}")
 
 
 def figure_ingest(seconds: float, repeat: int) -> None:
@@ -311,9 +400,24 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller fleets and fewer calls (a smoke run)")
     ap.add_argument("--repeat", type=int, default=3, help="rounds per figure, the best kept (default 3)")
     ap.add_argument("--only", choices=["ratio", "fleet", "ingest"], nargs="*", help="run only these figures")
+    ap.add_argument("--baseline", help="another build's Python (its venv's bin/python): run the fleet figure "
+                    "for both builds, alternated, restoring one snapshot of the fleet (--rounds of them)")
+    ap.add_argument("--rounds", type=int, default=4, help="alternations with --baseline (default 4)")
+    ap.add_argument("--snapshot", help="with --baseline: the fleet's snapshot file (written when missing)")
+    ap.add_argument("--iters", type=int, default=1000, help="calls per round with --baseline (default 1000)")
+    ap.add_argument("--workers", type=int, default=1024, help=argparse.SUPPRESS)
+    ap.add_argument("--child-fleet", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    only = set(args.only or ["ratio", "fleet", "ingest"])
+    if args.child_fleet:
+        fleet_child(args.child_fleet, args.workers, args.iters, args.repeat)
+        return
     q = args.quick
+    if args.baseline:
+        fleet_alternated_entries = 100_000 if q else 1_000_000
+        figure_fleet_alternated(args.baseline, args.rounds, args.iters, args.repeat, 128 if q else 1024,
+                                fleet_alternated_entries, args.snapshot)
+        return
+    only = set(args.only or ["ratio", "fleet", "ingest"])
     if "ratio" in only:
         figure_ratio(50 if q else 400, args.repeat, 64 * 600 if q else 256_000)
     if "fleet" in only:

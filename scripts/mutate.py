@@ -523,6 +523,23 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_router_engine_loads.py",),
     ),
     Mutation(
+        "listed-keys-kept-past-a-new-record",
+        "a load-only candidate is listed by its place among the engine records' keys, a list kept only while "
+        "the records keep their keys: a worker's first record drops it",
+        "src/py/router.rs",
+        "        t.insert(k, Entry::new(value, note));\n        let stale = guard.keys.take();\n",
+        "        t.insert(k, Entry::new(value, note));\n        let stale: Option<Arc<[PyKey]>> = None;\n",
+        ("tests/test_router_engine_loads.py::test_load_only_candidates_follow_records_that_come_and_go_between_selects",),
+    ),
+    Mutation(
+        "listed-keys-kept-past-a-removal",
+        "a removed record moves the engine records' later keys: the kept list of them is dropped",
+        "src/py/router.rs",
+        "            let stale = guard.keys.take();\n            (f(Arc::make_mut(&mut guard.map)), stale)\n",
+        "            let stale: Option<Arc<[PyKey]>> = None;\n            (f(Arc::make_mut(&mut guard.map)), stale)\n",
+        ("tests/test_router_engine_loads.py::test_load_only_candidates_follow_records_that_come_and_go_between_selects",),
+    ),
+    Mutation(
         "engine-blend-engine-only",
         "the compiled select blends the engine's queue with the router's own in-flight tokens (the larger)",
         "src/scoring.rs",

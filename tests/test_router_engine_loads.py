@@ -295,3 +295,30 @@ def test_the_idle_draw_beside_a_vetoed_worker_is_the_same_on_both_paths() -> Non
                     if picks[0] != picks[1]:
                         differing.append((n, wedged, seed, vouching, picks))
     assert differing == []
+
+
+def test_load_only_candidates_follow_records_that_come_and_go_between_selects() -> None:
+    # The compiled path lists a load-only candidate by its place among the records' keys, a list kept
+    # from one select to the next while the records keep their keys: an engine reporting for the first
+    # time, or a record removed, since the last select must move every candidate after it (a stale list
+    # names other workers, or places past its end).
+    workers = [WorkerKey(f"w{i}", 0) for i in range(6)]
+    index = PrefixIndex()
+    _fleet(index, {workers[0]: 4})
+    statuses = {w: WorkerStatus(state="synced", partial=False) for w in workers}
+    runs = []
+    for model in (CostModel(), _PythonModel()):
+        loads = EngineLoads(clock=lambda: 10.0)
+        r = Router(index, states=_States(statuses, set(workers), True), cost=model, engine_loads=loads, seed=0)
+        got = []
+        for step, w in enumerate([*workers[1:], workers[2], workers[4]]):
+            if step < 5:
+                loads.update(w, EngineLoad(waiting_uncached_tokens=64 * (step + 1), received=10.0))
+            else:
+                loads.remove(w)
+            for _ in range(2):  # the second select reads the kept list
+                got.append([(c.worker, c.load_blocks) for c in r.select(PROMPT).candidates])
+        runs.append(got)
+    assert runs[0] == runs[1]
+    assert [w for w, _ in runs[0][-1]] == [workers[0], workers[1], workers[3], workers[5]]
+    assert [w for w, _ in runs[0][9]] == workers  # all six, before the removals

@@ -59,10 +59,11 @@ impl Query {
         }
         let (bs, la) = (cls.0 as usize, cls.1 as usize);
         let mut got = self.keys.remove(&cls).unwrap_or_default();
-        if got.capacity() == 0 {
-            // room for every key of the prompt up front: the match hashes in chunks that
-            // double, and growing the vector each time copied the keys hashed so far again
-            got.reserve_exact(self.n_blocks(cls));
+        // Room for this extension and about two more of the match's doubling chunks (at most the
+        // prompt's keys): a match that stops early (32 blocks of an 8k prompt) does not allocate
+        // for the whole prompt, and a long one grows the vector every other chunk, not each time.
+        if got.capacity() < n {
+            got.reserve_exact((4 * n).min(self.n_blocks(cls)) - have);
         }
         let parent = got.last().copied().unwrap_or(self.root);
         let input = &self.input;

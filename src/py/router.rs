@@ -4,7 +4,7 @@
 //! (kvroute/_router.py) takes it when its model is exactly `CostModel` and no worker is
 //! approximate; the Python path stays the reference and serves subclasses.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use indexmap::map::MutableKeys;
@@ -89,100 +89,183 @@ fn routed_of(routed: &Bound<'_, PyDict>, w: &Bound<'_, PyAny>) -> PyResult<i64> 
 ///
 /// Threads: one Router serves several threads, so the table is frozen (no PyO3 borrow flag,
 /// whose "Already mutably borrowed" error a `select` holding the table across its GIL-released
-/// match used to raise in a thread calling `on_start`) and copy-on-write: `select` takes the
-/// current table (an `Arc`) under the mutex and scores from it with the mutex released; a write
-/// copies the table only while some `select` still holds the old one (`Arc::make_mut`). The mutex
-/// is never held while Python code can run (keys are converted before it is taken and objects
-/// built or dropped after), so a thread holding it never waits for the GIL.
+/// match used to raise in a thread calling `on_start`) and copy-on-write (`CowTable`): a
+/// `select` scores from the table as it was when it started, and a thread holding the table's
+/// mutex never waits for the GIL.
 #[pyclass(frozen, module = "kvroute._core", name = "Loads", mapping)]
 #[derive(Default)]
 pub struct Loads {
-    table: Mutex<Arc<Table>>,
+    table: CowTable<i64>,
 }
 
-type Table = IndexMap<PyKey, Entry, FxBuildHasher>;
-
-/// A worker's tracked tokens, and the index slot where `select` last found it. While that slot
-/// still holds this worker, it is found without hashing its name: at 1,024 loaded workers the
-/// lookups by name were ~100 instructions a worker, a third of `select`'s cost on a loaded fleet.
-/// The hint is atomic: concurrent `select`s update it through a shared table.
-struct Entry {
-    tokens: i64,
-    slot_hint: AtomicU32,
+/// A worker's entry in a `CowTable`: its value, and a note `select` keeps on it through a shared
+/// table: atomic, so concurrent `select`s write it without copying the table (`Loads`: the index
+/// slot where `select` last found the worker; `EngineTable`: its membership in the kept live set).
+struct Entry<V> {
+    value: V,
+    note: AtomicU64,
 }
 
-impl Clone for Entry {
+impl<V: Copy> Clone for Entry<V> {
     fn clone(&self) -> Self {
-        Entry::new(self.tokens, self.slot_hint.load(Ordering::Relaxed))
+        Entry::new(self.value, self.note.load(Ordering::Relaxed))
     }
 }
 
-impl Entry {
-    fn new(tokens: i64, slot: u32) -> Self {
+impl<V> Entry<V> {
+    fn new(value: V, note: u64) -> Self {
         Entry {
-            tokens,
-            slot_hint: AtomicU32::new(slot),
+            value,
+            note: AtomicU64::new(note),
         }
+    }
+}
+
+/// Entries by worker key, in the order they were first put (the dict each table mirrors).
+type Map<V> = IndexMap<PyKey, Entry<V>, FxBuildHasher>;
+
+/// The router's own tokens per worker (`Loads`). A worker's note is the index slot where `select`
+/// last found it: while that slot still holds this worker, it is found without hashing its name
+/// (at 1,024 loaded workers the lookups by name were ~100 instructions a worker, a third of
+/// `select`'s cost on a loaded fleet).
+type Table = Map<i64>;
+
+impl Entry<i64> {
+    /// The worker's tracked tokens.
+    fn tokens(&self) -> i64 {
+        self.value
     }
 
     /// This entry's worker (`key`) in the index: its slot, whether it holds blocks, and the
     /// index's own key object for it.
     fn locate<'i>(&self, idx: &'i Index<PyKey>, key: &PyKey) -> Option<(u32, bool, &'i PyKey)> {
-        locate(&self.slot_hint, idx, key)
+        locate(&self.note, idx, key)
     }
 }
 
 /// `key`'s worker in the index, tried first at the slot `hint` kept (and kept again when it
 /// moved): its slot, whether it holds blocks, and the index's own key object for it.
 fn locate<'i>(
-    hint: &AtomicU32,
+    hint: &AtomicU64,
     idx: &'i Index<PyKey>,
     key: &PyKey,
 ) -> Option<(u32, bool, &'i PyKey)> {
-    let kept = hint.load(Ordering::Relaxed);
+    // a hint is a slot (u32) or `NONE`, stored widened
+    let kept = hint.load(Ordering::Relaxed) as u32;
     if let Some((at, holds)) = idx.at_slot(kept) {
         // the slot may have been freed and reused by another worker: compare the keys (the
-        // same object once `Loads::adopt` gave the table the index's, without reading either)
+        // same object once `CowTable::adopt` gave the table the index's, without reading either)
         if at == key {
             return Some((kept, holds, at));
         }
     }
     let slot = idx.slot_of(key)?;
-    hint.store(slot, Ordering::Relaxed);
+    hint.store(u64::from(slot), Ordering::Relaxed);
     idx.at_slot(slot).map(|(at, holds)| (slot, holds, at))
 }
 
-impl Loads {
-    fn key_error(w: &Bound<'_, PyAny>) -> PyErr {
-        PyKeyError::new_err(w.clone().unbind())
-    }
+/// A copy-on-write table of per-worker entries, shared by the threads of one router (`Loads`,
+/// `EngineTable`): `select` takes the current table (an `Arc`) under the mutex and reads it with
+/// the mutex released; a write copies the table only while some `select` still holds the old one
+/// (`Arc::make_mut`). The mutex is never held while Python code can run: keys are converted
+/// before it is taken, and keys a write replaces or removes are returned to be dropped after it
+/// is released (dropping a key may drop its Python object).
+struct CowTable<V> {
+    map: Mutex<Shared<V>>,
+}
 
+/// A `CowTable`'s current table, and its keys in table order once a reader asked for them
+/// (`keyed`), kept while the table holds the same keys at the same positions.
+struct Shared<V> {
+    map: Arc<Map<V>>,
+    keys: Option<Arc<[PyKey]>>,
+}
+
+impl<V> Default for CowTable<V> {
+    fn default() -> Self {
+        CowTable {
+            map: Mutex::new(Shared {
+                map: Arc::default(),
+                keys: None,
+            }),
+        }
+    }
+}
+
+impl<V: Copy> CowTable<V> {
     /// The current table, for a reader to use with the mutex released.
-    fn snapshot(&self) -> Arc<Table> {
-        self.table.lock().clone()
+    fn snapshot(&self) -> Arc<Map<V>> {
+        self.map.lock().map.clone()
     }
 
-    /// Change the table under the mutex; what `f` returns is dropped by the caller, after the
-    /// mutex is released (dropping a key may run Python code, see `Loads`).
-    fn write<R>(&self, f: impl FnOnce(&mut Table) -> R) -> R {
-        let mut guard = self.table.lock();
-        f(Arc::make_mut(&mut guard))
+    /// The current table with its keys in table order: a reader lists a worker by position
+    /// in them (`Who::Listed`) instead of cloning its key (an atomic increment on a line of
+    /// its own, and a decrement when the decision goes: ~1,000 of each per `select` when every
+    /// engine of a 1,024-worker fleet reports load). The keys are built once per change of the
+    /// table's keys, not per value written (an engine's report rewrites its record only).
+    fn keyed(&self) -> (Arc<Map<V>>, Arc<[PyKey]>) {
+        let mut guard = self.map.lock();
+        let sh = &mut *guard;
+        let keys = sh
+            .keys
+            .get_or_insert_with(|| sh.map.keys().cloned().collect())
+            .clone();
+        (sh.map.clone(), keys)
     }
 
-    /// Give the table the index's own key objects (`adopt`: table position, the index's key
-    /// equal to the one there), so that `Entry::locate` recognises its worker by identity, not
-    /// by reading and comparing two names in two allocations (at 1,024 loaded workers ~13 µs a
-    /// `select`). Only while the table is still `seen` (the one `select` read); else the next
-    /// `select` tries again.
-    fn adopt(&self, seen: Arc<Table>, adopt: Vec<(usize, PyKey)>) {
+    /// Read the current table under the mutex.
+    fn read<R>(&self, f: impl FnOnce(&Map<V>) -> R) -> R {
+        f(&self.map.lock().map)
+    }
+
+    fn len(&self) -> usize {
+        self.map.lock().map.len()
+    }
+
+    /// Change the table under the mutex (its kept keys forgotten: `f` may move or remove
+    /// entries); what `f` returns is dropped by the caller, after the mutex is released.
+    fn write<R>(&self, f: impl FnOnce(&mut Map<V>) -> R) -> R {
+        let (got, stale) = {
+            let mut guard = self.map.lock();
+            let stale = guard.keys.take();
+            (f(Arc::make_mut(&mut guard.map)), stale)
+        };
+        drop(stale); // may hold the last references to keys: the mutex released
+        got
+    }
+
+    /// Set `k`'s value (a worker already present keeps its place and its note; a new one goes
+    /// last with `note`). Returns `k` when it was not inserted, for the caller to drop after
+    /// the mutex is released.
+    fn put(&self, k: PyKey, value: V, note: u64) -> Option<PyKey> {
+        let mut guard = self.map.lock();
+        let t = Arc::make_mut(&mut guard.map);
+        if let Some(e) = t.get_mut(&k) {
+            // the same keys at the same places: the kept keys stay
+            e.value = value;
+            return Some(k);
+        }
+        t.insert(k, Entry::new(value, note));
+        let stale = guard.keys.take();
+        drop(guard);
+        drop(stale); // the mutex released
+        None
+    }
+
+    /// Give the entries the index's own key objects (`adopt`: table position, the index's key
+    /// equal to the one there), so that lookups by key (`locate`, the membership of a record)
+    /// recognise a worker by identity, not by reading and comparing two names in two
+    /// allocations (at 1,024 loaded workers ~13 µs a `select`). Only while the table is still
+    /// `seen` (the one `select` read); else the next `select` tries again.
+    fn adopt(&self, seen: Arc<Map<V>>, adopt: Vec<(usize, PyKey)>) {
         let mut replaced = Vec::with_capacity(adopt.len());
-        {
-            let mut guard = self.table.lock();
-            if !Arc::ptr_eq(&guard, &seen) {
+        let stale = {
+            let mut guard = self.map.lock();
+            if !Arc::ptr_eq(&guard.map, &seen) {
                 return;
             }
             drop(seen); // not the last reference (the mutex holds one): make_mut need not copy
-            let t = Arc::make_mut(&mut guard);
+            let t = Arc::make_mut(&mut guard.map);
             for (pos, key) in adopt {
                 if let Some((k, _)) = t.get_index_mut2(pos) {
                     if *k == key {
@@ -190,17 +273,26 @@ impl Loads {
                     }
                 }
             }
-        }
+            // the kept keys are rebuilt with the index's objects too
+            guard.keys.take()
+        };
         // the table's former keys may hold the last reference to their objects: dropped here,
-        // the mutex released (see `Loads`)
+        // the mutex released
         drop(replaced);
+        drop(stale);
+    }
+}
+
+impl Loads {
+    fn key_error(w: &Bound<'_, PyAny>) -> PyErr {
+        PyKeyError::new_err(w.clone().unbind())
     }
 
     /// `w`'s tokens, None when `w` is not a worker key (a dict would hold no such key either)
     /// or holds none.
     fn find(&self, w: &Bound<'_, PyAny>) -> Option<i64> {
         let k = PyKey::extract(w).ok()?;
-        self.table.lock().get(&k).map(|e| e.tokens)
+        self.table.read(|t| t.get(&k).map(|e| e.value))
     }
 }
 
@@ -212,7 +304,7 @@ impl Loads {
     }
 
     fn __len__(&self) -> usize {
-        self.table.lock().len()
+        self.table.len()
     }
 
     fn __contains__(&self, w: &Bound<'_, PyAny>) -> bool {
@@ -227,23 +319,14 @@ impl Loads {
     fn __setitem__(&self, w: &Bound<'_, PyAny>, tokens: i64) -> PyResult<()> {
         let k = PyKey::extract(w)?;
         // the key not inserted (the worker was present) is dropped after the mutex is released
-        self.write(|t| match t.get_mut(&k) {
-            Some(e) => {
-                e.tokens = tokens;
-                Some(k)
-            }
-            None => {
-                t.insert(k, Entry::new(tokens, NONE));
-                None
-            }
-        });
+        drop(self.table.put(k, tokens, u64::from(NONE)));
         Ok(())
     }
 
     fn __delitem__(&self, w: &Bound<'_, PyAny>) -> PyResult<()> {
         let k = PyKey::extract(w).map_err(|_| Loads::key_error(w))?;
         // shift: the order of the rest is the dict's (a worker re-added goes last)
-        let removed = self.write(|t| t.shift_remove_entry(&k));
+        let removed = self.table.write(|t| t.shift_remove_entry(&k));
         removed.map(|_| ()).ok_or_else(|| Loads::key_error(w))
     }
 
@@ -270,11 +353,11 @@ impl Loads {
         default: &Bound<'py, PyTuple>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let got = match PyKey::extract(w) {
-            Ok(k) => self.write(|t| t.shift_remove_entry(&k)),
+            Ok(k) => self.table.write(|t| t.shift_remove_entry(&k)),
             Err(_) => None,
         };
         match got {
-            Some((_, e)) => Ok(e.tokens.into_pyobject(py)?.into_any()),
+            Some((_, e)) => Ok(e.value.into_pyobject(py)?.into_any()),
             None if !default.is_empty() => default.get_item(0),
             None => Err(Loads::key_error(w)),
         }
@@ -282,18 +365,18 @@ impl Loads {
 
     /// The workers, in order.
     fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.snapshot().keys().map(|k| k.obj(py)))
+        PyList::new(py, self.table.snapshot().keys().map(|k| k.obj(py)))
     }
 
     /// The tokens, in order.
     fn values(&self) -> Vec<i64> {
-        self.table.lock().values().map(|e| e.tokens).collect()
+        self.table.read(|t| t.values().map(|e| e.value).collect())
     }
 
     /// (worker, tokens) pairs, in order.
     fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let t = self.snapshot();
-        PyList::new(py, t.iter().map(|(k, v)| (k.obj(py), v.tokens)))
+        let t = self.table.snapshot();
+        PyList::new(py, t.iter().map(|(k, v)| (k.obj(py), v.value)))
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -307,66 +390,32 @@ impl Loads {
 /// compiled `select` blends it with the router's own load in the pass that prices the
 /// candidates, with no Python call per worker (`EngineLoads.blend` is the reference it equals).
 ///
-/// Threads: the rules of `Loads` (frozen, copy-on-write behind a mutex never held while Python
+/// Threads: the rules of `Loads` (frozen, a `CowTable` whose mutex is never held while Python
 /// code can run).
 #[pyclass(frozen, module = "kvroute._core", name = "EngineTable")]
 pub struct EngineTable {
-    table: Mutex<Arc<EngMap>>,
+    table: CowTable<EngineFigures>,
     /// tokens a request that an engine reports by count only is priced at: the mean of the
     /// router's own in-flight requests when it last had any (`LoadPolicy.request_tokens` until
     /// then), as `f64` bits; both scoring paths learn and read it here
     per_request: AtomicU64,
 }
 
-type EngMap = IndexMap<PyKey, EngEntry, FxBuildHasher>;
-
-/// A worker's record, and whether the worker is in the live set a router last kept
+/// A worker's record, its note whether the worker is in the live set a router last kept
 /// (`Members`): that set's generation shifted left by one, or'd with the answer (0: not asked).
 /// The answer never changes for one generation (a kept set is immutable), so a `select` reads
 /// it here instead of looking the worker up in the set (a hash lookup per record, most of
 /// the engine pass at 1,024 workers).
-struct EngEntry {
-    figures: EngineFigures,
-    member: AtomicU64,
-}
+type EngMap = Map<EngineFigures>;
 
-impl Clone for EngEntry {
-    fn clone(&self) -> Self {
-        EngEntry {
-            figures: self.figures,
-            member: AtomicU64::new(self.member.load(Ordering::Relaxed)),
-        }
+impl Entry<EngineFigures> {
+    /// The worker's newest record.
+    fn figures(&self) -> &EngineFigures {
+        &self.value
     }
 }
 
 impl EngineTable {
-    fn snapshot(&self) -> Arc<EngMap> {
-        self.table.lock().clone()
-    }
-
-    /// Give the records the index's own key objects (`adopt`: record position, the index's key
-    /// equal to the one there), as `Loads::adopt` does and for the same reason: `locate` and the
-    /// membership lookups then compare pointers. Only while the table is still `seen`.
-    fn adopt(&self, seen: Arc<EngMap>, adopt: Vec<(usize, PyKey)>) {
-        let mut replaced = Vec::with_capacity(adopt.len());
-        {
-            let mut guard = self.table.lock();
-            if !Arc::ptr_eq(&guard, &seen) {
-                return;
-            }
-            drop(seen); // not the last reference (the mutex holds one): make_mut need not copy
-            let t = Arc::make_mut(&mut guard);
-            for (pos, key) in adopt {
-                if let Some((k, _)) = t.get_index_mut2(pos) {
-                    if *k == key {
-                        replaced.push(std::mem::replace(k, key));
-                    }
-                }
-            }
-        }
-        drop(replaced); // the mutex released (see `Loads`)
-    }
-
     fn per_request(&self) -> f64 {
         f64::from_bits(self.per_request.load(Ordering::Relaxed))
     }
@@ -377,13 +426,13 @@ impl EngineTable {
     #[new]
     fn new(request_tokens: f64) -> Self {
         EngineTable {
-            table: Mutex::default(),
+            table: CowTable::default(),
             per_request: AtomicU64::new(request_tokens.to_bits()),
         }
     }
 
     fn __len__(&self) -> usize {
-        self.table.lock().len()
+        self.table.len()
     }
 
     /// Keep ``worker``'s newest record (a worker already present keeps its place): ``received``
@@ -410,26 +459,7 @@ impl EngineTable {
             usage,
         };
         // the key not inserted (the worker was present) is dropped after the mutex is released
-        let spare = {
-            let mut guard = self.table.lock();
-            let t = Arc::make_mut(&mut guard);
-            match t.get_mut(&k) {
-                Some(e) => {
-                    e.figures = figures;
-                    Some(k)
-                }
-                None => {
-                    t.insert(
-                        k,
-                        EngEntry {
-                            figures,
-                            member: AtomicU64::new(0),
-                        },
-                    );
-                    None
-                }
-            }
-        };
+        let spare = self.table.put(k, figures, 0);
         drop(spare);
         Ok(())
     }
@@ -437,10 +467,7 @@ impl EngineTable {
     /// Forget ``worker``'s record (the rest keep their order; a worker reporting again goes last).
     fn remove(&self, worker: &Bound<'_, PyAny>) -> PyResult<()> {
         let k = PyKey::extract(worker)?;
-        let gone = {
-            let mut guard = self.table.lock();
-            Arc::make_mut(&mut guard).shift_remove_entry(&k)
-        };
+        let gone = self.table.write(|t| t.shift_remove_entry(&k));
         drop(gone);
         Ok(())
     }
@@ -473,7 +500,7 @@ struct MembersState {
     /// the set the last call was given, not copied (yet)
     last: Option<Py<PyAny>>,
     /// the set copied, its keys, whether they are the index's own key objects yet (`adopt`),
-    /// and its generation (`EngEntry::member`)
+    /// and its generation (its `Entry` note)
     kept: Option<(Py<PyAny>, KeptKeys)>,
 }
 
@@ -818,6 +845,8 @@ struct Row {
 pub struct Scored {
     workers: Vec<Who>,
     rows: Vec<Row>,
+    /// the engine records' keys `Who::Listed` positions name (None: no engine records)
+    listed: Option<Arc<[PyKey]>>,
 }
 
 /// A candidate's worker: a key (the index's or the load table's, holding its object), or an
@@ -826,14 +855,26 @@ pub struct Scored {
 enum Who {
     Key(PyKey),
     Obj(Py<PyAny>),
+    /// the worker at this position of the engine records' keys (`Scored::listed`), which
+    /// `CowTable::keyed` keeps: a load-only candidate costs no reference count of its own
+    Listed(u32),
 }
 
 impl Who {
-    fn bind<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
+    /// The worker's object; `listed` the keys a `Listed` position names.
+    fn bind<'py>(&self, py: Python<'py>, listed: &[PyKey]) -> Bound<'py, PyAny> {
         match self {
             Who::Key(k) => k.obj(py),
             Who::Obj(o) => o.bind(py).clone(),
+            Who::Listed(i) => listed[*i as usize].obj(py),
         }
+    }
+}
+
+impl Scored {
+    /// The keys `Who::Listed` positions name.
+    fn listed(&self) -> &[PyKey] {
+        self.listed.as_deref().unwrap_or(&[])
     }
 }
 
@@ -850,7 +891,7 @@ impl Scored {
                 "candidate index out of range",
             ));
         };
-        candidate(&candidate_type(py)?, w.bind(py), r)
+        candidate(&candidate_type(py)?, w.bind(py, self.listed()), r)
     }
 
     /// Every candidate as a `CandidateScore`, in order.
@@ -858,14 +899,14 @@ impl Scored {
         let cls = candidate_type(py)?;
         let out = PyList::empty(py);
         for (w, r) in self.workers.iter().zip(&self.rows) {
-            out.append(candidate(&cls, w.bind(py), r)?)?;
+            out.append(candidate(&cls, w.bind(py, self.listed()), r)?)?;
         }
         Ok(out)
     }
 
     /// The candidates' workers, in order.
     fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.workers.iter().map(|w| w.bind(py)))
+        PyList::new(py, self.workers.iter().map(|w| w.bind(py, self.listed())))
     }
 
     /// The candidates' costs, in order.
@@ -960,6 +1001,8 @@ const NONE: u32 = u32::MAX;
 /// router's own tokens (`crate::scoring::blend`), by record position.
 struct EngineView {
     records: Arc<EngMap>,
+    /// the records' keys in order (`CowTable::keyed`)
+    keys: Arc<[PyKey]>,
     mode: LoadMode,
     unit: f64,
     /// per record: the engine's load in blocks when the record is fresh (None: stale)
@@ -973,7 +1016,7 @@ struct EngineView {
     /// per router-table entry with tokens: the position of its worker's record (`NONE`: none)
     record_of: Vec<u32>,
     /// records found by an equal key that is the index's own object: (position, that key), for
-    /// `EngineTable::adopt`
+    /// `CowTable::adopt`
     adopt: Vec<(usize, PyKey)>,
 }
 
@@ -1007,13 +1050,13 @@ impl EngineView {
             .records
             .iter()
             .enumerate()
-            .filter(|(i, (_, e))| self.fresh[*i].is_some() && e.figures.wedged())
+            .filter(|(i, (_, e))| self.fresh[*i].is_some() && e.figures().wedged())
             .map(|(_, (k, _))| k.clone());
         let stale = own
             .iter()
             .enumerate()
             .filter(|(p, (_, e))| {
-                e.tokens != 0 && pos(self.record_of[*p]).is_some_and(|i| self.fresh[i].is_none())
+                e.tokens() != 0 && pos(self.record_of[*p]).is_some_and(|i| self.fresh[i].is_none())
             })
             .map(|(_, (k, _))| k.clone());
         wedged.chain(stale).collect()
@@ -1027,7 +1070,7 @@ impl EngineView {
 /// and the router has some.
 fn engine_view(
     table: &EngineTable,
-    records: Arc<EngMap>,
+    (records, keys): (Arc<EngMap>, Arc<[PyKey]>),
     (now, stale_after, mode, requests): (f64, f64, LoadMode, usize),
     own: Option<&Table>,
     own_located: &[bool],
@@ -1038,9 +1081,9 @@ fn engine_view(
     let counted = blends
         && records
             .values()
-            .any(|e| e.figures.by_count() && e.figures.fresh(now, stale_after));
+            .any(|e| e.figures().by_count() && e.figures().fresh(now, stale_after));
     let per = if counted && requests > 0 {
-        let sum: i64 = own.map_or(0, |t| t.values().map(|e| e.tokens).sum());
+        let sum: i64 = own.map_or(0, |t| t.values().map(|e| e.tokens()).sum());
         let mean = sum as f64 / requests as f64;
         table.set_per_request(mean);
         mean
@@ -1051,14 +1094,14 @@ fn engine_view(
     let fresh = records
         .values()
         .map(|e| {
-            (blends && e.figures.fresh(now, stale_after)).then(|| e.figures.blocks(unit_f, per))
+            (blends && e.figures().fresh(now, stale_after)).then(|| e.figures().blocks(unit_f, per))
         })
         .collect();
     let usage = records
         .values()
         .map(|e| {
             if eviction {
-                e.figures.usage_at(now, stale_after)
+                e.figures().usage_at(now, stale_after)
             } else {
                 0.0
             }
@@ -1070,6 +1113,7 @@ fn engine_view(
         record_of: Vec::new(),
         adopt: Vec::new(),
         records,
+        keys,
         mode,
         unit: unit_f,
         fresh,
@@ -1079,7 +1123,7 @@ fn engine_view(
     if let Some(t) = own {
         let mut record_of = vec![NONE; t.len()];
         for (p, (k, e)) in t.iter().enumerate() {
-            if e.tokens == 0 {
+            if e.tokens() == 0 {
                 continue;
             }
             if let Some(i) = view.find(k, own_located.get(p).copied().unwrap_or(false)) {
@@ -1103,7 +1147,7 @@ impl LoadPass<'_, '_> {
         match (&self.source, at) {
             (LoadSource::Table(t), Some(p)) => {
                 self.taken[p] = true;
-                t.get_index(p).map_or(0, |(_, e)| e.tokens)
+                t.get_index(p).map_or(0, |(_, e)| e.tokens())
             }
             _ => 0,
         }
@@ -1139,7 +1183,7 @@ impl LoadPass<'_, '_> {
                 Some(&pos) if pos != NONE => match t.get_index(pos as usize) {
                     Some((_, e)) => {
                         self.taken[pos as usize] = true;
-                        e.tokens as f64 * self.scale
+                        e.tokens() as f64 * self.scale
                     }
                     None => 0.0,
                 },
@@ -1179,7 +1223,7 @@ impl LoadPass<'_, '_> {
                 Ok(match found {
                     Some((pos, _, e)) => {
                         self.taken[pos] = true;
-                        e.tokens as f64 * self.scale
+                        e.tokens() as f64 * self.scale
                     }
                     None => 0.0,
                 })
@@ -1214,17 +1258,17 @@ impl Universe<'_, '_> {
     }
 
     /// Whether the worker of record `e` (key `k`) is a candidate, its membership read from the
-    /// record when it was found for this generation of the kept set (`EngEntry::member`).
-    fn has_record(&self, e: &EngEntry, k: &PyKey) -> PyResult<bool> {
+    /// record when it was found for this generation of the kept set (its `Entry` note).
+    fn has_record(&self, e: &Entry<EngineFigures>, k: &PyKey) -> PyResult<bool> {
         let held = if self.gen == 0 {
             self.holds_key(k)?
         } else {
-            let m = e.member.load(Ordering::Relaxed);
+            let m = e.note.load(Ordering::Relaxed);
             if m >> 1 == self.gen {
                 m & 1 == 1
             } else {
                 let held = self.holds_key(k)?;
-                e.member
+                e.note
                     .store(self.gen << 1 | u64::from(held), Ordering::Relaxed);
                 held
             }
@@ -1330,7 +1374,7 @@ fn select<'py>(
     };
     let want_tiers = !params.full_credit();
     // this call's copy of the router's table (`Loads`: other threads may change it meanwhile)
-    let table = loads.cast::<Loads>().ok().map(|t| t.get().snapshot());
+    let table = loads.cast::<Loads>().ok().map(|t| t.get().table.snapshot());
     let mapping_has_items = table.is_none() && loads.len()? > 0;
     // the engines' records as of now (another thread's reports may change them meanwhile)
     let engine = match engine {
@@ -1350,7 +1394,7 @@ fn select<'py>(
                     "engine loads are blended with a universe set and the router's Loads",
                 ));
             }
-            let records = et.get().snapshot();
+            let records = et.get().table.keyed();
             Some((et, records, now, stale_after, mode, requests))
         }
         None => None,
@@ -1405,7 +1449,7 @@ fn select<'py>(
                 table_holds.reserve(m.len());
                 pos_of_slot = vec![NONE; idx.workers.len()];
                 for (pos, (k, e)) in m.iter().enumerate() {
-                    let found = if e.tokens != 0 {
+                    let found = if e.tokens() != 0 {
                         e.locate(idx, k)
                     } else {
                         None
@@ -1624,12 +1668,15 @@ fn select<'py>(
         overlap_tokens: 0,
         routed_tokens: 0,
     };
+    // the engine records' keys a load-only candidate is listed by (`Who::Listed`)
+    let listed: Option<Arc<[PyKey]>> = pass.engine.as_ref().map(|v| v.keys.clone());
+    let listed_keys = listed.as_deref().unwrap_or(&[]);
     match (&pass.source, pass.engine.as_mut(), &uni) {
         (LoadSource::Table(t), Some(v), Some(u)) => {
             // `EngineLoads.blend`'s order: the engines' queues (records in order), the requests
             // records count, then the router's own workers no fresh queue covers
-            let mut list = |k: &PyKey, load: f64, usage: f64| {
-                workers.push(Who::Key(k.clone()));
+            let mut list = |who: Who, load: f64, usage: f64| {
+                workers.push(who);
                 rows.push(idle_row(load, usage));
             };
             if v.mode != LoadMode::Router {
@@ -1638,25 +1685,25 @@ fn select<'py>(
                         let Some(queue) = v.fresh[i] else { continue };
                         // a zero queue is no entry of the blend (the router's own count may be)
                         if v.taken[i]
-                            || e.figures.by_count() != counted
+                            || e.figures().by_count() != counted
                             || (!counted && queue == 0.0)
                         {
                             continue;
                         }
                         let own = pos(v.own_of[i]);
-                        let load = v.load(Some(i), own.map_or(0, |p| t[p].tokens));
+                        let load = v.load(Some(i), own.map_or(0, |p| t[p].tokens()));
                         if load != 0.0 && u.has_record(e, k)? {
                             v.taken[i] = true;
                             if let Some(p) = own {
                                 pass.taken[p] = true;
                             }
-                            list(k, load, v.usage[i]);
+                            list(Who::Listed(i as u32), load, v.usage[i]);
                         }
                     }
                 }
             }
             for (p, (k, e)) in t.iter().enumerate() {
-                if e.tokens == 0 || pass.taken[p] {
+                if e.tokens() == 0 || pass.taken[p] {
                     continue;
                 }
                 let at = pos(v.record_of[p]);
@@ -1665,24 +1712,24 @@ fn select<'py>(
                     Some((i, Some(queue))) => {
                         v.mode == LoadMode::Router
                             || (v.mode == LoadMode::Blend
-                                && !v.records[i].figures.by_count()
+                                && !v.records[i].figures().by_count()
                                 && queue == 0.0)
                     }
                 };
-                let load = v.load(at, e.tokens);
+                let load = v.load(at, e.tokens());
                 if uncovered && load != 0.0 && u.has_key(k)? {
                     pass.taken[p] = true;
                     if let Some(i) = at {
                         v.taken[i] = true;
                     }
-                    list(k, load, at.map_or(0.0, |i| v.usage[i]));
+                    list(Who::Key(k.clone()), load, at.map_or(0.0, |i| v.usage[i]));
                 }
             }
             // usage-only workers: a report above 0, nothing claimed, no load
             for (i, (k, e)) in v.records.iter().enumerate() {
                 if v.usage[i] > 0.0 && !v.taken[i] && u.has_record(e, k)? {
                     v.taken[i] = true;
-                    list(k, 0.0, v.usage[i]);
+                    list(Who::Listed(i as u32), 0.0, v.usage[i]);
                 }
             }
         }
@@ -1690,7 +1737,7 @@ fn select<'py>(
         (LoadSource::None, ..) => {}
         (LoadSource::Table(t), None, _) => {
             for (pos, (k, e)) in t.iter().enumerate() {
-                if e.tokens == 0 || pass.taken[pos] {
+                if e.tokens() == 0 || pass.taken[pos] {
                     continue;
                 }
                 let by_index = held.as_ref().is_some_and(|h| h.table[pos]);
@@ -1706,13 +1753,13 @@ fn select<'py>(
                         None => 0.0,
                     };
                     workers.push(Who::Key(k.clone()));
-                    rows.push(idle_row(e.tokens as f64 * scale, u));
+                    rows.push(idle_row(e.tokens() as f64 * scale, u));
                 }
             }
         }
         (LoadSource::Mapping(loads), None, _) => {
             // the scored and hint-only workers, for this pass to skip
-            let priced = PySet::new(py, workers.iter().map(|w| w.bind(py)))?;
+            let priced = PySet::new(py, workers.iter().map(|w| w.bind(py, listed_keys)))?;
             let mut visit = |w: Bound<'py, PyAny>, t: Bound<'py, PyAny>| -> PyResult<()> {
                 if !t.is_truthy()? || priced.contains(&w)? {
                     return Ok(());
@@ -1745,7 +1792,7 @@ fn select<'py>(
     // group; none when every reporting worker was priced above.
     let unpriced = usage.filter(|u| u.len() > usage_in.priced);
     if let Some(usage) = unpriced {
-        let priced = PySet::new(py, workers.iter().map(|w| w.bind(py)))?;
+        let priced = PySet::new(py, workers.iter().map(|w| w.bind(py, listed_keys)))?;
         // a list of the items, not the dict's iterator: the GIL may be released below
         // (`index_holds`), and an engine's report may change the dict meanwhile
         for item in usage.items().iter() {
@@ -1775,11 +1822,11 @@ fn select<'py>(
         pass.engine.take().filter(|v| !v.adopt.is_empty()),
         &engine_table,
     ) {
-        e.get().adopt(v.records, v.adopt);
+        e.get().table.adopt(v.records, v.adopt);
     }
     if let (Some(seen), false) = (table, adopt.is_empty()) {
         if let Ok(t) = loads.cast::<Loads>() {
-            t.get().adopt(seen, adopt);
+            t.get().table.adopt(seen, adopt);
         }
     }
     let placed = match (footprint, rng) {
@@ -1800,7 +1847,7 @@ fn select<'py>(
                     idle_count,
                     idle_cost,
                 };
-                Some(place.pick(model, fp.get(), &workers, &rows, rng, record)?)
+                Some(place.pick(model, fp.get(), (&workers, listed_keys), &rows, rng, record)?)
             } else {
                 None
             }
@@ -1808,7 +1855,11 @@ fn select<'py>(
         _ => None,
     };
     Ok((
-        Scored { workers, rows },
+        Scored {
+            workers,
+            rows,
+            listed,
+        },
         idle_count,
         idle_cost,
         tied,
@@ -1839,12 +1890,13 @@ struct NewPlacement<'a, 'py> {
 
 impl NewPlacement<'_, '_> {
     /// Pick with the footprint's table (`crate::scoring::Footprint::pick`, from this call's copy of
-    /// it) among `workers` / `rows` and the idle workers, and count the placement when `record`.
+    /// it) among `workers` / `rows` (`listed`: the keys `Who::Listed` names) and the idle workers,
+    /// and count the placement when `record`.
     fn pick(
         &self,
         model: &Bound<'_, PyAny>,
         fp: &Footprint,
-        workers: &[Who],
+        (workers, listed): (&[Who], &[PyKey]),
         rows: &[Row],
         rng: &Bound<'_, PyAny>,
         record: bool,
@@ -1855,6 +1907,7 @@ impl NewPlacement<'_, '_> {
             .iter()
             .map(|w| match w {
                 Who::Key(k) => Ok(k.clone()),
+                Who::Listed(i) => Ok(listed[*i as usize].clone()),
                 Who::Obj(o) => PyKey::extract(o.bind(py)),
             })
             .collect::<PyResult<Vec<PyKey>>>()?;
