@@ -269,15 +269,19 @@ def test_runs_of_batches_overlap_and_bad_payloads() -> None:
     st = r.stats()
     assert (st.undecodable, st.gaps, r.index.num_blocks(w), r.cursors()[w].seq) == (1, 0, 1, 5)
     assert w in r.partial_workers()
+    # The same inside a run, after a batch the core took: the worker holds only what follows the refused one.
+    r.apply_record(4, _run(5, [(6, _payload(6, [7])), (7, b"\xc1"), (8, _payload(8, [9])), (9, _payload(9, [10]))]))
+    st = r.stats()
+    assert (st.undecodable, st.batches, r.index.num_blocks(w), r.cursors()[w].seq) == (2, 8, 2, 9)
     # A body that does not match its items is an undecodable record, not a crash.
-    good = _run(5, [(6, _payload(6, [7]))])
-    r.apply_record(4, good[:-1])
-    assert r.stats().undecodable == 2 and r.index.num_blocks(w) == 1
+    good = _run(9, [(10, _payload(10, [11]))])
+    r.apply_record(5, good[:-1])
+    assert r.stats().undecodable == 3 and r.index.num_blocks(w) == 2
     rec, at = decode_record(good)
     assert isinstance(rec, _Batches) and at + rec.items[0][2] == len(good)
     # A worker the relay follows before any batch of it (an idle engine) is live, with nothing held.
     idle = WorkerKey("idle", 1)
-    r.apply_record(5, encode_record(_Present("idle", 1)))
+    r.apply_record(6, encode_record(_Present("idle", 1)))
     assert idle in r.live_workers() and r.index.num_blocks(idle) == 0 and idle not in r.partial_workers()
 
 
