@@ -34,6 +34,7 @@ from ._jetstream import (
     _Present,
     _Removed,
     _Reset,
+    _Runs,
     check_stream_name,
     decode_record,
     fetch_object,
@@ -193,9 +194,13 @@ class LogRules:
             self.counts["undecodable"] += 1
             log.warning("%s: undecodable record at %d skipped", self.name, sseq)
             return
+        if isinstance(rec, _Runs):
+            for worker_id, dp_rank, prev, items in rec.runs:
+                body = self._apply_run(sseq, WorkerKey(worker_id, dp_rank), prev, items, data, body)
+            return
         key = WorkerKey(rec.worker_id, rec.dp_rank)
         if isinstance(rec, _Batches):
-            self._apply_run(sseq, key, rec, data, body)
+            self._apply_run(sseq, key, rec.prev, rec.items, data, body)
             return
         if isinstance(rec, _Removed):
             self._remove(key, rec.reason)
@@ -216,8 +221,10 @@ class LogRules:
         if self.on_applied is not None:
             self.on_applied(sseq, key, None)
 
-    def _apply_run(self, sseq: int, key: WorkerKey, rec: _Batches, data: bytes, at: int) -> None:
-        """Apply a run of ``key``'s batches, its payloads straight from the record's body (the core decodes them).
+    def _apply_run(
+        self, sseq: int, key: WorkerKey, prev: int | None, items: list[tuple[int, float, int]], data: bytes, at: int
+    ) -> int:
+        """Apply a run of ``key``'s batches from ``data`` at ``at`` (the core decodes them); where the run ends.
 
         The chain and duplicate rules are checked per batch; the batches that pass them between two
         breaks (a run that continues its worker's chain: all of them) go to the core in one
@@ -227,14 +234,13 @@ class LogRules:
         w = self._worker(key)
         if w is None:
             self.counts["refused"] += 1
-            return
+            return at + sum(length for _, _, length in items)
         counts = self.counts
         last = w.last
         last_seq = last.seq if last is not None else None
-        prev = rec.prev
         batches: list[tuple[int, float, int]] = []
         payloads: list[bytes] = []
-        for item in rec.items:
+        for item in items:
             seq, _, length = item
             end = at + length
             item_prev, prev = prev, seq
@@ -254,6 +260,7 @@ class LogRules:
             payloads.append(data[at:end])
             at, last_seq = end, seq
         self._apply_batches(sseq, key, w, batches, payloads)
+        return at
 
     def _apply_batches(
         self, sseq: int, key: WorkerKey, w: LogWorker, batches: list[tuple[int, float, int]], payloads: list[bytes]
