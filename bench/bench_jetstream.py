@@ -183,6 +183,8 @@ def _replica_process(
                             break
                         await anyio.sleep(0.02)  # a poll, not the measured work: rarely
                 done = time.time()
+                while stream is not None and stream.pending:  # noqa: ASYNC110 (the listener's last apply times)
+                    await anyio.sleep(0.005)
                 if profiler is not None:
                     profiler.disable()
                     profiler.dump_stats(profile_to.pop())
