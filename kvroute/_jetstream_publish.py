@@ -3,9 +3,10 @@
 The client hands the relay a `_Tap` (`kvroute._fanout.RawTap`): each batch its ZMQ drivers applied
 on their fast path comes as the engine's payload bytes, republished as they are (no decoding, no
 re-encoding); a batch applied any other way (a replay, a held batch, another transport) comes as
-its events, encoded back into one msgpack payload; lifecycle facts come as envelopes. Each worker's
-consecutive batches taken in one turn go out as one `_Batches` record (a run), and every lifecycle
-fact after that worker's pending run. `_Outbox` publishes records without waiting for each ack, in
+its events, encoded back into one msgpack payload; lifecycle facts come as envelopes. What the pump
+took waits up to `_LINGER` for more, then goes out as one record: one worker's consecutive batches
+as a `_Batches` record (a run), several workers' runs as one `_Runs` record; a lifecycle fact goes
+out after every pending run. `_Outbox` publishes records without waiting for each ack, in
 order, at most `_WINDOW` unacknowledged; the first failure ends the session (`_Restart`), which
 starts over from what the log holds.
 
@@ -423,7 +424,7 @@ class _Tap:
 
 
 #: Records published but not yet acknowledged, at most (the relay's publish pipeline depth; a
-#: record is one batch when the relay keeps up, a run of up to `_RUN_BYTES` when it does not).
+#: record holds what the pump took in `_LINGER` or one turn, up to `_RUN_BYTES` of payloads).
 _WINDOW: Final = 4_000
 #: Record bytes published but not yet acknowledged, at most.
 _WINDOW_BYTES: Final = 8 * 1024 * 1024
