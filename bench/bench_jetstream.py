@@ -122,6 +122,10 @@ def _replica_process(
     (CPU time) the first round into that file, or with ``profile_sync`` the reading up to synced.
     """
 
+    # Each follower's start, phase by phase (snapshot read, restore, subscribe, records), once synced.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("kvroute.jetstream").setLevel(logging.INFO)
+
     async def main() -> None:
         applied: dict[tuple[int, int], float] = {}
         profile_to = [profile] if profile is not None else []
@@ -179,6 +183,8 @@ def _replica_process(
                             break
                         await anyio.sleep(0.02)  # a poll, not the measured work: rarely
                 done = time.time()
+                while stream is not None and stream.pending:  # noqa: ASYNC110 (the listener's last apply times)
+                    await anyio.sleep(0.005)
                 if profiler is not None:
                     profiler.disable()
                     profiler.dump_stats(profile_to.pop())
@@ -199,6 +205,28 @@ def _spawn_replica(
     )
     proc.start()
     return proc, parent
+
+
+def _py_spy(out: str | None, pid: int) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling ``pid`` (native frames too) into ``out`` as folded stacks, until stopped; None without ``out``.
+
+    A sampler rather than cProfile: cProfile's per-call cost inflates Python's share several times over.
+    """
+    if out is None:
+        return None
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    return subprocess.Popen(
+        [exe, "record", "--native", "-r", "200", "-f", "raw", "-o", out, "-p", str(pid)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _stop(spy: subprocess.Popen[bytes] | None) -> None:
+    """Stop a py-spy sampler (it writes its file on SIGINT)."""
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(30)
 
 
 def _apply_payload_only(payloads: list[list[bytes]]) -> tuple[float, float]:
@@ -341,7 +369,13 @@ async def run(args: argparse.Namespace) -> None:
             profiler = cProfile.Profile(time.process_time) if args.profile else None
             if profiler is not None:
                 profiler.enable()
+            spies = [
+                _py_spy(f"{args.py_spy}.{part}" if args.py_spy else None, pid)
+                for part, pid in (("relay", os.getpid()), ("replica", replicas[0][0].pid or 0))
+            ]
             elapsed, lags, _ = await round_(0, n_batches, 0)
+            for spy in spies:
+                _stop(spy)
             replica_cpu = [v for k, v in cpu.items() if k.startswith("replica")]
             total_cpu = cpu["relay"] + cpu["nats-server"] + cpu["engines"] + sum(replica_cpu)
             per = 1e5 / blocks
@@ -374,7 +408,9 @@ async def run(args: argparse.Namespace) -> None:
             catchup = _spawn_replica(
                 url, args.backend, args.follower, f"{args.profile}.catchup" if args.profile else None, profile_sync=True
             )
+            spy = _py_spy(f"{args.py_spy}.catchup" if args.py_spy else None, catchup[0].pid or 0)
             _, ready, _, _, catchup_cpu, _ = await anyio.to_thread.run_sync(catchup[1].recv)
+            _stop(spy)
             catchup[1].send(None)
             catchup[0].join(10)
             print(
@@ -454,6 +490,12 @@ def main() -> None:
         metavar="FILE",
         help="cProfile (CPU time) the relay's process (FILE) and one replica's (FILE.replica) during the throughput"
         " round, and the catch-up follower until synced (FILE.catchup)",
+    )
+    parser.add_argument(
+        "--py-spy",
+        metavar="FILE",
+        help="py-spy (sampling, native frames) the relay's process (FILE.relay) and one replica's (FILE.replica)"
+        " during the throughput round, and the catch-up follower until synced (FILE.catchup): folded stacks",
     )
     args = parser.parse_args()
     # The relay's warnings (a session restart, a lost lease) explain a slow or stuck round.

@@ -18,6 +18,12 @@ Each record is a 4-byte big-endian header length, a msgpack header, then (batche
   N from the old one's, so a relay that publishes the same run again (an unanswered ack) is dropped
   by the server's duplicate window; a run cut differently (a relay restart, a second relay) is
   caught by the replica, which skips every batch at or below the worker's last seq.
+- ``runs`` (`_Runs`, on the subject ``kvroute.<stream>.runs``): the runs of several workers the
+  relay took in one turn, one `_Batches` header's fields per worker, the payloads of all of them
+  back to back: one message, one server write and one delivery per turn however many workers
+  published in it. Its ``Nats-Msg-Id`` is a digest of its header (every run's worker, seqs, ts and
+  lengths), so publishing the same record again is dropped as a run's is; a worker's batches keep
+  their order, as every record of the log is in the order the relay published it.
 - ``reset`` / ``partial`` / ``removed``: what the relay's client did to the worker (header only);
   ``present``: the client follows a worker the log has not named yet (synced with no batch: an idle
   engine), so replicas route to it as a client following the engines would.
@@ -66,7 +72,10 @@ __all__ = [
     "meta_bucket",
     "nats_module",
     "object_store",
+    "record_header",
     "run_msg_id",
+    "runs_msg_id",
+    "runs_subject",
     "subject_prefix",
     "worker_subject",
 ]
@@ -92,6 +101,13 @@ class _Batches(msgspec.Struct, array_like=True, tag="batches"):
     dp_rank: int
     prev: int | None
     items: list[tuple[int, float, int]]
+
+
+class _Runs(msgspec.Struct, array_like=True, tag="runs"):
+    """Runs of several workers' batches in one record: ``runs`` are (worker_id, dp_rank, prev, items) as in
+    `_Batches`; the body is every run's payloads back to back, in that order."""
+
+    runs: list[tuple[str, int, int | None, list[tuple[int, float, int]]]]
 
 
 class _Reset(msgspec.Struct, array_like=True, tag="reset"):
@@ -122,7 +138,7 @@ class _Present(msgspec.Struct, array_like=True, tag="present"):
 
 
 
-_Record = _Batches | _Reset | _Partial | _Removed | _Present
+_Record = _Batches | _Runs | _Reset | _Partial | _Removed | _Present
 _decode_header = msgspec.msgpack.Decoder(_Record).decode
 _encode_header = msgspec.msgpack.Encoder().encode
 #: A record's header length prefix (4 bytes, big-endian).
@@ -130,9 +146,14 @@ _HEAD: Final = 4
 
 
 def encode_record(rec: _Record, payloads: Sequence[bytes] = ()) -> bytes:
-    """One log record: the header's length, the header, then ``payloads`` back to back (a `_Batches` run)."""
+    """One log record: the header's length, the header, then ``payloads`` back to back (`_Batches`, `_Runs`)."""
     header = _encode_header(rec)
     return b"".join((len(header).to_bytes(_HEAD, "big"), header, *payloads))
+
+
+def record_header(data: bytes) -> bytes:
+    """An encoded record's header bytes (what `runs_msg_id` digests)."""
+    return data[_HEAD : _HEAD + int.from_bytes(data[:_HEAD], "big")]
 
 
 def decode_record(data: bytes) -> tuple[_Record, int]:
@@ -141,7 +162,13 @@ def decode_record(data: bytes) -> tuple[_Record, int]:
     if len(data) < _HEAD + n:
         raise msgspec.DecodeError(f"record of {len(data)} bytes is shorter than its {n}-byte header")
     rec = _decode_header(data[_HEAD : _HEAD + n])
-    if isinstance(rec, _Batches) and _HEAD + n + sum(i[2] for i in rec.items) != len(data):
+    if isinstance(rec, _Batches):
+        body = sum(i[2] for i in rec.items)
+    elif isinstance(rec, _Runs):
+        body = sum(i[2] for run in rec.runs for i in run[3])
+    else:
+        body = 0
+    if _HEAD + n + body != len(data):
         raise msgspec.DecodeError("record body length does not match its items")
     return rec, _HEAD + n
 
@@ -149,6 +176,17 @@ def decode_record(data: bytes) -> tuple[_Record, int]:
 def run_msg_id(key: WorkerKey, items: Sequence[tuple[int, float, int]]) -> str:
     """The ``Nats-Msg-Id`` of a run of ``key``'s batches (see the module docs)."""
     return f"{key.worker_id}/{key.dp_rank}:{items[0][0]}-{items[-1][0]}:{items[0][1]!r}"
+
+
+def runs_msg_id(header: bytes) -> str:
+    """The ``Nats-Msg-Id`` of a `_Runs` record: a digest of its header, which names every run in it (worker,
+    seqs, each batch's ts and length), so the same runs published again carry the same id."""
+    return f"runs:{hashlib.blake2b(header, digest_size=16).hexdigest()}"
+
+
+def runs_subject(stream: str) -> str:
+    """The subject of ``stream``'s `_Runs` records (three tokens: no worker's subject, which has four)."""
+    return f"{subject_prefix(stream)}.runs"
 
 
 class SnapshotInfo(msgspec.Struct):

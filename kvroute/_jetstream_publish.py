@@ -3,9 +3,10 @@
 The client hands the relay a `_Tap` (`kvroute._fanout.RawTap`): each batch its ZMQ drivers applied
 on their fast path comes as the engine's payload bytes, republished as they are (no decoding, no
 re-encoding); a batch applied any other way (a replay, a held batch, another transport) comes as
-its events, encoded back into one msgpack payload; lifecycle facts come as envelopes. Each worker's
-consecutive batches taken in one turn go out as one `_Batches` record (a run), and every lifecycle
-fact after that worker's pending run. `_Outbox` publishes records without waiting for each ack, in
+its events, encoded back into one msgpack payload; lifecycle facts come as envelopes. What the pump
+took waits up to `_LINGER` for more, then goes out as one record: one worker's consecutive batches
+as a `_Batches` record (a run), several workers' runs as one `_Runs` record; a lifecycle fact goes
+out after every pending run. `_Outbox` publishes records without waiting for each ack, in
 order, at most `_WINDOW` unacknowledged; the first failure ends the session (`_Restart`), which
 starts over from what the log holds.
 
@@ -37,8 +38,12 @@ from ._jetstream import (
     _Record,
     _Removed,
     _Reset,
+    _Runs,
     encode_record,
+    record_header,
     run_msg_id,
+    runs_msg_id,
+    runs_subject,
     worker_subject,
 )
 from ._jetstream_nats import NatsLoop
@@ -68,21 +73,24 @@ class _Restart(Exception):
     """The session must start over from what the log holds (publish failure, overflow)."""
 
 
-#: A run's payload bytes at most: it is then published and the next batch starts another (NATS's
+#: A record's payload bytes at most: it is then published and the next batch starts another (NATS's
 #: default max_payload is 1 MB).
 _RUN_BYTES: Final = 256 * 1024
+#: Seconds the batches taken may wait for more before they are published, at most: a relay that keeps
+#: up takes one batch a turn, and a record each would cost a message, a server write and a delivery to
+#: every follower per batch. Bounds what it adds to the apply lag.
+_LINGER: Final = 0.005
 
 
 class _Run:
-    """One worker's batches taken in one turn, not yet published: one `_Batches` record."""
+    """One worker's batches taken and not yet published: a `_Batches` record, or one run of a `_Runs` record."""
 
-    __slots__ = ("items", "payloads", "prev", "size")
+    __slots__ = ("items", "payloads", "prev")
 
     def __init__(self, prev: int | None) -> None:
         self.prev = prev
         self.items: list[tuple[int, float, int]] = []
         self.payloads: list[bytes] = []
-        self.size = 0
 
 
 class _Publisher:
@@ -129,6 +137,9 @@ class _Publisher:
         self._serial = 0
         self._group: list[Envelope] = []
         self._runs: dict[WorkerKey, _Run] = {}
+        #: The pending runs' payload bytes, and when the first of them was taken (`_LINGER`).
+        self._run_bytes = 0
+        self._runs_since = 0.0
         self._kicked = False
         # The key of the source of the last raw batch: a driver hands over its batches in clumps.
         self._last_source: EventSource | None = None
@@ -139,7 +150,7 @@ class _Publisher:
         self._kicked = True
 
     def _lifecycle(self, key: WorkerKey, rec: _Record) -> None:
-        self._close_run(key)  # the worker's batches before the fact go first
+        self.close_runs()  # the worker's batches before the fact go first
         if not isinstance(rec, _Removed):
             self.named.add(key)  # a follower takes the worker at any record of it but a removal
         self._serial += 1
@@ -194,20 +205,26 @@ class _Publisher:
         self.counts["removals"] += 1
         self._lifecycle(key, _Removed(key.worker_id, key.dp_rank, reason))
 
-    def _close_run(self, key: WorkerKey) -> None:
-        run = self._runs.pop(key, None)
-        if run is None:
+    def close_runs(self) -> None:
+        """The pending runs become a record: one worker's a `_Batches` on its subject, several a `_Runs`."""
+        runs = self._runs
+        if not runs:
             return
-        rec = _Batches(key.worker_id, key.dp_rank, run.prev, run.items)
-        self.out.append(
-            (worker_subject(self.stream, key), encode_record(rec, run.payloads), run_msg_id(key, run.items))
-        )
+        self._runs, self._run_bytes = {}, 0
+        if len(runs) == 1:
+            ((key, run),) = runs.items()
+            rec = _Batches(key.worker_id, key.dp_rank, run.prev, run.items)
+            data = encode_record(rec, run.payloads)
+            self.out.append((worker_subject(self.stream, key), data, run_msg_id(key, run.items)))
+        else:
+            many = _Runs([(k.worker_id, k.dp_rank, run.prev, run.items) for k, run in runs.items()])
+            data = encode_record(many, [p for run in runs.values() for p in run.payloads])
+            self.out.append((runs_subject(self.stream), data, runs_msg_id(record_header(data))))
         self.counts["records"] += 1
 
-    def close_runs(self) -> None:
-        """Every pending run becomes a record (the end of a turn)."""
-        for key in list(self._runs):
-            self._close_run(key)
+    def runs_due(self) -> bool:
+        """The pending runs have waited `_LINGER` (or there are none)."""
+        return not self._runs or time.monotonic() - self._runs_since >= _LINGER
 
     def _flush_group(self) -> None:
         group = self._group
@@ -223,17 +240,20 @@ class _Publisher:
         self._add_batch(first.source.key, seq, first.ts, payload, blocks)
 
     def _add_batch(self, key: WorkerKey, seq: int, ts: float, payload: bytes, blocks: int) -> None:
-        run = self._runs.get(key)
+        runs = self._runs
+        run = runs.get(key)
         if run is None:
+            if not runs:
+                self._runs_since = time.monotonic()
             prev = self.last.get(key)
-            run = self._runs[key] = _Run(prev[0] if prev is not None else None)
+            run = runs[key] = _Run(prev[0] if prev is not None else None)
             self.named.add(key)
         self.last[key] = (seq, ts)
         run.items.append((seq, ts, len(payload)))
         run.payloads.append(payload)
-        run.size += len(payload)
-        if run.size >= _RUN_BYTES:
-            self._close_run(key)
+        self._run_bytes += len(payload)
+        if self._run_bytes >= _RUN_BYTES:
+            self.close_runs()
         counts = self.counts
         counts["batches"] += 1
         counts["blocks"] += blocks
@@ -292,7 +312,7 @@ class _Publisher:
                 req = self.snapshot_request
                 if req is not None:
                     self._take_snapshot(req, tap)
-                if items or self._group or self._runs or self.out or self._kicked:
+                if items or self._group or self.out or self._kicked:
                     # Take what is buffered without waiting (a batch ends where the buffer does). Bounded
                     # by count and time: the loop's other tasks run between turns.
                     taken, deadline = 0, time.monotonic() + _SLICE
@@ -305,6 +325,11 @@ class _Publisher:
                         taken += 1
                         if not taken & 255 and time.monotonic() >= deadline:
                             break
+                elif self._runs:
+                    # Nothing more yet: the runs taken wait out their `_LINGER` for company.
+                    await tap.wait(self._runs_since + _LINGER - time.monotonic())
+                    if items:
+                        continue
                 else:
                     await tap.wait(0.5)
                     continue
@@ -312,7 +337,8 @@ class _Publisher:
                     # The buffer is empty: the batch being grouped is whole (a client publishes a batch's
                     # events at once). A turn cut short keeps it open: its other events come next turn.
                     self._flush_group()
-                self.close_runs()
+                if self.runs_due():
+                    self.close_runs()
                 self._kicked = False
                 if outbox.failed is not None:
                     raise _Restart(f"publish failed: {outbox.failed!r}")
@@ -398,7 +424,7 @@ class _Tap:
 
 
 #: Records published but not yet acknowledged, at most (the relay's publish pipeline depth; a
-#: record is one batch when the relay keeps up, a run of up to `_RUN_BYTES` when it does not).
+#: record holds what the pump took in `_LINGER` or one turn, up to `_RUN_BYTES` of payloads).
 _WINDOW: Final = 4_000
 #: Record bytes published but not yet acknowledged, at most.
 _WINDOW_BYTES: Final = 8 * 1024 * 1024

@@ -64,7 +64,7 @@ class _WorkerState:
         else:
             self._partials.discard(self._key)
 
-    def applied(self, seq: int, ts: float, payload: bytes, blocks: int) -> None:
+    def applied(self, batches: list[tuple[int, float, int]], payloads: list[bytes], blocks: int) -> None:
         """Nothing to keep beyond ``last`` (set by the rules)."""
 
     def reset(self, reason: str, detail: str) -> None:

@@ -477,6 +477,23 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_jetstream.py",),
         ("tests/test_jetstream.py::test_a_partial_worker_is_partial_in_the_relays_snapshot",),
     ),
+    Mutation(
+        "runs-body-offset",
+        "a follower reads each run of a several-worker record from where the run before it ended",
+        "kvroute/_jetstream_log.py",
+        "                body = self._apply_run(sseq, WorkerKey(worker_id, dp_rank), prev, items, data, body)\n",
+        "                self._apply_run(sseq, WorkerKey(worker_id, dp_rank), prev, items, data, body)\n",
+        ("tests/test_jetstream.py",),
+        ("tests/test_jetstream.py::test_three_replicas_and_a_direct_client_agree",),
+    ),
+    Mutation(
+        "refused-run-dropped",
+        "a payload the core refuses inside a run empties its worker, and the run's other batches still apply in order",
+        "kvroute/_jetstream_log.py",
+        "            self._apply_each(sseq, key, w, batches, payloads)\n            return\n",
+        "            return\n",
+        ("tests/test_jetstream.py::test_runs_of_batches_overlap_and_bad_payloads",),
+    ),
     # --- the router ---
     Mutation(
         "footprint-unrecorded",

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -26,21 +27,26 @@ import pytest
 from _publisher_helpers import FAST, Workload, wait_for
 from anyio.streams.text import TextReceiveStream
 
-from kvroute import JetStreamRelay, JetStreamReplica, KvEventClient, PrefixIndex, WorkerKey
+from kvroute import EventSource, JetStreamRelay, JetStreamReplica, KvEventClient, PrefixIndex, WorkerKey
 from kvroute._jetstream import (
     _Batches,
     _Partial,
     _Present,
     _Removed,
     _Reset,
+    _Runs,
     decode_record,
     encode_record,
     ensure_stream,
     fetch_object,
     object_store,
+    record_header,
+    runs_msg_id,
+    runs_subject,
     worker_subject,
 )
 from kvroute._jetstream_nats import NatsLoop
+from kvroute._jetstream_publish import _Publisher
 from kvroute._snapshot import read_snapshot
 from kvroute._wire import BlockStored, EventBatch, encode_batch
 from kvroute.sim import EventPublisher, SimConfig, SimEngine
@@ -269,16 +275,52 @@ def test_runs_of_batches_overlap_and_bad_payloads() -> None:
     st = r.stats()
     assert (st.undecodable, st.gaps, r.index.num_blocks(w), r.cursors()[w].seq) == (1, 0, 1, 5)
     assert w in r.partial_workers()
+    # The same inside a run, after a batch the core took: the worker holds only what follows the refused one.
+    r.apply_record(4, _run(5, [(6, _payload(6, [7])), (7, b"\xc1"), (8, _payload(8, [9])), (9, _payload(9, [10]))]))
+    st = r.stats()
+    assert (st.undecodable, st.batches, r.index.num_blocks(w), r.cursors()[w].seq) == (2, 8, 2, 9)
     # A body that does not match its items is an undecodable record, not a crash.
-    good = _run(5, [(6, _payload(6, [7]))])
-    r.apply_record(4, good[:-1])
-    assert r.stats().undecodable == 2 and r.index.num_blocks(w) == 1
+    good = _run(9, [(10, _payload(10, [11]))])
+    r.apply_record(5, good[:-1])
+    assert r.stats().undecodable == 3 and r.index.num_blocks(w) == 2
     rec, at = decode_record(good)
     assert isinstance(rec, _Batches) and at + rec.items[0][2] == len(good)
     # A worker the relay follows before any batch of it (an idle engine) is live, with nothing held.
     idle = WorkerKey("idle", 1)
-    r.apply_record(5, encode_record(_Present("idle", 1)))
+    r.apply_record(6, encode_record(_Present("idle", 1)))
     assert idle in r.live_workers() and r.index.num_blocks(idle) == 0 and idle not in r.partial_workers()
+
+
+def test_one_record_carries_the_runs_of_several_workers() -> None:
+    w, v = WorkerKey("w", 0), WorkerKey("v", 3)
+    # What the relay's publisher makes of one turn's batches of two workers: one `_Runs` record.
+    pub = _Publisher(NatsLoop(["nats://127.0.0.1:1"], "t"), "T", defaultdict(int), "s", {}, set(), publish_timeout=1.0)
+    sources = {k: EventSource(worker_id=k.worker_id, dp_rank=k.dp_rank, endpoint="tcp://127.0.0.1:1") for k in (w, v)}
+    for src, seq, hashes in [(w, 0, [1]), (v, 0, [11]), (w, 1, [2]), (v, 1, [12])]:
+        pub.take_raw(sources[src], seq, float(seq), _payload(seq, hashes), len(hashes))
+    pub.close_runs()
+    ((subject, data, msg_id),) = pub.out
+    rec, _ = decode_record(data)
+    assert subject == runs_subject("T") and isinstance(rec, _Runs) and len(rec.runs) == 2
+    assert msg_id == runs_msg_id(record_header(data))
+    r = JetStreamReplica(stream="T")
+    r.apply_record(1, data)
+    assert (r.index.num_blocks(w), r.index.num_blocks(v), r.cursors()[w].seq, r.cursors()[v].seq) == (2, 2, 1, 1)
+    # Each run keeps its own worker's rules: w's overlap is skipped, v's gap resets v alone.
+    runs = _Runs([("w", 0, 0, [(1, 1.0, len(_payload(1, [2]))), (2, 2.0, len(_payload(2, [3])))]), ("v", 3, 5, [])])
+    runs.runs[1] = ("v", 3, 5, [(6, 6.0, len(_payload(6, [16])))])
+    again = encode_record(runs, [_payload(1, [2]), _payload(2, [3]), _payload(6, [16])])
+    r.apply_record(2, again)
+    st = r.stats()
+    assert (st.duplicates, st.gaps, st.batches) == (1, 1, 6)
+    assert (r.index.num_blocks(w), r.index.num_blocks(v), r.partial_workers()) == (3, 1, {v})
+    # The id names the runs: the same record published again is the same message; another ts is not.
+    moved = _Runs([(*runs.runs[0][:3], [(1, 1.5, runs.runs[0][3][0][2]), runs.runs[0][3][1]]), runs.runs[1]])
+    ids = [runs_msg_id(record_header(encode_record(x))) for x in (runs, runs, moved)]
+    assert ids[0] == ids[1] != ids[2]
+    # A body shorter than its runs say is an undecodable record.
+    r.apply_record(3, again[:-1])
+    assert r.stats().undecodable == 1 and r.index.num_blocks(v) == 1
 
 
 def test_snapshot_objects_are_read_whole_and_checked(nats_server: NatsServer) -> None:

@@ -306,19 +306,22 @@ class JetStreamWorkerDriver(DriverBase):
 
     # --- LogWorker: what the rules did ------------------------------------------------------------
 
-    def applied(self, seq: int, ts: float, payload: bytes, blocks: int) -> None:
-        """The batch ``seq`` is in the index."""
+    def applied(self, batches: list[tuple[int, float, int]], payloads: list[bytes], blocks: int) -> None:
+        """Consecutive batches, each ``(seq, ts, payload length)``, are in the index (``blocks`` stored)."""
         if self._stopped:
             return
-        self.machine.on_applied(seq, ts)
+        on_applied = self.machine.on_applied
+        for seq, ts, _ in batches:
+            on_applied(seq, ts)
         c = self.counters
-        c.messages += 1
+        c.messages += len(batches)
         c.blocks += blocks
         sink = self._sink
         if sink.active:  # listeners get the events, as from engines (decoded only for them)
             source = self.source
-            for ev in decode_batch(payload).events:
-                sink.publish(Envelope(source=source, seq=seq, ts=ts, event=ev))
+            for (seq, ts, _), payload in zip(batches, payloads):
+                for ev in decode_batch(payload).events:
+                    sink.publish(Envelope(source=source, seq=seq, ts=ts, event=ev))
 
     def reset(self, reason: str, detail: str) -> None:
         """The relay reset the worker (its engine restarted, its buffer did not reach back...)."""
