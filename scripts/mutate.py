@@ -409,6 +409,18 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_replay.py::test_a_deferred_probe_asked_beside_an_open_fast_path_is_no_restart",),
     ),
     Mutation(
+        "deferred-probe-takes-a-given-away-slot",
+        "a deferred quiet probe whose offered slot another source took meanwhile waits for the next (rule 9)",
+        "kvroute/_transports/zmq/driver.py",
+        "        if not self._replays.slot_free():\n            # The hold drained",
+        "        if False:\n            # The hold drained",
+        ("tests/test_native_replay.py",),
+        (
+            "tests/test_native_replay.py::"
+            "test_a_deferred_probe_whose_slot_the_drain_gave_away_waits_for_the_next",
+        ),
+    ),
+    Mutation(
         "idle-draw-built-otherwise",
         "the compiled path builds the idle set as the reference does, so one seed draws the same idle worker",
         "kvroute/_router.py",
