@@ -421,15 +421,6 @@ MUTATIONS: list[Mutation] = [
         ),
     ),
     Mutation(
-        "deferred-probe-failure-raised",
-        "a deferred probe that raises is logged, not raised into the turn of the source that freed the slot",
-        "kvroute/_transports/zmq/replay.py",
-        "            except Exception:\n                _log.exception(",
-        "            except ZeroDivisionError:\n                _log.exception(",
-        ("tests/test_subscriber.py",),
-        (),
-    ),
-    Mutation(
         "idle-draw-built-otherwise",
         "the compiled path builds the idle set as the reference does, so one seed draws the same idle worker",
         "kvroute/_router.py",

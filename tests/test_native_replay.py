@@ -285,8 +285,7 @@ async def test_a_deferred_probe_whose_slot_the_drain_gave_away_waits_for_the_nex
     # the thread drains the hand-overs queued meanwhile: another source's quiet tick among them
     # takes the free slot first. The offered probe must then wait for the next slot, not take the
     # busy one: it raised WouldBlock inside the turn that freed the slot, and that source's driver
-    # failed and was removed (a 4,096-rank cold sync lost 3 sources so; `ReplaySlots` now logs such
-    # a failure as an ERROR instead, which fails this test too). Here the loop is kept from
+    # failed and was removed (a 4,096-rank cold sync lost 3 sources so). Here the loop is kept from
     # running (the thread goes on) for longer than the quiet interval before the offered probe
     # goes on, so the other sources' quiet ticks wait in the thread's outbox; the offered tick is
     # made as young as if it had just happened, and its own next tick is not yet due.

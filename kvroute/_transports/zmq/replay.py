@@ -18,7 +18,6 @@ import zmq
 from ..._models import EventSource
 from ..._recovery import REPLAY_END_MARKER, Payload
 from .._base import RateLimitedLog, SourceCounters
-from .._base import log as _log
 from . import sockets as _zmq
 from .config import SubscriberConfig
 
@@ -103,19 +102,11 @@ class ReplaySlots:
         self._deferred.pop(retry, None)
 
     def _offer(self) -> None:
-        """Hand free slots to the deferred probes, oldest first (a waiting source already got its slot).
-
-        This runs inside whichever source's turn freed the slot: a deferred probe that raises is
-        logged and dropped (its source's next quiet tick asks again), not raised into that turn,
-        whose driver would fail and whose worker would leave the index for another's fault.
-        """
+        """Hand free slots to the deferred probes, oldest first (a waiting source already got its slot)."""
         while self._deferred and self.free():
             retry = next(iter(self._deferred))
             del self._deferred[retry]
-            try:
-                retry()
-            except Exception:
-                _log.exception("a deferred replay probe failed; its source's next quiet tick asks again")
+            retry()
 
     @asynccontextmanager
     async def turn(self, reserved: Turn | None = None) -> AsyncIterator[Turn]:
