@@ -421,6 +421,15 @@ MUTATIONS: list[Mutation] = [
         ),
     ),
     Mutation(
+        "runs-header-uncounted",
+        "a relay's record stays within its byte bound with its header (worker ids), not its payloads alone",
+        "kvroute/_jetstream_publish.py",
+        '            self._run_bytes += len(key.worker_id.encode("utf-8")) + _RUN_ENTRY_BYTES\n',
+        "",
+        ("tests/test_jetstream.py",),
+        (),
+    ),
+    Mutation(
         "idle-draw-built-otherwise",
         "the compiled path builds the idle set as the reference does, so one seed draws the same idle worker",
         "kvroute/_router.py",

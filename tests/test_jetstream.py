@@ -323,6 +323,25 @@ def test_one_record_carries_the_runs_of_several_workers() -> None:
     assert r.stats().undecodable == 1 and r.index.num_blocks(v) == 1
 
 
+def test_a_turn_of_thousands_of_workers_with_long_ids_stays_within_a_record_bound() -> None:
+    # A cold sync's turn: 4,096 workers with 200-character ids, one small batch each. The bound
+    # counted payloads only, so one `runs` record's header listed every worker (0.9 MB here), past
+    # NATS's 1 MB default with the payloads: the publish failed and the session restarted, again.
+    pub = _Publisher(NatsLoop(["nats://127.0.0.1:1"], "t"), "T", defaultdict(int), "s", {}, set(), publish_timeout=1.0)
+    keys = [WorkerKey(('engine-' * 28)[:195] + f"{i:05d}", i % 8) for i in range(4096)]
+    sources = {k: EventSource(worker_id=k.worker_id, dp_rank=k.dp_rank, endpoint="tcp://127.0.0.1:1") for k in keys}
+    for i, k in enumerate(keys):
+        pub.take_raw(sources[k], 0, 1.0, _payload(0, [i + 1]), 1)
+    pub.close_runs()
+    sizes = [len(data) for _, data, _ in pub.out]
+    assert len(sizes) > 1 and max(sizes) < 300 * 1024, (len(sizes), max(sizes))
+    r = JetStreamReplica(stream="T")
+    for n, (_, data, _) in enumerate(pub.out, 1):
+        r.apply_record(n, data)
+    assert r.stats().undecodable == 0 and len(r.index.workers()) == 4096
+    assert all(r.index.num_blocks(k) == 1 for k in keys[::97])
+
+
 def test_snapshot_objects_are_read_whole_and_checked(nats_server: NatsServer) -> None:
     import asyncio
 
