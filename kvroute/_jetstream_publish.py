@@ -120,8 +120,11 @@ class _Publisher:
         position: int = 0,
         *,
         publish_timeout: float,
+        runs_records: bool = True,
     ) -> None:
         self.nl = nl
+        #: Several workers' runs of a turn go out as one `_Runs` record (else a `_Batches` each).
+        self.runs_records = runs_records
         self.stream = stream
         #: The relay's counters (`RelayStats`), counted into here.
         self.counts = counts
@@ -217,16 +220,17 @@ class _Publisher:
         if not runs:
             return
         self._runs, self._run_bytes = {}, 0
-        if len(runs) == 1:
-            ((key, run),) = runs.items()
-            rec = _Batches(key.worker_id, key.dp_rank, run.prev, run.items)
-            data = encode_record(rec, run.payloads)
-            self.out.append((worker_subject(self.stream, key), data, run_msg_id(key, run.items)))
+        if len(runs) == 1 or not self.runs_records:
+            for key, run in runs.items():
+                rec = _Batches(key.worker_id, key.dp_rank, run.prev, run.items)
+                data = encode_record(rec, run.payloads)
+                self.out.append((worker_subject(self.stream, key), data, run_msg_id(key, run.items)))
+            self.counts["records"] += len(runs)
         else:
             many = _Runs([(k.worker_id, k.dp_rank, run.prev, run.items) for k, run in runs.items()])
             data = encode_record(many, [p for run in runs.values() for p in run.payloads])
             self.out.append((runs_subject(self.stream), data, runs_msg_id(record_header(data))))
-        self.counts["records"] += 1
+            self.counts["records"] += 1
 
     def runs_due(self) -> bool:
         """The pending runs have waited `_LINGER` (or there are none)."""

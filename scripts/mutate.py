@@ -430,6 +430,18 @@ MUTATIONS: list[Mutation] = [
         (),
     ),
     Mutation(
+        "runs-records-always",
+        "a relay told to write no runs records (for followers older than them) writes a batches record per worker",
+        "kvroute/_jetstream_publish.py",
+        "        if len(runs) == 1 or not self.runs_records:\n",
+        "        if len(runs) == 1:\n",
+        ("tests/test_jetstream.py",),
+        (
+            "tests/test_jetstream.py::"
+            "test_a_follower_that_cannot_read_runs_records_is_exact_on_a_relay_that_writes_none",
+        ),
+    ),
+    Mutation(
         "idle-draw-built-otherwise",
         "the compiled path builds the idle set as the reference does, so one seed draws the same idle worker",
         "kvroute/_router.py",
