@@ -1007,8 +1007,13 @@ struct EngineView {
     unit: f64,
     /// per record: the engine's load in blocks when the record is fresh (None: stale)
     fresh: Vec<Option<f64>>,
-    /// per record: the KV usage the eviction term prices (0: none, or the term is off)
+    /// per record: the KV usage the eviction term prices (0: none); empty when the term is off
     usage: Vec<f64>,
+    /// the fresh records whose engines are silent past their allowance (`vetoed`), by position
+    wedged: Vec<u32>,
+    /// whether some fresh record counts requests (else no record is listed in the blend's
+    /// second, counted, group)
+    counted: bool,
     /// per record: its worker priced already
     taken: Vec<bool>,
     /// per record: the position of its worker's entry in the router's table (`NONE`: none)
@@ -1026,6 +1031,11 @@ impl EngineView {
     fn load(&self, at: Option<usize>, tokens: i64) -> f64 {
         let mine = (tokens != 0).then(|| tokens as f64 / self.unit);
         scoring::blend(self.mode, at.and_then(|i| self.fresh[i]), mine)
+    }
+
+    /// The KV usage of record `i` the eviction term prices (0: none, or the term is off).
+    fn usage(&self, i: usize) -> f64 {
+        self.usage.get(i).copied().unwrap_or(0.0)
     }
 
     /// The position of `key`'s record (None: none); `index_key`: `key` is the index's own object,
@@ -1047,11 +1057,9 @@ impl EngineView {
             return Vec::new();
         }
         let wedged = self
-            .records
+            .wedged
             .iter()
-            .enumerate()
-            .filter(|(i, (_, e))| self.fresh[*i].is_some() && e.figures().wedged())
-            .map(|(_, (k, _))| k.clone());
+            .filter_map(|&i| self.records.get_index(i as usize).map(|(k, _)| k.clone()));
         let stale = own
             .iter()
             .enumerate()
@@ -1078,10 +1086,36 @@ fn engine_view(
     eviction: bool,
 ) -> EngineView {
     let blends = mode != LoadMode::Router;
-    let counted = blends
-        && records
-            .values()
-            .any(|e| e.figures().by_count() && e.figures().fresh(now, stale_after));
+    let unit_f = unit as f64;
+    let n = records.len();
+    // One pass over the records (was four: the counted check, the fresh loads, the usage and the
+    // wedged ones, ~60k instructions a `select` at 1,024 records). A counted record's load needs
+    // the mean request, known only once every record was read: its count is kept here and
+    // turned into blocks after the pass.
+    let mut fresh = Vec::with_capacity(n);
+    let mut usage = Vec::with_capacity(if eviction { n } else { 0 });
+    let mut wedged = Vec::new();
+    let mut counted = false;
+    for e in records.values() {
+        let f = e.figures();
+        let load = if blends && f.fresh(now, stale_after) {
+            if f.wedged() {
+                wedged.push(fresh.len() as u32);
+            }
+            if f.by_count() {
+                counted = true;
+                Some(f.requests)
+            } else {
+                Some(f.blocks(unit_f, 0.0))
+            }
+        } else {
+            None
+        };
+        fresh.push(load);
+        if eviction {
+            usage.push(f.usage_at(now, stale_after));
+        }
+    }
     let per = if counted && requests > 0 {
         let sum: i64 = own.map_or(0, |t| t.values().map(|e| e.tokens()).sum());
         let mean = sum as f64 / requests as f64;
@@ -1090,26 +1124,18 @@ fn engine_view(
     } else {
         table.per_request()
     };
-    let unit_f = unit as f64;
-    let fresh = records
-        .values()
-        .map(|e| {
-            (blends && e.figures().fresh(now, stale_after)).then(|| e.figures().blocks(unit_f, per))
-        })
-        .collect();
-    let usage = records
-        .values()
-        .map(|e| {
-            if eviction {
-                e.figures().usage_at(now, stale_after)
-            } else {
-                0.0
+    if counted {
+        for (load, e) in fresh.iter_mut().zip(records.values()) {
+            if let Some(l) = load {
+                if e.figures().by_count() {
+                    *l = e.figures().blocks(unit_f, per);
+                }
             }
-        })
-        .collect();
+        }
+    }
     let mut view = EngineView {
-        taken: vec![false; records.len()],
-        own_of: vec![NONE; records.len()],
+        taken: vec![false; n],
+        own_of: vec![NONE; n],
         record_of: Vec::new(),
         adopt: Vec::new(),
         records,
@@ -1118,6 +1144,8 @@ fn engine_view(
         unit: unit_f,
         fresh,
         usage,
+        wedged,
+        counted,
     };
     // each loaded worker's record, found by key (a key the index's own object once adopted)
     if let Some(t) = own {
@@ -1159,7 +1187,7 @@ impl LoadPass<'_, '_> {
         let at = PyKey::extract(w)
             .ok()
             .and_then(|k| v.records.get_index_of(&k));
-        Some(at.map_or(0.0, |i| v.usage[i]))
+        Some(at.map_or(0.0, |i| v.usage(i)))
     }
 
     /// The load of the worker at index slot `slot` (`key` the index's key for it) when it takes
@@ -1174,7 +1202,7 @@ impl LoadPass<'_, '_> {
             if let Some(i) = at {
                 v.taken[i] = true;
             }
-            return Some((v.load(at, tokens), Some(at.map_or(0.0, |i| v.usage[i]))));
+            return Some((v.load(at, tokens), Some(at.map_or(0.0, |i| v.usage(i)))));
         }
         let load = match &self.source {
             LoadSource::None => Some(0.0),
@@ -1543,7 +1571,11 @@ fn select<'py>(
 
     let ntok_i = ntok as i64;
     let idle_prefill = ntok_i as f64 / unit as f64;
-    let most = result.scores.len() + table_map.map_or(0, IndexMap::len);
+    // every record may list a candidate too: room for them up front (growing the rows by
+    // doubling copied ~70k instructions' worth a `select` at 1,024 reporting engines)
+    let most = result.scores.len()
+        + table_map.map_or(0, IndexMap::len)
+        + view.as_ref().map_or(0, |v| v.records.len());
     let mut workers: Vec<Who> = Vec::with_capacity(most);
     let mut rows: Vec<Row> = Vec::with_capacity(most);
     let mut pass = LoadPass {
@@ -1680,7 +1712,9 @@ fn select<'py>(
                 rows.push(idle_row(load, usage));
             };
             if v.mode != LoadMode::Router {
-                for counted in [false, true] {
+                // the counted group only when some fresh record counts requests
+                let groups = if v.counted { 2 } else { 1 };
+                for counted in [false, true].into_iter().take(groups) {
                     for (i, (k, e)) in v.records.iter().enumerate() {
                         let Some(queue) = v.fresh[i] else { continue };
                         // a zero queue is no entry of the blend (the router's own count may be)
@@ -1697,7 +1731,7 @@ fn select<'py>(
                             if let Some(p) = own {
                                 pass.taken[p] = true;
                             }
-                            list(Who::Listed(i as u32), load, v.usage[i]);
+                            list(Who::Listed(i as u32), load, v.usage(i));
                         }
                     }
                 }
@@ -1722,11 +1756,12 @@ fn select<'py>(
                     if let Some(i) = at {
                         v.taken[i] = true;
                     }
-                    list(Who::Key(k.clone()), load, at.map_or(0.0, |i| v.usage[i]));
+                    list(Who::Key(k.clone()), load, at.map_or(0.0, |i| v.usage(i)));
                 }
             }
             // usage-only workers: a report above 0, nothing claimed, no load
-            for (i, (k, e)) in v.records.iter().enumerate() {
+            // (none when the eviction term is off: no usage read)
+            for (i, (k, e)) in v.records.iter().enumerate().take(v.usage.len()) {
                 if v.usage[i] > 0.0 && !v.taken[i] && u.has_record(e, k)? {
                     v.taken[i] = true;
                     list(Who::Listed(i as u32), 0.0, v.usage[i]);
