@@ -399,6 +399,11 @@ pub struct EngineTable {
     /// router's own in-flight requests when it last had any (`LoadPolicy.request_tokens` until
     /// then), as `f64` bits; both scoring paths learn and read it here
     per_request: AtomicU64,
+    /// index slot -> position of that worker's record, where the last `select` found it
+    /// (`EngineView::at_slot`; `NONE`: none known): a hint, believed only while the record there
+    /// holds the index's own key object for that slot's worker. Taken by a `select` and given
+    /// back when it is done (a `select` finding none taken does without, lookup by key)
+    slots: Mutex<Vec<u32>>,
 }
 
 /// A worker's record, its note whether the worker is in the live set a router last kept
@@ -419,6 +424,16 @@ impl EngineTable {
     fn per_request(&self) -> f64 {
         f64::from_bits(self.per_request.load(Ordering::Relaxed))
     }
+
+    /// The records' positions by index slot, for this `select` (`EngineTable::slots`).
+    fn take_slots(&self) -> Vec<u32> {
+        std::mem::take(&mut *self.slots.lock())
+    }
+
+    /// Give back the positions a `select` took (and updated).
+    fn keep_slots(&self, slots: Vec<u32>) {
+        *self.slots.lock() = slots;
+    }
 }
 
 #[pymethods]
@@ -428,6 +443,7 @@ impl EngineTable {
         EngineTable {
             table: CowTable::default(),
             per_request: AtomicU64::new(request_tokens.to_bits()),
+            slots: Mutex::default(),
         }
     }
 
@@ -1023,6 +1039,8 @@ struct EngineView {
     /// records found by an equal key that is the index's own object: (position, that key), for
     /// `CowTable::adopt`
     adopt: Vec<(usize, PyKey)>,
+    /// index slot -> record position, as last found (`EngineTable::slots`)
+    slots: Vec<u32>,
 }
 
 impl EngineView {
@@ -1036,6 +1054,30 @@ impl EngineView {
     /// The KV usage of record `i` the eviction term prices (0: none, or the term is off).
     fn usage(&self, i: usize) -> f64 {
         self.usage.get(i).copied().unwrap_or(0.0)
+    }
+
+    /// The position of the record of the worker at index slot `slot` (`key`, the index's own key
+    /// object for it; None: no record). Tried first where the slot's hint says (`slots`): a
+    /// record holding that very object is that worker's, found without hashing (a lookup by key
+    /// was ~120 instructions a scored worker at 1,024 reporting engines, most of them missing
+    /// the cache); else by key, and the hint kept for the next `select`.
+    fn at_slot(&mut self, slot: u32, key: &PyKey) -> Option<usize> {
+        let s = slot as usize;
+        if let Some(&i) = self.slots.get(s) {
+            if self
+                .records
+                .get_index(i as usize)
+                .is_some_and(|(k, _)| k.same(key))
+            {
+                return Some(i as usize);
+            }
+        }
+        let found = self.find(key, true);
+        if self.slots.len() <= s {
+            self.slots.resize(s + 1, NONE);
+        }
+        self.slots[s] = found.map_or(NONE, |i| i as u32);
+        found
     }
 
     /// The position of `key`'s record (None: none); `index_key`: `key` is the index's own object,
@@ -1084,6 +1126,7 @@ fn engine_view(
     own_located: &[bool],
     unit: i64,
     eviction: bool,
+    slots: Vec<u32>,
 ) -> EngineView {
     let blends = mode != LoadMode::Router;
     let unit_f = unit as f64;
@@ -1146,6 +1189,7 @@ fn engine_view(
         usage,
         wedged,
         counted,
+        slots,
     };
     // each loaded worker's record, found by key (a key the index's own object once adopted)
     if let Some(t) = own {
@@ -1192,13 +1236,13 @@ impl LoadPass<'_, '_> {
 
     /// The load of the worker at index slot `slot` (`key` the index's key for it) when it takes
     /// no Python object to find (the router's table, the engines' records, or no load at all),
-    /// with its engine usage when the records are blended here; None for a mapping (then `of`).
-    fn by_slot(&mut self, slot: u32, key: &PyKey) -> Option<(f64, Option<f64>)> {
+    /// with its engine usage when the records are blended here (`at`: the worker's record,
+    /// `EngineView::at_slot`); None for a mapping (then `of`).
+    fn by_slot(&mut self, slot: u32, at: Option<usize>) -> Option<(f64, Option<f64>)> {
         if self.engine.is_some() {
             let own = self.pos_of_slot.get(slot as usize).copied().and_then(pos);
             let tokens = self.own_tokens(own);
             let v = self.engine.as_mut()?;
-            let at = v.find(key, true);
             if let Some(i) = at {
                 v.taken[i] = true;
             }
@@ -1423,7 +1467,8 @@ fn select<'py>(
                 ));
             }
             let records = et.get().table.keyed();
-            Some((et, records, now, stale_after, mode, requests))
+            let slots = et.get().take_slots();
+            Some((et, records, slots, now, stale_after, mode, requests))
         }
         None => None,
     };
@@ -1511,7 +1556,7 @@ fn select<'py>(
     };
     let engine_table = engine.as_ref().map(|e| e.0.clone());
     let view = match engine {
-        Some((et, records, now, stale_after, mode, requests)) => {
+        Some((et, records, slots, now, stale_after, mode, requests)) => {
             // the router's entries the index holds (their keys are the index's, once adopted)
             let mut own_located = vec![false; table_map.map_or(0, IndexMap::len)];
             for &p in pos_of_slot.iter().filter(|&&p| p != NONE) {
@@ -1525,6 +1570,7 @@ fn select<'py>(
                 &own_located,
                 unit,
                 params.eviction_weight != 0.0,
+                slots,
             ))
         }
         None => None,
@@ -1605,13 +1651,23 @@ fn select<'py>(
         // scattered objects' reference counts for nothing (~6 % of an idle-fleet `select`).
         let obj = std::cell::OnceCell::new();
         let w = || obj.get_or_init(|| s.worker.obj(py));
-        // a worker the index scores holds blocks
+        // the worker's engine record, when the records are blended here
+        let rec = match pass.engine.as_mut() {
+            Some(v) => v.at_slot(s.slot, &s.worker),
+            None => None,
+        };
+        // a worker the index scores holds blocks; its membership read from its record's note
+        // when it has one (as the load-only pass reads it), else looked up
         if let Some(u) = &uni {
-            if !u.has_key(&s.worker)? {
+            let member = match (rec, &pass.engine) {
+                (Some(i), Some(v)) => u.has_record(&v.records[i], &s.worker)?,
+                _ => u.has_key(&s.worker)?,
+            };
+            if !member {
                 continue;
             }
         }
-        let (load, engine_usage) = match pass.by_slot(s.slot, &s.worker) {
+        let (load, engine_usage) = match pass.by_slot(s.slot, rec) {
             Some(found) => found,
             None => (pass.of(w())?, None),
         };
@@ -1853,11 +1909,17 @@ fn select<'py>(
     let (tied, idle_tied) = scoring::ties(&costs, idle_count, idle_cost);
     // the view's reference to the records moved in: the table is then copied only if another
     // thread holds it
-    if let (Some(v), Some(e)) = (
-        pass.engine.take().filter(|v| !v.adopt.is_empty()),
-        &engine_table,
-    ) {
-        e.get().table.adopt(v.records, v.adopt);
+    if let (Some(v), Some(e)) = (pass.engine.take(), &engine_table) {
+        let EngineView {
+            records,
+            adopt,
+            slots,
+            ..
+        } = v;
+        e.get().keep_slots(slots);
+        if !adopt.is_empty() {
+            e.get().table.adopt(records, adopt);
+        }
     }
     if let (Some(seen), false) = (table, adopt.is_empty()) {
         if let Ok(t) = loads.cast::<Loads>() {
