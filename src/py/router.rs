@@ -1046,12 +1046,14 @@ struct EngineView {
 impl EngineView {
     /// The blended load of a worker with record `at` and the router's own `tokens` there
     /// (0: none), in blocks; `EngineLoads.blend`'s value, division for division.
+    #[inline]
     fn load(&self, at: Option<usize>, tokens: i64) -> f64 {
         let mine = (tokens != 0).then(|| tokens as f64 / self.unit);
         scoring::blend(self.mode, at.and_then(|i| self.fresh[i]), mine)
     }
 
     /// The KV usage of record `i` the eviction term prices (0: none, or the term is off).
+    #[inline]
     fn usage(&self, i: usize) -> f64 {
         self.usage.get(i).copied().unwrap_or(0.0)
     }
@@ -1131,10 +1133,10 @@ fn engine_view(
     let blends = mode != LoadMode::Router;
     let unit_f = unit as f64;
     let n = records.len();
-    // One pass over the records (was four: the counted check, the fresh loads, the usage and the
-    // wedged ones, ~60k instructions a `select` at 1,024 records). A counted record's load needs
-    // the mean request, known only once every record was read: its count is kept here and
-    // turned into blocks after the pass.
+    // One pass over the records (was four: the counted check, the fresh loads, the usage and
+    // the wedged records, ~60k instructions a `select` at 1,024 records), the usage read only
+    // when the eviction term is priced. A counted record's load needs the mean request, known
+    // only once every record was read: its count is kept here and turned into blocks after.
     let mut fresh = Vec::with_capacity(n);
     let mut usage = Vec::with_capacity(if eviction { n } else { 0 });
     let mut wedged = Vec::new();
@@ -1304,6 +1306,80 @@ impl LoadPass<'_, '_> {
     }
 }
 
+/// The load-only candidates when the engines' records are blended (`EngineLoads.blend`), in
+/// its order: the engines' queues (records in order), the requests records count, then the
+/// router's own workers (`t`) no fresh queue covers, then the usage-only workers; `taken` the
+/// router's entries priced already. Apart from `select` so that the compiler inlines the
+/// per-record helpers here (in `select`'s body it called them, ~30 instructions a record).
+fn list_reported(
+    t: &Table,
+    v: &mut EngineView,
+    u: &Universe<'_, '_>,
+    taken: &mut [bool],
+    (workers, rows): (&mut Vec<Who>, &mut Vec<Row>),
+    idle_row: impl Fn(f64, f64) -> Row,
+) -> PyResult<()> {
+    // `EngineLoads.blend`'s order: the engines' queues (records in order), the requests
+    // records count, then the router's own workers no fresh queue covers
+    if v.mode != LoadMode::Router {
+        // the counted group only when some fresh record counts requests
+        let groups = if v.counted { 2 } else { 1 };
+        for counted in [false, true].into_iter().take(groups) {
+            for (i, (k, e)) in v.records.iter().enumerate() {
+                let Some(queue) = v.fresh[i] else { continue };
+                // a zero queue is no entry of the blend (the router's own count may be)
+                if v.taken[i] || e.figures().by_count() != counted || (!counted && queue == 0.0) {
+                    continue;
+                }
+                let own = pos(v.own_of[i]);
+                let load = v.load(Some(i), own.map_or(0, |p| t[p].tokens()));
+                if load != 0.0 && u.has_record(e, k)? {
+                    v.taken[i] = true;
+                    if let Some(p) = own {
+                        taken[p] = true;
+                    }
+                    workers.push(Who::Listed(i as u32));
+                    rows.push(idle_row(load, v.usage(i)));
+                }
+            }
+        }
+    }
+    for (p, (k, e)) in t.iter().enumerate() {
+        if e.tokens() == 0 || taken[p] {
+            continue;
+        }
+        let at = pos(v.record_of[p]);
+        let uncovered = match at.map(|i| (i, v.fresh[i])) {
+            None | Some((_, None)) => true,
+            Some((i, Some(queue))) => {
+                v.mode == LoadMode::Router
+                    || (v.mode == LoadMode::Blend
+                        && !v.records[i].figures().by_count()
+                        && queue == 0.0)
+            }
+        };
+        let load = v.load(at, e.tokens());
+        if uncovered && load != 0.0 && u.has_key(k)? {
+            taken[p] = true;
+            if let Some(i) = at {
+                v.taken[i] = true;
+            }
+            workers.push(Who::Key(k.clone()));
+            rows.push(idle_row(load, at.map_or(0.0, |i| v.usage(i))));
+        }
+    }
+    // usage-only workers: a report above 0, nothing claimed, no load
+    // (none when the eviction term is off: no usage read)
+    for (i, (k, e)) in v.records.iter().enumerate().take(v.usage.len()) {
+        if v.usage[i] > 0.0 && !v.taken[i] && u.has_record(e, k)? {
+            v.taken[i] = true;
+            workers.push(Who::Listed(i as u32));
+            rows.push(idle_row(0.0, v.usage[i]));
+        }
+    }
+    Ok(())
+}
+
 /// Who is a candidate when `select` is given a universe set: its members (from the kept copy of
 /// a provider's live set when there is one, `Members`), less the vetoed workers.
 struct Universe<'a, 'py> {
@@ -1331,6 +1407,7 @@ impl Universe<'_, '_> {
 
     /// Whether the worker of record `e` (key `k`) is a candidate, its membership read from the
     /// record when it was found for this generation of the kept set (its `Entry` note).
+    #[inline]
     fn has_record(&self, e: &Entry<EngineFigures>, k: &PyKey) -> PyResult<bool> {
         let held = if self.gen == 0 {
             self.holds_key(k)?
@@ -1761,68 +1838,14 @@ fn select<'py>(
     let listed_keys = listed.as_deref().unwrap_or(&[]);
     match (&pass.source, pass.engine.as_mut(), &uni) {
         (LoadSource::Table(t), Some(v), Some(u)) => {
-            // `EngineLoads.blend`'s order: the engines' queues (records in order), the requests
-            // records count, then the router's own workers no fresh queue covers
-            let mut list = |who: Who, load: f64, usage: f64| {
-                workers.push(who);
-                rows.push(idle_row(load, usage));
-            };
-            if v.mode != LoadMode::Router {
-                // the counted group only when some fresh record counts requests
-                let groups = if v.counted { 2 } else { 1 };
-                for counted in [false, true].into_iter().take(groups) {
-                    for (i, (k, e)) in v.records.iter().enumerate() {
-                        let Some(queue) = v.fresh[i] else { continue };
-                        // a zero queue is no entry of the blend (the router's own count may be)
-                        if v.taken[i]
-                            || e.figures().by_count() != counted
-                            || (!counted && queue == 0.0)
-                        {
-                            continue;
-                        }
-                        let own = pos(v.own_of[i]);
-                        let load = v.load(Some(i), own.map_or(0, |p| t[p].tokens()));
-                        if load != 0.0 && u.has_record(e, k)? {
-                            v.taken[i] = true;
-                            if let Some(p) = own {
-                                pass.taken[p] = true;
-                            }
-                            list(Who::Listed(i as u32), load, v.usage(i));
-                        }
-                    }
-                }
-            }
-            for (p, (k, e)) in t.iter().enumerate() {
-                if e.tokens() == 0 || pass.taken[p] {
-                    continue;
-                }
-                let at = pos(v.record_of[p]);
-                let uncovered = match at.map(|i| (i, v.fresh[i])) {
-                    None | Some((_, None)) => true,
-                    Some((i, Some(queue))) => {
-                        v.mode == LoadMode::Router
-                            || (v.mode == LoadMode::Blend
-                                && !v.records[i].figures().by_count()
-                                && queue == 0.0)
-                    }
-                };
-                let load = v.load(at, e.tokens());
-                if uncovered && load != 0.0 && u.has_key(k)? {
-                    pass.taken[p] = true;
-                    if let Some(i) = at {
-                        v.taken[i] = true;
-                    }
-                    list(Who::Key(k.clone()), load, at.map_or(0.0, |i| v.usage(i)));
-                }
-            }
-            // usage-only workers: a report above 0, nothing claimed, no load
-            // (none when the eviction term is off: no usage read)
-            for (i, (k, e)) in v.records.iter().enumerate().take(v.usage.len()) {
-                if v.usage[i] > 0.0 && !v.taken[i] && u.has_record(e, k)? {
-                    v.taken[i] = true;
-                    list(Who::Listed(i as u32), 0.0, v.usage[i]);
-                }
-            }
+            list_reported(
+                t,
+                v,
+                u,
+                &mut pass.taken,
+                (&mut workers, &mut rows),
+                idle_row,
+            )?;
         }
         (_, Some(_), _) => unreachable!("checked above: a universe set and a `Loads` table"),
         (LoadSource::None, ..) => {}
@@ -1905,8 +1928,7 @@ fn select<'py>(
         (None, None) => 0, // unreachable: `held` is read whenever `universe` is None
     };
     let idle_count = universe_len.saturating_sub(rows.len());
-    let costs: Vec<f64> = rows.iter().map(|r| r.cost).collect();
-    let (tied, idle_tied) = scoring::ties(&costs, idle_count, idle_cost);
+    let (tied, idle_tied) = scoring::ties_of(rows.iter().map(|r| r.cost), idle_count, idle_cost);
     // the view's reference to the records moved in: the table is then copied only if another
     // thread holds it
     if let (Some(v), Some(e)) = (pass.engine.take(), &engine_table) {
