@@ -1407,8 +1407,22 @@ impl Universe<'_, '_> {
 
     /// Whether the worker of record `e` (key `k`) is a candidate, its membership read from the
     /// record when it was found for this generation of the kept set (its `Entry` note).
-    #[inline]
+    #[inline(always)]
     fn has_record(&self, e: &Entry<EngineFigures>, k: &PyKey) -> PyResult<bool> {
+        // the common case inline (a kept set, no veto, the note read for this generation): the
+        // call it was cost ~25 instructions a record, ~1,000 records a `select`
+        if self.gen != 0 && self.vetoed.is_empty() {
+            let m = e.note.load(Ordering::Relaxed);
+            if m >> 1 == self.gen {
+                return Ok(m & 1 == 1);
+            }
+        }
+        self.has_record_read(e, k)
+    }
+
+    /// `has_record`, its note read or written here.
+    #[inline(never)]
+    fn has_record_read(&self, e: &Entry<EngineFigures>, k: &PyKey) -> PyResult<bool> {
         let held = if self.gen == 0 {
             self.holds_key(k)?
         } else {
