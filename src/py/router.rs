@@ -1115,20 +1115,20 @@ impl EngineView {
     }
 }
 
-/// This call's `EngineView`: `records` (``table``'s, read once) at ``(now, stale_after, mode,
+/// This call's `EngineView`: `records` (``table``'s, read once, with their keys and the slot
+/// hints taken from ``table``, `EngineTable::slots`) at ``(now, stale_after, mode,
 /// requests in flight)``, `own` the router's table and `own_located` which of its entries hold
 /// the index's key object; the usage read only when `eviction` is priced. Learns the mean request
 /// (`EngineTable::per_request`) as `EngineLoads.blend` does: when a fresh record counts requests
 /// and the router has some.
 fn engine_view(
     table: &EngineTable,
-    (records, keys): (Arc<EngMap>, Arc<[PyKey]>),
+    (records, keys, slots): (Arc<EngMap>, Arc<[PyKey]>, Vec<u32>),
     (now, stale_after, mode, requests): (f64, f64, LoadMode, usize),
     own: Option<&Table>,
     own_located: &[bool],
     unit: i64,
     eviction: bool,
-    slots: Vec<u32>,
 ) -> EngineView {
     let blends = mode != LoadMode::Router;
     let unit_f = unit as f64;
@@ -1557,9 +1557,9 @@ fn select<'py>(
                     "engine loads are blended with a universe set and the router's Loads",
                 ));
             }
-            let records = et.get().table.keyed();
+            let (records, keys) = et.get().table.keyed();
             let slots = et.get().take_slots();
-            Some((et, records, slots, now, stale_after, mode, requests))
+            Some((et, (records, keys, slots), now, stale_after, mode, requests))
         }
         None => None,
     };
@@ -1647,7 +1647,7 @@ fn select<'py>(
     };
     let engine_table = engine.as_ref().map(|e| e.0.clone());
     let view = match engine {
-        Some((et, records, slots, now, stale_after, mode, requests)) => {
+        Some((et, records, now, stale_after, mode, requests)) => {
             // the router's entries the index holds (their keys are the index's, once adopted)
             let mut own_located = vec![false; table_map.map_or(0, IndexMap::len)];
             for &p in pos_of_slot.iter().filter(|&&p| p != NONE) {
@@ -1661,7 +1661,6 @@ fn select<'py>(
                 &own_located,
                 unit,
                 params.eviction_weight != 0.0,
-                slots,
             ))
         }
         None => None,
