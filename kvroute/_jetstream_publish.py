@@ -73,9 +73,15 @@ class _Restart(Exception):
     """The session must start over from what the log holds (publish failure, overflow)."""
 
 
-#: A record's payload bytes at most: it is then published and the next batch starts another (NATS's
-#: default max_payload is 1 MB).
+#: A record's bytes at most, payloads and the header that lists them: it is then published and the
+#: next batch starts another (NATS's default max_payload is 1 MB).
 _RUN_BYTES: Final = 256 * 1024
+#: Header bytes a run's entry may take beyond its worker id, and each batch's item (seq, ts, length),
+#: both upper bounds of msgpack's encoding: counted so that a turn of thousands of workers with
+#: long ids (a 4,096-rank cold sync) cannot make a `runs` header alone pass the server's limit,
+#: which failed the publish and restarted the session, again and again.
+_RUN_ENTRY_BYTES: Final = 32
+_ITEM_BYTES: Final = 24
 #: Seconds the batches taken may wait for more before they are published, at most: a relay that keeps
 #: up takes one batch a turn, and a record each would cost a message, a server write and a delivery to
 #: every follower per batch. Bounds what it adds to the apply lag.
@@ -114,8 +120,11 @@ class _Publisher:
         position: int = 0,
         *,
         publish_timeout: float,
+        runs_records: bool = True,
     ) -> None:
         self.nl = nl
+        #: Several workers' runs of a turn go out as one `_Runs` record (else a `_Batches` each).
+        self.runs_records = runs_records
         self.stream = stream
         #: The relay's counters (`RelayStats`), counted into here.
         self.counts = counts
@@ -211,16 +220,17 @@ class _Publisher:
         if not runs:
             return
         self._runs, self._run_bytes = {}, 0
-        if len(runs) == 1:
-            ((key, run),) = runs.items()
-            rec = _Batches(key.worker_id, key.dp_rank, run.prev, run.items)
-            data = encode_record(rec, run.payloads)
-            self.out.append((worker_subject(self.stream, key), data, run_msg_id(key, run.items)))
+        if len(runs) == 1 or not self.runs_records:
+            for key, run in runs.items():
+                rec = _Batches(key.worker_id, key.dp_rank, run.prev, run.items)
+                data = encode_record(rec, run.payloads)
+                self.out.append((worker_subject(self.stream, key), data, run_msg_id(key, run.items)))
+            self.counts["records"] += len(runs)
         else:
             many = _Runs([(k.worker_id, k.dp_rank, run.prev, run.items) for k, run in runs.items()])
             data = encode_record(many, [p for run in runs.values() for p in run.payloads])
             self.out.append((runs_subject(self.stream), data, runs_msg_id(record_header(data))))
-        self.counts["records"] += 1
+            self.counts["records"] += 1
 
     def runs_due(self) -> bool:
         """The pending runs have waited `_LINGER` (or there are none)."""
@@ -248,10 +258,11 @@ class _Publisher:
             prev = self.last.get(key)
             run = runs[key] = _Run(prev[0] if prev is not None else None)
             self.named.add(key)
+            self._run_bytes += len(key.worker_id.encode("utf-8")) + _RUN_ENTRY_BYTES
         self.last[key] = (seq, ts)
         run.items.append((seq, ts, len(payload)))
         run.payloads.append(payload)
-        self._run_bytes += len(payload)
+        self._run_bytes += len(payload) + _ITEM_BYTES
         if self._run_bytes >= _RUN_BYTES:
             self.close_runs()
         counts = self.counts
@@ -424,7 +435,7 @@ class _Tap:
 
 
 #: Records published but not yet acknowledged, at most (the relay's publish pipeline depth; a
-#: record holds what the pump took in `_LINGER` or one turn, up to `_RUN_BYTES` of payloads).
+#: record holds what the pump took in `_LINGER` or one turn, up to `_RUN_BYTES` with its header).
 _WINDOW: Final = 4_000
 #: Record bytes published but not yet acknowledged, at most.
 _WINDOW_BYTES: Final = 8 * 1024 * 1024

@@ -207,7 +207,10 @@ class JetStreamRelay:
     loop has not run for ``lease_stall`` seconds, default ``max(30, 10 * lease_ttl)``, lets it go).
     The active relay writes a snapshot every ``snapshot_interval`` seconds (when the log moved).
     ``max_age`` bounds the stream's retention (0: unlimited); keep it well above
-    ``snapshot_interval``.
+    ``snapshot_interval``. ``runs_records`` (True): the batches of several workers taken in one
+    turn go out as one `runs` record; False publishes one `batches` record per worker instead, as
+    relays before `runs` did, for a rolling upgrade: a follower older than `runs` skips a `runs`
+    record it cannot decode and over-claims what its batches removed (docs/replicas.md).
     """
 
     def __init__(
@@ -230,6 +233,7 @@ class JetStreamRelay:
         publish_timeout: float = 5.0,
         connect_timeout: float = 5.0,
         name: str | None = None,
+        runs_records: bool = True,
     ) -> None:
         check_stream_name(stream)
         if storage not in ("file", "memory"):
@@ -255,6 +259,7 @@ class JetStreamRelay:
         self._duplicate_window = duplicate_window
         self._publish_timeout = publish_timeout
         self._connect_timeout = connect_timeout
+        self._runs_records = runs_records
         self.name = name or f"relay-{uuid.uuid4().hex[:8]}"
         self._counts = {
             "sessions": 0,
@@ -502,6 +507,7 @@ class JetStreamRelay:
             seed.partial_workers(),
             seed.position,
             publish_timeout=self._publish_timeout,
+            runs_records=self._runs_records,
         )
         client = KvEventClient(
             self._sources,

@@ -409,6 +409,39 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_replay.py::test_a_deferred_probe_asked_beside_an_open_fast_path_is_no_restart",),
     ),
     Mutation(
+        "deferred-probe-takes-a-given-away-slot",
+        "a deferred quiet probe whose offered slot another source took meanwhile waits for the next (rule 9)",
+        "kvroute/_transports/zmq/driver.py",
+        "        if not self._replays.slot_free():\n            # The hold drained",
+        "        if False:\n            # The hold drained",
+        ("tests/test_native_replay.py",),
+        (
+            "tests/test_native_replay.py::"
+            "test_a_deferred_probe_whose_slot_the_drain_gave_away_waits_for_the_next",
+        ),
+    ),
+    Mutation(
+        "runs-header-uncounted",
+        "a relay's record stays within its byte bound with its header (worker ids), not its payloads alone",
+        "kvroute/_jetstream_publish.py",
+        '            self._run_bytes += len(key.worker_id.encode("utf-8")) + _RUN_ENTRY_BYTES\n',
+        "",
+        ("tests/test_jetstream.py",),
+        (),
+    ),
+    Mutation(
+        "runs-records-always",
+        "a relay told to write no runs records (for followers older than them) writes a batches record per worker",
+        "kvroute/_jetstream_publish.py",
+        "        if len(runs) == 1 or not self.runs_records:\n",
+        "        if len(runs) == 1:\n",
+        ("tests/test_jetstream.py",),
+        (
+            "tests/test_jetstream.py::"
+            "test_a_follower_that_cannot_read_runs_records_is_exact_on_a_relay_that_writes_none",
+        ),
+    ),
+    Mutation(
         "idle-draw-built-otherwise",
         "the compiled path builds the idle set as the reference does, so one seed draws the same idle worker",
         "kvroute/_router.py",

@@ -331,10 +331,11 @@ async def test_chaos(anyio_backend: str, tmp_path: Path) -> None:
             await faults.heal()
             # On a loaded host a healed vLLM source may still be replaying: the snapshot saves only
             # whole positions, so give every deep-buffered worker the time to have one again (the
-            # assertion after the restart still decides).
+            # assertion after the restart still decides). 30 s was not enough once in a CI run on a
+            # machine loaded to 10-15 by fleet benchmarks beside it: no deep worker was resumed.
             deep_workers = {w for w in truth.engines if truth.engines[w][0].config.buffer_steps >= 10_000}
             async with client.events() as stream:
-                with anyio.move_on_after(30):
+                with anyio.move_on_after(90):
                     while not deep_workers <= set(client._positions()):
                         await stream.__anext__()
             first = client.stats()

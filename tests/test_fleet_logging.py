@@ -100,10 +100,16 @@ def test_vouching_readers_on_another_thread_never_see_a_half_made_change() -> No
     everyone = frozenset(keys)
     stop = threading.Event()
     seen: list[bool] = []
+    errors: list[BaseException] = []
 
     def read() -> None:
-        while not stop.is_set():
-            seen.append(v.unvouched(False) == everyone)
+        # An exception (a set changing size while it is copied, without the lock) would end this
+        # thread silently and leave `seen` all true: it is kept and fails the test.
+        try:
+            while not stop.is_set():
+                seen.append(v.unvouched(False) == everyone)
+        except BaseException as e:
+            errors.append(e)
 
     reader = threading.Thread(target=read)
     reader.start()
@@ -116,7 +122,7 @@ def test_vouching_readers_on_another_thread_never_see_a_half_made_change() -> No
     finally:
         stop.set()
         reader.join()
-    assert seen and all(seen)
+    assert not errors and seen and all(seen)
 
 
 _ENDPOINTS = [

@@ -41,6 +41,7 @@ from kvroute._jetstream import (
     fetch_object,
     object_store,
     record_header,
+    run_msg_id,
     runs_msg_id,
     runs_subject,
     worker_subject,
@@ -321,6 +322,96 @@ def test_one_record_carries_the_runs_of_several_workers() -> None:
     # A body shorter than its runs say is an undecodable record.
     r.apply_record(3, again[:-1])
     assert r.stats().undecodable == 1 and r.index.num_blocks(v) == 1
+
+
+def test_a_relay_for_older_followers_publishes_one_batches_record_per_worker() -> None:
+    # `runs_records=False` (`kvroute relay --no-runs-records`): the same turn of two workers makes a
+    # `batches` record each, on its worker's subject, as relays before `runs` records did; a
+    # follower ends where the `runs` record would have left it.
+    w, v = WorkerKey("w", 0), WorkerKey("v", 3)
+    sources = {k: EventSource(worker_id=k.worker_id, dp_rank=k.dp_rank, endpoint="tcp://127.0.0.1:1") for k in (w, v)}
+    replicas = []
+    for runs_records in (True, False):
+        pub = _Publisher(
+            NatsLoop(["nats://127.0.0.1:1"], "t"), "T", defaultdict(int), "s", {}, set(),
+            publish_timeout=1.0, runs_records=runs_records,
+        )  # fmt: skip
+        for src, seq, hashes in [(w, 0, [1]), (v, 0, [11]), (w, 1, [2]), (v, 1, [12]), (v, 2, [13])]:
+            pub.take_raw(sources[src], seq, float(seq), _payload(seq, hashes), len(hashes))
+        pub.close_runs()
+        if not runs_records:
+            assert [subject for subject, _, _ in pub.out] == [worker_subject("T", w), worker_subject("T", v)]
+            recs = [decode_record(data)[0] for _, data, _ in pub.out]
+            assert all(isinstance(rec, _Batches) for rec in recs)
+            assert [msg_id for _, _, msg_id in pub.out] == [
+                run_msg_id(WorkerKey(rec.worker_id, rec.dp_rank), rec.items) for rec in recs  # type: ignore[union-attr]
+            ]
+            assert pub.counts["records"] == 2
+        r = JetStreamReplica(stream="T")
+        for n, (_, data, _) in enumerate(pub.out, 1):
+            r.apply_record(n, data)
+        replicas.append(r)
+    runs, batches = replicas
+    assert batches.cursors() == runs.cursors() and batches.cursors()[v].seq == 2
+    assert [batches.index.num_blocks(k) for k in (w, v)] == [runs.index.num_blocks(k) for k in (w, v)] == [2, 3]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("runs_records", [False, True])
+async def test_a_follower_that_cannot_read_runs_records_is_exact_on_a_relay_that_writes_none(
+    nats_server: NatsServer, runs_records: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A follower released before `runs` records: its header union has no `runs`, so such a record
+    # does not decode (msgspec's error, as an unknown tag gives) and is skipped. On a relay run with
+    # `runs_records=False` it holds exactly what a client following the engines holds; on the
+    # default relay it skips records (whose removals it would then over-claim: docs/replicas.md).
+    import kvroute._jetstream_log as log_rules
+
+    def decode_as_before_runs(data: bytes) -> tuple[object, int]:
+        rec, body = decode_record(data)
+        if isinstance(rec, _Runs):
+            raise msgspec.DecodeError("Invalid value 'runs' - at `$.kind`")
+        return rec, body
+
+    monkeypatch.setattr(log_rules, "decode_record", decode_as_before_runs)
+    async with EventPublisher() as p0, EventPublisher() as p1, EventPublisher() as p2:
+        fleet = Fleet([p0, p1, p2])
+        fleet.step(5)
+        relay_of = JetStreamRelay(nats_server.url, fleet.sources(), stream="T", config=FAST, runs_records=runs_records)
+        async with (
+            KvEventClient(fleet.sources(), config=FAST) as direct,
+            relay_of as relay,
+            JetStreamReplica(nats_server.url, stream="T") as old,
+        ):
+            await relay.wait_synced(10)
+            await _steady(fleet, 30)
+            last = fleet.last()
+            await client_at(direct, last)
+            if runs_records:
+                await wait_for(lambda: old.stats().undecodable > 0, "a runs record skipped by the old follower")
+                return
+            await replica_at(old, last)
+            assert_exact(old, direct.index, fleet.queries())
+            assert old.stats().undecodable == 0
+
+
+def test_a_turn_of_thousands_of_workers_with_long_ids_stays_within_a_record_bound() -> None:
+    # A cold sync's turn: 4,096 workers with 200-character ids, one small batch each. The bound
+    # counted payloads only, so one `runs` record's header listed every worker (0.9 MB here), past
+    # NATS's 1 MB default with the payloads: the publish failed and the session restarted, again.
+    pub = _Publisher(NatsLoop(["nats://127.0.0.1:1"], "t"), "T", defaultdict(int), "s", {}, set(), publish_timeout=1.0)
+    keys = [WorkerKey(('engine-' * 28)[:195] + f"{i:05d}", i % 8) for i in range(4096)]
+    sources = {k: EventSource(worker_id=k.worker_id, dp_rank=k.dp_rank, endpoint="tcp://127.0.0.1:1") for k in keys}
+    for i, k in enumerate(keys):
+        pub.take_raw(sources[k], 0, 1.0, _payload(0, [i + 1]), 1)
+    pub.close_runs()
+    sizes = [len(data) for _, data, _ in pub.out]
+    assert len(sizes) > 1 and max(sizes) < 300 * 1024, (len(sizes), max(sizes))
+    r = JetStreamReplica(stream="T")
+    for n, (_, data, _) in enumerate(pub.out, 1):
+        r.apply_record(n, data)
+    assert r.stats().undecodable == 0 and len(r.index.workers()) == 4096
+    assert all(r.index.num_blocks(k) == 1 for k in keys[::97])
 
 
 def test_snapshot_objects_are_read_whole_and_checked(nats_server: NatsServer) -> None:
@@ -708,6 +799,23 @@ def test_relay_command_takes_lease_stall() -> None:
     # Accepted, and handed to the relay (which then fails on the absent server as without it).
     port = _free_port()
     assert main(["relay", "127.0.0.1:1", "--nats", f"nats://127.0.0.1:{port}", "--lease-stall", "40"]) == 1
+
+
+def test_relay_command_takes_no_runs_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvroute.cli._relay as relay_cli
+    from kvroute.cli import main
+
+    made: list[bool] = []
+
+    def relay(*args: object, runs_records: bool = True, **kwargs: object) -> JetStreamRelay:
+        made.append(runs_records)  # the real relay, which then fails on the absent server
+        return JetStreamRelay(*args, runs_records=runs_records, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(relay_cli, "JetStreamRelay", relay)
+    port = _free_port()
+    assert main(["relay", "127.0.0.1:1", "--nats", f"nats://127.0.0.1:{port}", "--no-runs-records"]) == 1
+    assert main(["relay", "127.0.0.1:1", "--nats", f"nats://127.0.0.1:{port}"]) == 1
+    assert made == [False, True]
 
 
 def test_demo_replicas_follow_one_relay_over_jetstream(capsys: pytest.CaptureFixture[str]) -> None:

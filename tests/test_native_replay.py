@@ -10,6 +10,7 @@ the thread did the work (`SourceDriver.native_replays` / `native_replayed`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -274,3 +275,70 @@ async def test_a_deferred_probe_asked_beside_an_open_fast_path_is_no_restart(mon
                 st = client.stats().sources[forced[0]]
                 assert (st.restarts, st.resets) == (0, 0)
                 assert_index_equal(client.index, truth_index({sa.key: pa, sb.key: pb}), wa.queries + wb.queries)
+
+
+async def test_a_deferred_probe_whose_slot_the_drain_gave_away_waits_for_the_next(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One replay slot, which a's slow answers keep busy, so b's and c's quiet ticks are deferred
+    # (rule 9). When the slot comes free it is offered to the oldest deferred probe, whose hold of
+    # the thread drains the hand-overs queued meanwhile: another source's quiet tick among them
+    # takes the free slot first. The offered probe must then wait for the next slot, not take the
+    # busy one: it raised WouldBlock inside the turn that freed the slot, and that source's driver
+    # failed and was removed (a 4,096-rank cold sync lost 3 sources so). Here the loop is kept from
+    # running (the thread goes on) for longer than the quiet interval before the offered probe
+    # goes on, so the other sources' quiet ticks wait in the thread's outbox; the offered tick is
+    # made as young as if it had just happened, and its own next tick is not yet due.
+    cfg = msgspec.structs.replace(NATIVE, max_concurrent_replays=1)
+    raced: list[WorkerKey] = []
+    inside: list[SourceDriver] = []
+    original_probe, original_quiet = SourceDriver._deferred_probe, SourceDriver._on_quiet
+
+    def deferred_probe(driver: SourceDriver) -> None:
+        if raced or driver._deferred_tick is None or driver._native_opened is None:
+            original_probe(driver)  # (with its fast path closed, the probe holds nothing: no drain)
+            return
+        time.sleep(0.45)  # past FAST's 0.3 s quiet interval: the thread queues the quiet ticks
+        driver._deferred_tick = (anyio.current_time(), driver._deferred_tick[1])
+        inside.append(driver)
+        try:
+            original_probe(driver)
+        finally:
+            inside.clear()
+
+    def on_quiet(driver: SourceDriver) -> None:
+        if inside and driver is inside[0]:
+            # The offered source's own next tick, queued in the same drain, would take the free
+            # slot itself and settle its probe: the race needs another source's tick first, as
+            # when the offered source's next tick is not yet due. Left for its next tick.
+            return
+        held = driver._replays.holding
+        original_quiet(driver)
+        if inside and driver is not inside[0] and not held and driver._replays.holding:
+            raced.append(inside[0].source.key)  # another source took the slot inside the offered probe
+
+    monkeypatch.setattr(SourceDriver, "_deferred_probe", deferred_probe)
+    monkeypatch.setattr(SourceDriver, "_on_quiet", on_quiet)
+    async with EventPublisher() as pa, EventPublisher() as pb, EventPublisher() as pc:
+        wa, wb, wc = Workload(60), Workload(61), Workload(62)
+        for _ in range(3):
+            pa.publish(wa.batch())
+            pb.publish(wb.batch())
+            pc.publish(wc.batch())
+        async with _router(pa, lambda n, start: list(range(start, pa.next_seq)), delay=0.15) as endpoint:
+            sources = [pa.source("a", replay_endpoint=endpoint), pb.source("b"), pc.source("c")]
+            async with KvEventClient(sources, config=cfg) as client:
+                await client.wait_synced(20)
+                await wait_for(lambda: bool(raced), "another source's quiet tick taking the offered slot")
+                offered = client.stats().sources[raced[0]]
+                # Nobody failed: every source is still followed, and each one's probes go on.
+                for src, pub in zip(sources, (pa, pb, pc)):
+                    pub.publish((wa, wb, wc)[sources.index(src)].batch())
+                    await _caught_up(client, src, pub.next_seq - 1)
+                stats = client.stats().sources
+                assert set(stats) == {src.key for src in sources}
+                assert offered.probes_deferred >= 2  # deferred at its tick, then again when the slot went
+                assert all((st.restarts, st.resets) == (0, 0) for st in stats.values())
+                assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+                truth = truth_index({sources[0].key: pa, sources[1].key: pb, sources[2].key: pc})
+                assert_index_equal(client.index, truth, wa.queries + wb.queries + wc.queries)

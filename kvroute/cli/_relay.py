@@ -34,6 +34,7 @@ async def relay(
     status_interval: float = 5.0,
     timeout: float = 5.0,  # noqa: ASYNC109 (discovery's own per-call timeout)
     duration: float | None = None,
+    runs_records: bool = True,
     out: TextIO | None = None,
 ) -> None:
     """Run one relay for ``targets`` until cancelled (or ``duration`` seconds); a status line every interval."""
@@ -50,6 +51,7 @@ async def relay(
         storage=storage,
         max_age=max_age,
         name=name,
+        runs_records=runs_records,
     ) as r:
         print(f"kvroute relay {r.name}: stream {stream} on {', '.join(servers)}", file=out, flush=True)
         started = time.monotonic()
@@ -94,6 +96,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--status-interval", type=float, default=5.0, metavar="S", help="status line every S s")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="discovery timeout (default 5 s)")
     p.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S seconds")
+    p.add_argument(
+        "--no-runs-records",
+        dest="runs_records",
+        action="store_false",
+        help="one batches record per worker, as relays before runs records: while followers older than "
+        "them still read the stream (they skip runs records and over-claim; docs/replicas.md)",
+    )
     p.set_defaults(func=_main)
 
 
@@ -118,6 +127,7 @@ def _main(args: argparse.Namespace) -> int:
                 status_interval=args.status_interval,
                 timeout=args.timeout,
                 duration=args.duration,
+                runs_records=args.runs_records,
             )
         )
     except (KvRouteError, ValueError) as exc:

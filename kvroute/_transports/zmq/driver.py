@@ -511,6 +511,18 @@ class SourceDriver(DriverBase):
         self._close_native_fast()
         if self.counters.messages != messages or anyio.current_time() - at > self._cfg.quiet_interval:
             return
+        if self._stopped or not self.connected or not self.machine.probe_due:
+            return  # the hold's drain handed this source something that settles its probe
+        if not self._replays.slot_free():
+            # The hold drained the thread's hand-overs, and another source's quiet tick among
+            # them took the slot offered to this one (rule 9: a probe never queues behind busy
+            # slots). Taken regardless, it raised WouldBlock inside the turn that freed the slot,
+            # and that source's driver failed (a 4,096-rank cold sync lost 3 sources so).
+            self.counters.probes_deferred += 1
+            if self._deferred_tick is None:  # (the drain may have deferred a newer tick of its own)
+                self._deferred_tick = tick
+            self._replays.defer(self._deferred_probe)
+            return
         self._replays.reserve()
         self.execute(self.machine.on_quiet())
 
