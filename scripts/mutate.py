@@ -590,6 +590,23 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_router_engine_loads.py::test_load_only_candidates_follow_records_that_come_and_go_between_selects",),
     ),
     Mutation(
+        "engine-slot-hint-unchecked",
+        "the compiled select believes a slot's kept record position only while the record there holds the "
+        "index's own key object for that slot's worker (records move up on a removal; slots are reused)",
+        "src/py/router.rs",
+        ".is_some_and(|(k, _)| k.same(key))",
+        ".is_some()",
+        ("tests/test_router_engine_loads.py::test_scored_workers_records_and_membership_follow_the_fleet_between_selects",),
+    ),
+    Mutation(
+        "engine-record-note-any-generation",
+        "a record's note answers a worker's live-set membership only for the kept set it was written for",
+        "src/py/router.rs",
+        "            if m >> 1 == self.gen {\n                return Ok(m & 1 == 1);\n",
+        "            if m != 0 {\n                return Ok(m & 1 == 1);\n",
+        ("tests/test_router_engine_loads.py::test_scored_workers_records_and_membership_follow_the_fleet_between_selects",),
+    ),
+    Mutation(
         "engine-blend-engine-only",
         "the compiled select blends the engine's queue with the router's own in-flight tokens (the larger)",
         "src/scoring.rs",

@@ -193,15 +193,24 @@ pub fn routed_prefill(ntok: i64, unit: i64, routed: i64) -> f64 {
 /// The zero-temperature choice (`Router._pick`): the entries within the tie margin of the least
 /// cost, and how many idle workers tie with them. The caller draws one uniformly.
 pub fn ties(costs: &[f64], idle_count: usize, idle_cost: f64) -> (Vec<usize>, usize) {
-    let mut best = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    ties_of(costs.iter().copied(), idle_count, idle_cost)
+}
+
+/// `ties` over the costs as an iterator (read twice): a caller holding them in its own rows
+/// need not copy them out first.
+pub fn ties_of(
+    costs: impl Iterator<Item = f64> + Clone,
+    idle_count: usize,
+    idle_cost: f64,
+) -> (Vec<usize>, usize) {
+    let mut best = costs.clone().fold(f64::INFINITY, f64::min);
     if idle_count > 0 {
         best = best.min(idle_cost);
     }
     let margin = TIE_EPS * best.abs().max(1.0);
     let tied = costs
-        .iter()
         .enumerate()
-        .filter(|(_, &c)| c - best <= margin)
+        .filter(|&(_, c)| c - best <= margin)
         .map(|(i, _)| i)
         .collect();
     let idle_tied = if idle_count > 0 && idle_cost - best <= margin {

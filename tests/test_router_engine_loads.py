@@ -322,3 +322,50 @@ def test_load_only_candidates_follow_records_that_come_and_go_between_selects() 
     assert runs[0] == runs[1]
     assert [w for w, _ in runs[0][-1]] == [workers[0], workers[1], workers[3], workers[5]]
     assert [w for w, _ in runs[0][9]] == workers  # all six, before the removals
+
+
+
+def test_scored_workers_records_and_membership_follow_the_fleet_between_selects() -> None:
+    # The compiled path finds a scored worker's record where the last select found it for that index
+    # slot, believing the place only while the record there holds the index's own key object for that
+    # worker, and reads the worker's live-set membership from that record's note, kept per generation
+    # of the kept live set. Records removed (the later ones move up), a worker leaving the index and
+    # another taking its slot, and the live set changing between selects must all be seen: the
+    # Python path, which looks everything up by name, is the reference.
+    workers = [WorkerKey(f"w{i}", 0) for i in range(7)]
+    statuses = {w: WorkerStatus(state="synced", partial=False) for w in workers}
+    runs = []
+    for model in (CostModel(), _PythonModel()):
+        index = PrefixIndex()
+        _fleet(index, {w: 2 + i for i, w in enumerate(workers[:6])})  # w6 holds nothing yet
+        states = _States(statuses, set(workers), True)
+        loads = EngineLoads(clock=lambda: 10.0)
+        for i, w in enumerate(workers[:6]):  # each its own queue: a record read for another shows
+            loads.update(w, EngineLoad(waiting_uncached_tokens=48 * (i + 1), received=10.0))
+        r = Router(index, states=states, cost=model, engine_loads=loads, seed=0)
+        got = []
+        for step in range(5):
+            if step == 1:
+                loads.remove(workers[1])  # the records after w1's move up a place
+            elif step == 2:
+                # w2 leaves the index (its slot free for the next worker to arrive) and w6 arrives,
+                # with a record
+                index.remove_worker(workers[2])
+                index.apply(workers[6], BlockStored(block_hashes=[9000, 9001, 9002], token_ids=PROMPT[:48],
+                                                    block_size=16))
+                loads.update(workers[6], EngineLoad(waiting_uncached_tokens=16, received=10.0))
+            elif step == 3:
+                states._live = frozenset(w for w in workers if w != workers[3])  # w3 held, not live
+            elif step == 4:
+                states._live = frozenset(workers)
+            for _ in range(3):  # a new live set is kept from its second select, read from the notes on the third
+                d = r.select(PROMPT)
+                got.append([(c.worker, c.overlap_blocks, c.load_blocks, c.cost) for c in d.candidates])
+        runs.append(got)
+    assert runs[0] == runs[1]
+    assert all(workers[3] not in [c[0] for c in cands] for cands in runs[0][9:12])
+    assert all(workers[3] in [c[0] for c in cands] for cands in runs[0][12:])
+    # each worker with its own record's queue (w1's record gone, w2 load-only out of the index)
+    w = workers
+    loads_seen = [(c[0], c[2]) for c in runs[0][-1]]
+    assert loads_seen == [(w[0], 3.0), (w[1], 0.0), (w[6], 1.0), (w[3], 12.0), (w[4], 15.0), (w[5], 18.0), (w[2], 9.0)]

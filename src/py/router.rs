@@ -399,6 +399,11 @@ pub struct EngineTable {
     /// router's own in-flight requests when it last had any (`LoadPolicy.request_tokens` until
     /// then), as `f64` bits; both scoring paths learn and read it here
     per_request: AtomicU64,
+    /// index slot -> position of that worker's record, where the last `select` found it
+    /// (`EngineView::at_slot`; `NONE`: none known): a hint, believed only while the record there
+    /// holds the index's own key object for that slot's worker. Taken by a `select` and given
+    /// back when it is done (a `select` finding none taken does without, lookup by key)
+    slots: Mutex<Vec<u32>>,
 }
 
 /// A worker's record, its note whether the worker is in the live set a router last kept
@@ -419,6 +424,16 @@ impl EngineTable {
     fn per_request(&self) -> f64 {
         f64::from_bits(self.per_request.load(Ordering::Relaxed))
     }
+
+    /// The records' positions by index slot, for this `select` (`EngineTable::slots`).
+    fn take_slots(&self) -> Vec<u32> {
+        std::mem::take(&mut *self.slots.lock())
+    }
+
+    /// Give back the positions a `select` took (and updated).
+    fn keep_slots(&self, slots: Vec<u32>) {
+        *self.slots.lock() = slots;
+    }
 }
 
 #[pymethods]
@@ -428,6 +443,7 @@ impl EngineTable {
         EngineTable {
             table: CowTable::default(),
             per_request: AtomicU64::new(request_tokens.to_bits()),
+            slots: Mutex::default(),
         }
     }
 
@@ -1007,8 +1023,13 @@ struct EngineView {
     unit: f64,
     /// per record: the engine's load in blocks when the record is fresh (None: stale)
     fresh: Vec<Option<f64>>,
-    /// per record: the KV usage the eviction term prices (0: none, or the term is off)
+    /// per record: the KV usage the eviction term prices (0: none); empty when the term is off
     usage: Vec<f64>,
+    /// the fresh records whose engines are silent past their allowance (`vetoed`), by position
+    wedged: Vec<u32>,
+    /// whether some fresh record counts requests (else no record is listed in the blend's
+    /// second, counted, group)
+    counted: bool,
     /// per record: its worker priced already
     taken: Vec<bool>,
     /// per record: the position of its worker's entry in the router's table (`NONE`: none)
@@ -1018,14 +1039,47 @@ struct EngineView {
     /// records found by an equal key that is the index's own object: (position, that key), for
     /// `CowTable::adopt`
     adopt: Vec<(usize, PyKey)>,
+    /// index slot -> record position, as last found (`EngineTable::slots`)
+    slots: Vec<u32>,
 }
 
 impl EngineView {
     /// The blended load of a worker with record `at` and the router's own `tokens` there
     /// (0: none), in blocks; `EngineLoads.blend`'s value, division for division.
+    #[inline]
     fn load(&self, at: Option<usize>, tokens: i64) -> f64 {
         let mine = (tokens != 0).then(|| tokens as f64 / self.unit);
         scoring::blend(self.mode, at.and_then(|i| self.fresh[i]), mine)
+    }
+
+    /// The KV usage of record `i` the eviction term prices (0: none, or the term is off).
+    #[inline]
+    fn usage(&self, i: usize) -> f64 {
+        self.usage.get(i).copied().unwrap_or(0.0)
+    }
+
+    /// The position of the record of the worker at index slot `slot` (`key`, the index's own key
+    /// object for it; None: no record). Tried first where the slot's hint says (`slots`): a
+    /// record holding that very object is that worker's, found without hashing (a lookup by key
+    /// was ~120 instructions a scored worker at 1,024 reporting engines, most of them missing
+    /// the cache); else by key, and the hint kept for the next `select`.
+    fn at_slot(&mut self, slot: u32, key: &PyKey) -> Option<usize> {
+        let s = slot as usize;
+        if let Some(&i) = self.slots.get(s) {
+            if self
+                .records
+                .get_index(i as usize)
+                .is_some_and(|(k, _)| k.same(key))
+            {
+                return Some(i as usize);
+            }
+        }
+        let found = self.find(key, true);
+        if self.slots.len() <= s {
+            self.slots.resize(s + 1, NONE);
+        }
+        self.slots[s] = found.map_or(NONE, |i| i as u32);
+        found
     }
 
     /// The position of `key`'s record (None: none); `index_key`: `key` is the index's own object,
@@ -1047,11 +1101,9 @@ impl EngineView {
             return Vec::new();
         }
         let wedged = self
-            .records
+            .wedged
             .iter()
-            .enumerate()
-            .filter(|(i, (_, e))| self.fresh[*i].is_some() && e.figures().wedged())
-            .map(|(_, (k, _))| k.clone());
+            .filter_map(|&i| self.records.get_index(i as usize).map(|(k, _)| k.clone()));
         let stale = own
             .iter()
             .enumerate()
@@ -1063,14 +1115,15 @@ impl EngineView {
     }
 }
 
-/// This call's `EngineView`: `records` (``table``'s, read once) at ``(now, stale_after, mode,
+/// This call's `EngineView`: `records` (``table``'s, read once, with their keys and the slot
+/// hints taken from ``table``, `EngineTable::slots`) at ``(now, stale_after, mode,
 /// requests in flight)``, `own` the router's table and `own_located` which of its entries hold
 /// the index's key object; the usage read only when `eviction` is priced. Learns the mean request
 /// (`EngineTable::per_request`) as `EngineLoads.blend` does: when a fresh record counts requests
 /// and the router has some.
 fn engine_view(
     table: &EngineTable,
-    (records, keys): (Arc<EngMap>, Arc<[PyKey]>),
+    (records, keys, slots): (Arc<EngMap>, Arc<[PyKey]>, Vec<u32>),
     (now, stale_after, mode, requests): (f64, f64, LoadMode, usize),
     own: Option<&Table>,
     own_located: &[bool],
@@ -1078,10 +1131,36 @@ fn engine_view(
     eviction: bool,
 ) -> EngineView {
     let blends = mode != LoadMode::Router;
-    let counted = blends
-        && records
-            .values()
-            .any(|e| e.figures().by_count() && e.figures().fresh(now, stale_after));
+    let unit_f = unit as f64;
+    let n = records.len();
+    // One pass over the records (was four: the counted check, the fresh loads, the usage and
+    // the wedged records, ~60k instructions a `select` at 1,024 records), the usage read only
+    // when the eviction term is priced. A counted record's load needs the mean request, known
+    // only once every record was read: its count is kept here and turned into blocks after.
+    let mut fresh = Vec::with_capacity(n);
+    let mut usage = Vec::with_capacity(if eviction { n } else { 0 });
+    let mut wedged = Vec::new();
+    let mut counted = false;
+    for e in records.values() {
+        let f = e.figures();
+        let load = if blends && f.fresh(now, stale_after) {
+            if f.wedged() {
+                wedged.push(fresh.len() as u32);
+            }
+            if f.by_count() {
+                counted = true;
+                Some(f.requests)
+            } else {
+                Some(f.blocks(unit_f, 0.0))
+            }
+        } else {
+            None
+        };
+        fresh.push(load);
+        if eviction {
+            usage.push(f.usage_at(now, stale_after));
+        }
+    }
     let per = if counted && requests > 0 {
         let sum: i64 = own.map_or(0, |t| t.values().map(|e| e.tokens()).sum());
         let mean = sum as f64 / requests as f64;
@@ -1090,26 +1169,18 @@ fn engine_view(
     } else {
         table.per_request()
     };
-    let unit_f = unit as f64;
-    let fresh = records
-        .values()
-        .map(|e| {
-            (blends && e.figures().fresh(now, stale_after)).then(|| e.figures().blocks(unit_f, per))
-        })
-        .collect();
-    let usage = records
-        .values()
-        .map(|e| {
-            if eviction {
-                e.figures().usage_at(now, stale_after)
-            } else {
-                0.0
+    if counted {
+        for (load, e) in fresh.iter_mut().zip(records.values()) {
+            if let Some(l) = load {
+                if e.figures().by_count() {
+                    *l = e.figures().blocks(unit_f, per);
+                }
             }
-        })
-        .collect();
+        }
+    }
     let mut view = EngineView {
-        taken: vec![false; records.len()],
-        own_of: vec![NONE; records.len()],
+        taken: vec![false; n],
+        own_of: vec![NONE; n],
         record_of: Vec::new(),
         adopt: Vec::new(),
         records,
@@ -1118,6 +1189,9 @@ fn engine_view(
         unit: unit_f,
         fresh,
         usage,
+        wedged,
+        counted,
+        slots,
     };
     // each loaded worker's record, found by key (a key the index's own object once adopted)
     if let Some(t) = own {
@@ -1159,22 +1233,22 @@ impl LoadPass<'_, '_> {
         let at = PyKey::extract(w)
             .ok()
             .and_then(|k| v.records.get_index_of(&k));
-        Some(at.map_or(0.0, |i| v.usage[i]))
+        Some(at.map_or(0.0, |i| v.usage(i)))
     }
 
     /// The load of the worker at index slot `slot` (`key` the index's key for it) when it takes
     /// no Python object to find (the router's table, the engines' records, or no load at all),
-    /// with its engine usage when the records are blended here; None for a mapping (then `of`).
-    fn by_slot(&mut self, slot: u32, key: &PyKey) -> Option<(f64, Option<f64>)> {
+    /// with its engine usage when the records are blended here (`at`: the worker's record,
+    /// `EngineView::at_slot`); None for a mapping (then `of`).
+    fn by_slot(&mut self, slot: u32, at: Option<usize>) -> Option<(f64, Option<f64>)> {
         if self.engine.is_some() {
             let own = self.pos_of_slot.get(slot as usize).copied().and_then(pos);
             let tokens = self.own_tokens(own);
             let v = self.engine.as_mut()?;
-            let at = v.find(key, true);
             if let Some(i) = at {
                 v.taken[i] = true;
             }
-            return Some((v.load(at, tokens), Some(at.map_or(0.0, |i| v.usage[i]))));
+            return Some((v.load(at, tokens), Some(at.map_or(0.0, |i| v.usage(i)))));
         }
         let load = match &self.source {
             LoadSource::None => Some(0.0),
@@ -1232,6 +1306,80 @@ impl LoadPass<'_, '_> {
     }
 }
 
+/// The load-only candidates when the engines' records are blended (`EngineLoads.blend`), in
+/// its order: the engines' queues (records in order), the requests records count, then the
+/// router's own workers (`t`) no fresh queue covers, then the usage-only workers; `taken` the
+/// router's entries priced already. Apart from `select` so that the compiler inlines the
+/// per-record helpers here (in `select`'s body it called them, ~30 instructions a record).
+fn list_reported(
+    t: &Table,
+    v: &mut EngineView,
+    u: &Universe<'_, '_>,
+    taken: &mut [bool],
+    (workers, rows): (&mut Vec<Who>, &mut Vec<Row>),
+    idle_row: impl Fn(f64, f64) -> Row,
+) -> PyResult<()> {
+    // `EngineLoads.blend`'s order: the engines' queues (records in order), the requests
+    // records count, then the router's own workers no fresh queue covers
+    if v.mode != LoadMode::Router {
+        // the counted group only when some fresh record counts requests
+        let groups = if v.counted { 2 } else { 1 };
+        for counted in [false, true].into_iter().take(groups) {
+            for (i, (k, e)) in v.records.iter().enumerate() {
+                let Some(queue) = v.fresh[i] else { continue };
+                // a zero queue is no entry of the blend (the router's own count may be)
+                if v.taken[i] || e.figures().by_count() != counted || (!counted && queue == 0.0) {
+                    continue;
+                }
+                let own = pos(v.own_of[i]);
+                let load = v.load(Some(i), own.map_or(0, |p| t[p].tokens()));
+                if load != 0.0 && u.has_record(e, k)? {
+                    v.taken[i] = true;
+                    if let Some(p) = own {
+                        taken[p] = true;
+                    }
+                    workers.push(Who::Listed(i as u32));
+                    rows.push(idle_row(load, v.usage(i)));
+                }
+            }
+        }
+    }
+    for (p, (k, e)) in t.iter().enumerate() {
+        if e.tokens() == 0 || taken[p] {
+            continue;
+        }
+        let at = pos(v.record_of[p]);
+        let uncovered = match at.map(|i| (i, v.fresh[i])) {
+            None | Some((_, None)) => true,
+            Some((i, Some(queue))) => {
+                v.mode == LoadMode::Router
+                    || (v.mode == LoadMode::Blend
+                        && !v.records[i].figures().by_count()
+                        && queue == 0.0)
+            }
+        };
+        let load = v.load(at, e.tokens());
+        if uncovered && load != 0.0 && u.has_key(k)? {
+            taken[p] = true;
+            if let Some(i) = at {
+                v.taken[i] = true;
+            }
+            workers.push(Who::Key(k.clone()));
+            rows.push(idle_row(load, at.map_or(0.0, |i| v.usage(i))));
+        }
+    }
+    // usage-only workers: a report above 0, nothing claimed, no load
+    // (none when the eviction term is off: no usage read)
+    for (i, (k, e)) in v.records.iter().enumerate().take(v.usage.len()) {
+        if v.usage[i] > 0.0 && !v.taken[i] && u.has_record(e, k)? {
+            v.taken[i] = true;
+            workers.push(Who::Listed(i as u32));
+            rows.push(idle_row(0.0, v.usage[i]));
+        }
+    }
+    Ok(())
+}
+
 /// Who is a candidate when `select` is given a universe set: its members (from the kept copy of
 /// a provider's live set when there is one, `Members`), less the vetoed workers.
 struct Universe<'a, 'py> {
@@ -1259,7 +1407,22 @@ impl Universe<'_, '_> {
 
     /// Whether the worker of record `e` (key `k`) is a candidate, its membership read from the
     /// record when it was found for this generation of the kept set (its `Entry` note).
+    #[inline(always)]
     fn has_record(&self, e: &Entry<EngineFigures>, k: &PyKey) -> PyResult<bool> {
+        // the common case inline (a kept set, no veto, the note read for this generation): the
+        // call it was cost ~25 instructions a record, ~1,000 records a `select`
+        if self.gen != 0 && self.vetoed.is_empty() {
+            let m = e.note.load(Ordering::Relaxed);
+            if m >> 1 == self.gen {
+                return Ok(m & 1 == 1);
+            }
+        }
+        self.has_record_read(e, k)
+    }
+
+    /// `has_record`, its note read or written here.
+    #[inline(never)]
+    fn has_record_read(&self, e: &Entry<EngineFigures>, k: &PyKey) -> PyResult<bool> {
         let held = if self.gen == 0 {
             self.holds_key(k)?
         } else {
@@ -1394,8 +1557,9 @@ fn select<'py>(
                     "engine loads are blended with a universe set and the router's Loads",
                 ));
             }
-            let records = et.get().table.keyed();
-            Some((et, records, now, stale_after, mode, requests))
+            let (records, keys) = et.get().table.keyed();
+            let slots = et.get().take_slots();
+            Some((et, (records, keys, slots), now, stale_after, mode, requests))
         }
         None => None,
     };
@@ -1543,7 +1707,11 @@ fn select<'py>(
 
     let ntok_i = ntok as i64;
     let idle_prefill = ntok_i as f64 / unit as f64;
-    let most = result.scores.len() + table_map.map_or(0, IndexMap::len);
+    // every record may list a candidate too: room for them up front (growing the rows by
+    // doubling copied ~70k instructions' worth a `select` at 1,024 reporting engines)
+    let most = result.scores.len()
+        + table_map.map_or(0, IndexMap::len)
+        + view.as_ref().map_or(0, |v| v.records.len());
     let mut workers: Vec<Who> = Vec::with_capacity(most);
     let mut rows: Vec<Row> = Vec::with_capacity(most);
     let mut pass = LoadPass {
@@ -1573,13 +1741,23 @@ fn select<'py>(
         // scattered objects' reference counts for nothing (~6 % of an idle-fleet `select`).
         let obj = std::cell::OnceCell::new();
         let w = || obj.get_or_init(|| s.worker.obj(py));
-        // a worker the index scores holds blocks
+        // the worker's engine record, when the records are blended here
+        let rec = match pass.engine.as_mut() {
+            Some(v) => v.at_slot(s.slot, &s.worker),
+            None => None,
+        };
+        // a worker the index scores holds blocks; its membership read from its record's note
+        // when it has one (as the load-only pass reads it), else looked up
         if let Some(u) = &uni {
-            if !u.has_key(&s.worker)? {
+            let member = match (rec, &pass.engine) {
+                (Some(i), Some(v)) => u.has_record(&v.records[i], &s.worker)?,
+                _ => u.has_key(&s.worker)?,
+            };
+            if !member {
                 continue;
             }
         }
-        let (load, engine_usage) = match pass.by_slot(s.slot, &s.worker) {
+        let (load, engine_usage) = match pass.by_slot(s.slot, rec) {
             Some(found) => found,
             None => (pass.of(w())?, None),
         };
@@ -1673,65 +1851,14 @@ fn select<'py>(
     let listed_keys = listed.as_deref().unwrap_or(&[]);
     match (&pass.source, pass.engine.as_mut(), &uni) {
         (LoadSource::Table(t), Some(v), Some(u)) => {
-            // `EngineLoads.blend`'s order: the engines' queues (records in order), the requests
-            // records count, then the router's own workers no fresh queue covers
-            let mut list = |who: Who, load: f64, usage: f64| {
-                workers.push(who);
-                rows.push(idle_row(load, usage));
-            };
-            if v.mode != LoadMode::Router {
-                for counted in [false, true] {
-                    for (i, (k, e)) in v.records.iter().enumerate() {
-                        let Some(queue) = v.fresh[i] else { continue };
-                        // a zero queue is no entry of the blend (the router's own count may be)
-                        if v.taken[i]
-                            || e.figures().by_count() != counted
-                            || (!counted && queue == 0.0)
-                        {
-                            continue;
-                        }
-                        let own = pos(v.own_of[i]);
-                        let load = v.load(Some(i), own.map_or(0, |p| t[p].tokens()));
-                        if load != 0.0 && u.has_record(e, k)? {
-                            v.taken[i] = true;
-                            if let Some(p) = own {
-                                pass.taken[p] = true;
-                            }
-                            list(Who::Listed(i as u32), load, v.usage[i]);
-                        }
-                    }
-                }
-            }
-            for (p, (k, e)) in t.iter().enumerate() {
-                if e.tokens() == 0 || pass.taken[p] {
-                    continue;
-                }
-                let at = pos(v.record_of[p]);
-                let uncovered = match at.map(|i| (i, v.fresh[i])) {
-                    None | Some((_, None)) => true,
-                    Some((i, Some(queue))) => {
-                        v.mode == LoadMode::Router
-                            || (v.mode == LoadMode::Blend
-                                && !v.records[i].figures().by_count()
-                                && queue == 0.0)
-                    }
-                };
-                let load = v.load(at, e.tokens());
-                if uncovered && load != 0.0 && u.has_key(k)? {
-                    pass.taken[p] = true;
-                    if let Some(i) = at {
-                        v.taken[i] = true;
-                    }
-                    list(Who::Key(k.clone()), load, at.map_or(0.0, |i| v.usage[i]));
-                }
-            }
-            // usage-only workers: a report above 0, nothing claimed, no load
-            for (i, (k, e)) in v.records.iter().enumerate() {
-                if v.usage[i] > 0.0 && !v.taken[i] && u.has_record(e, k)? {
-                    v.taken[i] = true;
-                    list(Who::Listed(i as u32), 0.0, v.usage[i]);
-                }
-            }
+            list_reported(
+                t,
+                v,
+                u,
+                &mut pass.taken,
+                (&mut workers, &mut rows),
+                idle_row,
+            )?;
         }
         (_, Some(_), _) => unreachable!("checked above: a universe set and a `Loads` table"),
         (LoadSource::None, ..) => {}
@@ -1814,15 +1941,20 @@ fn select<'py>(
         (None, None) => 0, // unreachable: `held` is read whenever `universe` is None
     };
     let idle_count = universe_len.saturating_sub(rows.len());
-    let costs: Vec<f64> = rows.iter().map(|r| r.cost).collect();
-    let (tied, idle_tied) = scoring::ties(&costs, idle_count, idle_cost);
+    let (tied, idle_tied) = scoring::ties_of(rows.iter().map(|r| r.cost), idle_count, idle_cost);
     // the view's reference to the records moved in: the table is then copied only if another
     // thread holds it
-    if let (Some(v), Some(e)) = (
-        pass.engine.take().filter(|v| !v.adopt.is_empty()),
-        &engine_table,
-    ) {
-        e.get().table.adopt(v.records, v.adopt);
+    if let (Some(v), Some(e)) = (pass.engine.take(), &engine_table) {
+        let EngineView {
+            records,
+            adopt,
+            slots,
+            ..
+        } = v;
+        e.get().keep_slots(slots);
+        if !adopt.is_empty() {
+            e.get().table.adopt(records, adopt);
+        }
     }
     if let (Some(seen), false) = (table, adopt.is_empty()) {
         if let Ok(t) = loads.cast::<Loads>() {
