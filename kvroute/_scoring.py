@@ -38,6 +38,23 @@ _NOBODY: frozenset[WorkerKey] = frozenset()
 _TIE_EPS = 1e-9
 
 
+def _price_moves(model: CostModel, entries: list[CandidateScore], idle_prefill: float, idle_cost: float) -> float:
+    """`CostModel.long_move`: add to each entry's cost what its prefill recomputes over the least one
+    (`CostModel.move`), in place; returns the idle group's cost with its own. The least prefill is
+    taken over the entries and the idle group's whole prompt (never below any entry's: an entry's
+    prefill is at most the prompt), so it is the same whether idle workers exist or not. The compiled
+    select (src/py/router.rs) adds the same figures in the same order, after every other term."""
+    best = min((e.prefill_blocks for e in entries), default=idle_prefill)
+    if idle_prefill < best:
+        best = idle_prefill
+    move = model.move
+    for i, e in enumerate(entries):
+        extra = move(e.prefill_blocks - best)
+        if extra:
+            entries[i] = msgspec.structs.replace(e, cost=e.cost + extra)
+    return idle_cost + move(idle_prefill - best)
+
+
 class _Approx:
     """What an approximate worker is assumed to hold: content key -> expiry, oldest first.
 
@@ -368,6 +385,9 @@ class ReferenceScoring:
                                 cost=idle_cost + model.eviction(idle_prefill, u),
                             )
                         )
+
+            if model.long_move:
+                idle_cost = _price_moves(model, entries, idle_prefill, idle_cost)
 
             idle_count = len(universe) - len(entries)
             best_overlap = max((max(e.overlap_tokens, e.routed_tokens) for e in entries), default=0)

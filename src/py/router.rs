@@ -1371,6 +1371,15 @@ fn select<'py>(
         } else {
             None
         },
+        // off (the default): one attribute read; on: its floor and scale too
+        long_move: if model.getattr(intern!(py, "long_move"))?.is_truthy()? {
+            Some(scoring::LongMove {
+                floor: weight(model, intern!(py, "long_move_floor"))?,
+                scale: weight(model, intern!(py, "long_move_scale"))?,
+            })
+        } else {
+            None
+        },
     };
     let want_tiers = !params.full_credit();
     // this call's copy of the router's table (`Loads`: other threads may change it meanwhile)
@@ -1812,6 +1821,20 @@ fn select<'py>(
         (Some(u), _) => u.len()? - vetoed_in,
         (None, Some(h)) => h.count + h.registered_elsewhere,
         (None, None) => 0, // unreachable: `held` is read whenever `universe` is None
+    };
+    // The long-move term (`CostModel.long_move`, `_price_moves` in kvroute/_scoring.py): what each
+    // candidate recomputes over the least prefill, added after every other term, as Python adds it.
+    let idle_cost = if params.long_move.is_some() {
+        let best = scoring::least_prefill(rows.iter().map(|r| r.prefill), idle_prefill);
+        for r in rows.iter_mut() {
+            let extra = params.move_price(r.prefill - best);
+            if extra != 0.0 {
+                r.cost += extra;
+            }
+        }
+        idle_cost + params.move_price(idle_prefill - best)
+    } else {
+        idle_cost
     };
     let idle_count = universe_len.saturating_sub(rows.len());
     let costs: Vec<f64> = rows.iter().map(|r| r.cost).collect();
