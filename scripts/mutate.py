@@ -609,6 +609,38 @@ MUTATIONS: list[Mutation] = [
         "        stock = type(model) is CostModel\n        weight = model.overlap_weight\n        load_get",
         ("tests/test_router_scoring.py",),
     ),
+    Mutation(
+        "long-move-unread",
+        "the compiled core prices CostModel.long_move as the Python reference does (it reads the setting)",
+        "src/py/router.rs",
+        'long_move: if model.getattr(intern!(py, "long_move"))?.is_truthy()? {',
+        'long_move: if model.getattr(intern!(py, "long_move"))?.is_none() {',
+        ("tests/test_router_scoring.py",),
+    ),
+    Mutation(
+        "long-move-from-nothing",
+        "the long-move term prices what a candidate recomputes over the best candidate, not its whole prefill",
+        "kvroute/_scoring.py",
+        "    best = min((e.prefill_blocks for e in entries), default=idle_prefill)\n",
+        "    best = 0.0\n",
+        ("tests/test_router_scoring.py",),
+    ),
+    Mutation(
+        "long-move-from-nothing-core",
+        "the compiled core's long-move term measures a move from the least prefill, as the Python reference does",
+        "src/py/router.rs",
+        "let best = scoring::least_prefill(rows.iter().map(|r| r.prefill), idle_prefill);",
+        "let best = 0.0;",
+        ("tests/test_router_scoring.py",),
+    ),
+    Mutation(
+        "long-move-idle-unpriced",
+        "the compiled core adds the long-move term to the idle group's cost too (one idle worker is a candidate)",
+        "src/py/router.rs",
+        "        idle_cost + params.move_price(idle_prefill - best)\n",
+        "        idle_cost\n",
+        ("tests/test_router_scoring.py",),
+    ),
     # --- the gateway stream ---
     Mutation(
         "data-loss-kept",

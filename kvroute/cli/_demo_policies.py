@@ -49,7 +49,8 @@ POLICIES = ("kvroute", "oracle", "session_affinity", "least_load", "round_robin"
 #: Policies run only when named: ``kvroute_index_only`` is kvroute without its routing hint,
 #: ``kvroute_no_footprint`` kvroute without its footprint (``CostModel(footprint=False)``),
 #: ``kvroute_long_prefix`` kvroute with the long-prefix term (``CostModel(long_prefix=True)``),
-#: ``kvroute_long_move`` kvroute pricing a move by what it recomputes over the best candidate (``CostModel(long_move=True)``),
+#: ``kvroute_long_move`` kvroute pricing a move by what it recomputes over the best candidate
+#: (``CostModel(long_move=True)``),
 #: ``kvroute_hashed`` kvroute placing new sessions by a stable hash of their leading tokens (`HashedPlacementPolicy`).
 EXTRA_POLICIES = (
     "kvroute_index_only",
