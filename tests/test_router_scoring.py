@@ -57,17 +57,25 @@ def _long(long_prefix: tuple[float, float] | None) -> dict:
     return {"long_prefix": True, "long_prefix_floor": floor, "long_prefix_scale": scale}
 
 
-# `CostModel.long_move` off, or on with (floor, scale): floors this file's prompts (at most 50 blocks)
-# cross, from none to 16 blocks, scales steep and gentle.
-_long_move = st.sampled_from([None, None, (0.0, 1.0), (3.0, 8.0), (7.5, 2.0), (16.0, 1.0)])
+# `CostModel.long_move` off, or on with a floor and scale: floors this file's prompts (at most 50 blocks)
+# cross, from none to 16 blocks, scales steep and gentle; and `footprint_held_blocks` with it or alone.
+_long_move = st.sampled_from(
+    [
+        {},
+        {},
+        {"long_move": True, "long_move_floor": 0.0, "long_move_scale": 1.0},
+        {"long_move": True, "long_move_floor": 3.0, "long_move_scale": 8.0},
+        {"long_move": True, "long_move_floor": 7.5, "long_move_scale": 2.0, "footprint_held_blocks": 7.5},
+        {"long_move": True, "long_move_floor": 16.0, "long_move_scale": 1.0},
+        {"footprint_held_blocks": 1.0},
+        {"footprint_held_blocks": 4.5},
+    ]
+)
 
 
-def _move(long_move: tuple[float, float] | None) -> dict:
+def _move(long_move: dict) -> dict:
     """`CostModel` fields for one draw of `_long_move`."""
-    if long_move is None:
-        return {}
-    floor, scale = long_move
-    return {"long_move": True, "long_move_floor": floor, "long_move_scale": scale}
+    return long_move
 
 
 _worker = st.fixed_dictionaries(
@@ -111,7 +119,7 @@ def test_compiled_scoring_picks_what_the_python_path_picks(
     seed: int,
     restrict: bool,
     long_prefix: tuple[float, float] | None,
-    long_move: tuple[float, float] | None,
+    long_move: dict,
 ) -> None:
     prompt = [(i * 7919) % 50_000 for i in range(PROMPT_LEN)]
     index = PrefixIndex()
@@ -304,7 +312,7 @@ def test_the_routing_hint_is_priced_alike_on_both_paths(
     supplied_load: bool,
     seed: int,
     long_prefix: tuple[float, float] | None,
-    long_move: tuple[float, float] | None,
+    long_move: dict,
 ) -> None:
     """Prompts started on workers (`on_start`, and `select` with a request id, decision after
     decision) credit the next prompts sharing their prefix, on both paths alike."""
@@ -490,7 +498,7 @@ def test_eviction_is_priced_alike_on_both_paths(
     restrict: bool,
     seed: int,
     long_prefix: tuple[float, float] | None,
-    long_move: tuple[float, float] | None,
+    long_move: dict,
 ) -> None:
     """Engine-reported KV usage (`CostModel.eviction`) is priced alike on both paths: on scored,
     hint-only, load-only and usage-only workers, stale and out-of-range reports included."""
@@ -715,3 +723,23 @@ def test_the_long_move_settings_are_checked() -> None:
     assert model.move(12.0) == 2.0 * 12 * 8 / 8
     assert model.move(4.0) == 0.0
     assert CostModel().long_move is False
+
+
+@pytest.mark.parametrize("path", ["compiled", "python"])
+def test_a_holder_of_enough_blocks_keeps_its_turn_from_the_footprint(path: str) -> None:
+    """A 500-block turn whose holder holds 200 blocks (40 %, under `footprint_new_share`) counts as a new
+    placement, and the footprint sends it to the other worker, in its band (2 * 500 = 1,000 against
+    1.5 * (2 * 300 + 100)) with fewer new placements. With `footprint_held_blocks` 64 the holder's 200
+    blocks make it no new placement: the cheapest, the holder, keeps it."""
+    prompt = list(range(1_000, 1_000 + 500 * 16))
+    index = PrefixIndex()
+    holder, other = WorkerKey("holder", 0), WorkerKey("other", 0)
+    index.apply(holder, BlockStored(block_hashes=list(range(200)), token_ids=prompt[: 200 * 16], block_size=16))
+    kind = _PythonModel if path == "python" else CostModel
+    for held, expected in ((0.0, other), (64.0, holder), (201.0, other)):
+        r = Router(index, cost=kind(footprint_held_blocks=held), seed=0)
+        r.add_worker(holder)
+        r.add_worker(other)
+        r._footprint.add(holder, 64.0)  # an earlier new session went to the holder
+        d = r.select(prompt, load={holder: 100.0}, request_id="turn")
+        assert d.worker == expected, (held, d)
