@@ -85,6 +85,11 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     band)`` of the prompt: a third at 0.5); load balance is what it was. 0 chooses among the
     cheapest only. Counts decay by half every ``footprint_half_life`` (64) new placements the
     router makes. Applies at ``temperature`` 0. Measured in ``kvroute demo`` (docs/routing-quality.md).
+    ``footprint_held_blocks`` (0: off): above 0, a prompt some candidate holds at least this many
+    blocks of (of the router's ``block_size``, by the counted overlap or the routing hint) is no new
+    placement, whatever share of the prompt that is: a conversation turn whose history fills under
+    half of a long prompt stays priced by cost alone, so the footprint's band does not trade its holder
+    away (with ``long_move``, ``long_move_floor`` is the natural figure).
     ``long_prefix`` (False): price a long recompute super-linearly. A prefill ``p`` of more than
     ``long_prefix_floor`` (128) blocks costs ``overlap_weight * p * (1 + (p - long_prefix_floor)
     / long_prefix_scale)`` (``long_prefix_scale`` 1,024, at least 1) instead of ``overlap_weight * p``, both in
@@ -96,6 +101,20 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     So a conversation turn or a document's question leaves the worker holding its history only for
     a queue there several times the recompute. The eviction term and the footprint's band apply to
     this cost unchanged. Measured in ``kvroute demo`` (docs/routing-quality.md).
+    ``long_move`` (False): price what a move recomputes over the best candidate, super-linearly. With
+    ``p_best`` the least prefill of any candidate (the holder's, for a turn whose history one worker
+    holds; the whole prompt when nobody holds any of it), a candidate whose prefill ``p`` exceeds it
+    by ``d = p - p_best`` of more than ``long_move_floor`` (64) blocks costs ``move(d) = overlap_weight
+    * d * (d - long_move_floor) / long_move_scale`` (``long_move_scale`` 8, at least 1) more, on top of
+    every other term (`move`). Why the difference and not ``p``: a move's extra cost to the fleet is
+    the recompute it adds over keeping the request where its prefix is, and the delay that recompute
+    imposes on the requests queued behind it grows as ``d**2`` (``long_prefix`` says why); the part
+    every candidate must compute anyway (``p_best``) is no reason to stay. So a turn stays with its
+    holder against a queue up to ``d * (1 + (d - floor) / scale)`` times ``overlap_weight`` longer,
+    while a prompt nobody holds (``d`` 0 everywhere) or one whose best holder is within the floor of
+    the rest (a shared system prompt held here and evicted there) is priced exactly as without it,
+    and spread as before. The footprint's band then rarely reaches past the holder of a long history.
+    Measured in ``kvroute demo`` (docs/routing-quality.md).
 
     Overrides must be pure functions of their arguments: the router evaluates the cost of all
     idle workers once. The built-in model is priced in the compiled core (its weights read off
@@ -113,9 +132,13 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     footprint_band: float = 0.5
     footprint_new_share: float = 0.5
     footprint_half_life: float = 64.0
+    footprint_held_blocks: float = 0.0
     long_prefix: bool = False
     long_prefix_floor: float = 128.0
     long_prefix_scale: float = 1024.0
+    long_move: bool = False
+    long_move_floor: float = 64.0
+    long_move_scale: float = 8.0
 
     def __post_init__(self) -> None:
         _check_range("overlap_weight", self.overlap_weight, 0.0)
@@ -129,10 +152,15 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         _check_range("footprint_band", self.footprint_band, 0.0)
         _check_range("footprint_new_share", self.footprint_new_share, 0.0, 1.0)
         _check_range("footprint_half_life", self.footprint_half_life, 0.0, low_open=True)
+        _check_range("footprint_held_blocks", self.footprint_held_blocks, 0.0)
         if not isinstance(self.long_prefix, bool):
             raise RouterError(f"long_prefix must be a bool, got {self.long_prefix!r}")
         _check_range("long_prefix_floor", self.long_prefix_floor, 0.0)
         _check_range("long_prefix_scale", self.long_prefix_scale, 1.0)  # below a block, costs overflow
+        if not isinstance(self.long_move, bool):
+            raise RouterError(f"long_move must be a bool, got {self.long_move!r}")
+        _check_range("long_move_floor", self.long_move_floor, 0.0)
+        _check_range("long_move_scale", self.long_move_scale, 1.0)  # below a block, costs overflow
 
     @property
     def full_credit(self) -> bool:
@@ -177,6 +205,16 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         """What computing ``prefill_blocks`` on a worker at KV ``usage`` (in [0, 1]) evicts, added to
         `cost` where the worker reports usage above 0: ``eviction_weight * usage * prefill_blocks``."""
         return self.eviction_weight * usage * prefill_blocks
+
+    def move(self, extra_blocks: float) -> float:
+        """What a candidate adds for the recompute ``extra_blocks`` over the best candidate's prefill
+        (``p - p_best``, `long_move`): ``overlap_weight * extra_blocks * (extra_blocks - long_move_floor)
+        / long_move_scale`` above the floor, 0 at or below it. The router adds it to `cost` (and
+        `eviction`) only with ``long_move`` on."""
+        above = extra_blocks - self.long_move_floor
+        if above > 0.0:
+            return self.overlap_weight * extra_blocks * above / self.long_move_scale
+        return 0.0
 
     def footprint_limit(self, cheapest: float) -> float:
         """The highest cost a new placement may take to reach a worker with fewer recent new placements:

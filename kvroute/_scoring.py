@@ -38,6 +38,23 @@ _NOBODY: frozenset[WorkerKey] = frozenset()
 _TIE_EPS = 1e-9
 
 
+def _price_moves(model: CostModel, entries: list[CandidateScore], idle_prefill: float, idle_cost: float) -> float:
+    """`CostModel.long_move`: add to each entry's cost what its prefill recomputes over the least one
+    (`CostModel.move`), in place; returns the idle group's cost with its own. The least prefill is
+    taken over the entries and the idle group's whole prompt (never below any entry's: an entry's
+    prefill is at most the prompt), so it is the same whether idle workers exist or not. The compiled
+    select (src/py/router.rs) adds the same figures in the same order, after every other term."""
+    best = min((e.prefill_blocks for e in entries), default=idle_prefill)
+    if idle_prefill < best:
+        best = idle_prefill
+    move = model.move
+    for i, e in enumerate(entries):
+        extra = move(e.prefill_blocks - best)
+        if extra:
+            entries[i] = msgspec.structs.replace(e, cost=e.cost + extra)
+    return idle_cost + move(idle_prefill - best)
+
+
 class _Approx:
     """What an approximate worker is assumed to hold: content key -> expiry, oldest first.
 
@@ -238,10 +255,14 @@ class ReferenceScoring:
 
     def _new_placement(self: _RouterParts, ntok: int, best_overlap: int) -> bool:
         """Whether a prompt is a new placement for the footprint (`CostModel.footprint`): on, at
-        temperature 0, and no candidate holds ``footprint_new_share`` of it (``best_overlap`` tokens). The
-        compiled `select` decides the same in the core (src/py/router.rs)."""
+        temperature 0, and no candidate holds ``footprint_new_share`` of it (``best_overlap`` tokens) nor,
+        with ``footprint_held_blocks`` above 0, that many blocks of it. The compiled `select` decides the
+        same in the core (src/py/router.rs)."""
         model = self.cost_model
-        return model.footprint and model.temperature == 0.0 and best_overlap < model.footprint_new_share * ntok
+        if not (model.footprint and model.temperature == 0.0 and best_overlap < model.footprint_new_share * ntok):
+            return False
+        held = model.footprint_held_blocks
+        return not (held > 0.0 and best_overlap >= held * self.block_size)
 
     def _select_reference(
         self: _RouterParts,
@@ -368,6 +389,9 @@ class ReferenceScoring:
                                 cost=idle_cost + model.eviction(idle_prefill, u),
                             )
                         )
+
+            if model.long_move:
+                idle_cost = _price_moves(model, entries, idle_prefill, idle_cost)
 
             idle_count = len(universe) - len(entries)
             best_overlap = max((max(e.overlap_tokens, e.routed_tokens) for e in entries), default=0)

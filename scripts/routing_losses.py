@@ -26,7 +26,8 @@ shape), hence ``--seeds``: with more than one, a summary per policy follows (mea
 of its ratios to the oracle, and the runs it was above session affinity on hits, and on hits and TTFT p50 both).
 
 ``kvroute_long_prefix`` is kvroute with `CostModel.long_prefix` on (``--long-prefix-floor`` /
-``--long-prefix-scale`` set its figures). ``--record FILE`` appends each run's figures to a JSON-lines file
+``--long-prefix-scale`` set its figures); ``kvroute_long_move`` is kvroute with `CostModel.long_move` on
+(``--long-move-floor`` / ``--long-move-scale``). ``--record FILE`` appends each run's figures to a JSON-lines file
 as it ends, and ``--summarize FILE...`` prints the summary of the runs recorded there (runs made in several
 processes, or cut short, still add up).
 
@@ -153,6 +154,8 @@ def _one_run(args: argparse.Namespace, seed: int) -> dict[str, _Figures]:
             footprint_band=args.footprint_band,
             long_prefix_floor=args.long_prefix_floor,
             long_prefix_scale=args.long_prefix_scale,
+            long_move_floor=args.long_move_floor,
+            long_move_scale=args.long_move_scale,
         )
         inner = _make_policy(name, client, engines, **kw)
         rec = recorders[name] = _Recorder(inner, client, engines)
@@ -346,6 +349,15 @@ def main() -> None:
     )
     p.add_argument(
         "--long-prefix-scale", type=float, default=CostModel().long_prefix_scale, help="CostModel.long_prefix_scale"
+    )
+    p.add_argument(
+        "--long-move-floor",
+        type=float,
+        default=CostModel().long_move_floor,
+        help="CostModel.long_move_floor (of every policy's cost model; kvroute_long_move turns the term on)",
+    )
+    p.add_argument(
+        "--long-move-scale", type=float, default=CostModel().long_move_scale, help="CostModel.long_move_scale"
     )
     p.add_argument("--record", help="append each run's figures to this JSON-lines file")
     p.add_argument("--summarize", nargs="+", metavar="FILE", help="print the summary of the runs recorded in FILEs")

@@ -25,6 +25,19 @@ pub struct CostParams {
     /// the long-prefix term (`CostModel.long_prefix`): a prefill above `floor` blocks is priced
     /// super-linearly, `scale` blocks setting how fast; None: off
     pub long_prefix: Option<LongPrefix>,
+    /// the long-move term (`CostModel.long_move`): what a candidate's prefill recomputes over the
+    /// least prefill of any candidate, above `floor` blocks, priced super-linearly; None: off
+    pub long_move: Option<LongMove>,
+}
+
+/// The long-move term's two figures (`CostModel.long_move_floor` / `long_move_scale`), in blocks
+/// of the router's `block_size`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LongMove {
+    /// a recompute over the best candidate of at most this many blocks adds nothing
+    pub floor: f64,
+    /// blocks above the floor that add the linear price once more (at least 1: `CostModel` checks it)
+    pub scale: f64,
 }
 
 /// The long-prefix term's two figures (`CostModel.long_prefix_floor` / `long_prefix_scale`),
@@ -97,6 +110,19 @@ impl CostParams {
             }
         }
         self.overlap_weight * prefill_blocks + load_blocks
+    }
+
+    /// What a candidate adds for recomputing `extra_blocks` more than the best candidate
+    /// (`CostModel.move`, operation for operation): ``overlap_weight * extra_blocks * (extra_blocks -
+    /// floor) / scale`` above the floor, 0 at or below it, and 0 with the term off.
+    pub fn move_price(&self, extra_blocks: f64) -> f64 {
+        if let Some(m) = self.long_move {
+            let above = extra_blocks - m.floor;
+            if above > 0.0 {
+                return self.overlap_weight * extra_blocks * above / m.scale;
+            }
+        }
+        0.0
     }
 
     /// What the prefill's copy evicts (`CostModel.eviction`): ``eviction_weight * usage *
@@ -188,6 +214,23 @@ pub fn price(
 pub fn routed_prefill(ntok: i64, unit: i64, routed: i64) -> f64 {
     // int arithmetic in Python, then a true division: exact below 2^53
     (ntok - routed) as f64 / unit as f64
+}
+
+/// The least prefill the long-move term measures moves from (`_price_moves` in kvroute/_scoring.py):
+/// the least of the candidates' `prefills` and the idle group's whole prompt (`idle_prefill`, never
+/// below a candidate's, so the figure is the same whether idle workers exist or not).
+pub fn least_prefill(prefills: impl IntoIterator<Item = f64>, idle_prefill: f64) -> f64 {
+    let mut best: Option<f64> = None;
+    for p in prefills {
+        // Python's `min`: the first of equal values, a later one only when strictly less
+        if best.is_none_or(|b| p < b) {
+            best = Some(p);
+        }
+    }
+    match best {
+        Some(b) if idle_prefill >= b => b,
+        _ => idle_prefill,
+    }
 }
 
 /// The zero-temperature choice (`Router._pick`): the entries within the tie margin of the least
@@ -490,6 +533,7 @@ mod tests {
         external_credit: 0.5,
         eviction_weight: 8.0,
         long_prefix: None,
+        long_move: None,
     };
 
     #[test]
@@ -595,6 +639,46 @@ mod tests {
             long.cost_at(640.0, 3.0, 0.5),
             long.cost(640.0, 3.0) + 8.0 * 0.5 * 640.0
         );
+    }
+
+    #[test]
+    fn a_move_pays_super_linearly_for_what_it_recomputes_over_the_best_candidate() {
+        let moving = CostParams {
+            overlap_weight: 2.0,
+            long_move: Some(LongMove {
+                floor: 64.0,
+                scale: 8.0,
+            }),
+            ..STOCK
+        };
+        // off: nothing, whatever the difference
+        assert_eq!(STOCK.move_price(1_000.0), 0.0);
+        // at and below the floor: nothing, so a shared system prompt held here and not there moves as before
+        for d in [0.0, 1.5, 32.0, 64.0] {
+            assert_eq!(moving.move_price(d), 0.0);
+        }
+        // 264 blocks more than the holder, 200 above the floor: 2 * 264 * 200 / 8
+        assert_eq!(moving.move_price(264.0), 2.0 * 264.0 * 200.0 / 8.0);
+        // super-linear: twice the difference costs more than twice as much
+        assert!(moving.move_price(528.0) > 2.0 * moving.move_price(264.0));
+        // the cost itself (prefill and load) is not touched by the term: it is added beside it
+        assert_eq!(
+            moving.cost(300.0, 5.0),
+            CostParams {
+                long_move: None,
+                ..moving
+            }
+            .cost(300.0, 5.0)
+        );
+    }
+
+    #[test]
+    fn the_least_prefill_is_the_first_least_and_never_above_the_whole_prompt() {
+        assert_eq!(least_prefill([5.0, 2.0, 2.0, 9.0], 10.0), 2.0);
+        // no candidate listed: the idle group's whole prompt, so an idle worker adds nothing
+        assert_eq!(least_prefill([], 10.0), 10.0);
+        // every listed candidate at the whole prompt (load only): the same figure
+        assert_eq!(least_prefill([10.0, 10.0], 10.0), 10.0);
     }
 
     #[test]

@@ -57,6 +57,27 @@ def _long(long_prefix: tuple[float, float] | None) -> dict:
     return {"long_prefix": True, "long_prefix_floor": floor, "long_prefix_scale": scale}
 
 
+# `CostModel.long_move` off, or on with a floor and scale: floors this file's prompts (at most 50 blocks)
+# cross, from none to 16 blocks, scales steep and gentle; and `footprint_held_blocks` with it or alone.
+_long_move = st.sampled_from(
+    [
+        {},
+        {},
+        {"long_move": True, "long_move_floor": 0.0, "long_move_scale": 1.0},
+        {"long_move": True, "long_move_floor": 3.0, "long_move_scale": 8.0},
+        {"long_move": True, "long_move_floor": 7.5, "long_move_scale": 2.0, "footprint_held_blocks": 7.5},
+        {"long_move": True, "long_move_floor": 16.0, "long_move_scale": 1.0},
+        {"footprint_held_blocks": 1.0},
+        {"footprint_held_blocks": 4.5},
+    ]
+)
+
+
+def _move(long_move: dict) -> dict:
+    """`CostModel` fields for one draw of `_long_move`."""
+    return long_move
+
+
 _worker = st.fixed_dictionaries(
     {
         "block_size": st.sampled_from([4, 8, 16]),
@@ -83,6 +104,7 @@ _worker = st.fixed_dictionaries(
     seed=st.integers(0, 3),
     restrict=st.booleans(),
     long_prefix=_long_prefix,
+    long_move=_long_move,
 )
 def test_compiled_scoring_picks_what_the_python_path_picks(
     fleet: list[dict],
@@ -97,6 +119,7 @@ def test_compiled_scoring_picks_what_the_python_path_picks(
     seed: int,
     restrict: bool,
     long_prefix: tuple[float, float] | None,
+    long_move: dict,
 ) -> None:
     prompt = [(i * 7919) % 50_000 for i in range(PROMPT_LEN)]
     index = PrefixIndex()
@@ -125,7 +148,12 @@ def test_compiled_scoring_picks_what_the_python_path_picks(
             load[w] = spec["load"] / 4
     cpu, disk, external = credits
     params = dict(
-        overlap_weight=weight, cpu_credit=cpu, disk_credit=disk, external_credit=external, **_long(long_prefix)
+        overlap_weight=weight,
+        cpu_credit=cpu,
+        disk_credit=disk,
+        external_credit=external,
+        **_long(long_prefix),
+        **_move(long_move),
     )
     routers = []
     for model in (CostModel(**params, temperature=temperature), _PythonModel(**params, temperature=temperature)):
@@ -271,6 +299,7 @@ def test_select_on_threads_while_other_threads_ingest() -> None:
     supplied_load=st.booleans(),
     seed=st.integers(0, 3),
     long_prefix=_long_prefix,
+    long_move=_long_move,
 )
 def test_the_routing_hint_is_priced_alike_on_both_paths(
     fleet: list[dict],
@@ -283,6 +312,7 @@ def test_the_routing_hint_is_priced_alike_on_both_paths(
     supplied_load: bool,
     seed: int,
     long_prefix: tuple[float, float] | None,
+    long_move: dict,
 ) -> None:
     """Prompts started on workers (`on_start`, and `select` with a request id, decision after
     decision) credit the next prompts sharing their prefix, on both paths alike."""
@@ -304,8 +334,8 @@ def test_the_routing_hint_is_priced_alike_on_both_paths(
             load[w] = spec["load"] / 4
     routers = []
     for model in (
-        CostModel(overlap_weight=weight, temperature=temperature, **_long(long_prefix)),
-        _PythonModel(overlap_weight=weight, temperature=temperature, **_long(long_prefix)),
+        CostModel(overlap_weight=weight, temperature=temperature, **_long(long_prefix), **_move(long_move)),
+        _PythonModel(overlap_weight=weight, temperature=temperature, **_long(long_prefix), **_move(long_move)),
     ):
         r = Router(
             index, states=_States(statuses, live), cost=model, block_size=unit, seed=seed, routed_per_worker=per_worker
@@ -455,6 +485,7 @@ _pressured = st.fixed_dictionaries(
     restrict=st.booleans(),
     seed=st.integers(0, 3),
     long_prefix=_long_prefix,
+    long_move=_long_move,
 )
 def test_eviction_is_priced_alike_on_both_paths(
     fleet: list[dict],
@@ -467,6 +498,7 @@ def test_eviction_is_priced_alike_on_both_paths(
     restrict: bool,
     seed: int,
     long_prefix: tuple[float, float] | None,
+    long_move: dict,
 ) -> None:
     """Engine-reported KV usage (`CostModel.eviction`) is priced alike on both paths: on scored,
     hint-only, load-only and usage-only workers, stale and out-of-range reports included."""
@@ -493,9 +525,10 @@ def test_eviction_is_priced_alike_on_both_paths(
                 EngineLoad(token_usage=spec["usage"], waiting_uncached_tokens=spec["queued"], received=received),
             )
     routers = []
+    terms = {**_long(long_prefix), **_move(long_move)}
     for model in (
-        CostModel(overlap_weight=weight, eviction_weight=eviction, temperature=temperature, **_long(long_prefix)),
-        _PythonModel(overlap_weight=weight, eviction_weight=eviction, temperature=temperature, **_long(long_prefix)),
+        CostModel(overlap_weight=weight, eviction_weight=eviction, temperature=temperature, **terms),
+        _PythonModel(overlap_weight=weight, eviction_weight=eviction, temperature=temperature, **terms),
     ):
         r = Router(
             index,
@@ -610,3 +643,103 @@ def test_the_long_prefix_settings_are_checked() -> None:
     # 12 blocks, 8 above the floor of 4: 2 * 12 * (1 + 8 / 8) + 1; at the floor, the linear cost
     assert model.cost(12.0, 1.0) == 2.0 * 12 * 2.0 + 1.0
     assert model.cost(4.0, 1.0) == CostModel().cost(4.0, 1.0)
+
+
+@pytest.mark.parametrize("known", ["index", "hint"])
+@pytest.mark.parametrize("path", ["compiled", "python", "approximate"])
+def test_a_turn_stays_with_its_holder_under_the_long_move_term(known: str, path: str) -> None:
+    """A 200-block turn whose holder has 10 blocks left to prefill and a queue of 400 blocks: the plain
+    cost moves it to an idle worker holding one block (2 * 199 = 398 < 2 * 10 + 400); the long-move term
+    prices the 189 blocks that move recomputes over the holder, 125 above the floor of 64, at 2 * 189 *
+    125 / 8 = 5,906.25 more, and keeps it. The holder (nothing over the best) pays nothing more. The other
+    worker is known by the index or only by the routing hint; on the compiled path, a subclass's Python
+    path, and the stock model's Python path (a fleet with an approximate worker)."""
+    prompt = list(range(1_000, 1_000 + 200 * 16))
+    index = PrefixIndex()
+    holder, other, approx = WorkerKey("holder", 0), WorkerKey("other", 0), WorkerKey("approx", 0)
+    index.apply(holder, BlockStored(block_hashes=list(range(190)), token_ids=prompt[: 190 * 16], block_size=16))
+    if known == "index":
+        index.apply(other, BlockStored(block_hashes=[9_999], token_ids=prompt[:16], block_size=16))
+    load = {holder: 400.0, other: 0.0, approx: 1_000.0}
+    for on, expected in ((False, other), (True, holder)):
+        kind = _PythonModel if path == "python" else CostModel
+        r = Router(index, cost=kind(long_move=on), seed=0, routed_ttl=10.0)
+        r.add_worker(holder)
+        r.add_worker(other)
+        if path == "approximate":
+            r.add_worker(approx, approximate=True)
+        if known == "hint":
+            r.on_start("started", other, prompt[:16])
+        d = r.select(prompt, load=load)
+        assert d.worker == expected, (on, d)
+        by_worker = {c.worker: c for c in d.candidates}
+        assert by_worker[holder].cost == 2.0 * 10 + 400.0
+        assert by_worker[other].prefill_blocks == 199.0
+        assert by_worker[other].cost == 2.0 * 199 + (2.0 * 189 * 125 / 8 if on else 0.0)
+
+
+@pytest.mark.parametrize("path", ["compiled", "python"])
+def test_new_sessions_are_spread_alike_with_the_long_move_term(path: str) -> None:
+    """Fresh prompts are priced as without the term, so the footprint spreads them as before: here each
+    starts with a 32-block system prompt one worker still holds and the other three evicted, so the holder
+    is 32 blocks cheaper than the rest. Priced on the whole prompt, a super-linear term herds new sessions
+    onto that worker (docs/routing-quality.md, session 10); priced on what each recomputes over the holder
+    (32 blocks, under the floor of 64), they go where they went without it: the same decisions, every
+    worker taking some."""
+    system = list(range(100_000, 100_000 + 32 * 16))
+    index = PrefixIndex()
+    workers = [WorkerKey(f"w{i}", 0) for i in range(4)]
+    index.apply(workers[0], BlockStored(block_hashes=list(range(32)), token_ids=system, block_size=16))
+    kind = _PythonModel if path == "python" else CostModel
+    picks = []
+    for on in (False, True):
+        r = Router(index, cost=kind(long_move=on), seed=3)
+        for w in workers:
+            r.add_worker(w)
+        got = []
+        for k in range(16):
+            prompt = system + [200_000 + 1_000 * k + j for j in range(300 * 16)]
+            got.append(r.select(prompt, request_id=("s", k)).worker)
+            r.on_finish(("s", k))
+        picks.append(got)
+    assert picks[0] == picks[1]
+    assert set(picks[1]) == set(workers)
+
+
+def test_the_long_move_settings_are_checked() -> None:
+    for bad in (
+        {"long_move": 1},
+        {"long_move_floor": -1.0},
+        {"long_move_floor": math.inf},
+        {"long_move_scale": 0.0},
+        {"long_move_scale": 0.5},
+        {"long_move_scale": math.nan},
+        {"long_move_scale": True},
+    ):
+        with pytest.raises(RouterError):
+            CostModel(**bad)  # type: ignore[arg-type]
+    model = msgspec.json.decode(b'{"long_move": true, "long_move_floor": 4, "long_move_scale": 8}', type=CostModel)
+    # 12 blocks over the best, 8 above the floor of 4: 2 * 12 * 8 / 8; at or below the floor, nothing
+    assert model.move(12.0) == 2.0 * 12 * 8 / 8
+    assert model.move(4.0) == 0.0
+    assert CostModel().long_move is False
+
+
+@pytest.mark.parametrize("path", ["compiled", "python"])
+def test_a_holder_of_enough_blocks_keeps_its_turn_from_the_footprint(path: str) -> None:
+    """A 500-block turn whose holder holds 200 blocks (40 %, under `footprint_new_share`) counts as a new
+    placement, and the footprint sends it to the other worker, in its band (2 * 500 = 1,000 against
+    1.5 * (2 * 300 + 100)) with fewer new placements. With `footprint_held_blocks` 64 the holder's 200
+    blocks make it no new placement: the cheapest, the holder, keeps it."""
+    prompt = list(range(1_000, 1_000 + 500 * 16))
+    index = PrefixIndex()
+    holder, other = WorkerKey("holder", 0), WorkerKey("other", 0)
+    index.apply(holder, BlockStored(block_hashes=list(range(200)), token_ids=prompt[: 200 * 16], block_size=16))
+    kind = _PythonModel if path == "python" else CostModel
+    for held, expected in ((0.0, other), (64.0, holder), (201.0, other)):
+        r = Router(index, cost=kind(footprint_held_blocks=held), seed=0)
+        r.add_worker(holder)
+        r.add_worker(other)
+        r._footprint.add(holder, 64.0)  # an earlier new session went to the holder
+        d = r.select(prompt, load={holder: 100.0}, request_id="turn")
+        assert d.worker == expected, (held, d)

@@ -1534,6 +1534,15 @@ fn select<'py>(
         } else {
             None
         },
+        // off (the default): one attribute read; on: its floor and scale too
+        long_move: if model.getattr(intern!(py, "long_move"))?.is_truthy()? {
+            Some(scoring::LongMove {
+                floor: weight(model, intern!(py, "long_move_floor"))?,
+                scale: weight(model, intern!(py, "long_move_scale"))?,
+            })
+        } else {
+            None
+        },
     };
     let want_tiers = !params.full_credit();
     // this call's copy of the router's table (`Loads`: other threads may change it meanwhile)
@@ -1940,6 +1949,20 @@ fn select<'py>(
         (None, Some(h)) => h.count + h.registered_elsewhere,
         (None, None) => 0, // unreachable: `held` is read whenever `universe` is None
     };
+    // The long-move term (`CostModel.long_move`, `_price_moves` in kvroute/_scoring.py): what each
+    // candidate recomputes over the least prefill, added after every other term, as Python adds it.
+    let idle_cost = if params.long_move.is_some() {
+        let best = scoring::least_prefill(rows.iter().map(|r| r.prefill), idle_prefill);
+        for r in rows.iter_mut() {
+            let extra = params.move_price(r.prefill - best);
+            if extra != 0.0 {
+                r.cost += extra;
+            }
+        }
+        idle_cost + params.move_price(idle_prefill - best)
+    } else {
+        idle_cost
+    };
     let idle_count = universe_len.saturating_sub(rows.len());
     let (tied, idle_tied) = scoring::ties_of(rows.iter().map(|r| r.cost), idle_count, idle_cost);
     // the view's reference to the records moved in: the table is then copied only if another
@@ -1969,8 +1992,11 @@ fn select<'py>(
                 .map(|r| r.overlap_tokens.max(r.routed_tokens))
                 .max()
                 .unwrap_or(0);
+            // `CostModel.footprint_held_blocks`: a holder of that many blocks makes no new placement
+            let held: f64 = weight(model, intern!(py, "footprint_held_blocks"))?;
+            let kept = held > 0.0 && best_overlap as f64 >= held * unit as f64;
             // exact as Python's int-to-float comparison below 2^53
-            if (best_overlap as f64) < new_share * ntok_i as f64 {
+            if (best_overlap as f64) < new_share * ntok_i as f64 && !kept {
                 let place = NewPlacement {
                     index,
                     universe,
