@@ -592,6 +592,30 @@ def test_the_usage_read_follows_new_and_stale_reports() -> None:
     assert Router(PrefixIndex(), engine_loads=loads, cost=CostModel(eviction_weight=0.0))._usage() is None
 
 
+_HOLDER, _OTHER, _APPROX = WorkerKey("holder", 0), WorkerKey("other", 0), WorkerKey("approx", 0)
+
+
+def _a_turn_held_elsewhere(known: str, path: str, cost: dict[str, bool]) -> RoutingDecision:
+    """The decision for a 200-block turn whose holder holds 190 blocks under a queue of 400 blocks, beside
+    an idle worker knowing its first block by the index or only by the routing hint (``known``), priced
+    by ``CostModel(**cost)`` on ``path``: compiled, a subclass's Python path, or the stock model's Python
+    path (a fleet with an approximate worker, loaded so that it is never picked)."""
+    prompt = list(range(1_000, 1_000 + 200 * 16))
+    index = PrefixIndex()
+    index.apply(_HOLDER, BlockStored(block_hashes=list(range(190)), token_ids=prompt[: 190 * 16], block_size=16))
+    if known == "index":
+        index.apply(_OTHER, BlockStored(block_hashes=[9_999], token_ids=prompt[:16], block_size=16))
+    kind = _PythonModel if path == "python" else CostModel
+    r = Router(index, cost=kind(**cost), seed=0, routed_ttl=10.0)
+    r.add_worker(_HOLDER)
+    r.add_worker(_OTHER)
+    if path == "approximate":
+        r.add_worker(_APPROX, approximate=True)
+    if known == "hint":
+        r.on_start("started", _OTHER, prompt[:16])
+    return r.select(prompt, load={_HOLDER: 400.0, _OTHER: 0.0, _APPROX: 1_000.0})
+
+
 @pytest.mark.parametrize("known", ["index", "hint"])
 @pytest.mark.parametrize("path", ["compiled", "python", "approximate"])
 def test_a_long_recompute_stays_with_its_holder_under_the_long_prefix_term(known: str, path: str) -> None:
@@ -600,23 +624,9 @@ def test_a_long_recompute_stays_with_its_holder_under_the_long_prefix_term(known
     199 * (1 + 71 / 1,024) = 425.6). The other worker knows its block by the index or only by the
     routing hint; on every path: compiled, a subclass's Python path, and the stock model's Python path
     (a fleet with an approximate worker), whose inlined linear cost must give way to the term."""
-    prompt = list(range(1_000, 1_000 + 200 * 16))
-    index = PrefixIndex()
-    holder, other, approx = WorkerKey("holder", 0), WorkerKey("other", 0), WorkerKey("approx", 0)
-    index.apply(holder, BlockStored(block_hashes=list(range(190)), token_ids=prompt[: 190 * 16], block_size=16))
-    if known == "index":
-        index.apply(other, BlockStored(block_hashes=[9_999], token_ids=prompt[:16], block_size=16))
-    load = {holder: 400.0, other: 0.0, approx: 1_000.0}
+    holder, other = _HOLDER, _OTHER
     for on, expected in ((False, other), (True, holder)):
-        kind = _PythonModel if path == "python" else CostModel
-        r = Router(index, cost=kind(long_prefix=on), seed=0, routed_ttl=10.0)
-        r.add_worker(holder)
-        r.add_worker(other)
-        if path == "approximate":
-            r.add_worker(approx, approximate=True)
-        if known == "hint":
-            r.on_start("started", other, prompt[:16])
-        d = r.select(prompt, load=load)
+        d = _a_turn_held_elsewhere(known, path, {"long_prefix": on})
         assert d.worker == expected, (on, d)
         by_worker = {c.worker: c for c in d.candidates}
         assert by_worker[holder].cost == 2.0 * 10 + 400.0
@@ -654,23 +664,9 @@ def test_a_turn_stays_with_its_holder_under_the_long_move_term(known: str, path:
     125 / 8 = 5,906.25 more, and keeps it. The holder (nothing over the best) pays nothing more. The other
     worker is known by the index or only by the routing hint; on the compiled path, a subclass's Python
     path, and the stock model's Python path (a fleet with an approximate worker)."""
-    prompt = list(range(1_000, 1_000 + 200 * 16))
-    index = PrefixIndex()
-    holder, other, approx = WorkerKey("holder", 0), WorkerKey("other", 0), WorkerKey("approx", 0)
-    index.apply(holder, BlockStored(block_hashes=list(range(190)), token_ids=prompt[: 190 * 16], block_size=16))
-    if known == "index":
-        index.apply(other, BlockStored(block_hashes=[9_999], token_ids=prompt[:16], block_size=16))
-    load = {holder: 400.0, other: 0.0, approx: 1_000.0}
+    holder, other = _HOLDER, _OTHER
     for on, expected in ((False, other), (True, holder)):
-        kind = _PythonModel if path == "python" else CostModel
-        r = Router(index, cost=kind(long_move=on), seed=0, routed_ttl=10.0)
-        r.add_worker(holder)
-        r.add_worker(other)
-        if path == "approximate":
-            r.add_worker(approx, approximate=True)
-        if known == "hint":
-            r.on_start("started", other, prompt[:16])
-        d = r.select(prompt, load=load)
+        d = _a_turn_held_elsewhere(known, path, {"long_move": on})
         assert d.worker == expected, (on, d)
         by_worker = {c.worker: c for c in d.candidates}
         assert by_worker[holder].cost == 2.0 * 10 + 400.0
