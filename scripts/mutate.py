@@ -637,8 +637,8 @@ MUTATIONS: list[Mutation] = [
         "long-prefix-unread",
         "the compiled core prices CostModel.long_prefix as the Python reference does (it reads the setting)",
         "src/py/router.rs",
-        'if model.getattr(intern!(py, "long_prefix"))?.is_truthy()? {',
-        'if model.getattr(intern!(py, "long_prefix"))?.is_none() {',
+        'intern!(py, "long_prefix"),\n',
+        'intern!(py, "temperature"),\n',
         ("tests/test_router_scoring.py",),
     ),
     Mutation(
@@ -663,8 +663,8 @@ MUTATIONS: list[Mutation] = [
         "long-move-unread",
         "the compiled core prices CostModel.long_move as the Python reference does (it reads the setting)",
         "src/py/router.rs",
-        'long_move: if model.getattr(intern!(py, "long_move"))?.is_truthy()? {',
-        'long_move: if model.getattr(intern!(py, "long_move"))?.is_none() {',
+        'intern!(py, "long_move"),\n',
+        'intern!(py, "temperature"),\n',
         ("tests/test_router_scoring.py",),
     ),
     Mutation(

@@ -24,29 +24,19 @@ pub struct CostParams {
     pub eviction_weight: f64,
     /// the long-prefix term (`CostModel.long_prefix`): a prefill above `floor` blocks is priced
     /// super-linearly, `scale` blocks setting how fast; None: off
-    pub long_prefix: Option<LongPrefix>,
+    pub long_prefix: Option<Floored>,
     /// the long-move term (`CostModel.long_move`): what a candidate's prefill recomputes over the
     /// least prefill of any candidate, above `floor` blocks, priced super-linearly; None: off
-    pub long_move: Option<LongMove>,
+    pub long_move: Option<Floored>,
 }
 
-/// The long-move term's two figures (`CostModel.long_move_floor` / `long_move_scale`), in blocks
-/// of the router's `block_size`.
+/// A super-linear term's two figures (`CostModel.long_prefix_floor` / `long_prefix_scale`, or
+/// `long_move_floor` / `long_move_scale`), in blocks of the router's `block_size`.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct LongMove {
-    /// a recompute over the best candidate of at most this many blocks adds nothing
+pub struct Floored {
+    /// blocks (of prefill, or of recompute over the best candidate) up to which the term adds nothing
     pub floor: f64,
     /// blocks above the floor that add the linear price once more (at least 1: `CostModel` checks it)
-    pub scale: f64,
-}
-
-/// The long-prefix term's two figures (`CostModel.long_prefix_floor` / `long_prefix_scale`),
-/// in blocks of the router's `block_size`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct LongPrefix {
-    /// prefills of at most this many blocks cost what they cost without the term
-    pub floor: f64,
-    /// blocks above the floor that double a prefill's cost per block (at least 1: `CostModel` checks it)
     pub scale: f64,
 }
 
@@ -616,7 +606,7 @@ mod tests {
     fn a_long_prefill_is_priced_super_linearly_above_the_floor_only() {
         let long = CostParams {
             overlap_weight: 2.0,
-            long_prefix: Some(LongPrefix {
+            long_prefix: Some(Floored {
                 floor: 128.0,
                 scale: 1024.0,
             }),
@@ -645,7 +635,7 @@ mod tests {
     fn a_move_pays_super_linearly_for_what_it_recomputes_over_the_best_candidate() {
         let moving = CostParams {
             overlap_weight: 2.0,
-            long_move: Some(LongMove {
+            long_move: Some(Floored {
                 floor: 64.0,
                 scale: 8.0,
             }),

@@ -35,6 +35,23 @@ fn weight(model: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<f64>
     model.getattr(name)?.extract()
 }
 
+/// A super-linear term of the model (`long_prefix`, `long_move`): None while its flag is off (the
+/// default: one attribute read), else its floor and scale.
+fn floored(
+    model: &Bound<'_, PyAny>,
+    on: &Bound<'_, PyString>,
+    floor: &Bound<'_, PyString>,
+    scale: &Bound<'_, PyString>,
+) -> PyResult<Option<scoring::Floored>> {
+    if !model.getattr(on)?.is_truthy()? {
+        return Ok(None);
+    }
+    Ok(Some(scoring::Floored {
+        floor: weight(model, floor)?,
+        scale: weight(model, scale)?,
+    }))
+}
+
 /// The load of `w` in cost blocks: ``loads.get(w, 0) * scale``.
 fn load_of(loads: &Bound<'_, PyAny>, w: &Bound<'_, PyAny>, scale: f64) -> PyResult<f64> {
     let v = match loads.cast::<PyDict>() {
@@ -1525,24 +1542,18 @@ fn select<'py>(
         disk_credit: weight(model, intern!(py, "disk_credit"))?,
         external_credit: weight(model, intern!(py, "external_credit"))?,
         eviction_weight: weight(model, intern!(py, "eviction_weight"))?,
-        // off (the default): one attribute read; on: its floor and scale too
-        long_prefix: if model.getattr(intern!(py, "long_prefix"))?.is_truthy()? {
-            Some(scoring::LongPrefix {
-                floor: weight(model, intern!(py, "long_prefix_floor"))?,
-                scale: weight(model, intern!(py, "long_prefix_scale"))?,
-            })
-        } else {
-            None
-        },
-        // off (the default): one attribute read; on: its floor and scale too
-        long_move: if model.getattr(intern!(py, "long_move"))?.is_truthy()? {
-            Some(scoring::LongMove {
-                floor: weight(model, intern!(py, "long_move_floor"))?,
-                scale: weight(model, intern!(py, "long_move_scale"))?,
-            })
-        } else {
-            None
-        },
+        long_prefix: floored(
+            model,
+            intern!(py, "long_prefix"),
+            intern!(py, "long_prefix_floor"),
+            intern!(py, "long_prefix_scale"),
+        )?,
+        long_move: floored(
+            model,
+            intern!(py, "long_move"),
+            intern!(py, "long_move_floor"),
+            intern!(py, "long_move_scale"),
+        )?,
     };
     let want_tiers = !params.full_credit();
     // this call's copy of the router's table (`Loads`: other threads may change it meanwhile)
