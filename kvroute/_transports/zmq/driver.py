@@ -498,21 +498,17 @@ class SourceDriver(DriverBase):
     def _deferred_probe(self) -> None:
         """A replay slot came free after this source's quiet tick was deferred (rule 9): probe now if still quiet."""
         tick, self._deferred_tick = self._deferred_tick, None
-        if tick is None or self._stopped or not self.connected or not self.machine.probe_due:
-            return
-        at, messages = tick
-        # Still quiet: nothing received since the tick, and within one quiet interval of it
-        # (past that, a message may wait unread behind a slow loop: the next tick decides).
-        # The age first: it needs no hold of the native thread. When the last cold replays of a
-        # fleet end, every source deferred meanwhile is offered a slot in one burst, most of
-        # them long past their tick: holding the thread for each was O(n) holds at once.
-        if anyio.current_time() - at > self._cfg.quiet_interval:
+        # Still due and quiet: nothing received since the tick, and within one quiet interval of it
+        # (past that, a message may wait unread behind a slow loop: the next tick decides). Asked
+        # before the hold too, which it needs not: when the last cold replays of a fleet end, every
+        # source deferred meanwhile is offered a slot in one burst, most of them long past their
+        # tick, and holding the thread for each was O(n) holds at once. Asked again after it: the
+        # hold's drain may have handed this source something that settles its probe.
+        if tick is None or not self._still_quiet(*tick):
             return
         self._close_native_fast()
-        if self.counters.messages != messages or anyio.current_time() - at > self._cfg.quiet_interval:
+        if not self._still_quiet(*tick):
             return
-        if self._stopped or not self.connected or not self.machine.probe_due:
-            return  # the hold's drain handed this source something that settles its probe
         if not self._replays.slot_free():
             # The hold drained the thread's hand-overs, and another source's quiet tick among
             # them took the slot offered to this one (rule 9: a probe never queues behind busy
@@ -525,6 +521,16 @@ class SourceDriver(DriverBase):
             return
         self._replays.reserve()
         self.execute(self.machine.on_quiet())
+
+    def _still_quiet(self, at: float, messages: int) -> bool:
+        """A probe is due, and nothing was received since a quiet tick at ``at`` (``messages`` then) in one interval."""
+        return (
+            not self._stopped
+            and self.connected
+            and self.machine.probe_due
+            and self.counters.messages == messages
+            and anyio.current_time() - at <= self._cfg.quiet_interval
+        )
 
     def _close_native_fast(self) -> None:
         """Close the thread's fast path for this source, with what it applied on it recorded.
