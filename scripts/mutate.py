@@ -421,6 +421,15 @@ MUTATIONS: list[Mutation] = [
         ),
     ),
     Mutation(
+        "native-turn-never-looks-for-waiters",
+        "a replay turn on the native thread looks for waiting sources at its slice's end by itself",
+        "kvroute/_transports/zmq/replay.py",
+        "            elif slots.contended:\n                return  # had its slice",
+        "            elif False:\n                return  # had its slice",
+        ("tests/test_hostile_fleet.py",),
+        ("tests/test_hostile_fleet.py::test_a_waiter_that_comes_early_in_a_turn_gets_the_slot_at_its_slice",),
+    ),
+    Mutation(
         "runs-header-uncounted",
         "a relay's record stays within its byte bound with its header (worker ids), not its payloads alone",
         "kvroute/_jetstream_publish.py",

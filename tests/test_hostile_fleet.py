@@ -305,6 +305,23 @@ async def test_a_dripping_replay_gives_its_one_slot_up_at_the_slice() -> None:
             assert client.stats().sources[drip].replays >= 1
 
 
+async def test_a_waiter_that_comes_early_in_a_turn_gets_the_slot_at_its_slice() -> None:
+    # One replay slot, held by a replayer that never answers (replay_timeout 5 s). The honest
+    # source asks while that turn is a few ms old: no holder is past its slice, so its arrival
+    # nudges nobody. The holder must look for waiters at its slice's end by itself; on the
+    # native thread it did not, and the honest cold start waited the whole 5 s (CI: 0.5 s
+    # beside eight junk replayers whose turns had all just begun, against 30 ms alone).
+    cfg = msgspec.structs.replace(
+        FLEET, max_concurrent_replays=1, replay_slice=0.1, replay_timeout=5.0, replay_deadline=30.0
+    )
+    async with Honest(3) as honest, bad_fleet(1, "silent") as (silent,):
+        honest.steps(300)
+        async with KvEventClient([silent.source("silent")], config=cfg) as client:
+            await until(lambda: silent.requests >= 1)  # its turn just began: it holds the slot
+            took = await _cold_start(honest, client, "honest")
+            assert took < 2.5, took  # a slice (0.1 s) and the honest replay, not the 5 s timeout
+
+
 async def test_junk_replies_count_against_the_reply_budget() -> None:
     # A replayer answering junk every 20 ms (50/s), never a decodable reply nor the end marker;
     # replay_timeout 30 s, so only the 20-reply budget, junk included, ends the request early.

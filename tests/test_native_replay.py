@@ -232,13 +232,14 @@ async def test_an_unanswered_request_times_out_on_the_thread() -> None:
 
 
 async def test_a_deferred_probe_asked_beside_an_open_fast_path_is_no_restart(monkeypatch: pytest.MonkeyPatch) -> None:
-    # One replay slot, which a's slow answers keep busy, so a quiet tick is deferred (rule 9).
-    # Just before that source's deferred probe is asked, its engine publishes a batch and the
+    # One replay slot, which a's slow answers keep busy, so a quiet tick is deferred (rule 9):
+    # each answer comes later than the quiet interval, so b's next tick after any probe of its
+    # own finds a's holding the slot, whichever of them asked first. Just before that source's deferred probe is asked, its engine publishes a batch and the
     # thread applies it on the fast path the source's last drain opened, the loop kept from
     # running. The probe's answer must not look applied "off the machine's terms" (a reset and a
     # cold replay of a healthy worker, found in review): the fast path is closed, and what it
     # applied recorded, first.
-    cfg = msgspec.structs.replace(NATIVE, max_concurrent_replays=1)
+    cfg = msgspec.structs.replace(NATIVE, max_concurrent_replays=1, replay_timeout=1.5)
     forced: list[WorkerKey] = []
     armed: list[tuple[KvEventClient, dict[WorkerKey, tuple[EventPublisher, Workload]]]] = []
     original = SourceDriver._deferred_probe
@@ -263,7 +264,7 @@ async def test_a_deferred_probe_asked_beside_an_open_fast_path_is_no_restart(mon
         for _ in range(3):
             pa.publish(wa.batch())
             pb.publish(wb.batch())
-        async with _router(pa, lambda n, start: list(range(start, pa.next_seq)), delay=0.15) as endpoint:
+        async with _router(pa, lambda n, start: list(range(start, pa.next_seq)), delay=0.5) as endpoint:
             sa, sb = pa.source("a", replay_endpoint=endpoint), pb.source("b")
             async with KvEventClient([sa, sb], config=cfg) as client:
                 await client.wait_synced(20)

@@ -704,7 +704,7 @@ class SourceDriver(DriverBase):
                 try:
                     with anyio.CancelScope() as scope:
                         turn.scope = scope
-                        await pending.done.wait()
+                        await self._replays.hold(turn, pending.done)
                     turn.scope = None
                     if not pending.done.is_set():
                         # Another source waits and this turn had its slice: give way.

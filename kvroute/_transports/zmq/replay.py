@@ -243,6 +243,28 @@ class ReplayRequester:
             finally:
                 self._turn = None
 
+    async def hold(self, turn: Turn, done: anyio.Event) -> None:
+        """Wait in ``turn`` (from `turn`) for ``done``, or until the turn should give its slot up.
+
+        For a request carried out elsewhere, as `_take_turn` does for its own: within its slice
+        the turn wakes at the slice's end to look for waiters; past it, a waiter's nudge
+        (`ReplaySlots`) cancels it. A waiter that came while every holder was still within its
+        slice nudged nobody, and without this wake it waited out a holder's whole
+        ``replay_timeout`` (CI: an honest cold start took 0.5 s beside eight junk replayers whose
+        turns had all just begun, 30 ms alone).
+        """
+        slots = self._slots
+        while not done.is_set():
+            now = anyio.current_time()
+            ends = turn.began + turn.limit(now, slots.slice)
+            if now < ends:
+                with anyio.move_on_after(ends - now):
+                    await done.wait()
+            elif slots.contended:
+                return  # had its slice and another source waits: give way
+            else:
+                await done.wait()  # past the slice: a waiter's nudge cancels the caller's scope
+
     async def fetch(self, start: int) -> tuple[list[tuple[int, float, Payload | None]], bool, str | None]:
         """Ask for every buffered batch from ``start``; returns (items, end marker seen, failure).
 
