@@ -335,10 +335,15 @@ async def test_chaos(anyio_backend: str, tmp_path: Path) -> None:
             # machine loaded to 10-15 by fleet benchmarks beside it: no deep worker was resumed.
             deep_workers = {w for w in truth.engines if truth.engines[w][0].config.buffer_steps >= 10_000}
             async with client.events() as stream:
-                with anyio.move_on_after(90):
+                with anyio.move_on_after(90) as waited:
                     while not deep_workers <= set(client._positions()):
                         await stream.__anext__()
             first = client.stats()
+            # What the deep workers were when the snapshot was taken, for the assertion below.
+            before = {
+                w: (client.worker_status(w), first.sources[w].resets, first.sources[w].last_seq) for w in deep_workers
+            }
+            before_note = f"(wait for positions timed out: {waited.cancelled_caught}; at the snapshot: {before})"
         # Warm restart: the engines serve on while the router is down.
         path = tmp_path / "index.kvs"
         client.snapshot(path)
@@ -353,7 +358,7 @@ async def test_chaos(anyio_backend: str, tmp_path: Path) -> None:
             per = client.stats().sources
             deep = {w for w in resumed if truth.engines[w][0].config.buffer_steps >= 10_000}
             # vLLM's buffers (10,000 batches) cover the downtime: resumed without a reset.
-            assert deep and all(per[w].resets == 0 for w in deep), {w: per[w] for w in deep}
+            assert deep and all(per[w].resets == 0 for w in deep), ({w: per[w] for w in deep}, before_note)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(checkpoints, client, truth, queries, random.Random(seed + 3), checks)
                 await run_faults(faults, half)
