@@ -288,6 +288,17 @@ pub(crate) fn close_hole<S: Copy>(
     slots[hole] = empty;
 }
 
+/// Bit `j` set when slot `group[j]` is empty or its tag (the bits `hi` selects) is `tag`:
+/// the four compares are independent, so they compile to one vector compare and a mask.
+#[inline]
+fn group_hits(group: &[u32; 4], tag: u32, hi: u32) -> u32 {
+    let mut hits = 0u32;
+    for (j, &s) in group.iter().enumerate() {
+        hits |= u32::from(s == 0 || s & hi == tag) << j;
+    }
+    hits
+}
+
 fn max_load(cap: usize) -> usize {
     cap - cap / 8
 }
@@ -335,6 +346,31 @@ impl IdIndex {
         let (tag, mask) = (self.tag(h), self.id_mask());
         let mut i = self.home(h);
         loop {
+            // Four slots a step: which of them end the probe (empty) or may hold the key (its
+            // tag), as one bit mask. A new key's probe (most of a fill's lookups) runs to an
+            // empty slot, ~8 slots on average between 7/12 and 7/8 full; slot by slot that was
+            // 14 instructions a slot (callgrind, `bench/callgrind_ingest.py`).
+            if let Some(group) = self.slots.get(i..).and_then(|g| g.first_chunk::<4>()) {
+                let mut hits = group_hits(group, tag, !mask);
+                while hits != 0 {
+                    let j = hits.trailing_zeros() as usize;
+                    let s = group[j];
+                    if s == 0 {
+                        return Err(i + j);
+                    }
+                    let id = (s & mask) - 1;
+                    if recs[id as usize].key == *key {
+                        return Ok(id);
+                    }
+                    hits &= hits - 1;
+                }
+                i += 4;
+                if i == cap {
+                    i = 0;
+                }
+                continue;
+            }
+            // The last three slots, one by one, then on from slot 0.
             let s = self.slots[i];
             if s == 0 {
                 return Err(i);
