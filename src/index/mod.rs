@@ -208,26 +208,6 @@ impl<V: Copy + Default> IntMap<V> {
         }
         let mut i = scaled(hh, cap);
         loop {
-            // Four slots a step, their two compares each folded into one bit mask with no
-            // branch per slot: a new hash's probe (every insert of a fill) runs ~8 slots to an
-            // empty one between 7/12 and 7/8 full, at 11 instructions a slot one by one
-            // (callgrind, `bench/callgrind_ingest.py`).
-            if let Some(group) = self.slots.get(i..).and_then(|g| g.first_chunk::<4>()) {
-                let mut hits = 0u32;
-                for (j, e) in group.iter().enumerate() {
-                    let k = e.0.get();
-                    hits |= u32::from(k == h || k == EMPTY_HASH) << j;
-                }
-                if hits != 0 {
-                    return Some(i + hits.trailing_zeros() as usize);
-                }
-                i += 4;
-                if i == cap {
-                    i = 0;
-                }
-                continue;
-            }
-            // The last three slots, one by one, then on from slot 0.
             let k = self.slots[i].0.get();
             if k == h || k == EMPTY_HASH {
                 return Some(i);
