@@ -7,7 +7,7 @@ zero and dump its counters at, so the dump holds the fill alone::
         .venv/bin/python bench/callgrind_ingest.py dynamo
     callgrind_annotate callgrind.out.<pid>.1      # the fill's instructions: its total ÷ the blocks printed
 
-Streams: ``dynamo`` is `bench_vs_dynamo.py`'s ingest (16 workers × 12 sequences × 512 blocks, one map-form
+Streams: ``dynamo`` is `bench_vs_dynamo.py`'s ingest (16 workers x 12 sequences x 512 blocks, one map-form
 store a batch); ``core`` is `bench_core.py`'s (16 workers, 1-4 events of 1-32 blocks a batch, 70 % chained on an
 earlier block). ``--msgspec`` marks a bare ``msgspec.msgpack.decode`` of the same payloads instead: the issue-18
 ratio's denominator in instructions. The stream is generated with a fixed seed, so every build (another venv's
