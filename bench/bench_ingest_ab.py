@@ -9,7 +9,8 @@ build, alternating which goes first; a child builds the stream (fixed seed: the 
 times ``repeat`` turns of a bare ``msgspec.msgpack.decode`` of the payloads, ``PrefixIndex.apply_payload`` into an
 empty index, and (when ``dynamo._core`` imports) Dynamo's ``RadixTree.apply_event`` on the same blocks, taking
 turns as `bench_vs_dynamo.py` does, best of each. Printed per round: each build's ingest ÷ msgspec and ÷ Dynamo,
-and this build's ingest ÷ the baseline's; then the medians, beside the load average.
+and this build's ingest ÷ the baseline's; then the medians, beside the load average. ``--cpu`` times thread CPU
+time instead of wall time (`bench_fill.py`'s clock: a preempted turn does not count), without Dynamo.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def child(stream: str, repeat: int) -> None:
-    """Time the paths in turns and print their best blocks/s as JSON."""
+def child(stream: str, repeat: int, cpu: bool) -> None:
+    """Time the paths in turns and print their best blocks/s as JSON (``cpu``: thread CPU time, no Dynamo)."""
     import msgspec
 
     sys.path.insert(0, str(HERE))
@@ -39,23 +40,24 @@ def child(stream: str, repeat: int) -> None:
 
     pairs, blocks = callgrind_ingest.stream(stream)
     decode = msgspec.msgpack.decode
+    clock = time.thread_time if cpu else time.perf_counter
 
     def bare() -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         for _, p in pairs:
             decode(p)
-        return time.perf_counter() - t0
+        return clock() - t0
 
     def ingest() -> float:
         idx = kvroute.PrefixIndex()
         apply = idx.apply_payload
-        t0 = time.perf_counter()
+        t0 = clock()
         for w, p in pairs:
             apply(w, p)
-        return time.perf_counter() - t0
+        return clock() - t0
 
     runs = {"msgspec": bare, "apply_payload": ingest}
-    if bvd.RadixTree is not None and stream == "dynamo":
+    if bvd.RadixTree is not None and stream == "dynamo" and not cpu:
         wl = bvd.make_workload(16, 12, 512, seed=1)
 
         def dynamo() -> float:
@@ -80,11 +82,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--repeat", type=int, default=5, help="turns per child, the best kept (default 5)")
     ap.add_argument("--stream", default="dynamo", choices=("dynamo", "core"))
+    ap.add_argument("--cpu", action="store_true",
+                    help="thread CPU time instead of wall time (preemption not counted; Dynamo, which applies on "
+                         "its own thread, left out)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         gc.collect()
-        child(args.stream, args.repeat)
+        child(args.stream, args.repeat, args.cpu)
         return
     if not args.baseline:
         ap.error("--baseline DIR is required")
@@ -93,8 +98,9 @@ def main() -> None:
         env = dict(os.environ)
         if base:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.baseline, env.get("PYTHONPATH")]))
-        out = subprocess.run([sys.executable, __file__, "--child", "--stream", args.stream, "--repeat",
-                              str(args.repeat)], env=env, check=True, capture_output=True, text=True)
+        cmd = [sys.executable, __file__, "--child", "--stream", args.stream, "--repeat", str(args.repeat)]
+        cmd += ["--cpu"] if args.cpu else []
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
         return json.loads(out.stdout)  # type: ignore[no-any-return]
 
     ratios: dict[str, list[float]] = {"this": [], "base": [], "this/dyn": [], "base/dyn": [], "this/base": []}
