@@ -307,6 +307,17 @@ impl<V: Copy + Default> IntMap<V> {
         }
     }
 
+    /// Room for `more` entries beyond those held, made at once: a store of many new blocks
+    /// re-places the entries once, where growing by half entry by entry could re-place them
+    /// two or three times over one store into a small table. The capacity is the one those
+    /// inserts would have grown it to.
+    fn reserve(&mut self, more: usize) {
+        let want = self.len + more;
+        if want > int_map_load(self.slots.len()) {
+            self.grow_to(want);
+        }
+    }
+
     /// Start bringing the slot a probe of an engine hash whose `hash_u64` is `hh` reads first
     /// into cache (a worker's table at 1M entries is megabytes: every insert missed on it).
     #[inline]
@@ -402,6 +413,12 @@ impl<V: Copy + Default> EMap<V> {
             BlockHash::Int(i) => hash_u64(*i),
             BlockHash::Bytes(_) => 0,
         }
+    }
+
+    /// Room for `more` new uint64 hashes (`IntMap::reserve`).
+    #[inline]
+    pub(crate) fn reserve_ints(&mut self, more: usize) {
+        self.ints.reserve(more);
     }
 
     /// Bytes of the uint64 hashes' slots (what a probe reads at random).

@@ -743,6 +743,13 @@ impl<K: WorkerName> Index<K> {
         sc.slot_hashes.clear();
         sc.slot_hashes
             .extend(hashes.iter().map(EMap::<u32>::slot_hash));
+        // Every hash is inserted below unless one is held already (then the slow path inserts
+        // the new ones): grow once for all of them, before any slot is prefetched.
+        let ints = hashes
+            .iter()
+            .filter(|h| matches!(h, BlockHash::Int(_)))
+            .count();
+        w.blocks.reserve_ints(ints);
         let far = w.blocks.slot_bytes() > FAR_TABLE_BYTES;
         if far {
             for &hh in sc.slot_hashes.iter().take(LOOKUP_AHEAD) {
