@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import logging
@@ -53,12 +54,24 @@ from kvroute.sim._grpc import ServerTls, SglangService, VllmControlService, serv
 pytestmark = pytest.mark.anyio
 
 
-
 def free_port() -> int:
-    """A port nobody listens on right now (bound then released)."""
+    """A port nobody listens on right now (bound then released), for a server a test starts on it later."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def refusing_port() -> Iterator[int]:
+    """A loopback port that refuses connections while the block runs: bound, never listening.
+
+    A released `free_port` is the OS's to give again: a gRPC server the same test then started on
+    port 0 got it, and the "dead" target answered as that server (CI: exit 5, unusable source,
+    where 3, unreachable, was expected).
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield int(s.getsockname()[1])
 
 
 def kv_source(rank: int = 0, endpoint: str | None = None, **fields: Any) -> vllm_pb.KvEventSource:
@@ -410,12 +423,13 @@ async def test_a_late_server_is_found_by_retrying() -> None:
 
 
 async def test_a_dead_port_fails_clearly_within_the_timeout() -> None:
-    target = f"127.0.0.1:{free_port()}"
-    started = time.monotonic()
-    with pytest.raises(
-        TargetUnreachableError, match=r"no answer within 0.4s \(\d+ attempts; last: UNAVAILABLE"
-    ) as info:
-        await discover(target, timeout=0.4)
+    with refusing_port() as port:
+        target = f"127.0.0.1:{port}"
+        started = time.monotonic()
+        with pytest.raises(
+            TargetUnreachableError, match=r"no answer within 0.4s \(\d+ attempts; last: UNAVAILABLE"
+        ) as info:
+            await discover(target, timeout=0.4)
     # Slack for a loaded 2-core CI machine (0.96 s was seen there): channel setup and teardown are
     # outside the deadline, and a discovery that ignored its timeout would not stop at all.
     assert time.monotonic() - started < 0.4 + 1.6
@@ -710,7 +724,11 @@ async def test_cli_table_and_json() -> None:
 
 
 async def test_cli_exit_code_per_failure_kind(monkeypatch: pytest.MonkeyPatch) -> None:
-    dead = f"127.0.0.1:{free_port()}"
+    with refusing_port() as port:
+        await _cli_exit_codes(f"127.0.0.1:{port}", monkeypatch)
+
+
+async def _cli_exit_codes(dead: str, monkeypatch: pytest.MonkeyPatch) -> None:
     disabled = sglang(sglang_server_info(None))
     unusable = vllm([kv_source(0, transport="nng")])
     malformed = sglang("{")

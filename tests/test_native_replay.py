@@ -234,7 +234,8 @@ async def test_an_unanswered_request_times_out_on_the_thread() -> None:
 async def test_a_deferred_probe_asked_beside_an_open_fast_path_is_no_restart(monkeypatch: pytest.MonkeyPatch) -> None:
     # One replay slot, which a's slow answers keep busy, so a quiet tick is deferred (rule 9):
     # each answer comes later than the quiet interval, so b's next tick after any probe of its
-    # own finds a's holding the slot, whichever of them asked first. Just before that source's deferred probe is asked, its engine publishes a batch and the
+    # own finds a's holding the slot, whichever of them asked first. Just before that source's
+    # deferred probe is asked, its engine publishes a batch and the
     # thread applies it on the fast path the source's last drain opened, the loop kept from
     # running. The probe's answer must not look applied "off the machine's terms" (a reset and a
     # cold replay of a healthy worker, found in review): the fast path is closed, and what it

@@ -43,6 +43,7 @@ import msgspec
 from .._models import EventSource
 from .._proto import sglang_service_pb2 as sglang_pb
 from .._proto import vllm_control_pb2 as vllm_pb
+from ._ports import free_port
 
 __all__ = [
     "GrpcServer",
@@ -283,7 +284,9 @@ async def start_grpc_server(
     executor = futures.ThreadPoolExecutor(max_workers=_HANDLER_THREADS, thread_name_prefix="kvroute-sim-grpc")
     # so_reuseport off: a second server on a busy port must fail, not silently share it.
     server = grpc.server(executor, handlers=[s.handler() for s in services], options=[("grpc.so_reuseport", 0)])
-    address = _host_port(host, port)
+    # Below the ephemeral range: a discovery server stopped and started on its port (`DiscoveryServer`)
+    # finds it free.
+    address = _host_port(host, port or free_port(host))
     try:
         if tls is None:
             bound = server.add_insecure_port(address)

@@ -29,6 +29,7 @@ from .._recovery import REPLAY_END_MARKER
 from .._transports.zmq import sockets as _zmq
 from .._wire import EngineEvent, EventBatch, encode_batch
 from ._lifecycle import AsyncService
+from ._ports import bind_zmq
 
 __all__ = ["END_SEQ", "EventPublisher"]
 
@@ -49,6 +50,10 @@ _REBIND_PAUSE = 0.005
 
 
 def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
+    host, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port == "0":
+        bind_zmq(sock, host)  # below the ephemeral range, so a restart can bind it again
+        return _bound(sock)
     deadline = time.monotonic() + _REBIND_TIMEOUT
     while True:
         try:
@@ -58,8 +63,12 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
                 raise
             time.sleep(_REBIND_PAUSE)
         else:
-            last: bytes = sock.getsockopt(zmq.LAST_ENDPOINT)  # type: ignore[assignment]
-            return last.decode("ascii")
+            return _bound(sock)
+
+
+def _bound(sock: zmq.Socket[bytes]) -> str:
+    last: bytes = sock.getsockopt(zmq.LAST_ENDPOINT)  # type: ignore[assignment]
+    return last.decode("ascii")
 
 
 class EventPublisher(AsyncService):
