@@ -85,11 +85,6 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     band)`` of the prompt: a third at 0.5); load balance is what it was. 0 chooses among the
     cheapest only. Counts decay by half every ``footprint_half_life`` (64) new placements the
     router makes. Applies at ``temperature`` 0. Measured in ``kvroute demo`` (docs/routing-quality.md).
-    ``footprint_held_blocks`` (0: off): above 0, a prompt some candidate holds at least this many
-    blocks of (of the router's ``block_size``, by the counted overlap or the routing hint) is no new
-    placement, whatever share of the prompt that is: a conversation turn whose history fills under
-    half of a long prompt stays priced by cost alone, so the footprint's band does not trade its holder
-    away (with ``long_move``, ``long_move_floor`` is the natural figure).
     ``long_prefix`` (False): price a long recompute super-linearly. A prefill ``p`` of more than
     ``long_prefix_floor`` (128) blocks costs ``overlap_weight * p * (1 + (p - long_prefix_floor)
     / long_prefix_scale)`` (``long_prefix_scale`` 1,024, at least 1) instead of ``overlap_weight * p``, both in
@@ -132,7 +127,6 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     footprint_band: float = 0.5
     footprint_new_share: float = 0.5
     footprint_half_life: float = 64.0
-    footprint_held_blocks: float = 0.0
     long_prefix: bool = False
     long_prefix_floor: float = 128.0
     long_prefix_scale: float = 1024.0
@@ -152,7 +146,6 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         _check_range("footprint_band", self.footprint_band, 0.0)
         _check_range("footprint_new_share", self.footprint_new_share, 0.0, 1.0)
         _check_range("footprint_half_life", self.footprint_half_life, 0.0, low_open=True)
-        _check_range("footprint_held_blocks", self.footprint_held_blocks, 0.0)
         if not isinstance(self.long_prefix, bool):
             raise RouterError(f"long_prefix must be a bool, got {self.long_prefix!r}")
         _check_range("long_prefix_floor", self.long_prefix_floor, 0.0)

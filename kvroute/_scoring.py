@@ -255,14 +255,10 @@ class ReferenceScoring:
 
     def _new_placement(self: _RouterParts, ntok: int, best_overlap: int) -> bool:
         """Whether a prompt is a new placement for the footprint (`CostModel.footprint`): on, at
-        temperature 0, and no candidate holds ``footprint_new_share`` of it (``best_overlap`` tokens) nor,
-        with ``footprint_held_blocks`` above 0, that many blocks of it. The compiled `select` decides the
-        same in the core (src/py/router.rs)."""
+        temperature 0, and no candidate holds ``footprint_new_share`` of it (``best_overlap`` tokens). The
+        compiled `select` decides the same in the core (src/py/router.rs)."""
         model = self.cost_model
-        if not (model.footprint and model.temperature == 0.0 and best_overlap < model.footprint_new_share * ntok):
-            return False
-        held = model.footprint_held_blocks
-        return not (held > 0.0 and best_overlap >= held * self.block_size)
+        return model.footprint and model.temperature == 0.0 and best_overlap < model.footprint_new_share * ntok
 
     def _select_reference(
         self: _RouterParts,

@@ -701,19 +701,6 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_router_scoring.py",),
     ),
     Mutation(
-        "footprint-held-ignored",
-        "a prompt a candidate holds footprint_held_blocks of is no new placement (the Python path)",
-        "kvroute/_scoring.py",
-        "        return not (held > 0.0 and best_overlap >= held * self.block_size)\n",
-        "        return True\n",
-        ("tests/test_router_scoring.py",),
-    ),
-    Mutation(
-        "footprint-held-ignored-core",
-        "a prompt a candidate holds footprint_held_blocks of is no new placement (the compiled select)",
-        "src/py/router.rs",
-        "let kept = held > 0.0 && best_overlap as f64 >= held * unit as f64;",
-        "let kept = held < 0.0;",
         ("tests/test_router_scoring.py",),
     ),
     # --- the gateway stream ---

@@ -58,17 +58,16 @@ def _long(long_prefix: tuple[float, float] | None) -> dict:
 
 
 # `CostModel.long_move` off, or on with a floor and scale: floors this file's prompts (at most 50 blocks)
-# cross, from none to 16 blocks, scales steep and gentle; and `footprint_held_blocks` with it or alone.
+# cross, from none to 16 blocks, scales steep and gentle.
 _long_move = st.sampled_from(
     [
         {},
         {},
         {"long_move": True, "long_move_floor": 0.0, "long_move_scale": 1.0},
         {"long_move": True, "long_move_floor": 3.0, "long_move_scale": 8.0},
-        {"long_move": True, "long_move_floor": 7.5, "long_move_scale": 2.0, "footprint_held_blocks": 7.5},
+        {"long_move": True, "long_move_floor": 7.5, "long_move_scale": 2.0},
         {"long_move": True, "long_move_floor": 16.0, "long_move_scale": 1.0},
-        {"footprint_held_blocks": 1.0},
-        {"footprint_held_blocks": 4.5},
+        {"long_move": True, "long_move_floor": 0.0, "long_move_scale": 2.0},
     ]
 )
 
@@ -719,23 +718,3 @@ def test_the_long_move_settings_are_checked() -> None:
     assert model.move(12.0) == 2.0 * 12 * 8 / 8
     assert model.move(4.0) == 0.0
     assert CostModel().long_move is False
-
-
-@pytest.mark.parametrize("path", ["compiled", "python"])
-def test_a_holder_of_enough_blocks_keeps_its_turn_from_the_footprint(path: str) -> None:
-    """A 500-block turn whose holder holds 200 blocks (40 %, under `footprint_new_share`) counts as a new
-    placement, and the footprint sends it to the other worker, in its band (2 * 500 = 1,000 against
-    1.5 * (2 * 300 + 100)) with fewer new placements. With `footprint_held_blocks` 64 the holder's 200
-    blocks make it no new placement: the cheapest, the holder, keeps it."""
-    prompt = list(range(1_000, 1_000 + 500 * 16))
-    index = PrefixIndex()
-    holder, other = WorkerKey("holder", 0), WorkerKey("other", 0)
-    index.apply(holder, BlockStored(block_hashes=list(range(200)), token_ids=prompt[: 200 * 16], block_size=16))
-    kind = _PythonModel if path == "python" else CostModel
-    for held, expected in ((0.0, other), (64.0, holder), (201.0, other)):
-        r = Router(index, cost=kind(footprint_held_blocks=held), seed=0)
-        r.add_worker(holder)
-        r.add_worker(other)
-        r._footprint.add(holder, 64.0)  # an earlier new session went to the holder
-        d = r.select(prompt, load={holder: 100.0}, request_id="turn")
-        assert d.worker == expected, (held, d)

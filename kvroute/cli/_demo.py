@@ -98,8 +98,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=",".join(POLICIES),
         help=f"comma-separated policies to run, in order (default {','.join(POLICIES)}; also "
         "kvroute_index_only: kvroute without its routing hint; kvroute_no_footprint: without its footprint; "
-        "kvroute_long_prefix: with CostModel.long_prefix on; kvroute_long_move: with CostModel.long_move on "
-        "(kvroute_long_move_held: and footprint_held_blocks at its floor); "
+        "kvroute_long_prefix: with CostModel.long_prefix on; kvroute_long_move: with CostModel.long_move on; "
         "kvroute_hashed: new sessions placed by a hash of "
         "their leading tokens instead of the footprint, a prototype)",
     )

@@ -50,15 +50,12 @@ POLICIES = ("kvroute", "oracle", "session_affinity", "least_load", "round_robin"
 #: ``kvroute_no_footprint`` kvroute without its footprint (``CostModel(footprint=False)``),
 #: ``kvroute_long_prefix`` kvroute with the long-prefix term (``CostModel(long_prefix=True)``),
 #: ``kvroute_long_move`` kvroute pricing a move by what it recomputes over the best candidate
-#: (``CostModel(long_move=True)``), ``kvroute_long_move_held`` the same with the footprint judged on the holder's
-#: blocks (``footprint_held_blocks=long_move_floor``),
 #: ``kvroute_hashed`` kvroute placing new sessions by a stable hash of their leading tokens (`HashedPlacementPolicy`).
 EXTRA_POLICIES = (
     "kvroute_index_only",
     "kvroute_no_footprint",
     "kvroute_long_prefix",
     "kvroute_long_move",
-    "kvroute_long_move_held",
     "kvroute_hashed",
 )
 #: The policies that are kvroute's `Router` (the demo follows the engines' ``/metrics`` for them on ZMQ fleets).
@@ -361,8 +358,6 @@ def make_policy(
     ``kvroute_no_footprint`` kvroute with ``cost``'s ``footprint`` off (new sessions not spread);
     ``kvroute_long_prefix`` kvroute with ``cost``'s ``long_prefix`` on (a long recompute priced super-linearly).
     ``kvroute_long_move`` kvroute with ``cost``'s ``long_move`` on (a move priced by what it recomputes over the best
-    candidate); ``kvroute_long_move_held`` also with ``footprint_held_blocks`` at ``long_move_floor`` (a prompt
-    one worker holds that many blocks of is no new placement).
     ``engine_loads``: the engines' reports kvroute's `Router` reads (default: the client's, which a
     gateway stream fills); the demo passes the engines' scraped ``/metrics`` on plain ZMQ fleets.
     """
@@ -374,9 +369,6 @@ def make_policy(
             cost = msgspec.structs.replace(cost or CostModel(), long_prefix=True)
         elif name == "kvroute_long_move":
             cost = msgspec.structs.replace(cost or CostModel(), long_move=True)
-        elif name == "kvroute_long_move_held":
-            cost = cost or CostModel()
-            cost = msgspec.structs.replace(cost, long_move=True, footprint_held_blocks=cost.long_move_floor)
         kind = HashedPlacementPolicy if name == "kvroute_hashed" else KvRoutePolicy
         return kind(
             Router(

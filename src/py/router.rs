@@ -2003,11 +2003,8 @@ fn select<'py>(
                 .map(|r| r.overlap_tokens.max(r.routed_tokens))
                 .max()
                 .unwrap_or(0);
-            // `CostModel.footprint_held_blocks`: a holder of that many blocks makes no new placement
-            let held: f64 = weight(model, intern!(py, "footprint_held_blocks"))?;
-            let kept = held > 0.0 && best_overlap as f64 >= held * unit as f64;
             // exact as Python's int-to-float comparison below 2^53
-            if (best_overlap as f64) < new_share * ntok_i as f64 && !kept {
+            if (best_overlap as f64) < new_share * ntok_i as f64 {
                 let place = NewPlacement {
                     index,
                     universe,
