@@ -700,9 +700,6 @@ MUTATIONS: list[Mutation] = [
         "        idle_cost\n",
         ("tests/test_router_scoring.py",),
     ),
-    Mutation(
-        ("tests/test_router_scoring.py",),
-    ),
     # --- the gateway stream ---
     Mutation(
         "data-loss-kept",
