@@ -258,7 +258,7 @@ async def run(args: argparse.Namespace) -> None:
         raise SystemExit("nats-server is not installed (apt-get install nats-server)")
     n_sources = 4
     n_batches = 2_000 if args.quick else 6_500  # per source, ~40 blocks each: >= 1M index entries
-    paced = 200 if args.quick else 500
+    paced = args.lag_batches or (200 if args.quick else 500)  # per source
     payloads, blocks = make_payloads(n_batches * n_sources, n_sources, seed=1)
     paced_payloads, _ = make_payloads(paced * n_sources, n_sources, seed=2)
     all_payloads = [a + b for a, b in zip(payloads, paced_payloads)]
@@ -484,6 +484,14 @@ def main() -> None:
         default=0.0,
         metavar="N",
         help="pace the lag round at N batches/s (default: a quarter of the throughput round's rate)",
+    )
+    parser.add_argument(
+        "--lag-batches",
+        type=int,
+        default=0,
+        metavar="N",
+        help="batches per source in the paced lag round (default 500, 200 with --quick: under a second at the"
+        " issue's 500k blocks/s, a burst's figures; a few thousand give a steady state's)",
     )
     parser.add_argument(
         "--profile",
