@@ -14,7 +14,9 @@ One run, every figure with its baseline beside it (the machine is shared and noi
   the first send to the last replica holding the last batch;
 - apply lag: the same at a paced rate; lag = replica apply time - publisher send time, per batch,
   p50 / p90 / p99 over the three replicas, beside the part up to the relay's own client (an
-  ``events()`` listener beside the relay's: engines -> client, no NATS);
+  ``events()`` listener beside the relay's: engines -> client, no NATS). A client follower's apply
+  times come from an ``events()`` listener, which makes it decode every batch for the listener (a
+  replica without one does not): ``--follower replica`` measures without that cost;
 - cold start: a fresh replica process from the relay's snapshot (the whole index, >= 1M entries
   in a full run) plus the log after it, until synced;
 - CPU: each part's process time in the throughput round, counted from where the process stood when
