@@ -1036,9 +1036,7 @@ mod tests {
         assert_eq!(form(&t, id), 3);
         assert!(t.sets_free.is_empty() && t.sets.len() == 1);
     }
-    /// The id index against a plain map through churn: keys come and go in a pseudo-random
-    /// order (a fixed xorshift), across growths, id-width rebuilds and backward-shift removals,
-    /// including keys whose homes collide (the same high bits: one cluster that wraps around).
+
     #[test]
     fn group_hits_marks_the_empty_and_tagged_slots_of_a_group() {
         // Slots drawn from a few tags and ids, empty among them, under every id width.
@@ -1066,6 +1064,9 @@ mod tests {
         }
     }
 
+    /// The id index against a plain map through churn: keys come and go in a pseudo-random
+    /// order (a fixed xorshift), across growths, id-width rebuilds and backward-shift removals,
+    /// including keys whose homes collide (the same high bits: one cluster that wraps around).
     #[test]
     fn the_id_index_agrees_with_a_map_through_churn() {
         let mut t = KeyTable::default();
