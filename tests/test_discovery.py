@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
 import logging
@@ -18,6 +17,7 @@ import anyio.to_thread
 import grpc
 import pytest
 import trustme
+from _ports import free_port, refusing_port
 from _publisher_helpers import needs_ipv6
 
 from kvroute._discovery import (
@@ -52,26 +52,6 @@ from kvroute.cli._display import (
 from kvroute.sim._grpc import ServerTls, SglangService, VllmControlService, serve_grpc, sglang_server_info
 
 pytestmark = pytest.mark.anyio
-
-
-def free_port() -> int:
-    """A port nobody listens on right now (bound then released), for a server a test starts on it later."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def refusing_port() -> Iterator[int]:
-    """A loopback port that refuses connections while the block runs: bound, never listening.
-
-    A released `free_port` is the OS's to give again: a gRPC server the same test then started on
-    port 0 got it, and the "dead" target answered as that server (CI: exit 5, unusable source,
-    where 3, unreachable, was expected).
-    """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        yield int(s.getsockname()[1])
 
 
 def kv_source(rank: int = 0, endpoint: str | None = None, **fields: Any) -> vllm_pb.KvEventSource:

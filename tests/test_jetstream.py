@@ -7,7 +7,6 @@ Each test starts its own server on a free loopback port with a temporary storage
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import random
@@ -25,6 +24,7 @@ import anyio
 import anyio.abc
 import msgspec
 import pytest
+from _ports import free_port, refusing_port
 from _publisher_helpers import FAST, Workload, wait_for
 from anyio.streams.text import TextReceiveStream
 
@@ -59,27 +59,12 @@ NATS = shutil.which("nats-server")
 # --- a real server ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _refusing_port() -> Iterator[int]:
-    """A loopback port that refuses connections while the block runs: bound, never listening, so no
-    other process (a test's NATS server beside this one) can take it as it could a `_free_port`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        yield int(s.getsockname()[1])
-
-
 class NatsServer:
     """``nats-server -js`` on loopback with file storage in ``store``; restartable on the same port."""
 
     def __init__(self, store: Path) -> None:
         self.store = store
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -798,7 +783,7 @@ def test_relay_command_exit_codes() -> None:
 
     assert main(["relay", "127.0.0.1:1", "--lease-ttl", "0"]) == 2
     # No NATS server there: the first connect is bounded and reported, not retried forever.
-    with _refusing_port() as port:
+    with refusing_port() as port:
         assert main(["relay", "127.0.0.1:1", "--nats", f"nats://127.0.0.1:{port}", "--duration", "1"]) == 1
 
 
@@ -808,7 +793,7 @@ def test_relay_command_takes_lease_stall() -> None:
     # Below the ttl it is refused as usage, like JetStreamRelay(lease_stall=) refuses it.
     assert main(["relay", "127.0.0.1:1", "--lease-ttl", "3", "--lease-stall", "2"]) == 2
     # Accepted, and handed to the relay (which then fails on the absent server as without it).
-    with _refusing_port() as port:
+    with refusing_port() as port:
         assert main(["relay", "127.0.0.1:1", "--nats", f"nats://127.0.0.1:{port}", "--lease-stall", "40"]) == 1
 
 
@@ -823,7 +808,7 @@ def test_relay_command_takes_no_runs_records(monkeypatch: pytest.MonkeyPatch) ->
         return JetStreamRelay(*args, runs_records=runs_records, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(relay_cli, "JetStreamRelay", relay)
-    with _refusing_port() as port:
+    with refusing_port() as port:
         assert main(["relay", "127.0.0.1:1", "--nats", f"nats://127.0.0.1:{port}", "--no-runs-records"]) == 1
         assert main(["relay", "127.0.0.1:1", "--nats", f"nats://127.0.0.1:{port}"]) == 1
     assert made == [False, True]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from threading import Thread
 import anyio
 import anyio.abc
 import pytest
+from _ports import free_port
 
 import kvroute
 from kvroute import ConfigError, EventSource, KvEventClient, KvRouteError, NotSyncedError, WorkerKey
@@ -31,12 +31,6 @@ from kvroute.cli._watch import _title
 from kvroute.sim import SimConfig, SimEngine
 
 pytestmark = pytest.mark.anyio
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @asynccontextmanager
