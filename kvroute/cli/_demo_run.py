@@ -320,9 +320,7 @@ class _PolicyRun:
                 await self.client.wait_synced(sync_timeout)
             with anyio.move_on_after(sync_timeout):
                 # Polled: the client has no event per applied seq, and this runs once per demo run.
-                while True:
-                    if self._applied_all():
-                        break
+                while not self._applied_all():  # noqa: ASYNC110
                     await anyio.sleep(0.02)
             background.cancel_scope.cancel()
         self._progress()
