@@ -13,10 +13,11 @@ One run, every figure with its baseline beside it (the machine is shared and noi
   JetStream transport, the default, or `JetStreamReplica`). Figure: blocks per second from
   the first send to the last replica holding the last batch;
 - apply lag: the same at a paced rate; lag = replica apply time - publisher send time, per batch,
-  p50 / p90 / p99 over the three replicas, beside the part up to the relay's own client (an
-  ``events()`` listener beside the relay's: engines -> client, no NATS). A client follower's apply
-  times come from an ``events()`` listener, which makes it decode every batch for the listener (a
-  replica without one does not): ``--follower replica`` measures without that cost;
+  p50 / p90 / p99 over the three replicas, beside the part up to the relay's own client (timed in
+  the relay's raw tap: engines -> client, no NATS). Followers are timed by the log's ``on_applied``
+  hook (`JetStreamSource.on_applied` for a client), so nothing decodes a batch only for the bench;
+  ``--listen`` times a client follower by an ``events()`` listener instead (as session 12 did: each
+  follower then decodes every batch for it);
 - cold start: a fresh replica process from the relay's snapshot (the whole index, >= 1M entries
   in a full run) plus the log after it, until synced;
 - CPU: each part's process time in the throughput round, counted from where the process stood when
@@ -61,6 +62,7 @@ from kvroute import (
     SubscriberConfig,
     WorkerKey,
 )
+from kvroute._transports.jetstream import JetStreamSource  # the client's log source: its on_applied hook
 
 STREAM = "BENCH"
 
@@ -113,15 +115,17 @@ def _replica_process(
     conn: multiprocessing.connection.Connection,
     backend: str,
     kind: str,
+    listen: bool = False,
     profile: str | None = None,
     profile_sync: bool = False,
 ) -> None:
     """A replica in its own process: reports apply times per (worker, seq) until told to stop.
 
-    ``kind``: "client" is a `KvEventClient` on the JetStream transport (apply times from an ``events()``
-    listener, attached only for rounds that measure lag: listening costs a decode per batch), "replica"
-    a `JetStreamReplica` (apply times from its ``on_applied`` hook, every round). ``profile``: cProfile
-    (CPU time) the first round into that file, or with ``profile_sync`` the reading up to synced.
+    ``kind``: "client" is a `KvEventClient` on the JetStream transport, "replica" a `JetStreamReplica`;
+    apply times come from the log's ``on_applied`` hook, or with ``listen`` (a client only) from an
+    ``events()`` listener attached for rounds that measure lag (listening costs a decode per batch).
+    ``profile``: cProfile (CPU time) the first round into that file, or with ``profile_sync`` the
+    reading up to synced.
     """
 
     # Each follower's start, phase by phase (snapshot read, restore, subscribe, records), once synced.
@@ -148,7 +152,10 @@ def _replica_process(
             sync_profiler.enable()
         follower: KvEventClient | JetStreamReplica
         if kind == "client":
-            follower = KvEventClient(jetstream=f"{url}/{STREAM}")
+            source = JetStreamSource.from_url(f"{url}/{STREAM}")
+            if not listen:
+                source.on_applied = on_applied
+            follower = KvEventClient(jetstream=source)
         else:
             follower = JetStreamReplica(url, stream=STREAM)
             follower.on_applied = on_applied
@@ -171,7 +178,7 @@ def _replica_process(
                 profiler = cProfile.Profile(time.process_time) if profile_to else None
                 if profiler is not None:
                     profiler.enable()
-                stream = replica.events(buffer=1_000_000) if lag and isinstance(replica, KvEventClient) else None
+                stream = replica.events(buffer=1_000_000) if lag and listen else None
                 if stream is not None:
                     tg.start_soon(listen, stream)
                 # Wait until every worker holds its last seq, then report this round's apply times.
@@ -199,11 +206,11 @@ def _replica_process(
 
 
 def _spawn_replica(
-    url: str, backend: str, kind: str, profile: str | None = None, profile_sync: bool = False
+    url: str, backend: str, kind: str, listen: bool, profile: str | None = None, profile_sync: bool = False
 ) -> tuple[mp.process.BaseProcess, multiprocessing.connection.Connection]:
     parent, child = mp.Pipe()
     proc = mp.get_context("spawn").Process(
-        target=_replica_process, args=(url, child, backend, kind, profile, profile_sync)
+        target=_replica_process, args=(url, child, backend, kind, listen, profile, profile_sync)
     )
     proc.start()
     return proc, parent
@@ -291,13 +298,17 @@ async def run(args: argparse.Namespace) -> None:
         await anyio.sleep(0.5)
         endpoints, pub_cpu0 = parent.recv()
         sources = [EventSource(worker_id=f"w{i}", endpoint=ep, hwm=0) for i, ep in enumerate(endpoints)]
-        config = SubscriberConfig(quiet_interval=3600.0, native_receive=args.native_receive)
+        config = SubscriberConfig(quiet_interval=3600.0, native_receive=not args.python_receive)
         # The default lease (3 s): renewed from its own thread, a loaded machine does not make it lapse.
         async with JetStreamRelay(url, sources, stream=STREAM, config=config, snapshot_interval=3600.0) as relay:
             await relay.wait_active(20)
             replicas = [
                 _spawn_replica(
-                    url, args.backend, args.follower, f"{args.profile}.replica" if args.profile and i == 0 else None
+                    url,
+                    args.backend,
+                    args.follower,
+                    args.listen,
+                    f"{args.profile}.replica" if args.profile and i == 0 else None,
                 )
                 for i in range(3)
             ]
@@ -408,7 +419,12 @@ async def run(args: argparse.Namespace) -> None:
             # its CPU per block beside one copy's apply_payload, without the contention of the throughput round
             # (five busy processes on 2 cores evict each other's caches).
             catchup = _spawn_replica(
-                url, args.backend, args.follower, f"{args.profile}.catchup" if args.profile else None, profile_sync=True
+                url,
+                args.backend,
+                args.follower,
+                args.listen,
+                f"{args.profile}.catchup" if args.profile else None,
+                profile_sync=True,
             )
             spy = _py_spy(f"{args.py_spy}.catchup" if args.py_spy else None, catchup[0].pid or 0)
             _, ready, _, _, catchup_cpu, _ = await anyio.to_thread.run_sync(catchup[1].recv)
@@ -441,7 +457,7 @@ async def run(args: argparse.Namespace) -> None:
                 proc.join(10)
             replicas = []
             t0 = time.perf_counter()
-            cold = _spawn_replica(url, args.backend, args.follower)
+            cold = _spawn_replica(url, args.backend, args.follower, args.listen)
             _, ready, entries, _, _, _ = await anyio.to_thread.run_sync(cold[1].recv)
             wall = time.perf_counter() - t0
             cold[1].send(None)
@@ -476,9 +492,16 @@ def main() -> None:
         help="the three replicas: KvEventClient(jetstream=...) (default) or JetStreamReplica",
     )
     parser.add_argument(
-        "--native-receive",
+        "--python-receive",
         action="store_true",
-        help="the relay's client reads the engines with the compiled core's receive thread (native_receive)",
+        help="the relay's client reads the engines in Python (native_receive=False; the default is the product's"
+        " default, the compiled core's receive thread)",
+    )
+    parser.add_argument(
+        "--listen",
+        action="store_true",
+        help="time client followers by an events() listener (each then decodes every batch for it) instead of"
+        " the log's on_applied hook",
     )
     parser.add_argument(
         "--lag-rate",

@@ -37,7 +37,7 @@ import anyio
 import msgspec
 import zmq
 
-from kvroute import Cursor, DiscoveryOptions, KvEventClient, PrefixIndex, SubscriberConfig, TotalStats, WorkerKey
+from kvroute import ClientStats, Cursor, DiscoveryOptions, KvEventClient, PrefixIndex, SubscriberConfig, WorkerKey
 from kvroute._transports.zmq import sockets as _zmq
 from kvroute.sim import FAULT_KINDS, DiscoveryServer, FaultDriver, FaultKind, RequestAbortedError, SimConfig, SimEngine
 
@@ -277,9 +277,12 @@ async def engines_child(seed: int, backend: str) -> AsyncIterator[Engines]:
         ctx.term()
 
 
-def add_totals(a: TotalStats, b: TotalStats) -> TotalStats:
-    fields = ("gaps", "replays", "resets", "replayed_batches", "batches", "messages")
-    return msgspec.structs.replace(a, **{f: getattr(a, f) + getattr(b, f) for f in fields})
+_SUMMED = ("gaps", "replays", "resets", "replayed_batches", "batches", "messages")
+
+
+def add_totals(a: dict[str, int], b: ClientStats) -> dict[str, int]:
+    """The running totals ``a`` plus one client's (a client per warm restart: its counters start at 0)."""
+    return {f: a[f] + getattr(b.totals, f) for f in _SUMMED}
 
 
 async def settle(client: KvEventClient, engines: Engines, index_of: dict[WorkerKey, int]) -> list[RankTruth]:
@@ -338,7 +341,7 @@ async def main(args: argparse.Namespace) -> None:
                 discovery_options=DiscoveryOptions(timeout=1.0),
             )
 
-        totals = TotalStats()
+        totals = dict.fromkeys(_SUMMED, 0)
         rows = []
         traces: list[tracemalloc.Snapshot] = []
         if args.tracemalloc:
@@ -373,7 +376,7 @@ async def main(args: argparse.Namespace) -> None:
                         if cycle % args.report_every == 0 or cycle == args.cycles:
                             gc.collect()
                             st = client.index.stats()
-                            now = add_totals(totals, client.stats().totals)
+                            now = add_totals(totals, client.stats())
                             row = (rss_mb(), st.entries, st.distinct_keys, sum(t.blocks for t in truth))
                             rows.append(row)
                             if args.tracemalloc:
@@ -381,13 +384,13 @@ async def main(args: argparse.Namespace) -> None:
                             partial = client.stats().totals.partial
                             print(
                                 f"{cycle:>5} {row[0]:>7.1f} {row[1]:>8,} {row[2]:>7,} {row[3]:>7,}"
-                                f" {now.gaps:>6} {now.replays:>7} {now.resets:>6} {partial:>7}"
+                                f" {now['gaps']:>6} {now['replays']:>7} {now['resets']:>6} {partial:>7}"
                                 f" {time.perf_counter() - start:>6.1f}"
                             )
                         if args.router_restart_every and cycle % args.router_restart_every == 0:
                             client.snapshot(snap)
                             break
-                    totals = add_totals(totals, client.stats().totals)
+                    totals = add_totals(totals, client.stats())
                 if cycle < args.cycles:
                     index = PrefixIndex.restore(snap)
                     warm_restarts += 1
@@ -397,8 +400,8 @@ async def main(args: argparse.Namespace) -> None:
         f" faults {dict(sorted(faults_done.items()))}"
     )
     print(
-        f"totals: gaps {totals.gaps}, replays {totals.replays} ({totals.replayed_batches} batches),"
-        f" resets {totals.resets}, batches applied {totals.batches}"
+        f"totals: gaps {totals['gaps']}, replays {totals['replays']} ({totals['replayed_batches']} batches),"
+        f" resets {totals['resets']}, batches applied {totals['batches']}"
     )
     print(
         f"last/first: RSS {rss1 / rss0:.3f} ({rss0:.1f} -> {rss1:.1f} MB), entries {entries1 / entries0:.3f},"

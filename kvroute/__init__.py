@@ -8,11 +8,13 @@ touches; every module is private. Simulated engines for tests and demos live in 
 The client and its settings:
 
 - `KvEventClient`: follows engines (static `EventSource`s or discovered targets), keeps a `PrefixIndex`
-  current, streams `Envelope`s (`EventStream`); `ClientStats` / `TotalStats` are its counters.
+  current, streams `Envelope`s (`EventStream`); `ClientStats` are its counters.
 - `SubscriberConfig` (sockets, replay, memory), `Limits` (decode caps), `DiscoveryOptions` and `TlsConfig`
   (how targets are asked), `discover` (ask one target), `IndexLimits` (the index's bounds).
 - `EventSource` (one publisher), `WorkerKey` (an engine rank), `WorkerStatus` (what the
   router trusts), `Cursor` (a source's position, for warm restarts).
+
+The index: `PrefixIndex`; `find_matches` answers `OverlapScores` (leading blocks per worker).
 
 Routing: `Router` (`RoutingDecision`), `CostModel`, `LoadPolicy`, `MultimodalItem`, `chain_keys`;
 `follow_engine_metrics` feeds the engines' own load (Prometheus) to the router.
@@ -37,7 +39,7 @@ import importlib
 import warnings
 from typing import Any
 
-from ._client import ClientStats, EventStream, KvEventClient, TotalStats
+from ._client import ClientStats, EventStream, KvEventClient
 from ._discovery import DiscoveryOptions, TlsConfig, discover
 from ._errors import (
     ConfigError,
@@ -50,7 +52,7 @@ from ._errors import (
 )
 from ._events import Disconnected, Envelope, Overflow, Partial, Removed, Reset, Synced
 from ._hashing import MultimodalItem, chain_keys
-from ._index import IndexLimits, PrefixIndex
+from ._index import IndexLimits, OverlapScores, PrefixIndex
 from ._jetstream_relay import JetStreamRelay
 from ._jetstream_replica import JetStreamReplica
 from ._load import LoadPolicy, follow_engine_metrics
@@ -99,6 +101,7 @@ __all__ = [
     "NoWorkersError",
     "NotSyncedError",
     "Overflow",
+    "OverlapScores",
     "Partial",
     "PrefixIndex",
     "Removed",
@@ -109,7 +112,6 @@ __all__ = [
     "SubscriberConfig",
     "Synced",
     "TlsConfig",
-    "TotalStats",
     "WorkerKey",
     "WorkerStatus",
     "chain_keys",
@@ -146,7 +148,6 @@ _DEPRECATED: dict[str, str] = {
     "InvalidOptionsError": "kvroute._errors",
     "LifecycleEvent": "kvroute._events",
     "MalformedAnswerError": "kvroute._errors",
-    "OverlapScores": "kvroute._index",
     "ReplayPurpose": "kvroute._events",
     "Replayed": "kvroute._events",
     "ResetReason": "kvroute._events",
@@ -160,6 +161,7 @@ _DEPRECATED: dict[str, str] = {
     "TIERS": "kvroute._models",
     "TargetUnreachableError": "kvroute._errors",
     "TooManySourcesError": "kvroute._errors",
+    "TotalStats": "kvroute._client",
     "UnusableSourceError": "kvroute._errors",
     "WorkerStates": "kvroute._models",
     "diff_sources": "kvroute._discovery",
