@@ -20,7 +20,7 @@ from threading import Thread
 import anyio
 import anyio.abc
 import pytest
-from _ports import free_port
+from _ports import refusing_port
 
 import kvroute
 from kvroute import ConfigError, EventSource, KvEventClient, KvRouteError, NotSyncedError, WorkerKey
@@ -114,31 +114,33 @@ async def test_wait_synced_names_a_silent_target_and_its_discovery_error(anyio_b
 
 
 async def test_wait_synced_names_a_source_that_never_connects(anyio_backend: str) -> None:
-    dead = EventSource(worker_id="w", endpoint=f"tcp://127.0.0.1:{free_port()}")
-    async with KvEventClient([dead]) as client:
-        with pytest.raises(NotSyncedError) as info:
-            await client.wait_synced(0.5)
-        why = info.value.sources[WorkerKey("w", 0)]
-        assert why.startswith("syncing") and f"not connected to {dead.endpoint}" in why
-        assert info.value.targets == {} and client.pending_sources() == info.value.sources
+    with refusing_port() as port:
+        dead = EventSource(worker_id="w", endpoint=f"tcp://127.0.0.1:{port}")
+        async with KvEventClient([dead]) as client:
+            with pytest.raises(NotSyncedError) as info:
+                await client.wait_synced(0.5)
+            why = info.value.sources[WorkerKey("w", 0)]
+            assert why.startswith("syncing") and f"not connected to {dead.endpoint}" in why
+            assert info.value.targets == {} and client.pending_sources() == info.value.sources
 
 
 async def test_an_error_raised_in_the_block_leaves_it_as_raised(anyio_backend: str) -> None:
     # The client's task group must not wrap the caller's own exceptions in an ExceptionGroup: the
     # documented way to wait is `except TimeoutError` around the whole block.
-    dead = EventSource(worker_id="w", endpoint=f"tcp://127.0.0.1:{free_port()}")
-    with pytest.raises(TimeoutError) as info:
-        async with KvEventClient([dead]) as client:
-            await client.wait_synced(0.2)
-    assert type(info.value) is NotSyncedError and WorkerKey("w", 0) in info.value.sources
-    with pytest.raises(ValueError, match="the caller's own"):
-        async with KvEventClient([dead]):
-            raise ValueError("the caller's own")
-    # Cancelling the block from outside still ends it quietly, every task stopped.
-    with anyio.move_on_after(0.2) as scope:
-        async with KvEventClient([dead]) as client:
-            await anyio.sleep_forever()
-    assert scope.cancelled_caught and client.stats().sources == {}
+    with refusing_port() as port:
+        dead = EventSource(worker_id="w", endpoint=f"tcp://127.0.0.1:{port}")
+        with pytest.raises(TimeoutError) as info:
+            async with KvEventClient([dead]) as client:
+                await client.wait_synced(0.2)
+        assert type(info.value) is NotSyncedError and WorkerKey("w", 0) in info.value.sources
+        with pytest.raises(ValueError, match="the caller's own"):
+            async with KvEventClient([dead]):
+                raise ValueError("the caller's own")
+        # Cancelling the block from outside still ends it quietly, every task stopped.
+        with anyio.move_on_after(0.2) as scope:
+            async with KvEventClient([dead]) as client:
+                await anyio.sleep_forever()
+        assert scope.cancelled_caught and client.stats().sources == {}
 
 
 # --- kvroute discover ------------------------------------------------------------------------------------
@@ -156,8 +158,9 @@ async def cli(*argv: str) -> tuple[int, str, str, float]:
 
 
 async def test_discover_at_a_closed_port_says_refused_at_once(anyio_backend: str) -> None:
-    target = f"127.0.0.1:{free_port()}"
-    code, out, err, took = await cli(target, "--timeout", "20")
+    with refusing_port() as port:
+        target = f"127.0.0.1:{port}"
+        code, out, err, took = await cli(target, "--timeout", "20")
     assert code == EXIT_UNREACHABLE and out == ""
     assert err.startswith(f"kvroute discover: {target}: unreachable: connection refused"), err
     assert took < 10  # not the 20 s timeout's worth of retries
