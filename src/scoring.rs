@@ -232,10 +232,7 @@ pub fn least_prefill(prefills: impl IntoIterator<Item = f64>, idle_prefill: f64)
 /// least taken out; two candidates tied at the least give it twice. With no candidate, or one, the
 /// next least is `idle_prefill`, so the figures are the same whether idle workers exist or not. The
 /// least is `least_prefill`'s.
-pub fn least_two_prefills(
-    prefills: impl IntoIterator<Item = f64>,
-    idle_prefill: f64,
-) -> (f64, f64) {
+pub fn least_two_prefills(prefills: impl IntoIterator<Item = f64>, idle_prefill: f64) -> (f64, f64) {
     let (mut first, mut second) = (idle_prefill, idle_prefill);
     for p in prefills {
         if p < first {
