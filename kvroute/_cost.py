@@ -110,14 +110,6 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     the rest (a shared system prompt held here and evicted there) is priced exactly as without it,
     and spread as before. The footprint's band then rarely reaches past the holder of a long history.
     Measured in ``kvroute demo`` (docs/routing-quality.md).
-    ``long_move_private`` (False; acts only with ``long_move`` on): price a move only over the history
-    the best candidate alone holds. With ``p_second`` the next least prefill of any candidate (the
-    least taken out once: a second worker holding the same prefix gives ``p_best`` again; the whole
-    prompt when nobody else holds any of it), a candidate is priced ``move(min(p, p_second) - p_best)``
-    instead of ``move(p - p_best)``. Why: the part of a prefix that another worker also holds (a
-    system prompt, a tool set's replicated preamble) is shared, and copying it is what replicating a
-    hot prefix costs anyway; only the history past it is the holder's own. Where no other candidate
-    holds any of the prompt the price is plain ``long_move``'s, so a prefix held once stays put.
 
     Overrides must be pure functions of their arguments: the router evaluates the cost of all
     idle workers once. The built-in model is priced in the compiled core (its weights read off
@@ -141,7 +133,6 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
     long_move: bool = False
     long_move_floor: float = 64.0
     long_move_scale: float = 8.0
-    long_move_private: bool = False
 
     def __post_init__(self) -> None:
         _check_range("overlap_weight", self.overlap_weight, 0.0)
@@ -163,8 +154,6 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
             raise RouterError(f"long_move must be a bool, got {self.long_move!r}")
         _check_range("long_move_floor", self.long_move_floor, 0.0)
         _check_range("long_move_scale", self.long_move_scale, 1.0)  # below a block, costs overflow
-        if not isinstance(self.long_move_private, bool):
-            raise RouterError(f"long_move_private must be a bool, got {self.long_move_private!r}")
 
     @property
     def full_credit(self) -> bool:

@@ -43,31 +43,11 @@ def _price_moves(model: CostModel, entries: list[CandidateScore], idle_prefill: 
     (`CostModel.move`), in place; returns the idle group's cost with its own. The least prefill is
     taken over the entries and the idle group's whole prompt (never below any entry's: an entry's
     prefill is at most the prompt), so it is the same whether idle workers exist or not. The compiled
-    select (src/py/router.rs) adds the same figures in the same order, after every other term.
-
-    With ``long_move_private`` the recompute priced stops at the runner-up's prefill ``second`` (the
-    next least, one occurrence of the least taken out; the idle group's whole prompt when no other
-    candidate is closer): ``min(p, second) - best``, the history only the best candidate holds
-    (src/scoring.rs `least_two_prefills` / `move_extra`, figure for figure)."""
-    move = model.move
-    if model.long_move_private:
-        best = second = idle_prefill
-        for e in entries:
-            p = e.prefill_blocks
-            if p < best:
-                second = best
-                best = p
-            elif p < second:
-                second = p
-        for i, e in enumerate(entries):
-            p = e.prefill_blocks
-            extra = move((second if second < p else p) - best)
-            if extra:
-                entries[i] = msgspec.structs.replace(e, cost=e.cost + extra)
-        return idle_cost + move((second if second < idle_prefill else idle_prefill) - best)
+    select (src/py/router.rs) adds the same figures in the same order, after every other term."""
     best = min((e.prefill_blocks for e in entries), default=idle_prefill)
     if idle_prefill < best:
         best = idle_prefill
+    move = model.move
     for i, e in enumerate(entries):
         extra = move(e.prefill_blocks - best)
         if extra:

@@ -27,8 +27,7 @@ of its ratios to the oracle, and the runs it was above session affinity on hits,
 
 ``kvroute_long_prefix`` is kvroute with `CostModel.long_prefix` on (``--long-prefix-floor`` /
 ``--long-prefix-scale`` set its figures); ``kvroute_long_move`` is kvroute with `CostModel.long_move` on
-(``--long-move-floor`` / ``--long-move-scale``), ``kvroute_long_move_private`` the same priced only over the history
-the best candidate alone holds (`CostModel.long_move_private`). ``--record FILE`` appends each run's figures to a JSON-lines file
+(``--long-move-floor`` / ``--long-move-scale``). ``--record FILE`` appends each run's figures to a JSON-lines file
 as it ends, and ``--summarize FILE...`` prints the summary of the runs recorded there (runs made in several
 processes, or cut short, still add up).
 

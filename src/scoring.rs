@@ -28,9 +28,6 @@ pub struct CostParams {
     /// the long-move term (`CostModel.long_move`): what a candidate's prefill recomputes over the
     /// least prefill of any candidate, above `floor` blocks, priced super-linearly; None: off
     pub long_move: Option<Floored>,
-    /// `CostModel.long_move_private`: with `long_move` on, a move is priced only over the best
-    /// candidate's lead on the runner-up (`least_two_prefills`): the history no other candidate holds
-    pub long_move_private: bool,
 }
 
 /// A super-linear term's two figures (`CostModel.long_prefix_floor` / `long_prefix_scale`, or
@@ -223,37 +220,6 @@ pub fn least_prefill(prefills: impl IntoIterator<Item = f64>, idle_prefill: f64)
     match best {
         Some(b) if idle_prefill >= b => b,
         _ => idle_prefill,
-    }
-}
-
-/// The two least prefills the private long-move term measures a move by (`CostModel.long_move_private`,
-/// `_price_moves` in kvroute/_scoring.py): the least and the next least of the candidates' `prefills`
-/// and the idle group's whole prompt (`idle_prefill`, never below a candidate's), one occurrence of the
-/// least taken out; two candidates tied at the least give it twice. With no candidate, or one, the
-/// next least is `idle_prefill`, so the figures are the same whether idle workers exist or not. The
-/// least is `least_prefill`'s.
-pub fn least_two_prefills(prefills: impl IntoIterator<Item = f64>, idle_prefill: f64) -> (f64, f64) {
-    let (mut first, mut second) = (idle_prefill, idle_prefill);
-    for p in prefills {
-        if p < first {
-            second = first;
-            first = p;
-        } else if p < second {
-            second = p;
-        }
-    }
-    (first, second)
-}
-
-/// The recompute a candidate whose prefill is `prefill` is priced for under the long-move term, over
-/// the least prefill `best`: all of it (`prefill - best`), or with `private` only up to the next least
-/// prefill `second` (`min(prefill, second) - best`): what the best candidate alone holds, since the
-/// part another candidate also holds is a shared prefix a move may copy rather than a private history.
-pub fn move_extra(prefill: f64, best: f64, second: f64, private: bool) -> f64 {
-    if private && second < prefill {
-        second - best
-    } else {
-        prefill - best
     }
 }
 
@@ -558,7 +524,6 @@ mod tests {
         eviction_weight: 8.0,
         long_prefix: None,
         long_move: None,
-        long_move_private: false,
     };
 
     #[test]
@@ -695,36 +660,6 @@ mod tests {
             }
             .cost(300.0, 5.0)
         );
-    }
-
-    #[test]
-    fn a_private_move_is_priced_only_over_the_best_candidates_lead_on_the_runner_up() {
-        // the holder needs 10 blocks, a worker holding the 32-block shared prefix 110, the rest the
-        // whole prompt (142): plain, each pays for all it recomputes over the holder
-        let (best, second) = least_two_prefills([110.0, 10.0, 142.0], 142.0);
-        assert_eq!((best, second), (10.0, 110.0));
-        assert_eq!(move_extra(142.0, best, second, false), 132.0);
-        // private: the 32 blocks another candidate holds too are not the holder's own
-        assert_eq!(move_extra(142.0, best, second, true), 100.0);
-        assert_eq!(move_extra(110.0, best, second, true), 100.0);
-        assert_eq!(move_extra(10.0, best, second, true), 0.0);
-        // no one else holds any of it: the runner-up is the whole prompt, priced as plain
-        let (best, second) = least_two_prefills([10.0], 142.0);
-        assert_eq!(second, 142.0);
-        assert_eq!(move_extra(142.0, best, second, true), 132.0);
-        // two holders tied at the least: nothing is private, no move is priced
-        let (best, second) = least_two_prefills([10.0, 142.0, 10.0], 142.0);
-        assert_eq!((best, second), (10.0, 10.0));
-        assert_eq!(move_extra(142.0, best, second, true), 0.0);
-        // no candidate: both figures are the whole prompt
-        assert_eq!(least_two_prefills([], 142.0), (142.0, 142.0));
-        // the least is always least_prefill's
-        for ps in [vec![3.0, 1.0, 2.0], vec![5.0], vec![], vec![9.0, 9.0]] {
-            assert_eq!(
-                least_two_prefills(ps.iter().copied(), 7.0).0,
-                least_prefill(ps.iter().copied(), 7.0)
-            );
-        }
     }
 
     #[test]

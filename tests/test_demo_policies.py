@@ -142,7 +142,6 @@ async def test_session_affinity_is_sticky_and_least_load_spreads() -> None:
                 ("kvroute_no_footprint", {"footprint": False}),
                 ("kvroute_long_prefix", {"long_prefix": True}),
                 ("kvroute_long_move", {"long_move": True}),
-                ("kvroute_long_move_private", {"long_move": True, "long_move_private": True}),
             ):
                 policy = make_policy(name, client, [a, b], block_size=16, seed=0, cost=given)
                 assert isinstance(policy, KvRoutePolicy)

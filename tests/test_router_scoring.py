@@ -58,7 +58,7 @@ def _long(long_prefix: tuple[float, float] | None) -> dict:
 
 
 # `CostModel.long_move` off, or on with a floor and scale: floors this file's prompts (at most 50 blocks)
-# cross, from none to 16 blocks, scales steep and gentle; plain, or private (`long_move_private`).
+# cross, from none to 16 blocks, scales steep and gentle.
 _long_move = st.sampled_from(
     [
         {},
@@ -68,10 +68,6 @@ _long_move = st.sampled_from(
         {"long_move": True, "long_move_floor": 7.5, "long_move_scale": 2.0},
         {"long_move": True, "long_move_floor": 16.0, "long_move_scale": 1.0},
         {"long_move": True, "long_move_floor": 0.0, "long_move_scale": 2.0},
-        # priced only over the best candidate's lead on the runner-up (`long_move_private`)
-        {"long_move": True, "long_move_private": True, "long_move_floor": 0.0, "long_move_scale": 1.0},
-        {"long_move": True, "long_move_private": True, "long_move_floor": 3.0, "long_move_scale": 8.0},
-        {"long_move": True, "long_move_private": True, "long_move_floor": 0.0, "long_move_scale": 2.0},
     ]
 )
 
@@ -705,46 +701,6 @@ def test_new_sessions_are_spread_alike_with_the_long_move_term(path: str) -> Non
     assert set(picks[1]) == set(workers)
 
 
-@pytest.mark.parametrize("path", ["compiled", "python", "approximate"])
-def test_a_private_move_is_priced_past_the_prefix_another_worker_also_holds(path: str) -> None:
-    """A 200-block turn: the holder has all but 10 blocks and a queue of 400; a second worker holds its
-    first 100 blocks (an older copy, or a shared preamble) and a queue of 100; a third holds nothing.
-    Plain `long_move` prices each move over the holder, 90 and 190 blocks (2 * 90 * 26 / 8 = 585 and 2 *
-    190 * 126 / 8 = 5,985 more). Private, only the holder's lead on the runner-up is its own: both moves
-    are priced over 90 blocks (585 more), so the empty worker costs 2 * 200 + 585 = 985 against the
-    holder's 420: the turn stays either way. With the runner-up holding 150 blocks and a queue of 1,000
-    the holder's lead is 40 blocks, under the floor: private, no move is priced and the turn goes to the
-    empty worker (2 * 200 = 400 < 420), as without the term; plain, that move still pays 5,985 more and
-    the turn stays. On the compiled path, a subclass's Python path, and the stock model's Python path (a
-    fleet with an approximate worker)."""
-    prompt = list(range(1_000, 1_000 + 200 * 16))
-    holder, second, empty = _HOLDER, _OTHER, WorkerKey("empty", 0)
-    kind = _PythonModel if path == "python" else CostModel
-    plain_empty = 2.0 * 190 * 126 / 8
-    for held, queue, private, expected, moved in (
-        (100, 100.0, False, holder, {second: 2.0 * 90 * 26 / 8, empty: plain_empty}),
-        (100, 100.0, True, holder, {second: 2.0 * 90 * 26 / 8, empty: 2.0 * 90 * 26 / 8}),
-        (150, 1_000.0, False, holder, {second: 0.0, empty: plain_empty}),
-        (150, 1_000.0, True, empty, {second: 0.0, empty: 0.0}),
-    ):
-        index = PrefixIndex()
-        index.apply(holder, BlockStored(block_hashes=list(range(190)), token_ids=prompt[: 190 * 16], block_size=16))
-        index.apply(second, BlockStored(block_hashes=list(range(held)), token_ids=prompt[: held * 16], block_size=16))
-        r = Router(index, cost=kind(long_move=True, long_move_private=private), seed=0)
-        for w in (holder, second, empty):
-            r.add_worker(w)
-        if path == "approximate":
-            r.add_worker(_APPROX, approximate=True)
-        d = r.select(prompt, load={holder: 400.0, second: queue, _APPROX: 1_000_000.0})
-        assert d.worker == expected, (held, private, d)
-        by_worker = {c.worker: c for c in d.candidates}
-        assert by_worker[holder].cost == 2.0 * 10 + 400.0
-        assert by_worker[second].cost == 2.0 * (200 - held) + queue + moved[second]
-        # the compiled path prices idle workers as one group, the Python paths list them
-        empty_cost = by_worker[empty].cost if empty in by_worker else d.idle_cost
-        assert empty_cost == 2.0 * 200 + moved[empty]
-
-
 def test_the_long_move_settings_are_checked() -> None:
     for bad in (
         {"long_move": 1},
@@ -754,7 +710,6 @@ def test_the_long_move_settings_are_checked() -> None:
         {"long_move_scale": 0.5},
         {"long_move_scale": math.nan},
         {"long_move_scale": True},
-        {"long_move_private": 1},
     ):
         with pytest.raises(RouterError):
             CostModel(**bad)  # type: ignore[arg-type]
@@ -763,4 +718,3 @@ def test_the_long_move_settings_are_checked() -> None:
     assert model.move(12.0) == 2.0 * 12 * 8 / 8
     assert model.move(4.0) == 0.0
     assert CostModel().long_move is False
-    assert CostModel().long_move_private is False

@@ -1554,18 +1554,6 @@ fn select<'py>(
             intern!(py, "long_move_floor"),
             intern!(py, "long_move_scale"),
         )?,
-        long_move_private: false,
-    };
-    // read only with the move term on: the default model's call reads one attribute for it, as before
-    let params = if params.long_move.is_some() {
-        CostParams {
-            long_move_private: model
-                .getattr(intern!(py, "long_move_private"))?
-                .is_truthy()?,
-            ..params
-        }
-    } else {
-        params
     };
     let want_tiers = !params.full_credit();
     // this call's copy of the router's table (`Loads`: other threads may change it meanwhile)
@@ -1974,22 +1962,15 @@ fn select<'py>(
     };
     // The long-move term (`CostModel.long_move`, `_price_moves` in kvroute/_scoring.py): what each
     // candidate recomputes over the least prefill, added after every other term, as Python adds it.
-    // With `long_move_private`, only over the best candidate's lead on the runner-up.
     let idle_cost = if params.long_move.is_some() {
-        let private = params.long_move_private;
-        let (best, second) = if private {
-            scoring::least_two_prefills(rows.iter().map(|r| r.prefill), idle_prefill)
-        } else {
-            let best = scoring::least_prefill(rows.iter().map(|r| r.prefill), idle_prefill);
-            (best, idle_prefill)
-        };
+        let best = scoring::least_prefill(rows.iter().map(|r| r.prefill), idle_prefill);
         for r in rows.iter_mut() {
-            let extra = params.move_price(scoring::move_extra(r.prefill, best, second, private));
+            let extra = params.move_price(r.prefill - best);
             if extra != 0.0 {
                 r.cost += extra;
             }
         }
-        idle_cost + params.move_price(scoring::move_extra(idle_prefill, best, second, private))
+        idle_cost + params.move_price(idle_prefill - best)
     } else {
         idle_cost
     };
