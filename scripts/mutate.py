@@ -693,6 +693,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_router_scoring.py",),
     ),
     Mutation(
+        "long-move-default-off",
+        "the default CostModel prices a move by what it recomputes over the best candidate (long_move on)",
+        "kvroute/_cost.py",
+        "    long_move: bool = True\n",
+        "    long_move: bool = False\n",
+        ("tests/test_router_scoring.py",),
+    ),
+    Mutation(
         "long-move-idle-unpriced",
         "the compiled core adds the long-move term to the idle group's cost too (one idle worker is a candidate)",
         "src/py/router.rs",

@@ -27,9 +27,10 @@ of its ratios to the oracle, and the runs it was above session affinity on hits,
 
 ``kvroute_long_prefix`` is kvroute with `CostModel.long_prefix` on (``--long-prefix-floor`` /
 ``--long-prefix-scale`` set its figures); ``kvroute_long_move`` is kvroute with `CostModel.long_move` on
-(``--long-move-floor`` / ``--long-move-scale``). ``--record FILE`` appends each run's figures to a JSON-lines file
-as it ends, and ``--summarize FILE...`` prints the summary of the runs recorded there (runs made in several
-processes, or cut short, still add up).
+(``--long-move-floor`` / ``--long-move-scale``; on by default since session 13, as it is for ``kvroute`` and the
+oracle), ``kvroute_no_long_move`` kvroute with it off (the default before). ``--record FILE`` appends each
+run's figures to a JSON-lines file as it ends, and ``--summarize FILE...`` prints the summary of the runs
+recorded there (runs made in several processes, or cut short, still add up).
 
 Each policy's line also gives its new sessions per worker: requests no engine held nor was computing
 half of when they were routed (the footprint's "new placement", `CostModel.footprint_band`, judged
@@ -354,7 +355,7 @@ def main() -> None:
         "--long-move-floor",
         type=float,
         default=CostModel().long_move_floor,
-        help="CostModel.long_move_floor (of every policy's cost model; kvroute_long_move turns the term on)",
+        help="CostModel.long_move_floor (of every policy's cost model; the term is on by default)",
     )
     p.add_argument(
         "--long-move-scale", type=float, default=CostModel().long_move_scale, help="CostModel.long_move_scale"

@@ -142,6 +142,7 @@ async def test_session_affinity_is_sticky_and_least_load_spreads() -> None:
                 ("kvroute_no_footprint", {"footprint": False}),
                 ("kvroute_long_prefix", {"long_prefix": True}),
                 ("kvroute_long_move", {"long_move": True}),
+                ("kvroute_no_long_move", {"long_move": False}),
             ):
                 policy = make_policy(name, client, [a, b], block_size=16, seed=0, cost=given)
                 assert isinstance(policy, KvRoutePolicy)

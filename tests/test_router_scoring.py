@@ -625,7 +625,8 @@ def test_a_long_recompute_stays_with_its_holder_under_the_long_prefix_term(known
     (a fleet with an approximate worker), whose inlined linear cost must give way to the term."""
     holder, other = _HOLDER, _OTHER
     for on, expected in ((False, other), (True, holder)):
-        d = _a_turn_held_elsewhere(known, path, {"long_prefix": on})
+        # the long-move term (on by default) would keep it too: this is the long-prefix term alone
+        d = _a_turn_held_elsewhere(known, path, {"long_prefix": on, "long_move": False})
         assert d.worker == expected, (on, d)
         by_worker = {c.worker: c for c in d.candidates}
         assert by_worker[holder].cost == 2.0 * 10 + 400.0
@@ -673,6 +674,16 @@ def test_a_turn_stays_with_its_holder_under_the_long_move_term(known: str, path:
         assert by_worker[other].cost == 2.0 * 199 + (2.0 * 189 * 125 / 8 if on else 0.0)
 
 
+@pytest.mark.parametrize("path", ["compiled", "python", "approximate"])
+def test_a_turn_stays_with_its_holder_by_default(path: str) -> None:
+    """The default `CostModel` prices a move by what it recomputes over the holder (`long_move`): the
+    200-block turn of the test above, whose holder has 10 blocks left and a queue of 400, stays there
+    against an idle worker holding one block (2 * 199 + 5,906.25 against 2 * 10 + 400); the cost without
+    the term (``long_move=False``, the default before) moved it. On every path."""
+    assert _a_turn_held_elsewhere("index", path, {}).worker == _HOLDER
+    assert _a_turn_held_elsewhere("index", path, {"long_move": False}).worker == _OTHER
+
+
 @pytest.mark.parametrize("path", ["compiled", "python"])
 def test_new_sessions_are_spread_alike_with_the_long_move_term(path: str) -> None:
     """Fresh prompts are priced as without the term, so the footprint spreads them as before: here each
@@ -717,4 +728,4 @@ def test_the_long_move_settings_are_checked() -> None:
     # 12 blocks over the best, 8 above the floor of 4: 2 * 12 * 8 / 8; at or below the floor, nothing
     assert model.move(12.0) == 2.0 * 12 * 8 / 8
     assert model.move(4.0) == 0.0
-    assert CostModel().long_move is False
+    assert CostModel().long_move is True  # the default since session 13 (docs/routing-quality.md)

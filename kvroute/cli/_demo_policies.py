@@ -49,13 +49,16 @@ POLICIES = ("kvroute", "oracle", "session_affinity", "least_load", "round_robin"
 #: Policies run only when named: ``kvroute_index_only`` is kvroute without its routing hint,
 #: ``kvroute_no_footprint`` kvroute without its footprint (``CostModel(footprint=False)``),
 #: ``kvroute_long_prefix`` kvroute with the long-prefix term (``CostModel(long_prefix=True)``),
-#: ``kvroute_long_move`` kvroute pricing a move by what it recomputes over the best candidate
+#: ``kvroute_long_move`` kvroute pricing a move by what it recomputes over the best candidate (the default
+#: since session 13: the same as ``kvroute`` unless the given cost model turns it off),
+#: ``kvroute_no_long_move`` kvroute without it (``CostModel(long_move=False)``, the default before),
 #: ``kvroute_hashed`` kvroute placing new sessions by a stable hash of their leading tokens (`HashedPlacementPolicy`).
 EXTRA_POLICIES = (
     "kvroute_index_only",
     "kvroute_no_footprint",
     "kvroute_long_prefix",
     "kvroute_long_move",
+    "kvroute_no_long_move",
     "kvroute_hashed",
 )
 #: The policies that are kvroute's `Router` (the demo follows the engines' ``/metrics`` for them on ZMQ fleets).
@@ -358,6 +361,7 @@ def make_policy(
     ``kvroute_no_footprint`` kvroute with ``cost``'s ``footprint`` off (new sessions not spread);
     ``kvroute_long_prefix`` kvroute with ``cost``'s ``long_prefix`` on (a long recompute priced super-linearly).
     ``kvroute_long_move`` kvroute with ``cost``'s ``long_move`` on (a move priced by what it recomputes over the best
+    candidate; on by default), ``kvroute_no_long_move`` with it off.
     ``engine_loads``: the engines' reports kvroute's `Router` reads (default: the client's, which a
     gateway stream fills); the demo passes the engines' scraped ``/metrics`` on plain ZMQ fleets.
     """
@@ -369,6 +373,8 @@ def make_policy(
             cost = msgspec.structs.replace(cost or CostModel(), long_prefix=True)
         elif name == "kvroute_long_move":
             cost = msgspec.structs.replace(cost or CostModel(), long_move=True)
+        elif name == "kvroute_no_long_move":
+            cost = msgspec.structs.replace(cost or CostModel(), long_move=False)
         kind = HashedPlacementPolicy if name == "kvroute_hashed" else KvRoutePolicy
         return kind(
             Router(
