@@ -34,9 +34,10 @@ _READ_BUFFER = 1 << 20
 #: Its flusher joins all it holds into one bytes object and asyncio copies the unsent rest into the
 #: transport's buffer, so the larger the cap, the larger (and the less cache- and page-resident) each
 #: copy: at 64 MiB the flusher's writes were a quarter of the relay's py-spy samples (session 13).
-#: Publishing 200 MB of 90 KB records to a real server cost 0.55-0.60 CPU s at 64 MiB, 0.35-0.41 at
-#: 9 MiB, 0.20-0.23 at 2-4 MiB (RSS 275 MB against 34-42 MB). It is also what a reconnect buffers: past it a publish fails, and the relay's
-#: session starts over from what the log holds, as on any failed publish (`_jetstream_publish`).
+#: Publishing 200 MB of 90 KB records to a real server cost 0.32-0.44x the CPU at 4 MiB of what it cost
+#: at 64 MiB, peak RSS 40-43 MB against 275 MB (bench/bench_nats_publish.py). It is also what a reconnect
+#: buffers: past it a publish fails, and the relay's session starts over from what the log holds, as on
+#: any failed publish (`_jetstream_publish`).
 _PENDING_BYTES = 4 << 20
 
 
