@@ -241,7 +241,11 @@ async def test_bad_replayers_cannot_starve_an_honest_cold_start() -> None:
             alone = [await _cold_start(honest, client, f"alone{i}") for i in range(3)]
         async with (
             bad_fleet(8, "mixed") as bad,
-            KvEventClient([b.source(f"bad{i}") for i, b in enumerate(bad)], config=FLEET) as client,
+            # 8 slots, so the 8 bad replayers take them all (the default has more).
+            KvEventClient(
+                [b.source(f"bad{i}") for i, b in enumerate(bad)],
+                config=msgspec.structs.replace(FLEET, max_concurrent_replays=8),
+            ) as client,
         ):
             # Every slot taken by a bad replay, for longer than a slice.
             await until(lambda: all(b.requests for b in bad))
