@@ -400,6 +400,16 @@ MUTATIONS: list[Mutation] = [
         ),
     ),
     Mutation(
+        "dropped-connection-never-recreated",
+        "a SUB whose connection libzmq dropped with no reconnect scheduled within 1 s (a message over "
+        "max_message_size) is recreated, by the retry timer of the session that saw the disconnect",
+        "kvroute/_transports/zmq/driver.py",
+        "        if self._awaiting_retry and self._session is session:\n",
+        "        if self._awaiting_retry and self._session is not session:\n",
+        ("tests/test_hostile.py::test_a_message_over_max_message_size_is_dropped_and_the_source_recovers",),
+        ("tests/test_hostile.py::test_a_message_over_max_message_size_is_dropped_and_the_source_recovers",),
+    ),
+    Mutation(
         "deferred-probe-beside-open-fast-path",
         "a deferred quiet probe closes the native fast path, with what it applied recorded, before it is asked",
         "kvroute/_transports/zmq/driver.py",

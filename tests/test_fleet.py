@@ -70,6 +70,37 @@ async def test_an_idle_source_holds_four_descriptors_and_no_replay_socket() -> N
             assert all(s.driver._dealer is None for s in client._subs.values())  # type: ignore[attr-defined]
 
 
+async def test_a_synced_source_keeps_one_task_and_no_replay_task() -> None:
+    # A fleet's cold sync allocates per source whatever its tasks hold (task, context, events,
+    # futures, coroutines), and the garbage collector walks all of it over and over: a source
+    # starts a replay task when its machine asks a replay and that task ends with the last one,
+    # so a synced source keeps only its own task (it was two, the replay one waiting for ever).
+    n = 12
+    config = msgspec.structs.replace(FAST, quiet_interval=60.0)  # no quiet probe while counting
+    async with contextlib.AsyncExitStack() as stack:
+        pubs = [await stack.enter_async_context(EventPublisher()) for _ in range(n)]
+        for i, pub in enumerate(pubs):
+            pub.publish([_event(i)])
+        before = len(anyio.get_running_tasks())
+        async with KvEventClient([pub.source(f"w{i}") for i, pub in enumerate(pubs)], config=config) as client:
+            await client.wait_synced(20)
+            assert all(st.replays >= 1 for st in client.stats().sources.values())  # each had its cold replay
+
+            def one_task_a_source() -> bool:
+                # The sources' tasks, and at most two of the client's own.
+                return len(anyio.get_running_tasks()) - before <= n + 2
+
+            await until(one_task_a_source, seconds=10)
+            # And a replay asked later still runs (a gap): the task starts again, and ends again.
+            pubs[0].drop_rate = 1.0
+            pubs[0].publish([_event(100)])  # lost on the wire, kept in the replay buffer
+            pubs[0].drop_rate = 0.0
+            pubs[0].publish([_event(101)])
+            key = WorkerKey("w0", 0)
+            await until(lambda: client.stats().sources[key].gaps >= 1 and client.index.num_blocks(key) == 3)
+            await until(one_task_a_source, seconds=10)
+
+
 async def test_a_refused_source_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     async with EventPublisher() as a, EventPublisher() as b:
         config = msgspec.structs.replace(FAST, max_sources=1)

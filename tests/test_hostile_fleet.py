@@ -240,7 +240,11 @@ async def test_bad_replayers_cannot_starve_an_honest_cold_start() -> None:
         async with (
             bad_fleet(8, "mixed") as bad,
             KvEventClient(config=FLEET) as quiet,
-            KvEventClient([b.source(f"bad{i}") for i, b in enumerate(bad)], config=FLEET) as client,
+            # 8 slots, so the 8 bad replayers take them all (the default has more).
+            KvEventClient(
+                [b.source(f"bad{i}") for i, b in enumerate(bad)],
+                config=msgspec.structs.replace(FLEET, max_concurrent_replays=8),
+            ) as client,
         ):
             # Every slot of `client` taken by a bad replay, for longer than a slice.
             await until(lambda: all(b.requests for b in bad))

@@ -73,8 +73,12 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
       source waits for one (its replies so far are applied; it queues again for the rest);
       one streaming decodable batches (>= 200/s) keeps it for 10 slices. So a few slow or
       hostile replay endpoints cannot starve the others.
-    - ``max_concurrent_replays`` 8: replay slots shared by all sources; each engine serves
-      one at a time, and a reconnect storm must not stall every pump at once.
+    - ``max_concurrent_replays`` 32: replay slots shared by all sources; each engine serves
+      one at a time, and a reconnect storm must not stall every pump at once. At most this many
+      answers are held at once, each up to ``held_bytes`` (256 MiB of payload at the defaults,
+      x7 decoded while an ``events()`` listener wants its events). It was 8 until session 13:
+      a cold fleet's replays queue behind the slots, and 32 synced 1,024 ranks in 0.62-0.74x the
+      wall time and ~0.78x the CPU of 8 (docs/performance.md, "Session 13, cold sync").
     - ``quiet_interval`` 2.0: a source silent this long gets a replay probe (docs/recovery.md rules
       7-8: lost tail, silent restart); one small request per source per interval. Silent means
       its SUB had nothing to read: a client that is slow itself probes nobody for it. The
@@ -125,7 +129,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     replay_deadline: float = 30.0
     replay_budget: int = 100_000
     replay_slice: float = 0.1
-    max_concurrent_replays: int = 8
+    max_concurrent_replays: int = 32
     quiet_interval: float = 2.0
     recv_batch: int = 1024
     events_buffer: int = 10_000

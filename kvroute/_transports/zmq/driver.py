@@ -198,11 +198,18 @@ class SourceDriver(DriverBase):
             max_held=self.machine.max_held,
         )
         self._replay_request: RequestReplay | None = None
-        self._replay_wakeup: anyio.Event | None = None
+        # The task group `run` holds, where a replay task is started when the machine asks for
+        # one (`on_action`), and whether that task runs now: it ends when no request is left, so
+        # a synced source keeps no task, event or future for replays (a 4,096-rank cold sync's
+        # garbage collector walked ~20 such objects per source).
+        self._run_tg: anyio.abc.TaskGroup | None = None
+        self._replaying = False
         # When a quiet tick was deferred (rule 9) and the live messages counted then.
         self._deferred_tick: tuple[float, int] | None = None
+        # The current SUB session's scope: cancelled to end it (the source leaves, or its SUB is
+        # recreated). A plain scope, not a task group: a session starts no task of its own (the
+        # retry timer runs in `run`'s group), one task group fewer per source to collect.
         self._session: anyio.CancelScope | None = None
-        self._session_tg: anyio.abc.TaskGroup | None = None
         self._awaiting_retry = False
         self._monitor: zmq.Socket[bytes] | None = None
         self._replay_scope: anyio.CancelScope | None = None
@@ -262,15 +269,14 @@ class SourceDriver(DriverBase):
 
     async def run(self) -> None:
         """Subscribe and follow the source until cancelled; every socket is closed on the way out."""
-        self._replay_wakeup = anyio.Event()
         try:
             async with anyio.create_task_group() as tg:
-                if self.source.replay_endpoint is not None:
-                    tg.start_soon(self._replay_loop)
+                self._run_tg = tg
                 self.execute(self.first_actions())
                 while True:
                     await self._run_session()
         finally:
+            self._run_tg = None
             self._replays.close()
             self.connected = False
 
@@ -303,9 +309,8 @@ class SourceDriver(DriverBase):
         entry: Entry | None = None
         try:
             sub.connect(src.endpoint)
-            async with anyio.create_task_group() as tg:
-                self._session = tg.cancel_scope
-                self._session_tg = tg
+            with anyio.CancelScope() as session:
+                self._session = session
                 self._monitor = mon
                 entry = self._receiver.add(self, sub, mon)
                 if src.endpoint.startswith("inproc://"):
@@ -315,10 +320,8 @@ class SourceDriver(DriverBase):
                 if not self._recreate:
                     # Returns never: cancelled when the source leaves or its SUB is recreated.
                     await self._receiver.serve()
-                tg.cancel_scope.cancel()
         finally:
             self._session = None
-            self._session_tg = None
             self._awaiting_retry = False
             self._monitor = None
             if entry is not None:
@@ -337,17 +340,14 @@ class SourceDriver(DriverBase):
         self._native_parked = False
         token: int | None = None
         try:
-            async with anyio.create_task_group() as tg:
-                self._session = tg.cancel_scope
-                self._session_tg = tg
+            with anyio.CancelScope() as session:
+                self._session = session
                 token = self._native_token = native.add(self)
                 self._sync_fast()
                 if not self._recreate:
                     await native.serve()
-                tg.cancel_scope.cancel()
         finally:
             self._session = None
-            self._session_tg = None
             self._awaiting_retry = False
             self._native_token = None
             if token is not None:
@@ -601,9 +601,9 @@ class SourceDriver(DriverBase):
         if ev.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._set_connected()
         elif ev.event == zmq.EVENT_DISCONNECTED:
-            if not self._awaiting_retry and self._session_tg is not None:
+            if not self._awaiting_retry and self._session is not None and self._run_tg is not None:
                 self._awaiting_retry = True
-                self._session_tg.start_soon(self._expect_retry)
+                self._run_tg.start_soon(self._expect_retry, self._session)
             if self.connected:
                 self.connected = False
                 self.execute(self.machine.on_disconnected())
@@ -613,9 +613,10 @@ class SourceDriver(DriverBase):
         elif ev.event & _HANDSHAKE_FAILED:
             self._log.warn("handshake failed", f"zmq event {ev.event} from {ev.endpoint} (CURVE keys?)")
 
-    async def _expect_retry(self) -> None:
+    async def _expect_retry(self, session: anyio.CancelScope) -> None:
         await anyio.sleep(_RETRY_GRACE)
-        if self._awaiting_retry and self._session is not None:
+        # Only for the session that saw the disconnect (a later one waits for its own).
+        if self._awaiting_retry and self._session is session:
             self._log.warn(
                 "connection dropped for good", "libzmq scheduled no reconnect (a message over max_message_size?)"
             )
@@ -630,30 +631,40 @@ class SourceDriver(DriverBase):
 
     # --- replay -------------------------------------------------------------------------------
 
+    def _start_replays(self) -> None:
+        """Start the replay task for the request just asked, unless it runs (it takes the newest one next)."""
+        tg = self._run_tg
+        if tg is not None and not self._replaying and self.source.replay_endpoint is not None:
+            self._replaying = True
+            tg.start_soon(self._replay_loop)
+
     async def _replay_loop(self) -> None:
-        while True:
-            assert self._replay_wakeup is not None  # created by run()
-            await self._replay_wakeup.wait()
-            self._replay_wakeup = anyio.Event()
-            request, self._replay_request = self._replay_request, None
-            if request is None:
-                continue
-            if self._native_replays and await self._native_fetch(request.from_seq):
-                continue
-            with anyio.CancelScope() as scope:
-                self._replay_scope = scope
-                items, complete, failure = await self._replays.fetch(request.from_seq)
-            self._replay_scope = None
-            if scope.cancelled_caught:
-                # The machine abandoned this request (restart, disconnect): stop waiting for
-                # it; its late replies die with the DEALER.
-                self._replays.close()
-                items, complete, failure = [], False, "abandoned"
-            self._poll_monitor()  # a disconnect first, as for live messages
-            if failure is not None:
-                self.execute(self.machine.on_replay_failed(failure))
-            else:
-                self.execute(self.machine.on_replay(items, complete=complete))
+        # Carries out the machine's replay requests, one after the other (a request asked while one
+        # runs waits for it; a newer one replaces it), and ends when none is left.
+        try:
+            while (request := self._replay_request) is not None:
+                self._replay_request = None
+                await self._replay_once(request)
+        finally:
+            self._replaying = False
+
+    async def _replay_once(self, request: RequestReplay) -> None:
+        if self._native_replays and await self._native_fetch(request.from_seq):
+            return
+        with anyio.CancelScope() as scope:
+            self._replay_scope = scope
+            items, complete, failure = await self._replays.fetch(request.from_seq)
+        self._replay_scope = None
+        if scope.cancelled_caught:
+            # The machine abandoned this request (restart, disconnect): stop waiting for
+            # it; its late replies die with the DEALER.
+            self._replays.close()
+            items, complete, failure = [], False, "abandoned"
+        self._poll_monitor()  # a disconnect first, as for live messages
+        if failure is not None:
+            self.execute(self.machine.on_replay_failed(failure))
+        else:
+            self.execute(self.machine.on_replay(items, complete=complete))
 
     async def _native_fetch(self, from_seq: int) -> bool:
         """Carry out the machine's replay request on the native thread, in turns of the shared slots.
@@ -824,8 +835,7 @@ class SourceDriver(DriverBase):
         """Ask a replay (the replay task carries it out) or recreate the SUB socket."""
         if isinstance(action, RequestReplay):
             self._replay_request = action
-            if self._replay_wakeup is not None:
-                self._replay_wakeup.set()
+            self._start_replays()
         elif isinstance(action, RecreateSubscriber):
             self._recreate = True
             if self._session is not None:
