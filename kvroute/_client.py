@@ -213,7 +213,12 @@ class KvEventClient:
             self._ctx.setsockopt(zmq.IPV6, 1)
         try:
             try:
-                self._max_sources = fit_sources(self._ctx, self._config.max_sources, own_context=self._own_ctx)
+                self._max_sources = fit_sources(
+                    self._ctx,
+                    self._config.max_sources,
+                    own_context=self._own_ctx,
+                    replays=self._config.max_concurrent_replays,
+                )
             except zmq.ZMQError as exc:
                 raise ConfigError(f"cannot size the zmq context for max_sources: {exc}") from exc
         except BaseException:

@@ -647,7 +647,7 @@ async def test_three_hundred_sources_fit_the_context_and_the_descriptors() -> No
 
 async def test_max_sources_is_checked_against_the_context_at_start() -> None:
     from kvroute import ConfigError
-    from kvroute._transports.zmq.sockets import SOCKETS_PER_SOURCE
+    from kvroute._transports.zmq.sockets import SOCKETS_PER_REPLAY, SOCKETS_PER_SOURCE
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 200)
@@ -657,7 +657,8 @@ async def test_max_sources_is_checked_against_the_context_at_start() -> None:
                 pass
         async with Honest(9) as honest:
             honest.steps(3)
-            fit = (200 - 64) // SOCKETS_PER_SOURCE
+            # 64 sockets spare (16 replay slots' DEALERs among them); each slot past 16 is budgeted too.
+            fit = (200 - 64 - (FLEET.max_concurrent_replays - 16) * SOCKETS_PER_REPLAY) // SOCKETS_PER_SOURCE
             sources = [honest.source(f"w{i}", replay_endpoint=None) for i in range(fit + 2)]
             async with KvEventClient(sources, config=FLEET, context=ctx) as client:
                 st = client.stats()
