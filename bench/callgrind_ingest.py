@@ -9,12 +9,13 @@ zero and dump its counters at, so the dump holds the fill alone::
 
 Streams: ``dynamo`` is `bench_vs_dynamo.py`'s ingest (16 workers x 12 sequences x 512 blocks, one map-form
 store a batch); ``core`` is `bench_core.py`'s (16 workers, 1-4 events of 1-32 blocks a batch, 70 % chained on an
-earlier block); ``at1M`` is `bench_fill.py`'s ``at1M`` case (4 workers, `bench_e2e.py`'s batch shape): the index is
-filled to 1M entries before the first marker, and only the next 131,072 blocks are marked (its payloads are built
-once and kept in ``--cache``, since building them under valgrind takes many minutes). For cache misses, run it
-under callgrind with ``--cache-sim=yes`` (the same simulator as cachegrind's, with the markers): the dump's
-``DLmr + DLmw`` ÷ the blocks printed are last-level misses a block. The simulator ignores prefetch instructions:
-it counts misses, not whether they overlap. ``--msgspec`` marks a bare ``msgspec.msgpack.decode`` of the same payloads instead: the issue-18
+earlier block); ``at1M`` is `bench_fill.py`'s ``at1M`` case (4 workers, `bench_e2e.py`'s batch shape): its first 1M
+stored blocks fill the index before the first marker (939,805 entries after the stream's removals), and only the
+next 131,116 blocks are marked. Its payloads are built once and kept in ``--cache``: building them under valgrind
+takes many minutes. For cache misses, run it under callgrind with ``--cache-sim=yes`` (cachegrind's simulator, with
+the markers) and ``--LL=33554432,16,64`` (valgrind misreads this machine's L3): ``DLmr + DLmw`` ÷ the blocks
+printed are last-level misses a block. The simulator ignores prefetch instructions: it counts misses, not whether
+they overlap. ``--msgspec`` marks a bare ``msgspec.msgpack.decode`` of the same payloads instead: the issue-18
 ratio's denominator in instructions. The stream is generated with a fixed seed, so every build (another venv's
 Python runs this file as well) sees the same bytes. Without valgrind it prints the fill's wall time (noisy).
 """

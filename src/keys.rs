@@ -332,7 +332,9 @@ mod tests {
         let root = root_key(None, None);
         let mut keys = Vec::new();
         let mut seen = Vec::new();
-        plain_keys_into(&mut keys, &root, &[1, 2, 3, 4], 2, 2, |i, k| seen.push((i, *k)));
+        plain_keys_into(&mut keys, &root, &[1, 2, 3, 4], 2, 2, |i, k| {
+            seen.push((i, *k))
+        });
         let mut chained = Vec::new();
         chain_into(&mut chained, &root, &[1, 2, 3, 4], 2, 2, |_| None, |_| None);
         assert_eq!(keys, chained);

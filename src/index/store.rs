@@ -791,19 +791,12 @@ impl<K: WorkerName> Index<K> {
         // prefetch is only a hint: the loops below still run in order, whatever is cached.
         sc.keys.clear();
         let (table, blocks, slot_hashes) = (&self.table, &w.blocks, &sc.slot_hashes);
-        keys::plain_keys_into(
-            &mut sc.keys,
-            parent,
-            &tokens[..n * bs],
-            bs,
-            n,
-            |i, k| {
-                table.prefetch_new_key(k);
-                if far {
-                    blocks.prefetch_hashed(slot_hashes[i]);
-                }
-            },
-        );
+        keys::plain_keys_into(&mut sc.keys, parent, &tokens[..n * bs], bs, n, |i, k| {
+            table.prefetch_new_key(k);
+            if far {
+                blocks.prefetch_hashed(slot_hashes[i]);
+            }
+        });
         sc.ids.clear();
         for k in &sc.keys {
             sc.ids.push(self.table.retain_key(k));

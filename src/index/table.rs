@@ -700,12 +700,6 @@ impl KeyTable {
         self.ids.prefetch_run(hash(key));
     }
 
-    /// Start bringing key `id`'s record into cache (its key, references and holder word).
-    #[inline]
-    pub(crate) fn prefetch_rec(&self, id: u32) {
-        prefetch(self.recs.as_ptr().wrapping_add(id as usize).cast());
-    }
-
     pub(crate) fn key(&self, id: u32) -> &Key {
         &self.recs[id as usize].key
     }
