@@ -9,7 +9,13 @@ zero and dump its counters at, so the dump holds the fill alone::
 
 Streams: ``dynamo`` is `bench_vs_dynamo.py`'s ingest (16 workers x 12 sequences x 512 blocks, one map-form
 store a batch); ``core`` is `bench_core.py`'s (16 workers, 1-4 events of 1-32 blocks a batch, 70 % chained on an
-earlier block). ``--msgspec`` marks a bare ``msgspec.msgpack.decode`` of the same payloads instead: the issue-18
+earlier block); ``at1M`` is `bench_fill.py`'s ``at1M`` case (4 workers, `bench_e2e.py`'s batch shape): its first 1M
+stored blocks fill the index before the first marker (939,805 entries after the stream's removals), and only the
+next 131,116 blocks are marked. Its payloads are built once and kept in ``--cache``: building them under valgrind
+takes many minutes. For cache misses, run it under callgrind with ``--cache-sim=yes`` (cachegrind's simulator, with
+the markers) and ``--LL=33554432,16,64`` (valgrind misreads this machine's L3): ``DLmr + DLmw`` ÷ the blocks
+printed are last-level misses a block. The simulator ignores prefetch instructions: it counts misses, not whether
+they overlap. ``--msgspec`` marks a bare ``msgspec.msgpack.decode`` of the same payloads instead: the issue-18
 ratio's denominator in instructions. The stream is generated with a fixed seed, so every build (another venv's
 Python runs this file as well) sees the same bytes. Without valgrind it prints the fill's wall time (noisy).
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -30,6 +37,20 @@ from kvroute import PrefixIndex
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_index  # the `core` stream's shape
 import bench_vs_dynamo  # the `dynamo` stream's shape
+
+
+def at1m(cache: str) -> tuple[list[tuple[object, bytes]], int, int]:
+    """`bench_fill.py`'s ``at1M`` stream (read from ``cache`` when it exists): pairs, first timed one, timed blocks."""
+    if os.path.exists(cache):
+        with open(cache, "rb") as f:
+            got: tuple[list[tuple[object, bytes]], int, int] = pickle.load(f)
+        return got
+    import bench_fill
+
+    got = bench_fill.replica_payloads(1_000_000, 131_072, 22)
+    with open(cache, "wb") as f:
+        pickle.dump(got, f)
+    return got
 
 
 def stream(name: str) -> tuple[list[tuple[object, bytes]], int]:
@@ -44,11 +65,16 @@ def stream(name: str) -> tuple[list[tuple[object, bytes]], int]:
 def main() -> None:
     """Parse the options, build the stream, warm up, and run the marked fill."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stream", nargs="?", default="dynamo", choices=("dynamo", "core"))
+    ap.add_argument("stream", nargs="?", default="dynamo", choices=("dynamo", "core", "at1M"))
     ap.add_argument("--msgspec", action="store_true", help="mark a bare msgspec decode of the payloads instead")
+    ap.add_argument("--cache", default="/tmp/kvroute_at1M_payloads.pickle",
+                    help="where the at1M stream's payloads are kept between runs")
     args = ap.parse_args()
-    pairs, blocks = stream(args.stream)
     decode = msgspec.msgpack.decode
+    if args.stream == "at1M":
+        marked_at1m(args.cache, args.msgspec)
+        return
+    pairs, blocks = stream(args.stream)
     # A first fill: the allocator's arenas and the code's pages as a running process has them.
     warm = PrefixIndex()
     for w, p in pairs:
@@ -73,6 +99,33 @@ def main() -> None:
     what = "msgspec decode" if args.msgspec else "apply_payload"
     print(f"{args.stream}: {blocks:,} blocks, {len(pairs):,} payloads; {what} {(t1 - t0) * 1e3:.1f} ms "
           f"({blocks / (t1 - t0) / 1e6:.2f}M blocks/s)", file=sys.stderr)
+
+
+def marked_at1m(cache: str, bare: bool) -> None:
+    """Fill an index to 1M entries, then apply (or, ``bare``, only decode) the next 131,072 blocks between markers."""
+    pairs, timed_from, blocks = at1m(cache)
+    index = PrefixIndex()
+    apply = index.apply_payload
+    for w, p in pairs[:timed_from]:
+        apply(w, p)
+    timed = pairs[timed_from:]
+    entries = index.num_blocks()
+    gc.collect()
+    gc.disable()
+    decode = msgspec.msgpack.decode
+    os.getppid()  # callgrind: --zero-before=os_getppid
+    t0 = time.perf_counter()
+    if bare:
+        for _, p in timed:
+            decode(p)
+    else:
+        for w, p in timed:
+            apply(w, p)
+    t1 = time.perf_counter()
+    os.getegid()  # callgrind: --dump-before=os_getegid
+    what = "msgspec decode" if bare else "apply_payload"
+    print(f"at1M: {blocks:,} blocks, {len(timed):,} payloads at {entries:,} entries; {what} "
+          f"{(t1 - t0) * 1e3:.1f} ms ({blocks / (t1 - t0) / 1e6:.2f}M blocks/s)", file=sys.stderr)
 
 
 if __name__ == "__main__":

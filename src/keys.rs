@@ -188,17 +188,21 @@ fn write_tokens(dst: &mut [u8], tokens: &[u32]) {
 
 /// Keys of `n` plain blocks (no extras, no lookahead) chained on `parent`, appended to `out`:
 /// `chain_into` for token ids as decoded (i64), which the caller has checked with `all_u32`.
+/// `each(i, key)` is called as block `i`'s key is made, before the next one is hashed: the store
+/// path prefetches the key's table slots there, so their cache misses overlap the hashing of the
+/// blocks after it.
 pub fn plain_keys_into(
     out: &mut Vec<Key>,
     parent: &Key,
     tokens: &[i64],
     block_size: usize,
     n: usize,
+    mut each: impl FnMut(usize, &Key),
 ) {
     let mut buf = vec![0u8; 16 + 4 * block_size];
     let mut key = *parent;
     out.reserve(n);
-    for block in tokens.chunks_exact(block_size).take(n) {
+    for (i, block) in tokens.chunks_exact(block_size).take(n).enumerate() {
         buf[..16].copy_from_slice(&key);
         for (dst, &t) in buf[16..].chunks_exact_mut(4).zip(block) {
             // In range: `all_u32` checked every token before (a wrong cast would only
@@ -206,6 +210,7 @@ pub fn plain_keys_into(
             dst.copy_from_slice(&(t as u32).to_le_bytes());
         }
         key = xxh128(&buf);
+        each(i, &key);
         out.push(key);
     }
 }
@@ -326,10 +331,14 @@ mod tests {
     fn chained_keys_follow_the_definition() {
         let root = root_key(None, None);
         let mut keys = Vec::new();
-        plain_keys_into(&mut keys, &root, &[1, 2, 3, 4], 2, 2);
+        let mut seen = Vec::new();
+        plain_keys_into(&mut keys, &root, &[1, 2, 3, 4], 2, 2, |i, k| {
+            seen.push((i, *k))
+        });
         let mut chained = Vec::new();
         chain_into(&mut chained, &root, &[1, 2, 3, 4], 2, 2, |_| None, |_| None);
         assert_eq!(keys, chained);
+        assert_eq!(seen, vec![(0, keys[0]), (1, keys[1])]);
         let mut first = root.to_vec();
         first.extend_from_slice(&[1, 0, 0, 0, 2, 0, 0, 0]);
         assert_eq!(keys[0], xxh128(&first));

@@ -318,17 +318,20 @@ impl<V: Copy + Default> IntMap<V> {
         }
     }
 
-    /// Start bringing the slot a probe of an engine hash whose `hash_u64` is `hh` reads first
-    /// into cache (a worker's table at 1M entries is megabytes: every insert missed on it).
+    /// Start bringing the slots a probe of an engine hash whose `hash_u64` is `hh` reads into
+    /// cache (a worker's table at 1M entries is megabytes: every insert missed on it): its
+    /// home's line and the next, since a new hash's probe runs to an empty slot, ~6 slots of 12
+    /// bytes at 7/12 full and more near 7/8.
     #[inline]
     fn prefetch_hashed(&self, hh: u64) {
         if !self.slots.is_empty() {
-            prefetch(
-                self.slots
-                    .as_ptr()
-                    .wrapping_add(scaled(hh, self.slots.len()))
-                    .cast(),
-            );
+            let p: *const u8 = self
+                .slots
+                .as_ptr()
+                .wrapping_add(scaled(hh, self.slots.len()))
+                .cast();
+            prefetch(p);
+            prefetch(p.wrapping_add(64));
         }
     }
 
@@ -431,6 +434,14 @@ impl<V: Copy + Default> EMap<V> {
     #[inline]
     pub(crate) fn prefetch_hashed(&self, hh: u64) {
         self.ints.prefetch_hashed(hh);
+    }
+
+    /// Start bringing the slot of engine hash `h` into cache (a bytes hash: nothing).
+    #[inline]
+    pub(crate) fn prefetch(&self, h: &BlockHash) {
+        if let BlockHash::Int(i) = h {
+            self.ints.prefetch_hashed(hash_u64(*i));
+        }
     }
 
     /// Insert `v` under `h` unless `h` is there already: Ok when inserted, Err (`v` back) when

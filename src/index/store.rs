@@ -5,7 +5,7 @@
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::table::{tier_flag, G, H, LOOKUP_AHEAD};
+use super::table::{tier_flag, G, H};
 use super::{
     mask_of, tier_pos, ApplyCounts, Class, EMap, Group, GroupKind, Index, Worker, WorkerName, NOKEY,
 };
@@ -15,6 +15,10 @@ use crate::protocols::{Batch, BlockHash, BlockRemoved, BlockStored, Event, Value
 /// A worker's engine-hash table past this many bytes of slots has its slots prefetched on the
 /// store path (half of this machine's 1 MB L2 per core: a smaller one is mostly in cache).
 pub(crate) const FAR_TABLE_BYTES: usize = 512 << 10;
+
+/// Most engine-hash slots `prefetch_batch` requests for one batch (about the misses a core
+/// keeps in flight, a few times over).
+const BATCH_PREFETCH: usize = 64;
 
 /// An event's per-block extras, encoded (None: a block without extras).
 pub(crate) type Extras = Vec<Option<Vec<u8>>>;
@@ -220,6 +224,7 @@ pub(crate) fn mask_of_flags(f: u8) -> u8 {
 impl<K: WorkerName> Index<K> {
     /// Apply every event of one decoded batch, in order; what it named, counted.
     pub fn apply_batch(&mut self, worker: &K, batch: &Batch) -> ApplyCounts {
+        self.prefetch_batch(worker, batch);
         let mut counts = ApplyCounts::default();
         for ev in &batch.events {
             counts.events += 1;
@@ -231,6 +236,42 @@ impl<K: WorkerName> Index<K> {
             self.apply(worker, ev);
         }
         counts
+    }
+
+    /// Start bringing into cache what the batch's events look up first in `worker`'s engine-hash
+    /// table when it is megabytes (`FAR_TABLE_BYTES`): each store's parent and each removed
+    /// hash. Each event otherwise waits on these misses in turn (a parent's slot, then its key's
+    /// record; a removed hash's slot, then its record); requested together before the first
+    /// event, they overlap each other and the events before them. Only a hint: the events still
+    /// apply in order, and a table that grows meanwhile only makes a prefetch useless.
+    fn prefetch_batch(&self, worker: &K, batch: &Batch) {
+        if batch.events.len() < 2 {
+            return; // the one event's lookups come at once: nothing to overlap them with
+        }
+        let Some(&slot) = self.by_key.get(worker) else {
+            return;
+        };
+        let Some(w) = self.workers[slot as usize].as_deref() else {
+            return;
+        };
+        if w.blocks.slot_bytes() <= FAR_TABLE_BYTES {
+            return;
+        }
+        let mut left = BATCH_PREFETCH;
+        for ev in &batch.events {
+            let named: &[BlockHash] = match ev {
+                Event::Stored(s) => s.parent_block_hash.as_slice(),
+                Event::Removed(r) => &r.block_hashes,
+                Event::Cleared => &[],
+            };
+            for h in named.iter().take(left) {
+                w.blocks.prefetch(h);
+            }
+            left = left.saturating_sub(named.len());
+            if left == 0 {
+                return;
+            }
+        }
     }
 
     /// Apply one engine event of `worker`.
@@ -727,44 +768,38 @@ impl<K: WorkerName> Index<K> {
         let n = hashes.len();
         let slot = w.slot;
         let mut sc = std::mem::take(&mut self.scratch);
-        sc.keys.clear();
-        keys::plain_keys_into(&mut sc.keys, parent, &tokens[..n * bs], bs, n);
-        // Each key's id-index slot is prefetched `LOOKUP_AHEAD` keys before it is interned: far
-        // enough for the miss to overlap the interning in between, near enough that the line is
-        // still in cache (a whole 512-block store's lines at once would fill L1).
-        for k in sc.keys.iter().take(LOOKUP_AHEAD) {
-            self.table.prefetch_key(k);
-        }
-        // A worker's own table is megabytes at 1M entries over a few workers (bench_fill.py's
-        // `at1M`: its insert was the largest single cost there, a cache miss a block). Each
-        // block's slot hash is taken once; when the table is larger than a core's share of L2,
-        // its slot is prefetched during the interning, well before the insert below (a table
-        // that fits gains nothing, and the 64-worker fill measured slower with it).
-        sc.slot_hashes.clear();
-        sc.slot_hashes
-            .extend(hashes.iter().map(EMap::<u32>::slot_hash));
         // Every hash is inserted below unless one is held already (then the slow path inserts
-        // the new ones): grow once for all of them, before any slot is prefetched.
+        // the new ones): grow the worker's table once for all of them, before any of its slots
+        // is prefetched.
         let ints = hashes
             .iter()
             .filter(|h| matches!(h, BlockHash::Int(_)))
             .count();
         w.blocks.reserve_ints(ints);
+        // Each block's slot hash is taken once, for the prefetch and the insert. A worker's own
+        // table is megabytes at 1M entries over a few workers (bench_fill.py's `at1M`: a cache
+        // miss a block); one that fits a core's share of L2 gains nothing from the prefetch (the
+        // 64-worker fill measured slower with it).
+        sc.slot_hashes.clear();
+        sc.slot_hashes
+            .extend(hashes.iter().map(EMap::<u32>::slot_hash));
         let far = w.blocks.slot_bytes() > FAR_TABLE_BYTES;
-        if far {
-            for &hh in sc.slot_hashes.iter().take(LOOKUP_AHEAD) {
-                w.blocks.prefetch_hashed(hh);
+        // Memory-level parallelism: as each key is made, the id-index slots its lookup reads and
+        // its block's engine-hash slot are requested, so those misses (two or three random lines
+        // a new block at 1M entries) overlap the hashing of the blocks after it and each other,
+        // instead of stalling the interning and insert loops below one block at a time. A
+        // prefetch is only a hint: the loops below still run in order, whatever is cached.
+        sc.keys.clear();
+        let (table, blocks, slot_hashes) = (&self.table, &w.blocks, &sc.slot_hashes);
+        keys::plain_keys_into(&mut sc.keys, parent, &tokens[..n * bs], bs, n, |i, k| {
+            table.prefetch_new_key(k);
+            if far {
+                blocks.prefetch_hashed(slot_hashes[i]);
             }
-        }
+        });
         sc.ids.clear();
-        for i in 0..sc.keys.len() {
-            if let Some(k) = sc.keys.get(i + LOOKUP_AHEAD) {
-                self.table.prefetch_key(k);
-                if far {
-                    w.blocks.prefetch_hashed(sc.slot_hashes[i + LOOKUP_AHEAD]);
-                }
-            }
-            sc.ids.push(self.table.retain_key(&sc.keys[i]));
+        for k in &sc.keys {
+            sc.ids.push(self.table.retain_key(k));
         }
         // Whether the worker held each key before this store (read before any update, as the
         // Python index reads its holder sets once).

@@ -244,6 +244,10 @@ struct IdIndex {
 /// How many records ahead of its insert a rebuild prefetches a record's new slot.
 const REBUILD_AHEAD: usize = 16;
 
+/// Most records after a removed id's slot whose keys a removal prefetches (a probe run past
+/// this is rare below 7/8 full).
+const REMOVE_AHEAD: usize = 32;
+
 /// Most keys an `IdIndex` of `cap` slots holds: 7/8 full.
 /// A 64-bit hash scaled to a slot of `cap` (its high bits: any capacity, not only powers of two).
 #[inline]
@@ -364,6 +368,19 @@ impl IdIndex {
         }
     }
 
+    /// Start bringing the two lines a new key's probe of hash `h` reads into cache: its home's
+    /// and the next. A new key's probe runs to an empty slot, on average ~6 slots at 7/12 full
+    /// and ~30 at 7/8 (linear probing's unsuccessful search), past its home's line about half
+    /// the time; a present key's is a slot or two, where `prefetch` does.
+    #[inline]
+    fn prefetch_run(&self, h: u64) {
+        if !self.slots.is_empty() {
+            let p: *const u8 = self.slots.as_ptr().wrapping_add(self.home(h)).cast();
+            prefetch(p);
+            prefetch(p.wrapping_add(64));
+        }
+    }
+
     /// The id whose record holds `key` (hashed `h`).
     #[inline]
     fn find(&self, h: u64, key: &Key, recs: &[Rec]) -> Option<u32> {
@@ -456,11 +473,39 @@ impl IdIndex {
     /// it rebuilt (a vacancy found before is stale).
     fn reserve_one(&mut self, ids: usize, recs: &[Rec]) -> bool {
         let need_bits = (usize::BITS - ids.leading_zeros()).max(1);
-        if self.len < max_load(self.slots.len()) && need_bits <= self.id_bits {
+        let fits = self.len < max_load(self.slots.len());
+        if fits && need_bits <= self.id_bits {
             return false;
         }
-        self.grow(self.len + 1, need_bits, recs);
+        if fits {
+            // Only the ids outgrew their bits: re-encode the slots where they are.
+            self.widen(need_bits);
+        } else {
+            self.grow(self.len + 1, need_bits, recs);
+        }
         true
+    }
+
+    /// Widen the id bits to hold ids of `need_bits` bits (with `grow`'s headroom) without moving
+    /// any slot: a slot's home is its hash scaled to the capacity, which is unchanged, and its
+    /// new, shorter tag is the low bits of the tag it has, so no record is read. The records'
+    /// passing 2^20 ids at ~1M keys rebuilt the table from every record instead (a random write
+    /// a key, and the 24-byte records streamed: most of `bench_fill.py`'s `at1M` window,
+    /// callgrind); this is one pass over the slots in order.
+    fn widen(&mut self, need_bits: u32) {
+        let bits = (need_bits + 1).clamp(16, 32);
+        let old = self.id_bits;
+        debug_assert!(old >= 1 && bits > old);
+        let old_mask = self.id_mask();
+        // The tag's bits: `32 - bits` of them, 0..=16 (u64, so a 32-bit id leaves none).
+        let tag_mask = (1u64 << (32 - bits)) - 1;
+        for s in &mut self.slots {
+            if *s != 0 {
+                let tag = (u64::from(*s >> old) & tag_mask) << bits;
+                *s = tag as u32 | (*s & old_mask);
+            }
+        }
+        self.id_bits = bits;
     }
 
     /// Rebuild with room for `want` keys and ids of `need_bits` bits (one bit of headroom, so
@@ -542,6 +587,21 @@ impl IdIndex {
                 i = 0;
             }
         }
+        // `close_hole` reads the key of every entry after the hole up to the run's end, to find
+        // its home: at 1M keys each record is a miss, taken one after another. Requested first,
+        // they overlap (the run's slots are a line or two, read again just after).
+        let mut j = i;
+        for _ in 0..REMOVE_AHEAD {
+            j += 1;
+            if j == cap {
+                j = 0;
+            }
+            let s = self.slots[j];
+            if s == 0 {
+                break;
+            }
+            prefetch(recs.as_ptr().wrapping_add(((s & mask) - 1) as usize).cast());
+        }
         close_hole(
             &mut self.slots,
             i,
@@ -565,7 +625,7 @@ impl IdIndex {
     }
 }
 
-/// How many keys ahead of its lookup a key's id-index slot is prefetched (store.rs, query.rs).
+/// How many keys ahead of its lookup a key's id-index slot is prefetched (query.rs).
 pub(crate) const LOOKUP_AHEAD: usize = 8;
 
 /// Ids by key: the id index holds only the 4-byte ids (and tags), compared through `recs`.
@@ -631,6 +691,13 @@ impl KeyTable {
     #[inline]
     pub(crate) fn prefetch_key(&self, key: &Key) {
         self.ids.prefetch(hash(key));
+    }
+
+    /// `prefetch_key` for the store path, whose keys are mostly new: the two lines a new key's
+    /// probe reads (`IdIndex::prefetch_run`).
+    #[inline]
+    pub(crate) fn prefetch_new_key(&self, key: &Key) {
+        self.ids.prefetch_run(hash(key));
     }
 
     pub(crate) fn key(&self, id: u32) -> &Key {
@@ -908,6 +975,40 @@ mod tests {
 
     fn h(slot: u32, flags: u8) -> u32 {
         slot << FLAG_BITS | u32::from(flags)
+    }
+
+    /// A key of `i`: its digest bits spread like an XXH3 digest's (the id index places a key by
+    /// its first eight bytes).
+    fn spread_key(i: u32) -> Key {
+        crate::keys::xxh128(&i.to_le_bytes())
+    }
+
+    #[test]
+    fn ids_widen_in_place_and_every_key_is_still_found() {
+        let mut t = KeyTable::default();
+        // 2^16 ids fill the 16 starting id bits at 65,536 keys, in a table of 78,895 slots
+        // (room for 69,033): the bits widen there without a rebuild; growth follows.
+        let n = 100_000u32;
+        let mut widened = false;
+        for i in 0..n {
+            let (cap, bits) = (t.ids.slots.len(), t.ids.id_bits);
+            assert_eq!(t.retain_key(&spread_key(i)), i);
+            if t.ids.id_bits != bits && t.ids.slots.len() == cap {
+                widened = true;
+                assert_eq!((bits, t.ids.id_bits), (16, 18));
+                for j in 0..=i {
+                    assert_eq!(t.id(&spread_key(j)), Some(j), "key {j} after widening");
+                }
+            }
+        }
+        assert!(widened, "the fill widened the ids in place");
+        for i in (0..n).step_by(2) {
+            t.release(i);
+        }
+        for i in 0..n {
+            let want = (i % 2 == 1).then_some(i);
+            assert_eq!(t.id(&spread_key(i)), want, "key {i}");
+        }
     }
 
     #[test]
