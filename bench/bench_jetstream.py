@@ -140,7 +140,7 @@ def _replica_process(
             if seq is not None:
                 applied[(int(key.worker_id[1:]), seq)] = time.time()
 
-        async def listen(stream: EventStream) -> None:
+        async def record_applies(stream: EventStream) -> None:
             async for env in stream:
                 if env.seq is not None:
                     applied.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
@@ -153,7 +153,7 @@ def _replica_process(
         follower: KvEventClient | JetStreamReplica
         if kind == "client":
             source = JetStreamSource.from_url(f"{url}/{STREAM}")
-            if not listen:
+            if not listen:  # the hook, unless an events() listener times it
                 source.on_applied = on_applied
             follower = KvEventClient(jetstream=source)
         else:
@@ -178,9 +178,9 @@ def _replica_process(
                 profiler = cProfile.Profile(time.process_time) if profile_to else None
                 if profiler is not None:
                     profiler.enable()
-                stream = replica.events(buffer=1_000_000) if lag and listen else None
+                stream = replica.events(buffer=1_000_000) if lag and listen and kind == "client" else None
                 if stream is not None:
-                    tg.start_soon(listen, stream)
+                    tg.start_soon(record_applies, stream)
                 # Wait until every worker holds its last seq, then report this round's apply times.
                 with anyio.fail_after(600):
                     while True:
