@@ -95,13 +95,17 @@ async def _router(
                     break
                 sock.send_multipart([ident, b"", b"", REPLAY_END_MARKER, b""])
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(serve)
-        try:
-            yield endpoint
-        finally:
-            tg.cancel_scope.cancel()
-            _zmq.close(sock)
+    # The socket is closed only once `serve` has ended: closed under it, a wake-up already due returned
+    # into `wait_readable`, which raised ClosedResourceError before the cancellation arrived (CI, asyncio).
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve)
+            try:
+                yield endpoint
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        _zmq.close(sock)
 
 
 async def test_a_cold_answer_is_applied_whole_by_the_thread() -> None:
