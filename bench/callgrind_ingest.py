@@ -81,13 +81,22 @@ def main() -> None:
         warm.apply_payload(w, p)
         decode(p)
     del warm
+    index = PrefixIndex()
+    took = marked(index, pairs, args.msgspec)
+    assert args.msgspec or index.num_blocks() == blocks, (index.num_blocks(), blocks)
+    what = "msgspec decode" if args.msgspec else "apply_payload"
+    print(f"{args.stream}: {blocks:,} blocks, {len(pairs):,} payloads; {what} {took * 1e3:.1f} ms "
+          f"({blocks / took / 1e6:.2f}M blocks/s)", file=sys.stderr)
+
+
+def marked(index: PrefixIndex, pairs: list[tuple[object, bytes]], bare: bool) -> float:
+    """Apply ``pairs`` to ``index`` (or, ``bare``, only decode them) between callgrind's markers; wall seconds."""
     gc.collect()
     gc.disable()
-    index = PrefixIndex()
-    apply = index.apply_payload
+    apply, decode = index.apply_payload, msgspec.msgpack.decode
     os.getppid()  # callgrind: --zero-before=os_getppid
     t0 = time.perf_counter()
-    if args.msgspec:
+    if bare:
         for _, p in pairs:
             decode(p)
     else:
@@ -95,10 +104,7 @@ def main() -> None:
             apply(w, p)
     t1 = time.perf_counter()
     os.getegid()  # callgrind: --dump-before=os_getegid
-    assert args.msgspec or index.num_blocks() == blocks, (index.num_blocks(), blocks)
-    what = "msgspec decode" if args.msgspec else "apply_payload"
-    print(f"{args.stream}: {blocks:,} blocks, {len(pairs):,} payloads; {what} {(t1 - t0) * 1e3:.1f} ms "
-          f"({blocks / (t1 - t0) / 1e6:.2f}M blocks/s)", file=sys.stderr)
+    return t1 - t0
 
 
 def marked_at1m(cache: str, bare: bool) -> None:
@@ -110,22 +116,10 @@ def marked_at1m(cache: str, bare: bool) -> None:
         apply(w, p)
     timed = pairs[timed_from:]
     entries = index.num_blocks()
-    gc.collect()
-    gc.disable()
-    decode = msgspec.msgpack.decode
-    os.getppid()  # callgrind: --zero-before=os_getppid
-    t0 = time.perf_counter()
-    if bare:
-        for _, p in timed:
-            decode(p)
-    else:
-        for w, p in timed:
-            apply(w, p)
-    t1 = time.perf_counter()
-    os.getegid()  # callgrind: --dump-before=os_getegid
+    took = marked(index, timed, bare)
     what = "msgspec decode" if bare else "apply_payload"
     print(f"at1M: {blocks:,} blocks, {len(timed):,} payloads at {entries:,} entries; {what} "
-          f"{(t1 - t0) * 1e3:.1f} ms ({blocks / (t1 - t0) / 1e6:.2f}M blocks/s)", file=sys.stderr)
+          f"{took * 1e3:.1f} ms ({blocks / took / 1e6:.2f}M blocks/s)", file=sys.stderr)
 
 
 if __name__ == "__main__":
