@@ -53,7 +53,7 @@ pub use snapshot::{
     read as read_snapshot, SnapFile, SnapGroup, SnapKey, SnapReadError, SnapWorker,
 };
 pub(crate) use table::prefetch;
-use table::{close_hole, scaled, KeyTable};
+use table::{close_hole, prefetch_lines, scaled, KeyTable};
 
 /// What identifies a worker (a `WorkerKey` in Python): hashable, cheap to clone, printable.
 pub trait WorkerName: Clone + Eq + Hash + Send + Sync {
@@ -325,13 +325,11 @@ impl<V: Copy + Default> IntMap<V> {
     #[inline]
     fn prefetch_hashed(&self, hh: u64) {
         if !self.slots.is_empty() {
-            let p: *const u8 = self
+            let home = self
                 .slots
                 .as_ptr()
-                .wrapping_add(scaled(hh, self.slots.len()))
-                .cast();
-            prefetch(p);
-            prefetch(p.wrapping_add(64));
+                .wrapping_add(scaled(hh, self.slots.len()));
+            prefetch_lines(home.cast(), 128);
         }
     }
 

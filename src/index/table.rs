@@ -197,7 +197,7 @@ const PREFETCH_LINES: usize = 4;
 
 /// Prefetch the cache lines of `len` bytes at `p` (at most `PREFETCH_LINES` of them).
 #[inline]
-fn prefetch_lines(p: *const u8, len: usize) {
+pub(crate) fn prefetch_lines(p: *const u8, len: usize) {
     let mut off = 0;
     while off < len && off < PREFETCH_LINES * 64 {
         prefetch(p.wrapping_add(off));
@@ -248,7 +248,13 @@ const REBUILD_AHEAD: usize = 16;
 /// this is rare below 7/8 full).
 const REMOVE_AHEAD: usize = 32;
 
-/// Most keys an `IdIndex` of `cap` slots holds: 7/8 full.
+/// The id bits an `IdIndex` takes for ids of `need_bits` bits: one bit of headroom, so the
+/// records' growth does not re-encode the slots at each doubling; at least 16, at most 32.
+#[inline]
+fn id_bits_for(need_bits: u32) -> u32 {
+    (need_bits + 1).clamp(16, 32)
+}
+
 /// A 64-bit hash scaled to a slot of `cap` (its high bits: any capacity, not only powers of two).
 #[inline]
 pub(crate) fn scaled(h: u64, cap: usize) -> usize {
@@ -339,6 +345,7 @@ fn group_hits_scalar(group: &[u32; 4], tag: u32, hi: u32) -> u32 {
     hits
 }
 
+/// Most keys an `IdIndex` of `cap` slots holds: 7/8 full.
 fn max_load(cap: usize) -> usize {
     cap - cap / 8
 }
@@ -375,9 +382,7 @@ impl IdIndex {
     #[inline]
     fn prefetch_run(&self, h: u64) {
         if !self.slots.is_empty() {
-            let p: *const u8 = self.slots.as_ptr().wrapping_add(self.home(h)).cast();
-            prefetch(p);
-            prefetch(p.wrapping_add(64));
+            prefetch_lines(self.slots.as_ptr().wrapping_add(self.home(h)).cast(), 128);
         }
     }
 
@@ -493,7 +498,7 @@ impl IdIndex {
     /// a key, and the 24-byte records streamed: most of `bench_fill.py`'s `at1M` window,
     /// callgrind); this is one pass over the slots in order.
     fn widen(&mut self, need_bits: u32) {
-        let bits = (need_bits + 1).clamp(16, 32);
+        let bits = id_bits_for(need_bits);
         let old = self.id_bits;
         debug_assert!(old >= 1 && bits > old);
         let old_mask = self.id_mask();
@@ -518,7 +523,7 @@ impl IdIndex {
         let bits = if need_bits <= self.id_bits {
             self.id_bits
         } else {
-            (need_bits + 1).clamp(16, 32)
+            id_bits_for(need_bits)
         };
         self.rebuild(cap, bits, recs);
     }
