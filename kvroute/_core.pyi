@@ -300,6 +300,7 @@ class NativeReceiver:
         anchor: float | None,
         late_ok: bool,
         consumed: int,
+        applied_seen: int,
         silent: float,
         deadline: float,
         budget: int,

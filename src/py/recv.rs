@@ -175,13 +175,15 @@ impl PyNativeReceiver {
     /// first reply must have; ``late_ok``, a later first seq is a loss that resets nothing), so
     /// the thread applies it itself if the source handed nothing over since that may change the
     /// machine's mind (``consumed``: the messages, quiet ticks and monitor events other than a
-    /// completed handshake Python had taken when it asked). It ends
+    /// completed handshake Python had taken when it asked) and its fast path applied nothing
+    /// Python had not recorded then (``applied_seen``: the batches of `drain`'s ``applied`` it
+    /// took, elided ones included). The request closes the source's fast path. It ends
     /// after ``silent`` s without a decodable reply, ``deadline`` s, ``budget`` replies, or
     /// ``max_items`` batches or ``max_bytes`` payload bytes; its outcome is a hand-over.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (id, token, endpoint, rcvhwm, max_message_size, reconnect_ivl_ms,
-        reconnect_ivl_max_ms, tcp_keepalive, from_seq, whole, anchor, late_ok, consumed, silent,
-        deadline, budget, max_items, max_bytes))]
+        reconnect_ivl_max_ms, tcp_keepalive, from_seq, whole, anchor, late_ok, consumed,
+        applied_seen, silent, deadline, budget, max_items, max_bytes))]
     fn replay(
         &self,
         id: u64,
@@ -197,6 +199,7 @@ impl PyNativeReceiver {
         anchor: Option<f64>,
         late_ok: bool,
         consumed: u64,
+        applied_seen: u64,
         silent: f64,
         deadline: f64,
         budget: u64,
@@ -230,6 +233,7 @@ impl PyNativeReceiver {
             armed,
             progress,
             consumed,
+            applied_seen,
             silent: seconds(silent),
             deadline: seconds(deadline),
             budget,

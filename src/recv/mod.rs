@@ -416,6 +416,11 @@ struct Source<K> {
     /// nothing; a reconnect comes after a disconnect, which counts). A replay answer is applied
     /// only if none came since the request (`ReplayRequest::consumed`).
     risky: u64,
+    /// Batches the fast path applied so far. A replay answer is applied whole only if Python
+    /// had recorded all of them when it asked (`ReplayRequest::applied_seen`): the machine's
+    /// terms were worked out from its `last_seq`, and a live batch applied meanwhile would put
+    /// the answer's first seqs behind the index.
+    applied: u64,
     last_read: Instant,
 }
 
@@ -681,6 +686,7 @@ impl<K: WorkerName> Loop<K> {
                             parked: false,
                             handed: 0,
                             risky: 0,
+                            applied: 0,
                             last_read: Instant::now(),
                         },
                     );
@@ -762,7 +768,15 @@ impl<K: WorkerName> Loop<K> {
     }
 
     /// Open a replay request's DEALER and send it; a request that cannot be sent ends at once.
+    ///
+    /// The source's fast path closes here, as the machine's `in_order` does while a replay is in
+    /// flight: a live batch the thread applied after the answer would go into the index behind
+    /// the answer's newer seqs (a store a replayed removal undid, back), and one applied before
+    /// it would put the answer's first seqs behind the index. Python opens it again afterwards.
     fn begin_replay(&mut self, req: ReplayRequest) {
+        if let Some(src) = self.sources.get_mut(&req.token) {
+            src.open = false;
+        }
         let ctx = self.replay_ctx.clone();
         match replay::begin(req, || ctx.dealer()) {
             Ok(running) => {
@@ -833,13 +847,16 @@ impl<K: WorkerName> Loop<K> {
         let _ = self.poll.registry().deregister(&mut SourceFd(&r.fd));
         let token = r.req.token;
         let consumed = r.req.consumed;
+        let applied_seen = r.req.applied_seen;
         let src = self.sources.get(&token);
         let index = &self.index;
         let mut logs = Vec::new();
         let outcome = r.finish(cut, cancelled, |run, armed| {
             // Only if the source handed nothing over since the request that may have changed
-            // the machine's mind (a disconnect, a message: `Source::risky`).
-            let src = src.filter(|s| s.risky == consumed)?;
+            // the machine's mind (a disconnect, a message: `Source::risky`), and the machine had
+            // recorded every batch the fast path applied when it worked out the terms
+            // (`Source::applied`).
+            let src = src.filter(|s| s.risky == consumed && s.applied == applied_seen)?;
             let mut idx = index.write();
             if !src.alive.load(Ordering::SeqCst) || !armed.load(Ordering::SeqCst) {
                 return None;
@@ -971,6 +988,7 @@ impl<K: WorkerName> Loop<K> {
                                 counts.stored_blocks
                             };
                             src.next_seq = seq + 1;
+                            src.applied += 1;
                             applied.push((seq, batch.ts, stored, batch.skipped));
                             continue;
                         }
@@ -1441,6 +1459,11 @@ mod tests {
         Message,
         /// Python disarms the request (`armed`).
         Disarm,
+        /// Before the request, the fast path (open at seq 9) applies live seq 9, which Python
+        /// had not recorded when it asked (`applied_seen`): the request's terms are stale.
+        AppliedUnseen,
+        /// The fast path was open at seq 9 when the request came; live seq 9 comes meanwhile.
+        LiveInOrder,
     }
 
     /// One replay of seqs 0..3 from a ROUTER the test plays, with terms the machine would take
@@ -1465,12 +1488,25 @@ mod tests {
             alive: Arc::new(AtomicBool::new(true)),
         });
         // The handshake is handed over but is not risky: the request's `consumed` is 0.
-        wait(&shared, |g| {
+        let got = wait(&shared, |g| {
             g.iter().flat_map(|o| &o.handovers).any(|h| {
                 matches!(h, Handover::Monitor { event, .. }
                     if u32::from(*event) == zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED)
             })
         });
+        if matches!(meanwhile, Meanwhile::AppliedUnseen | Meanwhile::LiveInOrder) {
+            let handed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
+            shared.command(Command::Open {
+                token: 5,
+                next_seq: 9,
+                consumed: handed,
+            });
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        if meanwhile == Meanwhile::AppliedUnseen {
+            send(&pub_, 9, &payload(10.0, 10));
+            wait(&shared, |g| applied(g) == vec![9]);
+        }
         let router = ctx.socket(zmq_sys::ZMQ_ROUTER as i32).unwrap();
         router.set_rcvtimeo(10_000).unwrap();
         router.bind("tcp://127.0.0.1:*").unwrap();
@@ -1488,6 +1524,7 @@ mod tests {
             armed: armed.clone(),
             progress: Arc::new(AtomicU64::new(0)),
             consumed: 0,
+            applied_seen: 0,
             silent: Duration::from_secs(10),
             deadline: Duration::from_secs(20),
             budget: 1000,
@@ -1505,6 +1542,13 @@ mod tests {
                 wait(&shared, |g| handed(g) == vec![Some(9)]);
             }
             Meanwhile::Disarm => armed.store(false, Ordering::SeqCst),
+            Meanwhile::AppliedUnseen => {}
+            Meanwhile::LiveInOrder => {
+                // The request closed the fast path: handed over, not applied.
+                std::thread::sleep(Duration::from_millis(100));
+                send(&pub_, 9, &payload(10.0, 10));
+                wait(&shared, |g| handed(g) == vec![Some(9)]);
+            }
         }
         let peer = &request[0];
         for seq in 0..3u64 {
@@ -1567,6 +1611,27 @@ mod tests {
         let seqs: Vec<u64> = out.items.iter().map(|it| it.0).collect();
         assert_eq!(seqs, vec![0, 1, 2]);
         assert!(out.items.iter().all(|it| it.2.is_some()));
+        assert_eq!(blocks, 0);
+    }
+
+    #[test]
+    fn an_answer_to_terms_the_fast_path_overtook_is_handed_over_not_applied() {
+        // The thread applied live seq 9 before the request came, and Python had not recorded
+        // it when it worked out the terms (issue 19: an anchored probe's answer then looked
+        // applied off the machine's terms, and a healthy source was started over).
+        let (out, blocks) = replay_answered(Meanwhile::AppliedUnseen);
+        assert!(out.applied.is_none());
+        assert_eq!(out.items.len(), 3);
+        assert_eq!(blocks, 1);
+    }
+
+    #[test]
+    fn a_request_closes_the_fast_path() {
+        // While a replay is in flight the machine applies no live batch by rule 1: the thread
+        // does not either, and the message it handed over makes the answer the machine's.
+        let (out, blocks) = replay_answered(Meanwhile::LiveInOrder);
+        assert!(out.applied.is_none());
+        assert_eq!(out.items.len(), 3);
         assert_eq!(blocks, 0);
     }
 

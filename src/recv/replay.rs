@@ -11,8 +11,10 @@
 //! the request's start (after the anchor, for an identity check, whose seq and ts must match), or
 //! from a later first seq where `Terms::late_ok` says that loss resets nothing. It also applies
 //! nothing once the source handed Python anything since the request that may change the machine's
-//! mind (`consumed`: a message, a disconnect), nor once Python disarmed the request (`armed`,
-//! checked under the index's write lock, as `alive` is).
+//! mind (`consumed`: a message, a disconnect), nor when its fast path applied a batch Python had
+//! not recorded when it asked (`applied_seen`), nor once Python disarmed the request (`armed`,
+//! checked under the index's write lock, as `alive` is). A request closes its source's fast path,
+//! as the machine's `in_order` does while a replay is in flight.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -58,6 +60,10 @@ pub struct Request {
     /// The source's risky hand-overs (`Source::risky`) Python had taken when it asked: the
     /// answer is applied only if no other came since.
     pub consumed: u64,
+    /// The source's fast-path applies (`Source::applied`) Python had recorded when it asked:
+    /// the answer is applied only if the fast path applied nothing it had not (its terms came
+    /// from the machine's `last_seq` then).
+    pub applied_seen: u64,
     /// Ends the request when no decodable reply came for this long.
     pub silent: Duration,
     /// Ends it (cut short) this long after it was sent.

@@ -224,6 +224,9 @@ class SourceDriver(DriverBase):
         # Of those, the ones that may change the machine's mind about a replay answer (the
         # thread applies one whole only if none came since the request: `NativeReceiver.replay`).
         self._native_risky = 0
+        # The batches the thread's fast path applied this session that the machine has recorded
+        # (a replay answer is applied whole only if that was all of them: `NativeReceiver.replay`).
+        self._native_fast_seen = 0
         self._native_opened: tuple[int, int] | None = None
         # Whether this side last asked the thread to park the SUB (a replay in flight).
         self._native_parked = False
@@ -336,6 +339,7 @@ class SourceDriver(DriverBase):
         self._recreate = False
         self._native_consumed = 0
         self._native_risky = 0
+        self._native_fast_seen = 0
         self._native_opened = None
         self._native_parked = False
         token: int | None = None
@@ -364,6 +368,7 @@ class SourceDriver(DriverBase):
         ``seqs``/``tss``: the newest applied batches in order (at most the ts ring's worth);
         ``elided`` older ones only counted; ``lags``: wall clock at apply minus ts.
         """
+        self._native_fast_seen += len(seqs) + elided
         if self._stopped:
             return
         self.native_batches += len(seqs) + elided

@@ -174,7 +174,9 @@ class NativeReceiver(_LoopLeader):
         ``budget`` replies, ``max_items`` batches or ``max_bytes`` bytes). ``terms``: the
         machine's `replay_terms` (None: apply nothing); on them the thread applies a complete,
         clean answer itself, if the SUB handed nothing over since that may change the machine's
-        mind (a message, a disconnect: `_native_risky`). Its outcome comes to
+        mind (a message, a disconnect: `_native_risky`) and the fast path applied nothing the
+        machine had not recorded when it worked out ``terms`` (`_native_fast_seen`). The request
+        closes the source's fast path, as `SourceMachine.in_order` does while it runs. Its outcome comes to
         ``driver._native_replay_done`` in hand-over order. None when no thread runs or the driver's
         SUB is not on it (between two sessions): the Python requester asks instead.
         """
@@ -198,6 +200,7 @@ class NativeReceiver(_LoopLeader):
             anchor,
             late_ok,
             driver._native_risky,
+            driver._native_fast_seen,
             silent,
             deadline,
             budget,
@@ -205,6 +208,7 @@ class NativeReceiver(_LoopLeader):
             max_bytes,
         )
         self._replays[rid] = driver
+        driver._native_opened = None  # the request closed its fast path: `_sync_fast` opens it after
         return rid
 
     def cancel_replay(self, request_id: int) -> None:
