@@ -3,7 +3,8 @@
 The thread applies a clean, complete answer itself only while the recovery machine would still
 take it whole (src/recv/replay.rs module doc): not once the source handed Python something since
 the request that may change the machine's mind (a message, a disconnect: the request's
-``consumed`` against the source's risky hand-overs), and not once Python disarmed the request
+``consumed`` against the source's risky hand-overs), not when its fast path applied a batch Python
+had not recorded when it worked out the terms (``applied_seen``), and not once Python disarmed the request
 (``armed``, checked under the index's write lock). Each test drives the compiled receiver
 (`kvroute._core.NativeReceiver`) directly, playing the engine's PUB and replay ROUTER, so the
 interference lands exactly between the request and its answer.
@@ -83,8 +84,9 @@ async def _drain_until(recv: Any, taken: list[Any], done: Any) -> None:
 
 async def _replay_answered(meanwhile: str) -> tuple[Any, int]:
     """One replay of seqs 0..2 the machine would take whole; ``meanwhile`` ("message", "disarm" or
-    "nothing") happens after the request is read and before it is answered. The request's outcome
-    hand-over and the blocks the worker has in the index after it."""
+    "nothing") happens after the request is read and before it is answered ("overtaken": before
+    the request, the fast path applies live seq 9, which the request's ``applied_seen`` of 0 has
+    not counted). The request's outcome hand-over and the blocks the worker has in the index after it."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     index = PrefixIndex()
@@ -99,9 +101,21 @@ async def _replay_answered(meanwhile: str) -> tuple[Any, int]:
             taken: list[Any] = []
             # The handshake is handed over but is not risky: the request's ``consumed`` is 0.
             await _drain_until(recv, taken, lambda t: any(h[0] == 1 and h[2] == _HANDSHAKE for h in t))
+            if meanwhile == "overtaken":
+                recv.open(_TOKEN, 9, len(taken))
+                await anyio.sleep(0.2)  # the subscription reaches the PUB
+                pub.send_multipart([b"", (9).to_bytes(8, "big"), _payload(9)])
+                applied_live: list[int] = []
+                until = time.monotonic() + 10
+                while not applied_live:
+                    assert time.monotonic() < until, "the fast path applied nothing"
+                    for _, seqs, *_ in recv.drain()[0]:
+                        applied_live.extend(seqs)
+                    await anyio.sleep(0.005)
+                assert applied_live == [9]
             recv.replay(
                 11, _TOKEN, f"tcp://127.0.0.1:{router_port}", 1000, 1 << 20, 20, 100, False,
-                0, True, None, False, 0, 10.0, 20.0, 1000, 1000, 1 << 20,
+                0, True, None, False, 0, 0, 10.0, 20.0, 1000, 1000, 1 << 20,
             )  # fmt: skip
             request = await anyio.to_thread.run_sync(router.recv_multipart)
             assert int.from_bytes(request[2], "big") == 0
@@ -138,6 +152,14 @@ async def test_an_answer_after_a_risky_hand_over_is_handed_over_not_applied() ->
     assert applied is None and complete
     assert [(seq, payload is not None) for seq, _, payload in items] == [(0, True), (1, True), (2, True)]
     assert blocks == 0
+
+
+async def test_an_answer_to_terms_the_fast_path_overtook_is_handed_over_not_applied() -> None:
+    # Python worked out the terms before it recorded the thread's apply of seq 9: applied whole,
+    # the answer would look applied off the machine's terms (a healthy source started over).
+    (_, _, _, applied, items, complete, *_), blocks = await _replay_answered("overtaken")
+    assert applied is None and complete and len(items) == 3
+    assert blocks == 1
 
 
 async def test_a_disarmed_answer_is_handed_over_not_applied() -> None:
