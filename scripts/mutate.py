@@ -354,10 +354,32 @@ MUTATIONS: list[Mutation] = [
         "the native thread applies no replay answer whole once the source handed Python a message or a "
         "disconnect since the request (the machine may have changed its mind)",
         "src/recv/mod.rs",
-        "            let src = src.filter(|s| s.risky == consumed)?;\n",
-        "            let src = src.filter(|s| s.risky >= consumed)?;\n",
+        "            let src = src.filter(|s| s.risky == consumed && s.applied == applied_seen)?;\n",
+        "            let src = src.filter(|s| s.risky >= consumed && s.applied == applied_seen)?;\n",
         ("tests/test_native_replay_guards.py",),
         ("tests/test_native_replay_guards.py::test_an_answer_after_a_risky_hand_over_is_handed_over_not_applied",),
+    ),
+    Mutation(
+        "native-replay-fast-path-applies-ignored",
+        "the native thread applies no replay answer whole when its fast path applied a batch Python had not "
+        "recorded when it worked out the terms (they came from the machine's last_seq then)",
+        "src/recv/mod.rs",
+        "            let src = src.filter(|s| s.risky == consumed && s.applied == applied_seen)?;\n",
+        "            let src = src.filter(|s| s.risky == consumed && s.applied >= applied_seen)?;\n",
+        ("tests/test_native_replay_guards.py",),
+        (
+            "tests/test_native_replay_guards.py::"
+            "test_an_answer_to_terms_the_fast_path_overtook_is_handed_over_not_applied",
+        ),
+    ),
+    Mutation(
+        "native-replay-request-leaves-fast-path-open",
+        "a replay request closes its source's fast path, as the machine's in_order does while a replay is in flight",
+        "src/recv/mod.rs",
+        "            src.open = false;\n        }\n        let ctx = self.replay_ctx.clone();\n",
+        "            let _ = &mut src.open;\n        }\n        let ctx = self.replay_ctx.clone();\n",
+        ("tests/test_native_replay_guards.py",),
+        ("tests/test_native_replay_guards.py::test_a_request_closes_the_fast_path",),
     ),
     Mutation(
         "native-replay-disarm-ignored",

@@ -86,7 +86,8 @@ async def _replay_answered(meanwhile: str) -> tuple[Any, int]:
     """One replay of seqs 0..2 the machine would take whole; ``meanwhile`` ("message", "disarm" or
     "nothing") happens after the request is read and before it is answered ("overtaken": before
     the request, the fast path applies live seq 9, which the request's ``applied_seen`` of 0 has
-    not counted). The request's outcome hand-over and the blocks the worker has in the index after it."""
+    not counted; "live": the fast path is open at seq 9 when the request comes, and seq 9 comes
+    meanwhile). The request's outcome hand-over and the blocks the worker has in the index after it."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     index = PrefixIndex()
@@ -101,9 +102,10 @@ async def _replay_answered(meanwhile: str) -> tuple[Any, int]:
             taken: list[Any] = []
             # The handshake is handed over but is not risky: the request's ``consumed`` is 0.
             await _drain_until(recv, taken, lambda t: any(h[0] == 1 and h[2] == _HANDSHAKE for h in t))
-            if meanwhile == "overtaken":
+            if meanwhile in ("overtaken", "live"):
                 recv.open(_TOKEN, 9, len(taken))
                 await anyio.sleep(0.2)  # the subscription reaches the PUB
+            if meanwhile == "overtaken":
                 pub.send_multipart([b"", (9).to_bytes(8, "big"), _payload(9)])
                 applied_live: list[int] = []
                 until = time.monotonic() + 10
@@ -119,9 +121,9 @@ async def _replay_answered(meanwhile: str) -> tuple[Any, int]:
             )  # fmt: skip
             request = await anyio.to_thread.run_sync(router.recv_multipart)
             assert int.from_bytes(request[2], "big") == 0
-            if meanwhile == "message":
-                # Never opened, the fast path hands the message over (and the SUB's
-                # subscription needs a moment to reach the PUB).
+            if meanwhile in ("message", "live"):
+                # Closed (never opened, or by the request), the fast path hands the message over
+                # (and the SUB's subscription needs a moment to reach the PUB).
                 await anyio.sleep(0.2)
                 pub.send_multipart([b"", (9).to_bytes(8, "big"), _payload(9)])
                 await _drain_until(recv, taken, lambda t: any(h[0] == 0 for h in t))
@@ -160,6 +162,14 @@ async def test_an_answer_to_terms_the_fast_path_overtook_is_handed_over_not_appl
     (_, _, _, applied, items, complete, *_), blocks = await _replay_answered("overtaken")
     assert applied is None and complete and len(items) == 3
     assert blocks == 1
+
+
+async def test_a_request_closes_the_fast_path() -> None:
+    # While a replay is in flight the machine applies no live batch (rule 1's `in_order`): the
+    # thread does not either. Seq 9 is handed over, and that hand-over makes the answer the machine's.
+    (_, _, _, applied, items, complete, *_), blocks = await _replay_answered("live")
+    assert applied is None and complete and len(items) == 3
+    assert blocks == 0
 
 
 async def test_a_disarmed_answer_is_handed_over_not_applied() -> None:
