@@ -1614,32 +1614,32 @@ mod tests {
         assert_eq!(blocks, 0);
     }
 
+    /// `replay_answered` for an answer the thread must hand over whole (all three replies, none
+    /// applied); the blocks the worker has after it.
+    fn handed_over(meanwhile: Meanwhile) -> u64 {
+        let (out, blocks) = replay_answered(meanwhile);
+        assert!(out.applied.is_none());
+        assert_eq!(out.items.len(), 3);
+        blocks
+    }
+
     #[test]
     fn an_answer_to_terms_the_fast_path_overtook_is_handed_over_not_applied() {
         // The thread applied live seq 9 before the request came, and Python had not recorded
         // it when it worked out the terms (issue 19: an anchored probe's answer then looked
         // applied off the machine's terms, and a healthy source was started over).
-        let (out, blocks) = replay_answered(Meanwhile::AppliedUnseen);
-        assert!(out.applied.is_none());
-        assert_eq!(out.items.len(), 3);
-        assert_eq!(blocks, 1);
+        assert_eq!(handed_over(Meanwhile::AppliedUnseen), 1);
     }
 
     #[test]
     fn a_request_closes_the_fast_path() {
         // While a replay is in flight the machine applies no live batch by rule 1: the thread
         // does not either, and the message it handed over makes the answer the machine's.
-        let (out, blocks) = replay_answered(Meanwhile::LiveInOrder);
-        assert!(out.applied.is_none());
-        assert_eq!(out.items.len(), 3);
-        assert_eq!(blocks, 0);
+        assert_eq!(handed_over(Meanwhile::LiveInOrder), 0);
     }
 
     #[test]
     fn a_disarmed_answer_is_handed_over_not_applied() {
-        let (out, blocks) = replay_answered(Meanwhile::Disarm);
-        assert!(out.applied.is_none());
-        assert_eq!(out.items.len(), 3);
-        assert_eq!(blocks, 0);
+        assert_eq!(handed_over(Meanwhile::Disarm), 0);
     }
 }
