@@ -281,13 +281,16 @@ async def test_bad_replayers_cannot_starve_an_honest_cold_start() -> None:
 
 
 async def test_a_replay_ends_at_its_deadline_and_junk_never_keeps_it_open() -> None:
-    cfg = msgspec.structs.replace(FLEET, replay_deadline=1.0, replay_timeout=0.3)
+    # replay_timeout 0.6 s, 12 drip intervals: the drips come from this process, and on a loaded
+    # machine a stall past 0.3 s ends the turn as silent, not at the deadline (the likely cause of
+    # a full-suite run at load 20 that did not see two cutoffs in 10 s with 0.3 s).
+    cfg = msgspec.structs.replace(FLEET, replay_deadline=1.0, replay_timeout=0.6)
     async with bad_fleet(2, "junk") as bad:
         bad[1].replay = "drip"
         bad[1].drip = 0.05
         async with KvEventClient([bad[0].source("junk"), bad[1].source("drip")], config=cfg) as client:
             junk, drip = WorkerKey("junk", 0), WorkerKey("drip", 0)
-            # Junk every 20 ms: the request still fails after 0.3 s of no decodable reply (the
+            # Junk every 20 ms: the request still fails after 0.6 s of no decodable reply (the
             # old timeout only ran between replies, so junk kept it open for ever).
             t = await until(lambda: client.stats().sources[junk].replay_failures >= 1, limit=10)
             assert t < 3.0, t
