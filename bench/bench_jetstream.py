@@ -21,8 +21,10 @@ One run, every figure with its baseline beside it (the machine is shared and noi
 - cold start: a fresh replica process from the relay's snapshot (the whole index, >= 1M entries
   in a full run) plus the log after it, until synced;
 - CPU: each part's process time in the throughput round, counted from where the process stood when
-  the rounds began (not its start), each replica's beside the CPU of `apply_payload` alone (one copy
-  of the index), and a catch-up: a new follower reading the whole log with nothing else running.
+  the rounds began (not its start) and read before the bench fetches the round's send and apply times
+  (their unpickling runs in the relay's process: counted there before session 14, a quarter of its
+  samples), each replica's beside the CPU of `apply_payload` alone (one copy of the index), and a
+  catch-up: a new follower reading the whole log with nothing else running.
 """
 
 from __future__ import annotations
@@ -104,7 +106,11 @@ def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Con
                 sent.append((s, i, time.time()))
                 sock.send_multipart([b"", seq8, ps[i]])
                 n += 1
-        conn.send((sent, time.process_time()))
+        # The CPU at once, the send times when asked: unpickling tens of thousands of tuples in the relay's
+        # process while the pipeline still drains would be counted as the relay's and hold its GIL.
+        conn.send(time.process_time())
+        if conn.recv() == "sent":
+            conn.send(sent)
     for sock in socks:
         sock.close()
     ctx.term()
@@ -133,17 +139,30 @@ def _replica_process(
     logging.getLogger("kvroute.jetstream").setLevel(logging.INFO)
 
     async def main() -> None:
-        applied: dict[tuple[int, int], float] = {}
+        applied: dict[tuple[WorkerKey, int], float] = {}
         profile_to = [profile] if profile is not None else []
 
+        # The round's last seq per worker: the hook sees each worker reach it (no polling), and when the last did.
+        want: dict[WorkerKey, int] = {}
+        done_at: list[float] = []
+        reached = anyio.Event()
+        wall = time.time
+
         def on_applied(_sseq: int, key: WorkerKey, seq: int | None) -> None:
+            # Per batch in the measured process: as little as it can be (keys turned into numbers after the round).
             if seq is not None:
-                applied[(int(key.worker_id[1:]), seq)] = time.time()
+                t = applied[(key, seq)] = wall()
+                last = want.get(key)
+                if last is not None and seq >= last:
+                    del want[key]
+                    if not want:
+                        done_at.append(t)
+                        reached.set()
 
         async def record_applies(stream: EventStream) -> None:
             async for env in stream:
                 if env.seq is not None:
-                    applied.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
+                    applied.setdefault((env.source.key, env.seq), time.time())
 
         t0, c0 = time.perf_counter(), time.process_time()
         sync_profiler = cProfile.Profile(time.process_time) if profile is not None and profile_sync else None
@@ -174,7 +193,12 @@ def _replica_process(
                 if got is None:
                     tg.cancel_scope.cancel()
                     return
-                want, lag = got
+                round_want, lag = got
+                hooked = not listen or kind != "client"
+                reached = anyio.Event()
+                done_at.clear()
+                want.clear()
+                want.update({WorkerKey(f"w{s}", 0): last for s, last in round_want.items()})
                 profiler = cProfile.Profile(time.process_time) if profile_to else None
                 if profiler is not None:
                     profiler.enable()
@@ -182,16 +206,19 @@ def _replica_process(
                 if stream is not None:
                     tg.start_soon(record_applies, stream)
                 # Wait until every worker holds its last seq, then report this round's apply times.
+                # With the hook: woken by it, and a rare poll of the cursors besides (a last seq applied before
+                # this round's `want` arrived). A listener's round polls every 20 ms, as before.
                 with anyio.fail_after(600):
                     while True:
                         cur = replica.cursors()
                         if all(
                             cur.get(WorkerKey(f"w{s}", 0)) and cur[WorkerKey(f"w{s}", 0)].seq >= last
-                            for s, last in want.items()
+                            for s, last in round_want.items()
                         ):
                             break
-                        await anyio.sleep(0.02)  # a poll, not the measured work: rarely
-                done = time.time()
+                        with anyio.move_on_after(0.1 if hooked else 0.02):
+                            await reached.wait()
+                done = done_at[0] if done_at else time.time()
                 while stream is not None and stream.pending:  # noqa: ASYNC110 (the listener's last apply times)
                     await anyio.sleep(0.005)
                 if profiler is not None:
@@ -199,7 +226,10 @@ def _replica_process(
                     profiler.dump_stats(profile_to.pop())
                 if stream is not None:
                     await stream.aclose()
-                conn.send((done, applied, time.process_time()))
+                # The CPU first; the apply times (tens of thousands) only once the bench has read every process's CPU.
+                conn.send((done, time.process_time()))
+                if await anyio.to_thread.run_sync(conn.recv) == "applied":
+                    conn.send({(int(k.worker_id[1:]), seq): t for (k, seq), t in applied.items()})
                 applied = {}
 
     anyio.run(main, backend=backend)
@@ -328,18 +358,18 @@ async def run(args: argparse.Namespace) -> None:
             # When the relay's own client applied each batch: the engines -> client part of the lag, without
             # NATS, in the same run. Timed inside the relay's raw tap (an events() listener would take the
             # client off the fast path the relay uses).
-            at_relay: dict[tuple[int, int], float] = {}
+            at_relay: dict[tuple[str, int], float] = {}
             relay_tap = client.raw_tap
             assert relay_tap is not None
 
             class TimedTap:
                 def raw(self, source: EventSource, seq: int, ts: float, payload: bytes, blocks: int) -> None:
-                    at_relay.setdefault((int(source.worker_id[1:]), seq), time.time())
+                    at_relay.setdefault((source.worker_id, seq), time.time())
                     relay_tap.raw(source, seq, ts, payload, blocks)
 
                 def push(self, env: Envelope) -> None:
                     if env.seq is not None:
-                        at_relay.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
+                        at_relay.setdefault((env.source.worker_id, env.seq), time.time())
                     relay_tap.push(env)
 
             def cpu_round(part: str, now: float) -> float:
@@ -365,18 +395,26 @@ async def run(args: argparse.Namespace) -> None:
                 at_relay.clear()
                 t0 = time.time()
                 parent.send((lo, hi, rate))
-                sent, pub_cpu = await anyio.to_thread.run_sync(parent.recv)
+                pub_cpu = await anyio.to_thread.run_sync(parent.recv)
                 cpu["engines"] = cpu_round("engines", pub_cpu)
-                sent_at = {(s, i): t for s, i, t in sent}
-                done, lags = t0, []
+                done = t0
                 for _, conn in replicas:
-                    end, applied, rep_cpu = await anyio.to_thread.run_sync(conn.recv)
+                    end, rep_cpu = await anyio.to_thread.run_sync(conn.recv)
                     cpu[f"replica {id(conn)}"] = cpu_round(f"replica {id(conn)}", rep_cpu)
                     done = max(done, end)
-                    lags += [applied[k] - sent_at[k] for k in applied if k in sent_at]
-                relay_lags = [at_relay[k] - sent_at[k] for k in sent_at if k in at_relay]
+                # Every process's CPU is read before the bench fetches the send and apply times: their unpickling
+                # (and the garbage collections it brings) ran in the relay's process, counted as the relay's CPU
+                # (a quarter of its samples in session 14's py-spy) and holding its GIL while the pipeline drained.
                 cpu["relay"] = cpu_round("relay", relay_cpu())
                 cpu["nats-server"] = cpu_round("nats", nats_cpu())
+                parent.send("sent")
+                sent_at = {(s, i): t for s, i, t in await anyio.to_thread.run_sync(parent.recv)}
+                lags = []
+                for _, conn in replicas:
+                    conn.send("applied")
+                    applied = await anyio.to_thread.run_sync(conn.recv)
+                    lags += [applied[k] - sent_at[k] for k in applied if k in sent_at]
+                relay_lags = [at_relay[(f"w{s}", i)] - t for (s, i), t in sent_at.items() if (f"w{s}", i) in at_relay]
                 return done - t0, lags, relay_lags
 
             profiler = cProfile.Profile(time.process_time) if args.profile else None
