@@ -98,6 +98,7 @@ def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Con
         if cmd is None:
             break
         lo, hi, rate = cmd
+        c_round = time.process_time()
         sent: list[tuple[int, int, float]] = []
         t0 = time.perf_counter()
         n = 0
@@ -112,9 +113,9 @@ def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Con
                 sent.append((s, i, time.time()))
                 sock.send_multipart([b"", seq8, ps[i]])
                 n += 1
-        # The CPU at once, the send times when asked: unpickling tens of thousands of tuples in the relay's
-        # process while the pipeline still drains would be counted as the relay's and hold its GIL.
-        conn.send(time.process_time())
+        # The round's CPU at once, the send times when asked: unpickling tens of thousands of tuples in the
+        # relay's process while the pipeline still drains would be counted as the relay's and hold its GIL.
+        conn.send(time.process_time() - c_round)
         if conn.recv() == "sent":
             conn.send(sent)
     for sock in socks:
@@ -200,6 +201,7 @@ def _replica_process(
                     tg.cancel_scope.cancel()
                     return
                 round_want, lag = got
+                c_round = time.process_time()
                 hooked = not listen or kind != "client"
                 reached = anyio.Event()
                 done_at.clear()
@@ -233,7 +235,7 @@ def _replica_process(
                 if stream is not None:
                     await stream.aclose()
                 # The CPU first; the apply times (tens of thousands) only once the bench has read every process's CPU.
-                conn.send((done, time.process_time()))
+                conn.send((done, time.process_time() - c_round))
                 if await anyio.to_thread.run_sync(conn.recv) == "applied":
                     conn.send({(int(k.worker_id[1:]), seq): t for (k, seq), t in applied.items()})
                 applied = {}
@@ -305,7 +307,7 @@ async def run(args: argparse.Namespace) -> None:
     n_batches = 2_000 if args.quick else 6_500  # per source, ~40 blocks each: >= 1M index entries
     paced = args.lag_batches or (200 if args.quick else 500)  # per source
     payloads, blocks = make_payloads(n_batches * n_sources, n_sources, seed=1)
-    paced_payloads, _ = make_payloads(paced * n_sources, n_sources, seed=2)
+    paced_payloads, paced_blocks = make_payloads(paced * n_sources, n_sources, seed=2)
     all_payloads = [a + b for a, b in zip(payloads, paced_payloads)]
     base = index_only(payloads)
     raw, raw_cpu = _apply_payload_only(payloads)
@@ -332,7 +334,7 @@ async def run(args: argparse.Namespace) -> None:
     replicas: list[tuple[mp.process.BaseProcess, multiprocessing.connection.Connection]] = []
     try:
         await anyio.sleep(0.5)
-        endpoints, pub_cpu0 = parent.recv()
+        endpoints, _ = parent.recv()
         sources = [EventSource(worker_id=f"w{i}", endpoint=ep, hwm=0) for i, ep in enumerate(endpoints)]
         config = SubscriberConfig(quiet_interval=3600.0, native_receive=not args.python_receive)
         # The default lease (3 s): renewed from its own thread, a loaded machine does not make it lapse.
@@ -349,11 +351,10 @@ async def run(args: argparse.Namespace) -> None:
                 for i in range(3)
             ]
             # CPU seconds each part used in a round (process times: robust on a loaded machine, unlike wall time),
-            # from where each process stood when the rounds began (not counting its start).
-            cpu_at: dict[str, float] = {"engines": pub_cpu0}
+            # counted from the round's start (not a process's start: imports, connecting, subscribing).
+            cpu_at: dict[str, float] = {}
             for _, conn in replicas:
-                synced = await anyio.to_thread.run_sync(conn.recv)  # synced on the empty log
-                cpu_at[f"replica {id(conn)}"] = synced[-1]
+                await anyio.to_thread.run_sync(conn.recv)  # synced on the empty log
             client = relay.client
             assert client is not None
             with anyio.fail_after(30):
@@ -395,18 +396,21 @@ async def run(args: argparse.Namespace) -> None:
             cpu: dict[str, float] = {}
 
             async def round_(lo: int, hi: int, rate: float) -> tuple[float, list[float], list[float]]:
+                # Each process's CPU in this round only (the publisher and the replicas count their own from the
+                # round's command: a snapshot, the catch-up or the last round's result transfer between rounds is
+                # not this round's).
+                cpu_round("relay", relay_cpu())
+                cpu_round("nats", nats_cpu())
                 want = {s: hi - 1 for s in range(n_sources)}
                 for _, conn in replicas:
                     conn.send((want, rate > 0))  # apply times (a listener) for the paced round
                 at_relay.clear()
                 t0 = time.time()
                 parent.send((lo, hi, rate))
-                pub_cpu = await anyio.to_thread.run_sync(parent.recv)
-                cpu["engines"] = cpu_round("engines", pub_cpu)
+                cpu["engines"] = await anyio.to_thread.run_sync(parent.recv)
                 done = t0
                 for _, conn in replicas:
-                    end, rep_cpu = await anyio.to_thread.run_sync(conn.recv)
-                    cpu[f"replica {id(conn)}"] = cpu_round(f"replica {id(conn)}", rep_cpu)
+                    end, cpu[f"replica {id(conn)}"] = await anyio.to_thread.run_sync(conn.recv)
                     done = max(done, end)
                 # Every process's CPU is read before the bench fetches the send and apply times: their unpickling
                 # (and the garbage collections it brings) ran in the relay's process, counted as the relay's CPU
@@ -437,9 +441,9 @@ async def run(args: argparse.Namespace) -> None:
             total_cpu = cpu["relay"] + cpu["nats-server"] + cpu["engines"] + sum(replica_cpu)
             per = 1e5 / blocks
             print(
-                f"CPU seconds per 100k blocks in that round: relay process {cpu['relay'] * per:.2f}, each replica"
-                f" {' / '.join(f'{c * per:.2f}' for c in replica_cpu)}, nats-server {cpu['nats-server'] * per:.2f},"
-                f" engines {cpu['engines'] * per:.2f}; total {total_cpu * per:.2f}: 2 cores carry at most"
+                f"CPU seconds per 100k blocks in that round: relay process {cpu['relay'] * per:.3f}, each replica"
+                f" {' / '.join(f'{c * per:.3f}' for c in replica_cpu)}, nats-server {cpu['nats-server'] * per:.3f},"
+                f" engines {cpu['engines'] * per:.3f}; total {total_cpu * per:.3f}: 2 cores carry at most"
                 f" {2 * blocks / total_cpu:,.0f} blocks/s of this pipeline (the run reached"
                 f" {blocks / elapsed / (2 * blocks / total_cpu):.2f} x that); each replica"
                 f" {' / '.join(f'{c / raw_cpu:.2f}' for c in replica_cpu)} x the CPU of apply_payload alone"
@@ -485,8 +489,18 @@ async def run(args: argparse.Namespace) -> None:
             # batches/s: a quarter of the measured maximum, or a fixed rate (comparable across loads)
             rate = args.lag_rate or 0.25 * n_batches * n_sources / elapsed
             client.set_raw_tap(TimedTap())
-            _, lags, relay_lags = await round_(n_batches, n_batches + paced, rate)
+            paced_s, lags, relay_lags = await round_(n_batches, n_batches + paced, rate)
             client.set_raw_tap(relay_tap)
+            # The paced round's CPU too: at the rate the pipeline runs near what 2 cores carry, so every
+            # process's share (the paced publisher's wake-ups included) is what the lag is made of.
+            paced_cpu = {k: v * 1e5 / paced_blocks for k, v in cpu.items()}
+            paced_replicas = [v for k, v in paced_cpu.items() if k.startswith("replica")]
+            print(
+                f"CPU seconds per 100k blocks in the paced round: relay process {paced_cpu['relay']:.3f}, each replica"
+                f" {' / '.join(f'{c:.3f}' for c in paced_replicas)}, nats-server {paced_cpu['nats-server']:.3f},"
+                f" engines {paced_cpu['engines']:.3f}; total {sum(paced_cpu.values()):.3f}"
+                f" ({sum(cpu.values()) / paced_s / 2:.2f} of 2 cores over the round's {paced_s:.2f} s)"
+            )
             print(
                 f"apply lag at {rate:,.0f} batches/s (~{rate * blocks / (n_batches * n_sources):,.0f} blocks/s):"
                 f" p50 {_pct(lags, 0.5) * 1e3:.1f} ms, p90 {_pct(lags, 0.9) * 1e3:.1f} ms,"
