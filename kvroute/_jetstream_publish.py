@@ -337,13 +337,8 @@ class _Publisher:
                         if not taken & 255 and time.monotonic() >= deadline:
                             break
                 elif self._runs:
-                    # Nothing more yet: the runs taken wait out their `_LINGER` for company, without waking for
-                    # each batch the client applies meanwhile (they wait in the tap, as they would in the runs)
-                    # unless those reach the record's byte cap: at a few thousand batches a second a wake-up per
-                    # client turn was a quarter of the relay's CPU at half the issue's rate (session 14).
-                    await tap.wait(
-                        self._runs_since + _LINGER - time.monotonic(), hold_bytes=_RUN_BYTES - self._run_bytes
-                    )
+                    # Nothing more yet: the runs taken wait out their `_LINGER` for company.
+                    await tap.wait(self._runs_since + _LINGER - time.monotonic())
                     if items:
                         continue
                 else:
@@ -407,28 +402,21 @@ class _Tap:
         self.items: deque[Envelope | tuple[EventSource, int, float, bytes, int]] = deque()
         self.overflowed = 0
         self._wakeup: anyio.Event | None = None
-        #: Bytes of raw batches (payload and item, as `_Publisher` counts them) a waiting pump lets pass
-        #: before it wakes (`wait`'s ``hold_bytes``); 0: it wakes at anything.
-        self._hold = 0
 
     def raw(self, source: EventSource, seq: int, ts: float, payload: bytes, blocks: int) -> None:
         """A batch the client applied from its engine's payload bytes."""
-        self._add((source, seq, ts, payload, blocks), len(payload) + _ITEM_BYTES)
+        self._add((source, seq, ts, payload, blocks))
 
     def push(self, envelope: Envelope) -> None:
-        """An event of a batch applied off the fast path, or a lifecycle fact (a waiting pump wakes at once)."""
-        self._add(envelope, 0)
+        """An event of a batch applied off the fast path, or a lifecycle fact."""
+        self._add(envelope)
 
-    def _add(self, item: Envelope | tuple[EventSource, int, float, bytes, int], size: int) -> None:
+    def _add(self, item: Envelope | tuple[EventSource, int, float, bytes, int]) -> None:
         if self.overflowed or len(self.items) >= self.capacity:
             self.overflowed += 1
-            size = 0
         else:
             self.items.append(item)
         if self._wakeup is not None:
-            if size and self._hold > size:
-                self._hold -= size  # a raw batch the lingering runs can wait with
-                return
             self._wakeup.set()
 
     def wake(self) -> None:
@@ -436,20 +424,14 @@ class _Tap:
         if self._wakeup is not None:
             self._wakeup.set()
 
-    async def wait(self, timeout: float, hold_bytes: int = 0) -> None:  # noqa: ASYNC109 (a poll bound)
-        """Wait until something is taken (at most ``timeout`` seconds).
-
-        ``hold_bytes`` > 0: raw batches (counted as `_Publisher` counts a run's bytes) do not wake the
-        waiter until they add up to it; an envelope, an overflow or `wake` does at once.
-        """
-        if self.overflowed or (self.items and not hold_bytes):
+    async def wait(self, timeout: float) -> None:  # noqa: ASYNC109 (a poll bound)
+        """Wait until something is taken (at most ``timeout`` seconds)."""
+        if self.items or self.overflowed:
             return
-        self._hold = hold_bytes
         self._wakeup = anyio.Event()
         with anyio.move_on_after(timeout):
             await self._wakeup.wait()
         self._wakeup = None
-        self._hold = 0
 
 
 #: Records published but not yet acknowledged, at most (the relay's publish pipeline depth; a

@@ -13,9 +13,8 @@ import msgspec
 import pytest
 from _publisher_helpers import FAST, Workload
 
-from kvroute import BlockStored, Envelope, EventSource, KvEventClient, WorkerKey
-from kvroute._events import Synced
-from kvroute._jetstream_publish import _ITEM_BYTES, _Publisher, _Tap
+from kvroute import BlockStored, Envelope, KvEventClient, WorkerKey
+from kvroute._jetstream_publish import _Publisher, _Tap
 from kvroute._wire import encode_batch
 from kvroute.sim import EventPublisher
 
@@ -23,7 +22,6 @@ from kvroute.sim import EventPublisher
 # applies them, which reaches the tap as envelopes by design (`set_raw_tap`); FAST's 0.3 s interval let one
 # fire between two publishes when a CPU hog ran beside the suite.
 TAP = msgspec.structs.replace(FAST, quiet_interval=60.0)
-
 
 async def _until(tap: _Tap, n: int) -> None:
     with anyio.fail_after(10):
@@ -96,42 +94,3 @@ def test_a_full_tap_takes_nothing_more() -> None:
         tap.raw(None, seq, 0.0, b"", 0)  # type: ignore[arg-type]
     assert [i[1] for i in tap.items] == [0, 1]  # type: ignore[index]
     assert tap.overflowed == 2
-
-
-@pytest.mark.anyio
-async def test_a_lingering_pump_wakes_at_the_record_cap_or_a_fact_not_at_each_batch() -> None:
-    """The pump's linger waits with ``hold_bytes`` (`_Publisher.pump`): the client's raw batches wait in the tap
-    until they reach the record's byte cap, as they would in the runs, without waking it each; a lifecycle fact,
-    an overflow or `_Tap.wake` wakes it at once; without ``hold_bytes`` the first batch does."""
-    src = EventSource(worker_id="w", endpoint="tcp://127.0.0.1:1")
-    size = 100 + _ITEM_BYTES  # a 100-byte payload as the publisher counts it
-    tap = _Tap(100)
-    woke: list[int] = []
-
-    async def waiter(hold: int) -> None:
-        await tap.wait(30.0, hold_bytes=hold)
-        woke.append(len(tap.items))  # what waited in the tap when it woke
-
-    async def case(hold: int, feed: list[object], wake_at: int) -> None:
-        tap.items.clear()
-        woke.clear()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(waiter, hold)
-            await anyio.wait_all_tasks_blocked()
-            for n, item in enumerate(feed, 1):
-                if item is None:
-                    tap.wake()
-                elif isinstance(item, Envelope):
-                    tap.push(item)
-                else:
-                    tap.raw(src, n, 0.0, b"x" * 100, 1)
-                await anyio.wait_all_tasks_blocked()
-                # Woken by the item that reached the cap (or was a fact, or the wake-up), and not before.
-                assert len(woke) == (n >= wake_at), (hold, n)
-        assert woke == [len([i for i in feed[:wake_at] if i is not None])]
-
-    raw = [b""] * 5
-    await case(3 * size, raw, 3)  # the third batch reaches the cap
-    await case(3 * size, [b"", Envelope(src, None, 0.0, Synced())], 2)  # a fact at once
-    await case(10 * size, [b"", b"", None], 3)  # a snapshot request or a stale session
-    await case(0, raw, 1)  # no hold: any batch
