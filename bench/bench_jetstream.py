@@ -21,8 +21,10 @@ One run, every figure with its baseline beside it (the machine is shared and noi
 - cold start: a fresh replica process from the relay's snapshot (the whole index, >= 1M entries
   in a full run) plus the log after it, until synced;
 - CPU: each part's process time in the throughput round, counted from where the process stood when
-  the rounds began (not its start), each replica's beside the CPU of `apply_payload` alone (one copy
-  of the index), and a catch-up: a new follower reading the whole log with nothing else running.
+  the rounds began (not its start) and read before the bench fetches the round's send and apply times
+  (their unpickling runs in the relay's process: counted there before session 14, a quarter of its
+  samples), each replica's beside the CPU of `apply_payload` alone (one copy of the index), and a
+  catch-up: a new follower reading the whole log with nothing else running.
 """
 
 from __future__ import annotations
@@ -73,8 +75,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Connection) -> None:
-    """Engines: one PUB per source; each round sends ``payloads[s][lo:hi]`` at ``rate`` batches/s (0: flat out)."""
+def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Connection, slack: float = 0.0) -> None:
+    """Engines: one PUB per source; each round sends ``payloads[s][lo:hi]`` at ``rate`` batches/s (0: flat out).
+
+    ``slack``: a paced batch due less than this many seconds from now goes at once (one sleep per
+    ``slack`` instead of one per batch: at 12,500 batches/s a sleep per batch cost the publisher
+    13-18 % of a core in wake-ups, on the two cores the pipeline is measured on). Each batch's send
+    time is taken when it is sent, so the lag is measured from it either way.
+    """
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     socks = []
     for _ in payloads:
@@ -90,6 +98,7 @@ def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Con
         if cmd is None:
             break
         lo, hi, rate = cmd
+        c_round = time.process_time()
         sent: list[tuple[int, int, float]] = []
         t0 = time.perf_counter()
         n = 0
@@ -99,12 +108,16 @@ def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Con
                 if rate:
                     # Slept, not spun: a spinning publisher would take a core from what is measured.
                     wait = t0 + n / rate - time.perf_counter()
-                    if wait > 0:
+                    if wait > slack:
                         time.sleep(wait)
                 sent.append((s, i, time.time()))
                 sock.send_multipart([b"", seq8, ps[i]])
                 n += 1
-        conn.send((sent, time.process_time()))
+        # The round's CPU at once, the send times when asked: unpickling tens of thousands of tuples in the
+        # relay's process while the pipeline still drains would be counted as the relay's and hold its GIL.
+        conn.send(time.process_time() - c_round)
+        if conn.recv() == "sent":
+            conn.send(sent)
     for sock in socks:
         sock.close()
     ctx.term()
@@ -133,17 +146,30 @@ def _replica_process(
     logging.getLogger("kvroute.jetstream").setLevel(logging.INFO)
 
     async def main() -> None:
-        applied: dict[tuple[int, int], float] = {}
+        applied: dict[tuple[WorkerKey, int], float] = {}
         profile_to = [profile] if profile is not None else []
 
+        # The round's last seq per worker: the hook sees each worker reach it (no polling), and when the last did.
+        want: dict[WorkerKey, int] = {}
+        done_at: list[float] = []
+        reached = anyio.Event()
+        wall = time.time
+
         def on_applied(_sseq: int, key: WorkerKey, seq: int | None) -> None:
+            # Per batch in the measured process: as little as it can be (keys turned into numbers after the round).
             if seq is not None:
-                applied[(int(key.worker_id[1:]), seq)] = time.time()
+                t = applied[(key, seq)] = wall()
+                last = want.get(key)
+                if last is not None and seq >= last:
+                    del want[key]
+                    if not want:
+                        done_at.append(t)
+                        reached.set()
 
         async def record_applies(stream: EventStream) -> None:
             async for env in stream:
                 if env.seq is not None:
-                    applied.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
+                    applied.setdefault((env.source.key, env.seq), time.time())
 
         t0, c0 = time.perf_counter(), time.process_time()
         sync_profiler = cProfile.Profile(time.process_time) if profile is not None and profile_sync else None
@@ -174,7 +200,13 @@ def _replica_process(
                 if got is None:
                     tg.cancel_scope.cancel()
                     return
-                want, lag = got
+                round_want, lag = got
+                c_round = time.process_time()
+                hooked = not listen or kind != "client"
+                reached = anyio.Event()
+                done_at.clear()
+                want.clear()
+                want.update({WorkerKey(f"w{s}", 0): last for s, last in round_want.items()})
                 profiler = cProfile.Profile(time.process_time) if profile_to else None
                 if profiler is not None:
                     profiler.enable()
@@ -182,16 +214,19 @@ def _replica_process(
                 if stream is not None:
                     tg.start_soon(record_applies, stream)
                 # Wait until every worker holds its last seq, then report this round's apply times.
+                # With the hook: woken by it, and a rare poll of the cursors besides (a last seq applied before
+                # this round's `want` arrived). A listener's round polls every 20 ms, as before.
                 with anyio.fail_after(600):
                     while True:
                         cur = replica.cursors()
                         if all(
                             cur.get(WorkerKey(f"w{s}", 0)) and cur[WorkerKey(f"w{s}", 0)].seq >= last
-                            for s, last in want.items()
+                            for s, last in round_want.items()
                         ):
                             break
-                        await anyio.sleep(0.02)  # a poll, not the measured work: rarely
-                done = time.time()
+                        with anyio.move_on_after(0.1 if hooked else 0.02):
+                            await reached.wait()
+                done = done_at[0] if done_at else time.time()
                 while stream is not None and stream.pending:  # noqa: ASYNC110 (the listener's last apply times)
                     await anyio.sleep(0.005)
                 if profiler is not None:
@@ -199,7 +234,10 @@ def _replica_process(
                     profiler.dump_stats(profile_to.pop())
                 if stream is not None:
                     await stream.aclose()
-                conn.send((done, applied, time.process_time()))
+                # The CPU first; the apply times (tens of thousands) only once the bench has read every process's CPU.
+                conn.send((done, time.process_time() - c_round))
+                if await anyio.to_thread.run_sync(conn.recv) == "applied":
+                    conn.send({(int(k.worker_id[1:]), seq): t for (k, seq), t in applied.items()})
                 applied = {}
 
     anyio.run(main, backend=backend)
@@ -269,7 +307,7 @@ async def run(args: argparse.Namespace) -> None:
     n_batches = 2_000 if args.quick else 6_500  # per source, ~40 blocks each: >= 1M index entries
     paced = args.lag_batches or (200 if args.quick else 500)  # per source
     payloads, blocks = make_payloads(n_batches * n_sources, n_sources, seed=1)
-    paced_payloads, _ = make_payloads(paced * n_sources, n_sources, seed=2)
+    paced_payloads, paced_blocks = make_payloads(paced * n_sources, n_sources, seed=2)
     all_payloads = [a + b for a, b in zip(payloads, paced_payloads)]
     base = index_only(payloads)
     raw, raw_cpu = _apply_payload_only(payloads)
@@ -291,12 +329,12 @@ async def run(args: argparse.Namespace) -> None:
     )
     url = f"nats://127.0.0.1:{port}"
     parent, child = mp.Pipe()
-    pub = mp.get_context("spawn").Process(target=_publisher, args=(all_payloads, child))
+    pub = mp.get_context("spawn").Process(target=_publisher, args=(all_payloads, child, args.pace_slack))
     pub.start()
     replicas: list[tuple[mp.process.BaseProcess, multiprocessing.connection.Connection]] = []
     try:
         await anyio.sleep(0.5)
-        endpoints, pub_cpu0 = parent.recv()
+        endpoints, _ = parent.recv()
         sources = [EventSource(worker_id=f"w{i}", endpoint=ep, hwm=0) for i, ep in enumerate(endpoints)]
         config = SubscriberConfig(quiet_interval=3600.0, native_receive=not args.python_receive)
         # The default lease (3 s): renewed from its own thread, a loaded machine does not make it lapse.
@@ -313,11 +351,10 @@ async def run(args: argparse.Namespace) -> None:
                 for i in range(3)
             ]
             # CPU seconds each part used in a round (process times: robust on a loaded machine, unlike wall time),
-            # from where each process stood when the rounds began (not counting its start).
-            cpu_at: dict[str, float] = {"engines": pub_cpu0}
+            # counted from the round's start (not a process's start: imports, connecting, subscribing).
+            cpu_at: dict[str, float] = {}
             for _, conn in replicas:
-                synced = await anyio.to_thread.run_sync(conn.recv)  # synced on the empty log
-                cpu_at[f"replica {id(conn)}"] = synced[-1]
+                await anyio.to_thread.run_sync(conn.recv)  # synced on the empty log
             client = relay.client
             assert client is not None
             with anyio.fail_after(30):
@@ -328,18 +365,18 @@ async def run(args: argparse.Namespace) -> None:
             # When the relay's own client applied each batch: the engines -> client part of the lag, without
             # NATS, in the same run. Timed inside the relay's raw tap (an events() listener would take the
             # client off the fast path the relay uses).
-            at_relay: dict[tuple[int, int], float] = {}
+            at_relay: dict[tuple[str, int], float] = {}
             relay_tap = client.raw_tap
             assert relay_tap is not None
 
             class TimedTap:
                 def raw(self, source: EventSource, seq: int, ts: float, payload: bytes, blocks: int) -> None:
-                    at_relay.setdefault((int(source.worker_id[1:]), seq), time.time())
+                    at_relay.setdefault((source.worker_id, seq), time.time())
                     relay_tap.raw(source, seq, ts, payload, blocks)
 
                 def push(self, env: Envelope) -> None:
                     if env.seq is not None:
-                        at_relay.setdefault((int(env.source.worker_id[1:]), env.seq), time.time())
+                        at_relay.setdefault((env.source.worker_id, env.seq), time.time())
                     relay_tap.push(env)
 
             def cpu_round(part: str, now: float) -> float:
@@ -359,24 +396,35 @@ async def run(args: argparse.Namespace) -> None:
             cpu: dict[str, float] = {}
 
             async def round_(lo: int, hi: int, rate: float) -> tuple[float, list[float], list[float]]:
+                # Each process's CPU in this round only (the publisher and the replicas count their own from the
+                # round's command: a snapshot, the catch-up or the last round's result transfer between rounds is
+                # not this round's).
+                cpu_round("relay", relay_cpu())
+                cpu_round("nats", nats_cpu())
                 want = {s: hi - 1 for s in range(n_sources)}
                 for _, conn in replicas:
                     conn.send((want, rate > 0))  # apply times (a listener) for the paced round
                 at_relay.clear()
                 t0 = time.time()
                 parent.send((lo, hi, rate))
-                sent, pub_cpu = await anyio.to_thread.run_sync(parent.recv)
-                cpu["engines"] = cpu_round("engines", pub_cpu)
-                sent_at = {(s, i): t for s, i, t in sent}
-                done, lags = t0, []
+                cpu["engines"] = await anyio.to_thread.run_sync(parent.recv)
+                done = t0
                 for _, conn in replicas:
-                    end, applied, rep_cpu = await anyio.to_thread.run_sync(conn.recv)
-                    cpu[f"replica {id(conn)}"] = cpu_round(f"replica {id(conn)}", rep_cpu)
+                    end, cpu[f"replica {id(conn)}"] = await anyio.to_thread.run_sync(conn.recv)
                     done = max(done, end)
-                    lags += [applied[k] - sent_at[k] for k in applied if k in sent_at]
-                relay_lags = [at_relay[k] - sent_at[k] for k in sent_at if k in at_relay]
+                # Every process's CPU is read before the bench fetches the send and apply times: their unpickling
+                # (and the garbage collections it brings) ran in the relay's process, counted as the relay's CPU
+                # (a quarter of its samples in session 14's py-spy) and holding its GIL while the pipeline drained.
                 cpu["relay"] = cpu_round("relay", relay_cpu())
                 cpu["nats-server"] = cpu_round("nats", nats_cpu())
+                parent.send("sent")
+                sent_at = {(s, i): t for s, i, t in await anyio.to_thread.run_sync(parent.recv)}
+                lags = []
+                for _, conn in replicas:
+                    conn.send("applied")
+                    applied = await anyio.to_thread.run_sync(conn.recv)
+                    lags += [applied[k] - sent_at[k] for k in applied if k in sent_at]
+                relay_lags = [at_relay[(f"w{s}", i)] - t for (s, i), t in sent_at.items() if (f"w{s}", i) in at_relay]
                 return done - t0, lags, relay_lags
 
             profiler = cProfile.Profile(time.process_time) if args.profile else None
@@ -393,9 +441,9 @@ async def run(args: argparse.Namespace) -> None:
             total_cpu = cpu["relay"] + cpu["nats-server"] + cpu["engines"] + sum(replica_cpu)
             per = 1e5 / blocks
             print(
-                f"CPU seconds per 100k blocks in that round: relay process {cpu['relay'] * per:.2f}, each replica"
-                f" {' / '.join(f'{c * per:.2f}' for c in replica_cpu)}, nats-server {cpu['nats-server'] * per:.2f},"
-                f" engines {cpu['engines'] * per:.2f}; total {total_cpu * per:.2f}: 2 cores carry at most"
+                f"CPU seconds per 100k blocks in that round: relay process {cpu['relay'] * per:.3f}, each replica"
+                f" {' / '.join(f'{c * per:.3f}' for c in replica_cpu)}, nats-server {cpu['nats-server'] * per:.3f},"
+                f" engines {cpu['engines'] * per:.3f}; total {total_cpu * per:.3f}: 2 cores carry at most"
                 f" {2 * blocks / total_cpu:,.0f} blocks/s of this pipeline (the run reached"
                 f" {blocks / elapsed / (2 * blocks / total_cpu):.2f} x that); each replica"
                 f" {' / '.join(f'{c / raw_cpu:.2f}' for c in replica_cpu)} x the CPU of apply_payload alone"
@@ -441,8 +489,18 @@ async def run(args: argparse.Namespace) -> None:
             # batches/s: a quarter of the measured maximum, or a fixed rate (comparable across loads)
             rate = args.lag_rate or 0.25 * n_batches * n_sources / elapsed
             client.set_raw_tap(TimedTap())
-            _, lags, relay_lags = await round_(n_batches, n_batches + paced, rate)
+            paced_s, lags, relay_lags = await round_(n_batches, n_batches + paced, rate)
             client.set_raw_tap(relay_tap)
+            # The paced round's CPU too: at the issue's rate the pipeline runs near what 2 cores carry, so every
+            # process's share (the paced publisher's wake-ups included) is what the lag is made of.
+            paced_cpu = {k: v * 1e5 / paced_blocks for k, v in cpu.items()}
+            paced_replicas = [v for k, v in paced_cpu.items() if k.startswith("replica")]
+            print(
+                f"CPU seconds per 100k blocks in the paced round: relay process {paced_cpu['relay']:.3f}, each replica"
+                f" {' / '.join(f'{c:.3f}' for c in paced_replicas)}, nats-server {paced_cpu['nats-server']:.3f},"
+                f" engines {paced_cpu['engines']:.3f}; total {sum(paced_cpu.values()):.3f}"
+                f" ({sum(cpu.values()) / paced_s / 2:.2f} of 2 cores over the round's {paced_s:.2f} s)"
+            )
             print(
                 f"apply lag at {rate:,.0f} batches/s (~{rate * blocks / (n_batches * n_sources):,.0f} blocks/s):"
                 f" p50 {_pct(lags, 0.5) * 1e3:.1f} ms, p90 {_pct(lags, 0.9) * 1e3:.1f} ms,"
@@ -517,6 +575,14 @@ def main() -> None:
         metavar="N",
         help="batches per source in the paced lag round (default 500, 200 with --quick: under a second at the"
         " issue's 500k blocks/s, a burst's figures; a few thousand give a steady state's)",
+    )
+    parser.add_argument(
+        "--pace-slack",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="the paced publisher sends a batch due within S seconds at once, sleeping once per S rather than once"
+        " per batch (default 0: a sleep before every batch that is not yet due)",
     )
     parser.add_argument(
         "--profile",
