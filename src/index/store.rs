@@ -20,6 +20,13 @@ pub(crate) const FAR_TABLE_BYTES: usize = 512 << 10;
 /// keeps in flight, a few times over).
 const BATCH_PREFETCH: usize = 64;
 
+/// `Scratch::held` in `store_fresh`: a key interned by the store itself (no holder at all)...
+const FRESH_KEY: u8 = 0;
+/// ...a key interned before that the worker does not hold...
+const UNHELD_KEY: u8 = 1;
+/// ...and one it holds already (under another engine hash).
+const HELD_KEY: u8 = 2;
+
 /// An event's per-block extras, encoded (None: a block without extras).
 pub(crate) type Extras = Vec<Option<Vec<u8>>>;
 
@@ -797,15 +804,23 @@ impl<K: WorkerName> Index<K> {
                 blocks.prefetch_hashed(slot_hashes[i]);
             }
         });
+        // Each key's id, and whether the worker held it before this store (read before any
+        // update, as the Python index reads its holder sets once; interning changes no holder,
+        // so a key's read may follow its interning). A key interned here has no holder at all:
+        // its record is not read back, and it gets its first holder directly below.
         sc.ids.clear();
-        for k in &sc.keys {
-            sc.ids.push(self.table.retain_key(k));
-        }
-        // Whether the worker held each key before this store (read before any update, as the
-        // Python index reads its holder sets once).
         sc.held.clear();
-        sc.held
-            .extend(sc.ids.iter().map(|&id| self.table.flags(id, slot) & H != 0));
+        for k in &sc.keys {
+            let (id, new) = self.table.retain_key_new(k);
+            sc.ids.push(id);
+            sc.held.push(if new {
+                FRESH_KEY
+            } else if self.table.flags(id, slot) & H != 0 {
+                HELD_KEY
+            } else {
+                UNHELD_KEY
+            });
+        }
         for (i, ((ehash, &hh), &id)) in hashes.iter().zip(&sc.slot_hashes).zip(&sc.ids).enumerate()
         {
             if w.blocks.try_insert_hashed(ehash, hh, id).is_err() {
@@ -822,12 +837,16 @@ impl<K: WorkerName> Index<K> {
         }
         self.entries += n as u64;
         for ((ehash, &id), &was) in hashes.iter().zip(&sc.ids).zip(&sc.held) {
-            if was {
+            match was {
                 // content it already holds under another engine hash
-                self.presence(w, ehash, id, 0, 1, true);
-            } else {
-                let f = self.table.flags(id, slot);
-                self.table.set_flags(id, slot, f | H);
+                HELD_KEY => self.presence(w, ehash, id, 0, 1, true),
+                // Interned by this store, so held by nobody yet: an earlier block of this
+                // store with the same key would have been found, not interned (`UNHELD_KEY`).
+                FRESH_KEY => self.table.set_first_holder(id, slot, H),
+                _ => {
+                    let f = self.table.flags(id, slot);
+                    self.table.set_flags(id, slot, f | H);
+                }
             }
         }
         self.scratch = sc;
