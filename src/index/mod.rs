@@ -147,20 +147,17 @@ impl H64 {
 /// and the home is taken from the top bits, so engine hashes differing only above bit 37 all
 /// shared one home: 20k of them took 2 s to insert, under the index's write lock.
 ///
-/// The mix is MurmurHash3's 64-bit finaliser (`fmix64`: xor-shifts and two multiplies, a
-/// bijection with full avalanche), not XXH3 over the eight bytes, which it replaced: this hash
-/// is taken once a block to store it, again for every entry at each growth of a worker's table,
-/// and for every entry a removal shifts back (callgrind, `bench/callgrind_ingest.py`: the
-/// `dynamo` stream 1,336 → 1,316 instructions a block, `at1M` 2,087 → 2,072). Only where entries
-/// sit in memory depends on it, never what the index answers.
+/// The mix is foldhash's (a 64x64 -> 128-bit multiply folded in half, the hasher under
+/// hashbrown's default), not XXH3 over the eight bytes, which it replaced: this hash is taken
+/// once a block to store it, again for every entry at each growth of a worker's table, and for
+/// every entry a removal shifts back (callgrind, `bench/callgrind_ingest.py` `dynamo`: 1,336 →
+/// 1,217 instructions a block with the session's other cuts; a hand-written `fmix64` gave 1,237).
+/// Only where entries sit in memory depends on it, never what the index answers.
 #[inline]
 fn hash_u64(h: u64) -> u64 {
-    let mut x = h;
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    x ^ (x >> 33)
+    use std::hash::BuildHasher;
+    const HOME: foldhash::fast::FixedState = foldhash::fast::FixedState::with_seed(0);
+    HOME.hash_one(h)
 }
 
 /// The engine hash an `IntMap` slot holds when empty (an entry under this hash itself is kept
