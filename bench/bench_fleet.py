@@ -376,7 +376,7 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             lags: list[float],
             elided: int,
             blocks: int,
-            skipped: dict[str, int],
+            skipped: dict[str, int] | None,
         ) -> None:
             # The thread applied these to the index itself: count them and their lags here.
             index.applied_blocks += BLOCKS * (len(seqs) + elided)

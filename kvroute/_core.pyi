@@ -313,7 +313,7 @@ class NativeReceiver:
     def drain(
         self,
     ) -> tuple[
-        list[tuple[int, list[int], list[float], list[float], int, int, dict[str, int]]],
+        list[tuple[int, list[int], list[float], list[float], int, int, dict[str, int] | None]],
         list[tuple[Any, ...]],
         list[str],
         str | None,

@@ -361,12 +361,19 @@ class SourceDriver(DriverBase):
                 self._on_change()
 
     def _native_applied(
-        self, seqs: list[int], tss: list[float], lags: list[float], elided: int, blocks: int, skipped: dict[str, int]
+        self,
+        seqs: list[int],
+        tss: list[float],
+        lags: list[float],
+        elided: int,
+        blocks: int,
+        skipped: dict[str, int] | None,
     ) -> None:
         """What the native thread applied for this source since the last drain: rule 1's bookkeeping, in bulk.
 
         ``seqs``/``tss``: the newest applied batches in order (at most the ts ring's worth);
-        ``elided`` older ones only counted; ``lags``: wall clock at apply minus ts.
+        ``elided`` older ones only counted; ``lags``: wall clock at apply minus ts; ``skipped``:
+        events left out of those batches, per reason (None: none).
         """
         self._native_fast_seen += len(seqs) + elided
         if self._stopped:
