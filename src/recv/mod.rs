@@ -48,14 +48,6 @@ pub const MONITOR_EVENTS: i32 = (zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED
 const KEEP_RECORDS: usize = 4096;
 /// How often the thread looks for quiet sources (and wakes when nothing arrives).
 const QUIET_SCAN: Duration = Duration::from_millis(250);
-/// The shortest time between the starts of two looks that wait (nothing left to read). A thread
-/// that looked again as soon as it had read what the last look found was woken for nearly every
-/// message while it kept up: at 4,096 sources a message is alone on its source, so each cost a
-/// wake-up and switch of this thread, a look, a hand-over signal and a wake-up of Python's event
-/// loop of its own (issue 19, docs/performance.md "Session 14, fleet"). Waiting this long first
-/// lets what arrives meanwhile queue up, so one look serves every source that sent, and one
-/// wake-up of Python every hand-over, each at most this much later.
-const MIN_LOOK: Duration = Duration::from_millis(1);
 /// Readiness events taken per poll call (a look repeats the call while the list comes back full).
 const POLL_EVENTS: usize = 4096;
 const WAKER: Token = Token(usize::MAX);
@@ -574,7 +566,6 @@ impl<K: WorkerName> Loop<K> {
         // The newest look taken while kvroute was caught up: every ready socket read to the
         // end and every hand-over taken by Python. Quiet is measured up to it only.
         let mut caught_up_look = Instant::now();
-        let mut last_look = Instant::now();
         loop {
             let caught_up = self.backlog.is_empty()
                 && self.stalled.is_empty()
@@ -587,17 +578,6 @@ impl<K: WorkerName> Loop<K> {
             } else {
                 Duration::ZERO
             };
-            if !timeout.is_zero() && self.replays.is_empty() {
-                // About to wait for readiness: not sooner than MIN_LOOK after the last look began.
-                // Not while a replay runs: a cold sync is thousands of request round trips, and
-                // on a loaded core each sleep costs a turn in the run queue (the 4,096-rank sync
-                // took 10-17 s against 9-13 s with the wait in every look, load 15-19).
-                let early = MIN_LOOK.saturating_sub(last_look.elapsed());
-                if !early.is_zero() {
-                    std::thread::sleep(early);
-                    timeout = timeout.saturating_sub(early);
-                }
-            }
             // One look: polls until one returns less than a full list, so every descriptor
             // that turned readable before `looked` is marked (a full list may have left some
             // in the kernel's ready list).
@@ -624,7 +604,6 @@ impl<K: WorkerName> Loop<K> {
                 }
                 timeout = Duration::ZERO;
             };
-            last_look = looked;
             if caught_up {
                 caught_up_look = looked;
             }
