@@ -209,6 +209,7 @@ class ApplyReport(NamedTuple):
 
 
 _NO_SKIPS: dict[str, int] = {}
+_new_tuple = tuple.__new__
 _DEFAULT_LIMITS = Limits()
 
 
@@ -306,7 +307,9 @@ class PrefixIndex:
         ts, kind, error, stored, skipped = self._core.apply_payload(
             worker, payload, lim.max_events_per_batch, lim.max_blocks_per_event, lim.max_block_size
         )
-        return ApplyReport(ts, not kind, kind, error, stored, dict(skipped) if skipped else _NO_SKIPS)
+        # tuple.__new__ skips the NamedTuple's Python-level __new__ (a frame and its argument
+        # binding per call: ~3 % of a replica-sized payload's ingest in callgrind).
+        return _new_tuple(ApplyReport, (ts, not kind, kind, error, stored, dict(skipped) if skipped else _NO_SKIPS))
 
     def apply_payloads(self, worker: WorkerKey, payloads: Sequence[bytes], limits: Limits | None = None) -> int:
         """Apply payloads judged applicable (a recovery machine's run) to ``worker`` in order; the blocks stored.

@@ -31,8 +31,12 @@ fn decode_error(py: Python<'_>, msg: String) -> PyErr {
 }
 
 /// A cap as Python holds it (any int): clamped to i128, which every msgpack integer fits in, so
-/// comparisons come out as Python's did.
+/// comparisons come out as Python's did. An i64 first: pyo3 reads a 128-bit int through a slow
+/// path, and three caps come with every `apply_payload` call.
 fn cap(v: &Bound<'_, PyAny>) -> PyResult<i128> {
+    if let Ok(n) = v.extract::<i64>() {
+        return Ok(n.into());
+    }
     match v.extract::<i128>() {
         Ok(n) => Ok(n),
         Err(_) if v.lt(0)? => Ok(i128::MIN),
