@@ -858,14 +858,13 @@ impl KeyTable {
     /// Set the flags of `slot` on key `id` (0 removes the holder).
     pub(crate) fn set_flags(&mut self, id: u32, slot: u32, flags: u8) {
         debug_assert!((slot as usize) < MAX_SLOTS);
-        let word = slot << FLAG_BITS | u32::from(flags);
         let one = self.recs[id as usize].one;
         if one == NO_HOLDER && flags != 0 {
             // A key's first holder (the store path's common case): nothing to free after it.
-            self.recs[id as usize].one = word;
-            self.count_flags(0, flags);
+            self.set_first_holder(id, slot, flags);
             return;
         }
+        let word = slot << FLAG_BITS | u32::from(flags);
         let (before, after) = if one == NO_HOLDER {
             (0, 0) // nothing held and nothing set (a first holder returned above)
         } else if one & MANY == 0 {
