@@ -71,14 +71,18 @@ def _receiver(index: PrefixIndex) -> Iterator[Any]:
         recv.close()
 
 
-async def _drain_until(recv: Any, taken: list[Any], done: Any) -> None:
-    """Drain ``recv``'s hand-overs into ``taken`` until ``done(taken)`` (at most 10 s)."""
+async def _drain_until(recv: Any, taken: list[Any], done: Any, applied: list[int] | None = None) -> None:
+    """Drain ``recv``'s hand-overs into ``taken`` (and the seqs its fast path applied into
+    ``applied``) until ``done(taken)`` (at most 10 s)."""
     until = time.monotonic() + 10
     while not done(taken):
-        assert time.monotonic() < until, f"timed out; hand-overs so far: {taken}"
-        _, handovers, _, dead = recv.drain()
+        assert time.monotonic() < until, f"timed out; hand-overs so far: {taken}, applied: {applied}"
+        records, handovers, _, dead = recv.drain()
         assert dead is None
         taken.extend(handovers)
+        if applied is not None:
+            for _, seqs, *_ in records:
+                applied.extend(seqs)
         await anyio.sleep(0.005)
 
 
@@ -108,12 +112,7 @@ async def _replay_answered(meanwhile: str) -> tuple[Any, int]:
             if meanwhile == "overtaken":
                 pub.send_multipart([b"", (9).to_bytes(8, "big"), _payload(9)])
                 applied_live: list[int] = []
-                until = time.monotonic() + 10
-                while not applied_live:
-                    assert time.monotonic() < until, "the fast path applied nothing"
-                    for _, seqs, *_ in recv.drain()[0]:
-                        applied_live.extend(seqs)
-                    await anyio.sleep(0.005)
+                await _drain_until(recv, taken, lambda _: bool(applied_live), applied_live)
                 assert applied_live == [9]
             recv.replay(
                 11, _TOKEN, f"tcp://127.0.0.1:{router_port}", 1000, 1 << 20, 20, 100, False,

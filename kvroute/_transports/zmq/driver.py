@@ -375,15 +375,16 @@ class SourceDriver(DriverBase):
         ``elided`` older ones only counted; ``lags``: wall clock at apply minus ts; ``skipped``:
         events left out of those batches, per reason (None: none).
         """
-        self._native_fast_seen += len(seqs) + elided
+        applied = len(seqs) + elided
+        self._native_fast_seen += applied
         if self._stopped:
             return
-        self.native_batches += len(seqs) + elided
+        self.native_batches += applied
         on_applied = self.machine.on_applied
         for seq, ts in zip(seqs, tss):
             on_applied(seq, ts)
         self.counters.batches += elided
-        self.counters.messages += len(seqs) + elided
+        self.counters.messages += applied
         self.counters.blocks += blocks
         if skipped:
             self._decoder.count_skipped(skipped)
