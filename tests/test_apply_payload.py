@@ -13,13 +13,13 @@ import math
 import threading
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_wire_differential import SETTINGS, batch_frag, engine_event
 
 from kvroute import EventBatch, PrefixIndex, WorkerKey, decode_batch, encode_batch
 from kvroute._transports.zmq.payloads import _decode_checked, _judge
-from kvroute._wire import BatchDecoder, BlockStored, Limits
+from kvroute._wire import BatchDecoder, BlockRemoved, BlockStored, Limits
 
 W = [WorkerKey("a", 0), WorkerKey("b", 1)]
 
@@ -79,11 +79,22 @@ payload_st = st.one_of(
 APPLY_SETTINGS = settings(SETTINGS, max_examples=max(1, SETTINGS.max_examples // 4))
 
 
+# msgpack's uint64 (0xcf) past int64 in the fields the index reads as ints: both paths saturate
+# them (the converter of decoded events once raised OverflowError on these).
+_WIDE = [
+    (0, encode_batch(EventBatch(1.0, [BlockStored(block_hashes=[1], token_ids=list(range(16)), block_size=16, **kw)]), form=form))
+    for kw in ({"kv_cache_spec_sliding_window": 2**63}, {"group_idx": 2**64 - 1}, {"lora_id": 2**63})
+    for form in ("map", "array")
+]
+
+
 @APPLY_SETTINGS
 @given(
     st.lists(st.tuples(st.integers(0, 1), payload_st), max_size=10),
     st.one_of(st.none(), st.builds(Limits, max_events_per_batch=st.integers(1, 6), max_block_size=st.integers(1, 8))),
 )
+@example(_WIDE, None)
+@example([(0, encode_batch(EventBatch(1.0, [BlockRemoved(block_hashes=[1], group_idx=2**63)])))], None)
 def test_apply_payload_equals_decode_then_apply(payloads: list[tuple[int, bytes]], limits: Limits | None) -> None:
     _same(payloads, limits)
 

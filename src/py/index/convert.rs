@@ -70,9 +70,10 @@ fn opt_hash(obj: &Bound<'_, PyAny>) -> PyResult<Option<BlockHash>> {
     }
 }
 
-/// One token of an event: ints outside int64 saturate (they are outside uint32 either way, so
-/// the block stays unhashable, as in the Python index).
-fn event_token(obj: &Bound<'_, PyAny>) -> PyResult<i64> {
+/// An int of an event, saturated onto int64 as the wire decoder reads one (`wire::sat`): a token
+/// outside int64 is outside uint32 either way (the block stays unhashable, as in the Python
+/// index), and a uint64 `group_idx` or sliding window decodes from msgpack (`0xcf`) as well.
+fn saturating_i64(obj: &Bound<'_, PyAny>) -> PyResult<i64> {
     match obj.extract::<i64>() {
         Ok(v) => Ok(v),
         Err(e) => {
@@ -86,18 +87,18 @@ fn event_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
         for t in list.iter() {
-            out.push(event_token(&t)?);
+            out.push(saturating_i64(&t)?);
         }
         return Ok(out);
     }
-    obj.try_iter()?.map(|t| event_token(&t?)).collect()
+    obj.try_iter()?.map(|t| saturating_i64(&t?)).collect()
 }
 
 fn opt_i64(obj: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
     if obj.is_none() {
         Ok(None)
     } else {
-        obj.extract::<i64>().map(Some)
+        saturating_i64(obj).map(Some)
     }
 }
 
@@ -213,7 +214,7 @@ fn stored<'py>(ev: &Bound<'py, PyAny>) -> PyResult<BlockStored> {
         block_hashes: hashes(&get(intern!(py, "block_hashes"))?)?,
         parent_block_hash: opt_hash(&get(intern!(py, "parent_block_hash"))?)?,
         token_ids: event_tokens(&get(intern!(py, "token_ids"))?)?,
-        block_size: get(intern!(py, "block_size"))?.extract()?,
+        block_size: saturating_i64(&get(intern!(py, "block_size"))?)?,
         lora_id: None,
         medium: opt_str(&get(intern!(py, "medium"))?)?,
         lora_name: opt_str(&get(intern!(py, "lora_name"))?)?,
