@@ -11,7 +11,10 @@
 //! fast path apply, and records `(seq, ts)` for Python to feed `on_applied` in bulk.
 //!
 //! The hand-over is one `Outbox` per receiver plus one pipe Python's event loop waits on: the
-//! pipe is written when the outbox turns non-empty, so Python wakes per batch of hand-overs.
+//! pipe is written when a hand-over (or a log line) lands in an empty outbox, so Python wakes per
+//! batch of hand-overs. Batches the thread applied itself only need Python's bookkeeping (rule
+//! 1's `on_applied`, counters): they wake it `NOTE_DELAY` after the first of them at the latest,
+//! so a source that sends one batch at a time does not cost the event loop a wake per message.
 //! Nothing here panics into Python: the thread body runs under `catch_unwind`, and a thread
 //! that stops for any reason leaves its reason in `Outbox::dead`.
 
@@ -48,6 +51,16 @@ pub const MONITOR_EVENTS: i32 = (zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED
 const KEEP_RECORDS: usize = 4096;
 /// How often the thread looks for quiet sources (and wakes when nothing arrives).
 const QUIET_SCAN: Duration = Duration::from_millis(250);
+/// Longest an applied batch's record waits in the outbox before Python is woken for it alone.
+/// The index has it already (the apply lag is taken at apply); what waits is rule 1's
+/// bookkeeping and the counters in `stats()`, far below any interval recovery acts on
+/// (`quiet_interval`, replay timeouts). A wake costs the event loop ~25 µs (a drain, anyio's
+/// reader re-registered): one per message at 1,024+ ranks, where each rank sends a few a second
+/// (docs/performance.md, "Session 15, fleet").
+const NOTE_DELAY: Duration = Duration::from_millis(2);
+/// Applied records that wake Python without waiting for `NOTE_DELAY`: a drain's Python work
+/// grows with them, and the event loop's other tasks wait behind it.
+const NOTE_RECORDS: usize = 64;
 /// Readiness events taken per poll call (a look repeats the call while the list comes back full).
 const POLL_EVENTS: usize = 4096;
 const WAKER: Token = Token(usize::MAX);
@@ -123,6 +136,10 @@ pub struct Outbox {
     pub dead: Option<String>,
     bytes: usize,
     signaled: bool,
+    /// Applied records are waiting, not yet signaled: signal by then (`NOTE_DELAY`).
+    note_due: Option<Instant>,
+    /// Applied records since the last drain.
+    noted: usize,
     /// The thread skipped closed sources for lack of room: wake it once Python drained.
     stalled: bool,
 }
@@ -359,6 +376,32 @@ impl<K> Shared<K> {
         taken
     }
 
+    /// `n` applied records joined the outbox: signal within `NOTE_DELAY` (now, if already due
+    /// or `NOTE_RECORDS` are waiting).
+    fn note(&self, out: &mut Outbox, n: usize, now: Instant) {
+        out.noted += n;
+        if out.signaled {
+            return;
+        }
+        let due = *out.note_due.get_or_insert(now + NOTE_DELAY);
+        if due <= now || out.noted >= NOTE_RECORDS {
+            self.signal(out);
+        }
+    }
+
+    /// Signal applied records whose `NOTE_DELAY` ran out; when the next are due otherwise.
+    fn note_due(&self, now: Instant) -> Option<Instant> {
+        let mut out = self.outbox.lock();
+        match out.note_due {
+            Some(due) if !out.signaled && due <= now => {
+                self.signal(&mut out);
+                None
+            }
+            Some(due) if !out.signaled => Some(due),
+            _ => None,
+        }
+    }
+
     fn signal(&self, out: &mut Outbox) {
         if !out.signaled {
             out.signaled = true;
@@ -570,10 +613,15 @@ impl<K: WorkerName> Loop<K> {
             let caught_up = self.backlog.is_empty()
                 && self.stalled.is_empty()
                 && self.shared.outbox.lock().handovers.is_empty();
+            let note_due = self.shared.note_due(Instant::now());
             let mut timeout = if self.backlog.is_empty() && self.replays_ready.is_empty() {
-                // Wake for the next quiet scan, or the next replay request's timer.
+                // Wake for the next quiet scan, the next replay request's timer, or to signal
+                // the applied records waiting.
                 let due = self.replays.values().map(replay::Running::due).min();
-                let wake = due.map_or(next_scan, |d| d.min(next_scan));
+                let wake = [due, note_due]
+                    .into_iter()
+                    .flatten()
+                    .fold(next_scan, Instant::min);
                 wake.saturating_duration_since(Instant::now())
             } else {
                 Duration::ZERO
@@ -1011,6 +1059,7 @@ impl<K: WorkerName> Loop<K> {
             return more;
         }
         let mut out = shared.outbox.lock();
+        let n_applied = applied.len();
         if !applied.is_empty() {
             let entry = out.applied.entry(token).or_default();
             for (seq, ts, stored, skipped) in applied {
@@ -1030,9 +1079,13 @@ impl<K: WorkerName> Loop<K> {
                 out.bytes += frames.iter().map(Vec::len).sum::<usize>();
             }
         }
-        out.handovers.append(&mut out_pending);
-        out.logs.append(&mut logs);
-        shared.signal(&mut out);
+        if out_pending.is_empty() && logs.is_empty() {
+            shared.note(&mut out, n_applied, Instant::now());
+        } else {
+            out.handovers.append(&mut out_pending);
+            out.logs.append(&mut logs);
+            shared.signal(&mut out);
+        }
         more
     }
 
@@ -1451,6 +1504,122 @@ mod tests {
         drop(pub_);
         assert!(shared.drain().dead.is_none());
     }
+    /// Whether Python's pipe has a byte waiting (not read).
+    fn signaled(shared: &Shared<W>) -> bool {
+        let mut fd = libc::pollfd {
+            fd: shared.notify_r,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd on the stack, a descriptor the shared state keeps open.
+        unsafe { libc::poll(&mut fd, 1, 0) == 1 }
+    }
+
+    #[test]
+    fn an_applied_batch_wakes_python_within_the_note_delay_and_a_hand_over_at_once() {
+        let (ctx, index, shared) = started(64, Duration::from_secs(60), 1 << 20);
+        let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
+        pub_.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
+        let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &OPTS).unwrap();
+        shared.command(Command::Add {
+            token: 1,
+            key: W("a"),
+            sub,
+            mon,
+            alive: Arc::new(AtomicBool::new(true)),
+        });
+        let got = wait(&shared, |g| g.iter().any(|o| !o.handovers.is_empty()));
+        let consumed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
+        shared.command(Command::Open {
+            token: 1,
+            next_seq: 0,
+            consumed,
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        // Each try: one batch, stamped with its send time; watched (not drained) until the
+        // thread applied it. Seen within half the note delay of its visit's start (the
+        // record's wall clock, taken before the apply), Python must not have been woken yet; a
+        // slower look (a loaded machine) proves nothing, so the next seq tries again. Either
+        // way the wake comes without a drain.
+        let mut early = 0;
+        let mut next = 0;
+        for seq in 0..200u64 {
+            next = seq + 1;
+            send(&pub_, seq, &payload(now_wall(), seq + 1));
+            let until = Instant::now() + Duration::from_secs(10);
+            loop {
+                let out = shared.outbox.lock();
+                if let Some(rec) = out.applied.get(&1).and_then(|a| a.records.back()) {
+                    assert_eq!(rec.0, seq);
+                    assert!(out.handovers.is_empty());
+                    if now_wall() - (rec.1 + rec.2) < NOTE_DELAY.as_secs_f64() / 2.0 {
+                        assert!(!signaled(&shared), "woken at once for an applied batch");
+                        early += 1;
+                    }
+                    break;
+                }
+                drop(out);
+                assert!(Instant::now() < until, "seq {seq} never applied");
+                std::hint::spin_loop();
+            }
+            let until = Instant::now() + Duration::from_secs(10);
+            while !signaled(&shared) {
+                assert!(Instant::now() < until, "never woken for seq {seq}");
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            assert_eq!(applied(&[shared.drain()]), vec![seq]);
+            if early == 3 {
+                break;
+            }
+        }
+        assert_eq!(
+            early, 3,
+            "too few batches were looked at soon after their apply"
+        );
+        // A burst, queued while the index is locked so that one visit (64 messages) applies
+        // `NOTE_RECORDS` at once: Python is woken with them, not after the delay.
+        {
+            let _held = index.write();
+            for seq in next..next + 2 * NOTE_RECORDS as u64 {
+                send(&pub_, seq, &payload(now_wall(), seq + 1));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let out = shared.outbox.lock();
+            let waiting = out.applied.get(&1).map_or(0, |a| a.records.len());
+            if waiting >= NOTE_RECORDS {
+                assert!(
+                    signaled(&shared),
+                    "{waiting} records waiting, Python not woken"
+                );
+                break;
+            }
+            drop(out);
+            assert!(Instant::now() < until, "the burst was never applied");
+            std::hint::spin_loop();
+        }
+        wait(&shared, |g| applied(g).len() == 2 * NOTE_RECORDS);
+        // A gap is a hand-over: the pipe is written with it, under the same lock.
+        send(&pub_, 1000, &payload(now_wall(), 1000));
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let out = shared.outbox.lock();
+            if !out.handovers.is_empty() {
+                assert!(signaled(&shared));
+                break;
+            }
+            drop(out);
+            assert!(Instant::now() < until, "the gap was never handed over");
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        shared.command(Command::Stop);
+        drop(pub_);
+        assert!(shared.drain().dead.is_none());
+    }
+
     /// How a replay test interferes between the request and its answer.
     #[derive(Clone, Copy, PartialEq)]
     enum Meanwhile {
