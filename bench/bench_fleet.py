@@ -67,6 +67,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import msgspec
 import zmq
 
 from kvroute import (
@@ -357,9 +358,9 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                 waiting.append(sum(d.machine.replay_in_flight is not None for d in drivers))
             await anyio.sleep(0.25)
 
-    config = SubscriberConfig(native_receive=args.native)
+    config = SubscriberConfig(native_receive=args.native, receive_nice=args.receive_nice)
     if args.replays is not None:
-        config = SubscriberConfig(native_receive=args.native, max_concurrent_replays=args.replays)
+        config = msgspec.structs.replace(config, max_concurrent_replays=args.replays)
 
     def count_native(client: KvEventClient) -> Any:
         """Count what the native thread applied (and its lags): it bypasses the index's Python methods.
@@ -559,6 +560,9 @@ def main() -> None:
     ap.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     ap.add_argument("--header", action="store_true", help="print the table header first")
     ap.add_argument("--native", action="store_true", help="SubscriberConfig(native_receive=True)")
+    ap.add_argument(
+        "--receive-nice", type=int, default=SubscriberConfig().receive_nice, help="SubscriberConfig.receive_nice"
+    )
     ap.add_argument(
         "--replays", type=int, default=None, help="SubscriberConfig.max_concurrent_replays (default: the config's)"
     )

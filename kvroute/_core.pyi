@@ -266,6 +266,7 @@ class NativeReceiver:
         max_events_per_batch: int,
         max_blocks_per_event: int,
         max_block_size: int,
+        nice: int,
     ) -> None: ...
     def fileno(self) -> int: ...
     def add(

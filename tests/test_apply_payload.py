@@ -81,11 +81,11 @@ APPLY_SETTINGS = settings(SETTINGS, max_examples=max(1, SETTINGS.max_examples //
 
 # msgpack's uint64 (0xcf) past int64 in the fields the index reads as ints: both paths saturate
 # them (the converter of decoded events once raised OverflowError on these).
-_WIDE = [
-    (0, encode_batch(EventBatch(1.0, [BlockStored(block_hashes=[1], token_ids=list(range(16)), block_size=16, **kw)]), form=form))
+_WIDE_STORES = [
+    BlockStored(block_hashes=[1], token_ids=list(range(16)), block_size=16, **kw)
     for kw in ({"kv_cache_spec_sliding_window": 2**63}, {"group_idx": 2**64 - 1}, {"lora_id": 2**63})
-    for form in ("map", "array")
 ]
+_WIDE = [(0, encode_batch(EventBatch(1.0, [ev]), form=form)) for ev in _WIDE_STORES for form in ("map", "array")]
 
 
 @APPLY_SETTINGS

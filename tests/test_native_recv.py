@@ -8,6 +8,9 @@ the Python recovery machine. Each test ends with the index checked against the e
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import threading
 from collections.abc import AsyncIterator
 
 import anyio
@@ -67,6 +70,48 @@ def test_native_receive_is_a_bool_option() -> None:
     assert SubscriberConfig().native_receive is True
     with pytest.raises(ValueError, match="native_receive must be a bool"):
         SubscriberConfig(native_receive=1)  # type: ignore[arg-type]
+
+
+def test_receive_nice_is_a_nice_step() -> None:
+    assert SubscriberConfig().receive_nice == 5
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match=r"receive_nice must be in 0\.\.19"):
+            SubscriberConfig(receive_nice=bad)
+    with pytest.raises(ValueError, match="receive_nice must be an int"):
+        SubscriberConfig(receive_nice=1.5)  # type: ignore[arg-type]
+
+
+def _nice_of_threads() -> dict[int, tuple[str, int]]:
+    """This process's threads: id → (name, nice)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/stat") as f:
+            stat = f.read()
+        rest = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (stat[stat.index("(") + 1 : stat.rindex(")")], int(rest[16]))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice is per thread on Linux only")
+@pytest.mark.parametrize("nice", [0, 6])
+async def test_the_receive_side_threads_run_receive_nice_below_the_event_loop(nice: int) -> None:
+    # The thread applying batches and libzmq's threads of its two contexts (started by it) yield
+    # to the event loop's thread, which keeps its own priority.
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    before = _nice_of_threads()
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        async with _following(pub, src, msgspec.structs.replace(NATIVE, receive_nice=nice)) as (_, driver):
+            assert driver._native is not None
+            new = {tid: v for tid, v in _nice_of_threads().items() if tid not in before}
+            names = sorted(name for name, _ in new.values())
+            assert "kvroute-recv" in names
+            # kvroute-recv, an I/O thread and a reaper per context (the sources' and the replays')
+            assert len(new) >= 5, names
+            expected = min(19, own + nice)
+            mine = {tid: v for tid, v in new.items() if v[1] == expected}
+            assert len(mine) >= 5, new
+            assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
 
 
 def test_only_plaintext_tcp_and_ipc_sources_are_eligible() -> None:

@@ -64,6 +64,7 @@ def _receiver(index: PrefixIndex) -> Iterator[Any]:
         lim.max_events_per_batch,
         lim.max_blocks_per_event,
         lim.max_block_size,
+        0,
     )
     try:
         yield recv

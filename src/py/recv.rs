@@ -41,7 +41,8 @@ pub struct PyNativeReceiver {
 #[pymethods]
 impl PyNativeReceiver {
     /// Start the thread applying to ``index``; ``quiet`` in seconds, the caps as in
-    /// `SubscriberConfig` and `Limits`; ``max_sockets`` sizes the thread's libzmq context.
+    /// `SubscriberConfig` and `Limits`; ``max_sockets`` sizes the thread's libzmq context;
+    /// ``nice``: steps the receive side's threads run below the caller's.
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -54,6 +55,7 @@ impl PyNativeReceiver {
         max_events_per_batch: &Bound<'_, PyAny>,
         max_blocks_per_event: &Bound<'_, PyAny>,
         max_block_size: &Bound<'_, PyAny>,
+        nice: i32,
     ) -> PyResult<Self> {
         let limits =
             super::wire::limits(max_events_per_batch, max_blocks_per_event, max_block_size)?;
@@ -68,6 +70,7 @@ impl PyNativeReceiver {
             quiet: Duration::from_secs_f64(quiet),
             outbox_bytes: outbox_bytes.max(1),
             limits,
+            nice,
         };
         let ctx = Arc::new(Context::new(max_sockets).map_err(PyOSError::new_err)?);
         let shared =

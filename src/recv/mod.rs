@@ -83,6 +83,29 @@ pub struct Settings {
     pub outbox_bytes: usize,
     /// Decode caps per batch.
     pub limits: wire::Limits,
+    /// Nice steps the receive side's threads (this loop's, libzmq's I/O and reaper threads of
+    /// both contexts) run below the thread that starts it (`lower_priority`).
+    pub nice: i32,
+}
+
+/// Lower the calling thread's CPU priority by `steps` nice values (at most to 19). On Linux a
+/// thread's nice is its own, and threads it starts inherit it; a refusal (a sandbox) leaves
+/// the priority as it was. Elsewhere nice is per process: nothing is changed.
+fn lower_priority(steps: i32) {
+    #[cfg(target_os = "linux")]
+    if steps > 0 {
+        // SAFETY: plain syscalls on the calling thread's own id; errno read right after.
+        unsafe {
+            let tid = libc::gettid() as libc::id_t;
+            *libc::__errno_location() = 0;
+            let now = libc::getpriority(libc::PRIO_PROCESS, tid);
+            if *libc::__errno_location() == 0 {
+                libc::setpriority(libc::PRIO_PROCESS, tid, (now + steps).min(19));
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = steps;
 }
 
 /// Socket options of one SUB (intervals in ms, as libzmq takes them).
@@ -512,6 +535,24 @@ pub fn start<K: WorkerName + 'static>(
     // monitor's). In the SUBs' context a cold sync of 4,096 sources closed 4,096 DEALERs over a
     // 4,096-entry map: 15 % of the client core's time in `std::_Rb_tree_increment`.
     let replay_ctx = Arc::new(ctx.sibling()?);
+    if settings.nice > 0 {
+        // Ingest yields to the event loop, whose thread serves the router's requests: on a
+        // saturated core the loop's lag p99 halved at nice 5 (docs/performance.md, "Session
+        // 15, fleet"). libzmq starts a context's I/O and reaper threads with its first socket,
+        // on the thread that makes it: each context's first socket is made on a thread
+        // already lowered, so they inherit its nice (a context in use keeps its threads).
+        let nice = settings.nice;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                lower_priority(nice);
+                drop(ctx.socket(zmq_sys::ZMQ_PAIR as i32)?);
+                drop(replay_ctx.socket(zmq_sys::ZMQ_PAIR as i32)?);
+                Ok::<(), String>(())
+            })
+            .join()
+            .map_err(|_| "the thread starting libzmq's threads panicked".to_string())?
+        })?;
+    }
     let (notify_r, notify_w) = pipe()?;
     let shared = Arc::new(Shared {
         outbox: Mutex::new(Outbox::default()),
@@ -526,6 +567,7 @@ pub fn start<K: WorkerName + 'static>(
     std::thread::Builder::new()
         .name("kvroute-recv".into())
         .spawn(move || {
+            lower_priority(settings.nice);
             let sh = thread_shared.clone();
             let result = catch_unwind(AssertUnwindSafe(move || {
                 Loop {
@@ -1145,6 +1187,7 @@ mod tests {
             quiet,
             outbox_bytes,
             limits: wire::Limits::default(),
+            nice: 0,
         };
         let shared = start(index.clone(), settings, ctx.clone()).unwrap();
         (ctx, index, shared)

@@ -104,6 +104,15 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
       then also bounds the messages the thread has handed over and Python has not taken yet,
       client-wide. False: every SUB is read on the event loop (the Python receiver). Same run,
       1,024 ranks: cold sync 2.5 s on the thread, 13.7 s on the event loop (docs/performance.md, "Fleet scale").
+    - ``receive_nice`` 5: nice steps (0-19) the native receive side's threads (its loop,
+      libzmq's I/O and reaper threads) run below the thread that started the client, so on a
+      saturated core the event loop, which serves the router's requests, is not kept waiting
+      behind ingest (Linux, where nice is per thread; elsewhere ignored). Nice weighs threads
+      against the other threads of the same cgroup (a container): there, the router's own.
+      4,096 ranks at ~700k blocks/s on one saturated core: event-loop lag p99 12 ms at 5, 8-10
+      ms at 10, 21-27 ms at 0, apply lag level (docs/performance.md, "Session 15, fleet"). The
+      cost: while the loop itself is busy, ingest gets about a quarter of its share at 5 (a
+      tenth at 10) and its apply lag grows. 0: as the caller's.
 
     Memory, per source, at most: ``queue_bytes`` queued in libzmq (SUB), ``held_bytes`` of
     payload held behind an outstanding replay (about 7x that decoded), and its index state;
@@ -138,6 +147,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     curve_secret_key: str | None = None
     limits: Limits = msgspec.field(default_factory=Limits)
     native_receive: bool = True
+    receive_nice: int = 5
 
     def __post_init__(self) -> None:
         # msgspec checks types when decoding, not when a Struct is built by hand: check here,
@@ -181,6 +191,8 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, not {value!r}")
+        if not 0 <= self.receive_nice <= 19:
+            raise ConfigError(f"receive_nice must be in 0..19, not {self.receive_nice!r}")
         if self.max_message_size >= 1 << 63:
             raise ConfigError(f"max_message_size must be < 2**63, not {self.max_message_size}")
 

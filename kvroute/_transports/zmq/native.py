@@ -91,6 +91,7 @@ class NativeReceiver(_LoopLeader):
                 lim.max_events_per_batch,
                 lim.max_blocks_per_event,
                 lim.max_block_size,
+                cfg.receive_nice,
             )
             self._core, self._fd = core, core.fileno()
         src, cfg = driver.source, self._cfg
