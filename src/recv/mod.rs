@@ -58,6 +58,14 @@ const QUIET_SCAN: Duration = Duration::from_millis(250);
 /// reader re-registered): one per message at 1,024+ ranks, where each rank sends a few a second
 /// (docs/performance.md, "Session 15, fleet").
 const NOTE_DELAY: Duration = Duration::from_millis(2);
+/// The shortest time between the starts of two looks that wait (nothing left to read), while
+/// no replay runs. A thread that looked again as soon as it had read what the last look found
+/// was woken for nearly every message while it kept up: at 4,096 sources a message is alone on
+/// its source, so each cost this thread a wake-up, a switch and a look of its own (issue 19,
+/// docs/performance.md "Session 14, fleet"). Waiting first lets what arrives meanwhile queue
+/// up, so one look serves every source that sent. The wait ends early on anything Python asks
+/// (`Shared::wake`: a command, a hold, room after a stall); messages wait at most this long.
+const MIN_LOOK: Duration = Duration::from_millis(1);
 /// Applied records that wake Python without waiting for `NOTE_DELAY`: a drain's Python work
 /// grows with them, and the event loop's other tasks wait behind it.
 const NOTE_RECORDS: usize = 64;
@@ -326,6 +334,9 @@ pub struct Shared<K> {
     commands: Mutex<Vec<Command<K>>>,
     hold: Mutex<Hold>,
     hold_cv: Condvar,
+    /// Python asked something since the thread's last `pause` (ends it early).
+    poked: Mutex<bool>,
+    poke_cv: Condvar,
     waker: Waker,
     /// The pipe's write end: one byte when the outbox turns non-empty.
     notify_w: RawFd,
@@ -337,8 +348,24 @@ impl<K> Shared<K> {
     /// Queue a command and wake the thread.
     pub fn command(&self, cmd: Command<K>) {
         self.commands.lock().push(cmd);
+        self.wake();
+    }
+
+    /// Wake the thread: out of its poll, and out of a `pause`.
+    fn wake(&self) {
         // A failed wake means the thread is gone; its `dead` says why.
         let _ = self.waker.wake();
+        *self.poked.lock() = true;
+        self.poke_cv.notify_all();
+    }
+
+    /// Called by the thread: wait up to `d` unless Python asks something meanwhile.
+    fn pause(&self, d: Duration) {
+        let mut poked = self.poked.lock();
+        if !*poked {
+            self.poke_cv.wait_for(&mut poked, d);
+        }
+        *poked = false;
     }
 
     /// Stop the thread applying until `release`: returns once it waits between two visits (or
@@ -346,12 +373,12 @@ impl<K> Shared<K> {
     pub fn hold(&self) {
         let mut h = self.hold.lock();
         h.wanted = true;
-        let _ = self.waker.wake();
+        self.wake();
         while !(h.holding || h.exited) {
             // Woken by the thread; the timeout only re-checks (a wake lost to a busy thread).
             self.hold_cv.wait_for(&mut h, Duration::from_millis(50));
             if !(h.holding || h.exited) {
-                let _ = self.waker.wake();
+                self.wake();
             }
         }
     }
@@ -394,7 +421,7 @@ impl<K> Shared<K> {
         out.dead.clone_from(&taken.dead);
         drop(out);
         if stalled {
-            let _ = self.waker.wake();
+            self.wake();
         }
         taken
     }
@@ -559,6 +586,8 @@ pub fn start<K: WorkerName + 'static>(
         commands: Mutex::new(Vec::new()),
         hold: Mutex::new(Hold::default()),
         hold_cv: Condvar::new(),
+        poked: Mutex::new(false),
+        poke_cv: Condvar::new(),
         waker,
         notify_w,
         notify_r,
@@ -651,6 +680,7 @@ impl<K: WorkerName> Loop<K> {
         // The newest look taken while kvroute was caught up: every ready socket read to the
         // end and every hand-over taken by Python. Quiet is measured up to it only.
         let mut caught_up_look = Instant::now();
+        let mut last_look = Instant::now();
         loop {
             let caught_up = self.backlog.is_empty()
                 && self.stalled.is_empty()
@@ -668,6 +698,17 @@ impl<K: WorkerName> Loop<K> {
             } else {
                 Duration::ZERO
             };
+            if !timeout.is_zero() && self.replays.is_empty() {
+                // About to wait for readiness: not sooner than MIN_LOOK after the last look
+                // began. Not while a replay runs: a cold sync is thousands of request round
+                // trips (with this wait in each, session 14's 4,096-rank syncs took 10-17 s
+                // against 9-13 s at load 15-19).
+                let early = MIN_LOOK.saturating_sub(last_look.elapsed());
+                if !early.is_zero() {
+                    self.shared.pause(early);
+                    timeout = timeout.saturating_sub(early);
+                }
+            }
             // One look: polls until one returns less than a full list, so every descriptor
             // that turned readable before `looked` is marked (a full list may have left some
             // in the kernel's ready list).
@@ -694,6 +735,7 @@ impl<K: WorkerName> Loop<K> {
                 }
                 timeout = Duration::ZERO;
             };
+            last_look = looked;
             if caught_up {
                 caught_up_look = looked;
             }
@@ -1547,6 +1589,26 @@ mod tests {
         drop(pub_);
         assert!(shared.drain().dead.is_none());
     }
+    #[test]
+    fn a_pause_between_looks_ends_when_python_asks_something() {
+        // The thread waits up to MIN_LOOK between two looks; a command or a hold must not wait
+        // behind it. Here a pause ten thousand times as long, ended by a command.
+        let (_ctx, _index, shared) = started(1, Duration::from_secs(60), 1 << 20);
+        let asker = {
+            let shared = shared.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                shared.command(Command::Remove { token: 99 });
+            })
+        };
+        let start = Instant::now();
+        shared.pause(MIN_LOOK * 10_000);
+        assert!(start.elapsed() < MIN_LOOK * 5_000, "{:?}", start.elapsed());
+        asker.join().unwrap();
+        shared.command(Command::Stop);
+        assert!(shared.drain().dead.is_none());
+    }
+
     /// Whether Python's pipe has a byte waiting (not read).
     fn signaled(shared: &Shared<W>) -> bool {
         let mut fd = libc::pollfd {
