@@ -382,6 +382,15 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_replay_guards.py::test_a_request_closes_the_fast_path",),
     ),
     Mutation(
+        "native-applied-records-never-signaled",
+        "batches the native thread applied itself reach Python's bookkeeping within the note delay, hand-over or not",
+        "src/recv/mod.rs",
+        "        out.noted += n;\n        if out.signaled {\n",
+        "        out.noted += n;\n        if out.signaled || n > 0 {\n",
+        ("tests/test_native_recv.py",),
+        ("tests/test_native_recv.py::test_the_stats_follow_what_the_thread_applied_without_a_hand_over",),
+    ),
+    Mutation(
         "native-replay-disarm-ignored",
         "the native thread applies no replay answer whole once Python disarmed the request",
         "src/recv/mod.rs",

@@ -144,6 +144,28 @@ async def test_the_thread_applies_in_order_batches_and_python_fills_the_gaps() -
             assert st.batches >= 300 - pub.dropped
 
 
+async def test_the_stats_follow_what_the_thread_applied_without_a_hand_over() -> None:
+    # Batches the thread applies itself reach Python's bookkeeping (rule 1's last_seq, the
+    # counters) within its note delay (2 ms), though no hand-over or quiet tick (60 s here)
+    # wakes the event loop: `stats()` trails the index by no more.
+    wl = Workload(5)
+    quiet = msgspec.structs.replace(NATIVE, quiet_interval=60.0)
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        async with _following(pub, src, quiet) as (client, driver):
+            assert driver._native is not None
+            pub.publish(wl.batch())  # after it, the fast path is open whoever applied it
+            await _caught_up(client, src, pub.next_seq - 1)
+            before = driver.native_batches
+            for _ in range(10):
+                pub.publish(wl.batch())
+            truth = truth_index({src.key: pub})
+            await wait_for(lambda: client.index.num_blocks(src.key) == truth.num_blocks(src.key), "indexed")
+            with anyio.fail_after(2):
+                await _caught_up(client, src, pub.next_seq - 1)
+            assert driver.native_batches == before + 10
+
+
 async def test_a_restart_is_handed_to_the_machine() -> None:
     wl = Workload(4)
     async with EventPublisher() as pub:
