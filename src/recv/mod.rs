@@ -426,30 +426,22 @@ impl<K> Shared<K> {
         taken
     }
 
-    /// `n` applied records joined the outbox: signal within `NOTE_DELAY` (now, if already due
-    /// or `NOTE_RECORDS` are waiting).
+    /// `n` applied records joined the outbox: signal within `NOTE_DELAY` of the first.
     fn note(&self, out: &mut Outbox, n: usize, now: Instant) {
         out.noted += n;
-        if out.signaled {
-            return;
-        }
-        let due = *out.note_due.get_or_insert(now + NOTE_DELAY);
-        if due <= now || out.noted >= NOTE_RECORDS {
-            self.signal(out);
-        }
+        out.note_due.get_or_insert(now + NOTE_DELAY);
+        self.signal_notes(out, now);
     }
 
-    /// Signal applied records whose `NOTE_DELAY` ran out; when the next are due otherwise.
-    fn note_due(&self, now: Instant) -> Option<Instant> {
-        let mut out = self.outbox.lock();
-        match out.note_due {
-            Some(due) if !out.signaled && due <= now => {
-                self.signal(&mut out);
-                None
-            }
-            Some(due) if !out.signaled => Some(due),
-            _ => None,
+    /// Signal the applied records waiting unsignaled once their `NOTE_DELAY` ran out or
+    /// `NOTE_RECORDS` wait; else when they are due (None: nothing waits).
+    fn signal_notes(&self, out: &mut Outbox, now: Instant) -> Option<Instant> {
+        let due = out.note_due.filter(|_| !out.signaled)?;
+        if due <= now || out.noted >= NOTE_RECORDS {
+            self.signal(out);
+            return None;
         }
+        Some(due)
     }
 
     fn signal(&self, out: &mut Outbox) {
@@ -685,7 +677,9 @@ impl<K: WorkerName> Loop<K> {
             let caught_up = self.backlog.is_empty()
                 && self.stalled.is_empty()
                 && self.shared.outbox.lock().handovers.is_empty();
-            let note_due = self.shared.note_due(Instant::now());
+            let note_due = self
+                .shared
+                .signal_notes(&mut self.shared.outbox.lock(), Instant::now());
             let mut timeout = if self.backlog.is_empty() && self.replays_ready.is_empty() {
                 // Wake for the next quiet scan, the next replay request's timer, or to signal
                 // the applied records waiting.
@@ -1272,6 +1266,35 @@ mod tests {
             .unwrap();
     }
 
+    /// A PUB on loopback and source `token` (worker `name`) subscribed to it on the thread,
+    /// once its handshake is handed over: the PUB, and the outboxes drained until then.
+    fn subscribed(
+        ctx: &Context,
+        shared: &Shared<W>,
+        token: u64,
+        name: &'static str,
+        alive: Arc<AtomicBool>,
+    ) -> (zmq::Socket, Vec<Outbox>) {
+        let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
+        pub_.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
+        let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &OPTS).unwrap();
+        shared.command(Command::Add {
+            token,
+            key: W(name),
+            sub,
+            mon,
+            alive,
+        });
+        let got = wait(shared, |g| {
+            g.iter().flat_map(|o| &o.handovers).any(|h| {
+                matches!(h, Handover::Monitor { event, .. }
+                    if u32::from(*event) == zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED)
+            })
+        });
+        (pub_, got)
+    }
+
     /// Drain until `done` holds on everything taken so far (at most 10 s).
     fn wait(shared: &Shared<W>, done: impl Fn(&[Outbox]) -> bool) -> Vec<Outbox> {
         let mut got = Vec::new();
@@ -1522,24 +1545,9 @@ mod tests {
     #[test]
     fn applies_in_order_and_hands_over_the_rest_until_reopened() {
         let (ctx, index, shared) = started(64, Duration::from_secs(60), 1 << 20);
-        let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
-        pub_.bind("tcp://127.0.0.1:*").unwrap();
-        let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
-        let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &OPTS).unwrap();
         let alive = Arc::new(AtomicBool::new(true));
-        shared.command(Command::Add {
-            token: 7,
-            key: W("a"),
-            sub,
-            mon,
-            alive: alive.clone(),
-        });
         // The handshake is handed over (a monitor event): the fast path is still closed.
-        let got = wait(&shared, |g| {
-            g.iter()
-                .flat_map(|o| &o.handovers)
-                .any(|h| matches!(h, Handover::Monitor { event, .. } if u32::from(*event) == zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED))
-        });
+        let (pub_, got) = subscribed(&ctx, &shared, 7, "a", alive.clone());
         let consumed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
         // A stale open (not every hand-over seen) is ignored; the right one opens at seq 0.
         shared.command(Command::Open {
@@ -1623,18 +1631,7 @@ mod tests {
     #[test]
     fn an_applied_batch_wakes_python_within_the_note_delay_and_a_hand_over_at_once() {
         let (ctx, index, shared) = started(64, Duration::from_secs(60), 1 << 20);
-        let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
-        pub_.bind("tcp://127.0.0.1:*").unwrap();
-        let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
-        let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &OPTS).unwrap();
-        shared.command(Command::Add {
-            token: 1,
-            key: W("a"),
-            sub,
-            mon,
-            alive: Arc::new(AtomicBool::new(true)),
-        });
-        let got = wait(&shared, |g| g.iter().any(|o| !o.handovers.is_empty()));
+        let (pub_, got) = subscribed(&ctx, &shared, 1, "a", Arc::new(AtomicBool::new(true)));
         let consumed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
         shared.command(Command::Open {
             token: 1,
@@ -1750,24 +1747,8 @@ mod tests {
     /// `replay_answered` with the sources' context allowing `max_sockets` sockets.
     fn replay_answered_with(meanwhile: Meanwhile, max_sockets: i32) -> (ReplayOutcome, u64) {
         let (ctx, index, shared) = started(max_sockets, Duration::from_secs(60), 1 << 20);
-        let pub_ = ctx.socket(zmq_sys::ZMQ_PUB as i32).unwrap();
-        pub_.bind("tcp://127.0.0.1:*").unwrap();
-        let endpoint = pub_.get_last_endpoint().unwrap().unwrap();
-        let (sub, mon) = ctx.subscribe(&endpoint, b"kv", &OPTS).unwrap();
-        shared.command(Command::Add {
-            token: 5,
-            key: W("a"),
-            sub,
-            mon,
-            alive: Arc::new(AtomicBool::new(true)),
-        });
         // The handshake is handed over but is not risky: the request's `consumed` is 0.
-        let got = wait(&shared, |g| {
-            g.iter().flat_map(|o| &o.handovers).any(|h| {
-                matches!(h, Handover::Monitor { event, .. }
-                    if u32::from(*event) == zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED)
-            })
-        });
+        let (pub_, got) = subscribed(&ctx, &shared, 5, "a", Arc::new(AtomicBool::new(true)));
         if matches!(meanwhile, Meanwhile::AppliedUnseen | Meanwhile::LiveInOrder) {
             let handed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
             shared.command(Command::Open {
