@@ -289,6 +289,26 @@ async def next_event(stream: EventStream, kind: str) -> Envelope:
     raise AssertionError(f"stream ended before a {kind!r} event")
 
 
+async def first_batch_lands(client: KvEventClient, pub: EventPublisher, key: WorkerKey, wl: Workload) -> None:
+    """Publish ``wl``'s batches to ``pub`` until one is applied (``key``'s last_seq reaches it; at most 10 s).
+
+    For a test with quiet probes off: the first batches after `wait_synced` may reach the PUB before
+    the SUB's subscription does (ZMQ's slow joiner), and then only a later batch's gap brings them back.
+    """
+
+    def landed() -> bool:
+        st = client.stats().sources.get(key)
+        return st is not None and st.last_seq == pub.next_seq - 1 and st.state == "synced"
+
+    with anyio.fail_after(10):
+        while True:
+            pub.publish(wl.batch())
+            with anyio.move_on_after(0.5):
+                while not landed():  # noqa: ASYNC110 (the client's task applies it)
+                    await anyio.sleep(0.005)
+                return
+
+
 async def wait_for(condition: Callable[[], bool], what: str) -> None:
     """Wait until ``condition()`` holds, checking every 5 ms; fails the test after 10 s.
 

@@ -22,6 +22,7 @@ from _publisher_helpers import (
     Workload,
     assert_index_equal,
     assert_index_subset,
+    first_batch_lands,
     following_live,
     needs_ipv6,
     settle,
@@ -154,16 +155,7 @@ async def test_the_stats_follow_what_the_thread_applied_without_a_hand_over() ->
         src = pub.source("w")
         async with _following(pub, src, quiet) as (client, driver):
             assert driver._native is not None
-            # Once one batch is applied the fast path is open, whoever applied it. The first may
-            # reach the PUB before the SUB's subscription does (ZMQ's slow joiner) and, with no
-            # quiet probe here, only a later batch's gap brings it back: publish until one lands.
-            with anyio.fail_after(10):
-                while True:
-                    pub.publish(wl.batch())
-                    with anyio.move_on_after(0.5) as waited:
-                        await _caught_up(client, src, pub.next_seq - 1)
-                    if not waited.cancelled_caught:
-                        break
+            await first_batch_lands(client, pub, src.key, wl)  # then the fast path is open
             before = driver.native_batches
             for _ in range(10):
                 pub.publish(wl.batch())

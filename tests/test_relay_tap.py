@@ -11,7 +11,7 @@ from __future__ import annotations
 import anyio
 import msgspec
 import pytest
-from _publisher_helpers import FAST, Workload
+from _publisher_helpers import FAST, Workload, first_batch_lands
 
 from kvroute import BlockStored, Envelope, KvEventClient, WorkerKey
 from kvroute._jetstream_publish import _Publisher, _Tap
@@ -39,14 +39,16 @@ async def test_the_tap_gets_the_engines_payload_bytes_in_order() -> None:
         client.set_raw_tap(tap)
         async with client:
             await client.wait_synced(10)
-            tap.items.clear()  # the lifecycle facts of connecting
+            await first_batch_lands(client, pub, src.key, wl)
+            first = pub.next_seq
+            tap.items.clear()  # the lifecycle facts of connecting, and the first batches
             for _ in range(30):
                 pub.publish(wl.batch())
             await _until(tap, 30)
             items = list(tap.items)
             tap.items.clear()
             assert all(type(i) is tuple for i in items), items
-            assert [i[1] for i in items] == list(range(30))
+            assert [i[1] for i in items] == list(range(first, first + 30))
             for source, seq, ts, payload, blocks in items:  # type: ignore[misc]
                 batch = pub.history[seq]
                 assert source.key == WorkerKey("w", 0)
@@ -59,10 +61,10 @@ async def test_the_tap_gets_the_engines_payload_bytes_in_order() -> None:
             for _ in range(5):
                 pub.publish(wl.batch())
             with anyio.fail_after(10):
-                while not any(isinstance(i, Envelope) and i.seq == 34 for i in tap.items):  # noqa: ASYNC110
+                while not any(isinstance(i, Envelope) and i.seq == first + 34 for i in tap.items):  # noqa: ASYNC110
                     await anyio.sleep(0.01)
             assert all(isinstance(i, Envelope) for i in tap.items)
-            assert {i.seq for i in tap.items if isinstance(i, Envelope)} == set(range(30, 35))
+            assert {i.seq for i in tap.items if isinstance(i, Envelope)} == set(range(first + 30, first + 35))
 
             # The relay's publisher turns both forms into the same runs: one record per worker here.
             counts = dict.fromkeys(("records", "batches", "blocks", "removals", "resets", "partials"), 0)
@@ -80,12 +82,12 @@ async def test_the_tap_gets_the_engines_payload_bytes_in_order() -> None:
             for _ in range(5):
                 pub.publish(wl.batch())
             with anyio.fail_after(10):
-                while not any((i.seq if isinstance(i, Envelope) else i[1]) == 39 for i in tap.items):  # noqa: ASYNC110
+                while not any((i.seq if isinstance(i, Envelope) else i[1]) == first + 39 for i in tap.items):  # noqa: ASYNC110
                     await anyio.sleep(0.01)
             tap.items.clear()
             pub.publish(wl.batch())
             await _until(tap, 1)
-            assert type(tap.items[0]) is tuple and tap.items[0][1] == 40
+            assert type(tap.items[0]) is tuple and tap.items[0][1] == first + 40
 
 
 def test_a_full_tap_takes_nothing_more() -> None:
