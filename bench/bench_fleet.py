@@ -265,48 +265,29 @@ def _pct(values: list[float] | array[float], q: float) -> float:
 
 
 def _count_replays(client: KvEventClient, counts: Counter[tuple[str, str]]) -> Any:
-    """Count the replay requests the client's ZMQ drivers carry out into ``counts`` by (purpose, "at once" | "queued").
+    """Count the replay requests the client's ZMQ drivers are asked into ``counts`` by (purpose, "at once" | "queued").
 
     Call it as the client starts, before its sources' tasks first run. Each request is counted
-    when its source's requester begins it (`ReplayRequester.fetch`, in the source's replay task),
-    under the purpose its machine asked it for (a `RequestReplay` action's ``purpose``): "at once"
+    when its source's machine asks it (a `RequestReplay` action, by its ``purpose``): "at once"
     when the source held a slot for it (a quiet probe reserves one) or one was free then,
     "queued" when every slot was taken or waited for. Returns the function that undoes it.
     """
     driver: Any = next(iter(client._subs.values())).driver
     driver_type: Any = type(driver)  # the ZMQ driver class (`SourceDriver`)
-    requester_type: Any = type(driver._replays)  # its `ReplayRequester`
-    on_action, fetch = driver_type.on_action, requester_type.fetch
-    purposes: dict[Any, str] = {}
+    on_action = driver_type.on_action
 
     def asked(driver: Any, action: Any) -> None:
         purpose = getattr(action, "purpose", None)  # only a RequestReplay has one
         if purpose is not None:
-            purposes[driver._replays] = purpose
+            requester = driver._replays
+            how = "at once" if requester.holding or requester.slot_free() else "queued"
+            counts[purpose, how] += 1
         on_action(driver, action)
 
-    async def begun(requester: Any, start: int) -> Any:
-        how = "at once" if requester.holding or requester.slot_free() else "queued"
-        counts[purposes.pop(requester, "?"), how] += 1
-        return await fetch(requester, start)
-
-    native_fetch = driver_type._native_fetch
-
-    async def begun_native(driver: Any, start: int) -> Any:
-        # The same request carried out on the native thread (`SourceDriver._native_fetch`).
-        requester = driver._replays
-        how = "at once" if requester.holding or requester.slot_free() else "queued"
-        counts[purposes.pop(requester, "?"), how] += 1
-        return await native_fetch(driver, start)
-
     driver_type.on_action = asked
-    requester_type.fetch = begun
-    driver_type._native_fetch = begun_native
 
     def undo() -> None:
         driver_type.on_action = on_action
-        requester_type.fetch = fetch
-        driver_type._native_fetch = native_fetch
 
     return undo
 

@@ -21,6 +21,7 @@ from _publisher_helpers import FAST
 
 from kvroute import BlockRemoved, BlockStored, EventBatch, EventSource, KvEventClient, WorkerKey, encode_batch
 from kvroute._errors import ConfigError
+from kvroute._recovery import REPLAY_END_MARKER
 from kvroute._transports.zmq.config import SubscriberConfig
 from kvroute._transports.zmq.driver import SourceDriver
 from kvroute._transports.zmq.sockets import FDS_PER_SOURCE
@@ -99,6 +100,58 @@ async def test_a_synced_source_keeps_one_task_and_no_replay_task() -> None:
             key = WorkerKey("w0", 0)
             await until(lambda: client.stats().sources[key].gaps >= 1 and client.index.num_blocks(key) == 3)
             await until(one_task_a_source, seconds=10)
+
+
+async def test_a_request_waiting_for_a_replay_slot_holds_no_task() -> None:
+    # A 4,096-rank cold sync queues 4,064 requests behind 32 slots: each used to wait in a task of
+    # its own (coroutines, scopes, events and futures the collector walked over and over). A
+    # request that has not begun waits in the slots' line without one, and its task starts with
+    # the slot it was given.
+    n = 8
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    replayer = ctx.socket(zmq.ROUTER)  # every source's replay endpoint: silent until told to answer
+    replayer.setsockopt(zmq.LINGER, 0)
+    port = replayer.bind_to_random_port("tcp://127.0.0.1")
+    config = msgspec.structs.replace(
+        FAST, max_concurrent_replays=1, replay_slice=60.0, replay_timeout=30.0, quiet_interval=60.0
+    )
+    answering = anyio.Event()
+
+    async def replay_endpoint() -> None:
+        # Reads every request; once answering, ends each with the end marker (an empty buffer).
+        while True:
+            try:
+                ident, _, _seq = replayer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                await anyio.sleep(0.01)
+                continue
+            await answering.wait()
+            replayer.send_multipart([ident, b"", REPLAY_END_MARKER, b""])
+
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            pubs = [await stack.enter_async_context(EventPublisher()) for _ in range(n)]
+            sources = [pub.source(f"w{i}", replay_endpoint=f"tcp://127.0.0.1:{port}") for i, pub in enumerate(pubs)]
+            keys = [s.key for s in sources]
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            tg.start_soon(replay_endpoint)
+            before = len(anyio.get_running_tasks())
+            async with KvEventClient(sources, config=config) as client:
+                requesters = [client._subs[k].driver._replays for k in keys]  # type: ignore[attr-defined]
+                # Every source asked its cold replay: one holds the slot, the others wait in line.
+                await until(lambda: all(client.stats().sources[k].replays >= 1 for k in keys), seconds=10)
+                assert sum(r.holding for r in requesters) == 1
+                # The sources' own tasks, the one replay task, and at most two of the client's.
+                assert len(anyio.get_running_tasks()) - before <= n + 3
+                assert sum(r.queued for r in requesters) == n - 1
+                # The line moves on as each slot comes back: every source syncs.
+                answering.set()
+                await client.wait_synced(20)
+                await until(lambda: not any(r.holding or r.queued for r in requesters), seconds=10)
+            tg.cancel_scope.cancel()
+    finally:
+        replayer.close(0)
+        ctx.term()
 
 
 async def test_a_refused_source_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:

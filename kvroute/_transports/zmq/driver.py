@@ -275,11 +275,15 @@ class SourceDriver(DriverBase):
         try:
             async with anyio.create_task_group() as tg:
                 self._run_tg = tg
-                self.execute(self.first_actions())
-                while True:
-                    await self._run_session()
+                try:
+                    self.execute(self.first_actions())
+                    while True:
+                        await self._run_session()
+                finally:
+                    # No task starts in a group that is closing (trio refuses it): a replay slot
+                    # given to this source from now on goes back (`_begin_replays`).
+                    self._run_tg = None
         finally:
-            self._run_tg = None
             self._replays.close()
             self.connected = False
 
@@ -645,11 +649,30 @@ class SourceDriver(DriverBase):
     # --- replay -------------------------------------------------------------------------------
 
     def _start_replays(self) -> None:
-        """Start the replay task for the request just asked, unless it runs (it takes the newest one next)."""
+        """Start the replay task for the request just asked, unless it runs (it takes the newest one next).
+
+        With no slot to be had now, the request waits in the slots' line with no task
+        (`ReplayRequester.queue`): the task starts once a slot is reserved for it.
+        """
         tg = self._run_tg
-        if tg is not None and not self._replaying and self.source.replay_endpoint is not None:
-            self._replaying = True
-            tg.start_soon(self._replay_loop)
+        if tg is None or self._replaying or self.source.replay_endpoint is None:
+            return
+        self._replaying = True
+        replays = self._replays
+        if not replays.holding and replays.slot_free():
+            # Taken now: every source of a cold start asks in the same loop turn, before any
+            # replay task runs, and each would see the slot free.
+            replays.reserve()
+        replays.queue(self._begin_replays)
+
+    def _begin_replays(self) -> None:
+        """A slot is reserved for the request that waited in line: its task starts now (leaving: the slot goes back)."""
+        tg = self._run_tg
+        if tg is None:
+            self._replaying = False
+            self._replays.close()
+            return
+        tg.start_soon(self._replay_loop)
 
     async def _replay_loop(self) -> None:
         # Carries out the machine's replay requests, one after the other (a request asked while one
@@ -662,6 +685,11 @@ class SourceDriver(DriverBase):
             self._replaying = False
 
     async def _replay_once(self, request: RequestReplay) -> None:
+        if self.machine.replay_abandoned:
+            # Made moot before it began (while it waited in line): never sent.
+            self._replays.close()
+            self.execute(self.machine.on_replay_failed("abandoned"))
+            return
         if self._native_replays and await self._native_fetch(request.from_seq):
             return
         with anyio.CancelScope() as scope:
@@ -856,8 +884,13 @@ class SourceDriver(DriverBase):
 
     def after_actions(self) -> None:
         """Stop waiting for a replay the machine abandoned (restart, disconnect); reopen the native fast path."""
-        if self._replay_scope is not None and self.machine.replay_abandoned:
-            self._replay_scope.cancel()
+        if self.machine.replay_abandoned:
+            if self._replay_scope is not None:
+                self._replay_scope.cancel()
+            elif self._replays.queued:
+                # Waiting in line: it need not wait for a slot to fail (`_replay_once`).
+                self._replays.close()
+                self._begin_replays()
         if self._native is not None and not self._native.draining:
             # A replay answer (or a timer) moved the machine outside a drain: the thread may
             # take over again (within a drain, `NativeReceiver._drain` opens at its end).

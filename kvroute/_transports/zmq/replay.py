@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import anyio
+import anyio.lowlevel
 import zmq
 
 from ..._models import EventSource
@@ -54,7 +55,10 @@ class Turn:
 class ReplaySlots:
     """The replay slots every source of a client shares: first come, first served, and no slot kept.
 
-    `turn` waits for a slot in arrival order. A turn that has held its slot for ``slice``
+    `turn` waits for a slot in arrival order; `queue` waits in the same line without a task (a
+    source whose request waits only needs its task once a slot is its own: a 4,096-rank cold
+    sync queued 4,064 tasks behind 32 slots, each a chain of coroutines, scopes and events the
+    garbage collector walked over and over). A turn that has held its slot for ``slice``
     seconds gives way as soon as another source waits (`contended`): the waiter wakes the
     oldest such holder at once, which ends its turn. A productive turn (decodable batches
     streaming in, as from an honest engine's buffer) keeps its slot for 10 slices instead, so
@@ -67,27 +71,47 @@ class ReplaySlots:
     """
 
     def __init__(self, capacity: int, slice_seconds: float) -> None:
-        self._limiter = anyio.CapacityLimiter(capacity)
+        self._capacity = capacity
+        # Slots taken: by turns, and reserved for turns about to begin.
+        self._taken = 0
         self.slice = slice_seconds
         self._holders: dict[Turn, None] = {}  # oldest first
+        # Who waits for a slot, oldest first: each is called once with the slot it got (a
+        # reserved `Turn`), and from then holds it.
+        self._waiting: dict[Callable[[Turn], None], None] = {}
         # Deferred quiet probes, oldest first: each is called once, when a slot is free.
         self._deferred: dict[Callable[[], None], None] = {}
 
     def free(self) -> bool:
         """A slot can be had now without waiting: one is idle and no source waits for one."""
-        limiter = self._limiter
-        return limiter.available_tokens >= 1 and limiter.statistics().tasks_waiting == 0
+        return self._taken < self._capacity and not self._waiting
 
     def reserve(self) -> Turn:
         """Take an idle slot now (`free` must be true) for a later `turn` to begin with (or `unreserve`)."""
-        turn = Turn()
-        self._limiter.acquire_on_behalf_of_nowait(turn)
-        return turn
+        if not self.free():
+            raise anyio.WouldBlock
+        self._taken += 1
+        return Turn()
 
     def unreserve(self, turn: Turn) -> None:
         """Give back a slot `reserve` took for a turn that never began."""
-        self._limiter.release_on_behalf_of(turn)
-        self._offer()
+        self._release()
+
+    def queue(self, grant: Callable[[Turn], None]) -> None:
+        """Call ``grant`` with a reserved slot once one is its own, in arrival order; until then it holds nothing.
+
+        ``grant`` then holds the slot: it begins a `turn` with it, or gives it back (`unreserve`).
+        """
+        if self.free():
+            grant(self.reserve())
+            return
+        if self._taken >= self._capacity:
+            self._nudge()
+        self._waiting[grant] = None
+
+    def withdraw(self, grant: Callable[[Turn], None]) -> None:
+        """Drop ``grant`` if it still waits in `queue`."""
+        self._waiting.pop(grant, None)
 
     def defer(self, retry: Callable[[], None]) -> None:
         """Call ``retry`` once, when a slot is next `free` (a deferred quiet probe); until then it holds nothing.
@@ -100,6 +124,16 @@ class ReplaySlots:
     def forget(self, retry: Callable[[], None]) -> None:
         """Drop ``retry`` if `defer` still holds it."""
         self._deferred.pop(retry, None)
+
+    def _release(self) -> None:
+        """A slot came back: the oldest waiter gets it, else the deferred probes are offered what is free."""
+        self._taken -= 1
+        while self._waiting and self._taken < self._capacity:
+            grant = next(iter(self._waiting))
+            del self._waiting[grant]
+            self._taken += 1
+            grant(Turn())
+        self._offer()
 
     def _offer(self) -> None:
         """Hand free slots to the deferred probes, oldest first (a waiting source already got its slot)."""
@@ -114,23 +148,48 @@ class ReplaySlots:
         if reserved is not None:
             turn = reserved
         else:
-            turn = Turn()
-            if self._limiter.available_tokens < 1:
-                self._nudge()
-            await self._limiter.acquire_on_behalf_of(turn)
+            turn = await self._acquire()
         turn.began = anyio.current_time()
         self._holders[turn] = None
         try:
             yield turn
         finally:
             del self._holders[turn]
-            self._limiter.release_on_behalf_of(turn)
-            self._offer()
+            self._release()
+
+    async def _acquire(self) -> Turn:
+        """A slot of this task's own, waited for in line (a checkpoint either way, as anyio's limiters are)."""
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        if self.free():
+            turn = self.reserve()
+            try:
+                await anyio.lowlevel.cancel_shielded_checkpoint()
+            except BaseException:
+                self._release()
+                raise
+            return turn
+        got: list[Turn] = []
+        event = anyio.Event()
+
+        def grant(turn: Turn) -> None:
+            got.append(turn)
+            event.set()
+
+        self.queue(grant)
+        try:
+            await event.wait()
+        except BaseException:
+            if got:
+                self._release()  # given a slot as it was cancelled: the next in line gets it
+            else:
+                self.withdraw(grant)
+            raise
+        return got[0]
 
     @property
     def contended(self) -> bool:
         """Some source waits for a slot."""
-        return self._limiter.statistics().tasks_waiting > 0
+        return bool(self._waiting)
 
     def _nudge(self) -> None:
         now = anyio.current_time()
@@ -201,6 +260,8 @@ class ReplayRequester:
         self._turn: Turn | None = None
         # The driver's deferred-probe callback while the slots hold it (`defer`).
         self._retry: Callable[[], None] | None = None
+        # Its place in the slots' line while the next request waits there without a task (`queue`).
+        self._queued: Callable[[Turn], None] | None = None
 
     @property
     def dealer(self) -> zmq.Socket[bytes] | None:
@@ -230,6 +291,29 @@ class ReplayRequester:
         """Have ``retry`` called once when a slot is next free (`ReplaySlots.defer`), until `close`."""
         self._retry = retry
         self._slots.defer(retry)
+
+    @property
+    def queued(self) -> bool:
+        """The next request waits in the slots' line (`queue`), no task holding it."""
+        return self._queued is not None
+
+    def queue(self, start: Callable[[], None]) -> None:
+        """Wait in the slots' line for the next request without a task; ``start`` once a slot is reserved for it.
+
+        ``start`` begins the request's task, whose first turn takes the slot (`turn`, `fetch`);
+        `close` leaves the line, or gives the slot back if the task never took it.
+        """
+        if self._reserved is not None:
+            start()
+            return
+
+        def grant(turn: Turn) -> None:
+            self._queued = None
+            self._reserved = turn
+            start()
+
+        self._queued = grant
+        self._slots.queue(grant)
 
     @asynccontextmanager
     async def turn(self) -> AsyncIterator[Turn]:
@@ -411,10 +495,13 @@ class ReplayRequester:
 
     def close(self) -> None:
         """Close the DEALER, if a request left it open (late replies die with it); drop a deferred probe and give
-        back an unused reserved slot."""
+        back an unused reserved slot or the place in line."""
         if self._retry is not None:
             self._slots.forget(self._retry)
             self._retry = None
+        if self._queued is not None:
+            self._slots.withdraw(self._queued)
+            self._queued = None
         if self._reserved is not None:
             reserved, self._reserved = self._reserved, None
             self._slots.unreserve(reserved)
