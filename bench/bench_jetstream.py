@@ -395,7 +395,7 @@ async def run(args: argparse.Namespace) -> None:
             cpu_round("nats", nats_cpu())
             cpu: dict[str, float] = {}
 
-            async def round_(lo: int, hi: int, rate: float) -> tuple[float, list[float], list[float]]:
+            async def round_(lo: int, hi: int, rate: float) -> tuple[float, list[float], list[float], list[str]]:
                 # Each process's CPU in this round only (the publisher and the replicas count their own from the
                 # round's command: a snapshot, the catch-up or the last round's result transfer between rounds is
                 # not this round's).
@@ -420,12 +420,19 @@ async def run(args: argparse.Namespace) -> None:
                 parent.send("sent")
                 sent_at = {(s, i): t for s, i, t in await anyio.to_thread.run_sync(parent.recv)}
                 lags = []
+                # (second of the round it was sent in, lag): the tail second by second, for --per-second
+                by_second: dict[int, list[float]] = {}
                 for _, conn in replicas:
                     conn.send("applied")
                     applied = await anyio.to_thread.run_sync(conn.recv)
-                    lags += [applied[k] - sent_at[k] for k in applied if k in sent_at]
+                    for k in applied:
+                        if k in sent_at:
+                            lag = applied[k] - sent_at[k]
+                            lags.append(lag)
+                            by_second.setdefault(int(sent_at[k] - t0), []).append(lag)
                 relay_lags = [at_relay[(f"w{s}", i)] - t for (s, i), t in sent_at.items() if (f"w{s}", i) in at_relay]
-                return done - t0, lags, relay_lags
+                seconds = [f"{_pct(by_second[k], 0.99) * 1e3:.0f}" for k in sorted(by_second)]
+                return done - t0, lags, relay_lags, seconds
 
             profiler = cProfile.Profile(time.process_time) if args.profile else None
             if profiler is not None:
@@ -434,7 +441,7 @@ async def run(args: argparse.Namespace) -> None:
                 _py_spy(f"{args.py_spy}.{part}" if args.py_spy else None, pid)
                 for part, pid in (("relay", os.getpid()), ("replica", replicas[0][0].pid or 0))
             ]
-            elapsed, lags, _ = await round_(0, n_batches, 0)
+            elapsed, lags, _, _ = await round_(0, n_batches, 0)
             for spy in spies:
                 _stop(spy)
             replica_cpu = [v for k, v in cpu.items() if k.startswith("replica")]
@@ -489,7 +496,7 @@ async def run(args: argparse.Namespace) -> None:
             # batches/s: a quarter of the measured maximum, or a fixed rate (comparable across loads)
             rate = args.lag_rate or 0.25 * n_batches * n_sources / elapsed
             client.set_raw_tap(TimedTap())
-            paced_s, lags, relay_lags = await round_(n_batches, n_batches + paced, rate)
+            paced_s, lags, relay_lags, seconds = await round_(n_batches, n_batches + paced, rate)
             client.set_raw_tap(relay_tap)
             # The paced round's CPU too: at the rate the pipeline runs near what 2 cores carry, so every
             # process's share (the paced publisher's wake-ups included) is what the lag is made of.
@@ -510,6 +517,7 @@ async def run(args: argparse.Namespace) -> None:
                 f" p50 {_pct(relay_lags, 0.5) * 1e3:.1f} ms, p90 {_pct(relay_lags, 0.9) * 1e3:.1f} ms,"
                 f" p99 {_pct(relay_lags, 0.99) * 1e3:.1f} ms"
             )
+            print(f"#   apply lag p99 per second of the paced round (ms, by send time): {', '.join(seconds)}")
             for proc, conn in replicas:
                 conn.send(None)
                 proc.join(10)

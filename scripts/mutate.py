@@ -840,6 +840,22 @@ MUTATIONS: list[Mutation] = [
         "            worker = d.worker\n",
         ("tests/test_demo_policies.py",),
     ),
+    Mutation(
+        "key-growth-lookup-skips-old",
+        "while the key table grows a few records at a time, a query finds a key not moved yet in the old table",
+        "src/index/table.rs",
+        "            None => self.moving.as_ref()?.find(h, key, recs),\n",
+        "            None => None,\n",
+        ("tests/test_index.py",),
+    ),
+    Mutation(
+        "worker-growth-lookup-skips-old",
+        "while a worker's table grows a few runs at a time, an engine hash not moved yet is found in the old slots",
+        "src/index/mod.rs",
+        "        let i = self.old_slot(h, hh)?;\n        self.old.as_deref().map(|o| &o.slots[i].1)\n",
+        "        None\n",
+        ("tests/test_index.py",),
+    ),
 ]
 
 

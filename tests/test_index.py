@@ -455,3 +455,45 @@ def test_snapshot_errors(tmp_path: Path) -> None:
         PrefixIndex.restore(tmp_path / "cut")
     restored = PrefixIndex.restore(tmp_path / "ok")
     assert restored.find_matches([1, 2, 3])[WorkerKey("w", 0)] == 1
+
+
+def test_every_block_is_found_while_the_tables_grow_a_few_entries_at_a_time(tmp_path: Path) -> None:
+    """Past 65,536 keys (and engine hashes in a worker's table) a growth moves entries a few per store
+    instead of all at once (docs/architecture.md): checked after every store, through several growths of
+    the key table and of the worker's table, with tails removed and sequences continued on the way (a
+    continuation finds its parent's engine hash wherever it is), and a snapshot taken while entries are
+    moving holds every block."""
+    idx = PrefixIndex()
+    w = WorkerKey("w", 0)
+    rng = random.Random(5)
+    seqs: list[tuple[list[int], int]] = []  # (tokens, leading blocks still held)
+    roots: list[tuple[list[int], int]] = []  # whole sequences with no parent: (tokens, last engine hash)
+    stored = 0
+    for s in range(400):  # 400 x 512 blocks stored, ~85 % kept: the key table grows at ~69k, ~104k, ~155k keys
+        tokens = [rng.randrange(1, 50_000) for _ in range(2 * 512)]
+        hashes = list(range(1 + 512 * s, 1 + 512 * (s + 1)))
+        base: list[int] = []
+        if roots and rng.random() < 0.3:
+            base, parent = rng.choice(roots)
+            idx.apply(w, BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=2))
+        else:
+            idx.apply(w, BlockStored(block_hashes=hashes, token_ids=tokens, block_size=2))
+        held = 512
+        if rng.random() < 0.3:
+            held = rng.randrange(1, 512)
+            idx.apply(w, BlockRemoved(block_hashes=hashes[held:]))
+        elif not base:
+            roots.append((tokens, hashes[-1]))
+        stored += held
+        seqs.append((base + tokens, len(base) // 2 + held))
+        for toks, n in [seqs[-1], *rng.sample(seqs, min(3, len(seqs)))]:
+            assert idx.find_matches([*toks, 0])[w] == n, s
+        if s in (140, 210, 330):
+            idx.snapshot(tmp_path / "mid.snap")
+            back = PrefixIndex.restore(tmp_path / "mid.snap")
+            assert back.num_blocks(w) == idx.num_blocks(w), s
+            for toks, n in rng.sample(seqs, 20):
+                assert back.find_matches([*toks, 0])[w] == n, s
+    assert idx.num_blocks(w) == stored
+    for toks, n in seqs:
+        assert idx.find_matches([*toks, 0])[w] == n

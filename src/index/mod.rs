@@ -53,7 +53,7 @@ pub use snapshot::{
     read as read_snapshot, SnapFile, SnapGroup, SnapKey, SnapReadError, SnapWorker,
 };
 pub(crate) use table::prefetch;
-use table::{close_hole, prefetch_lines, scaled, KeyTable};
+use table::{close_hole, huge_pages, prefetch_lines, scaled, KeyTable, MOVE_SPREAD};
 
 /// What identifies a worker (a `WorkerKey` in Python): hashable, cheap to clone, printable.
 pub trait WorkerName: Clone + Eq + Hash + Send + Sync {
@@ -176,13 +176,41 @@ fn int_map_load(cap: usize) -> usize {
 /// at 7/8 full (~1.4 slots of 12 bytes) at any capacity (the home is the hash's high bits scaled
 /// to it). A removal shifts the entries after it back: no tombstones, so churn never slows a
 /// lookup.
+///
+/// A large table grows a few runs at a time (`OldSlots`), as the key table's id index does
+/// (table.rs, `Ids`): re-placing every entry at once stalled the store that grew it, and every
+/// query waiting for the index's lock, 22 ms at 1.6M slots; each worker's table grew in turn
+/// (session 17).
 #[derive(Clone, Debug)]
 pub(crate) struct IntMap<V> {
     slots: Vec<(H64, V)>,
+    /// entries in `slots`
     len: usize,
     /// the value under `EMPTY_HASH`, which no slot can hold
     at_empty: Option<V>,
+    /// a growth under way: the slots it replaces, not yet all moved
+    old: Option<Box<OldSlots<V>>>,
 }
+
+/// The slots a growth replaces, moved into the new ones a run at a time: a run (slots between
+/// two empty ones) moves whole and is emptied, so every run left is as it was, and a probe of
+/// these slots finds exactly the entries not moved yet (a moved run's home is empty now).
+#[derive(Clone, Debug)]
+struct OldSlots<V> {
+    slots: Vec<(H64, V)>,
+    /// entries left in `slots`
+    len: usize,
+    /// the next slot to visit, cyclically from an empty one
+    at: usize,
+    /// slots not visited yet
+    todo: usize,
+    /// slots visited per entry inserted (then on to the end of the run)
+    pace: usize,
+}
+
+/// Fewest entries a worker table's growth moves a few runs at a time (below it, all at once:
+/// well under a millisecond). The unit tests move small tables too.
+const INT_MOVE_FROM: usize = if cfg!(test) { 48 } else { 1 << 16 };
 
 impl<V> Default for IntMap<V> {
     fn default() -> Self {
@@ -190,8 +218,50 @@ impl<V> Default for IntMap<V> {
             slots: Vec::new(),
             len: 0,
             at_empty: None,
+            old: None,
         }
     }
+}
+
+/// The slot holding engine hash `h` (its `hash_u64` is `hh`) in `slots`, or the empty slot
+/// that ends its probe (None: no slots).
+#[inline]
+fn probe_slots<V>(slots: &[(H64, V)], h: u64, hh: u64) -> Option<usize> {
+    let cap = slots.len();
+    if cap == 0 {
+        return None;
+    }
+    let mut i = scaled(hh, cap);
+    loop {
+        let k = slots[i].0.get();
+        if k == h || k == EMPTY_HASH {
+            return Some(i);
+        }
+        i += 1;
+        if i == cap {
+            i = 0;
+        }
+    }
+}
+
+/// Take the entry at `i` out of `slots`, shifting the entries after it back (no tombstones).
+fn remove_slot<V: Copy + Default>(slots: &mut [(H64, V)], i: usize) {
+    let cap = slots.len();
+    close_hole(
+        slots,
+        i,
+        (H64::new(EMPTY_HASH), V::default()),
+        |e| e.0.get() == EMPTY_HASH,
+        |e| scaled(hash_u64(e.0.get()), cap),
+    );
+}
+
+/// `cap` empty slots (huge pages asked for a large table).
+fn empty_slots<V: Copy + Default>(cap: usize) -> Vec<(H64, V)> {
+    let mut slots = Vec::with_capacity(cap);
+    huge_pages(slots.spare_capacity_mut());
+    slots.resize(cap, (H64::new(EMPTY_HASH), V::default()));
+    slots
 }
 
 impl<V: Copy + Default> IntMap<V> {
@@ -211,21 +281,15 @@ impl<V: Copy + Default> IntMap<V> {
     /// once, to prefetch the slot ahead of the insert).
     #[inline]
     fn probe_hashed(&self, h: u64, hh: u64) -> Option<usize> {
-        let cap = self.slots.len();
-        if cap == 0 {
-            return None;
-        }
-        let mut i = scaled(hh, cap);
-        loop {
-            let k = self.slots[i].0.get();
-            if k == h || k == EMPTY_HASH {
-                return Some(i);
-            }
-            i += 1;
-            if i == cap {
-                i = 0;
-            }
-        }
+        probe_slots(&self.slots, h, hh)
+    }
+
+    /// The old slots' index of `h` while a growth moves them (None: not there, or no growth).
+    #[inline]
+    fn old_slot(&self, h: u64, hh: u64) -> Option<usize> {
+        let old = self.old.as_deref()?;
+        let i = probe_slots(&old.slots, h, hh)?;
+        (old.slots[i].0.get() == h).then_some(i)
     }
 
     #[inline]
@@ -233,9 +297,15 @@ impl<V: Copy + Default> IntMap<V> {
         if h == EMPTY_HASH {
             return self.at_empty.as_ref();
         }
-        let i = self.probe(h)?;
-        let e = &self.slots[i];
-        (e.0.get() == h).then_some(&e.1)
+        let hh = hash_u64(h);
+        if let Some(i) = self.probe_hashed(h, hh) {
+            let e = &self.slots[i];
+            if e.0.get() == h {
+                return Some(&e.1);
+            }
+        }
+        let i = self.old_slot(h, hh)?;
+        self.old.as_deref().map(|o| &o.slots[i].1)
     }
 
     #[inline]
@@ -243,9 +313,14 @@ impl<V: Copy + Default> IntMap<V> {
         if h == EMPTY_HASH {
             return self.at_empty.as_mut();
         }
-        let i = self.probe(h)?;
-        let e = &mut self.slots[i];
-        (e.0.get() == h).then_some(&mut e.1)
+        let hh = hash_u64(h);
+        if let Some(i) = self.probe_hashed(h, hh) {
+            if self.slots[i].0.get() == h {
+                return Some(&mut self.slots[i].1);
+            }
+        }
+        let i = self.old_slot(h, hh)?;
+        self.old.as_deref_mut().map(|o| &mut o.slots[i].1)
     }
 
     /// The value under `h`, inserted as `v` if absent: (its place, whether it was inserted).
@@ -261,8 +336,17 @@ impl<V: Copy + Default> IntMap<V> {
             let fresh = self.at_empty.is_none();
             return (self.at_empty.get_or_insert(v), fresh);
         }
-        if self.len >= int_map_load(self.slots.len()) {
-            self.grow_to(self.len + 1);
+        if self.held() >= int_map_load(self.slots.len()) {
+            self.make_room(self.held() + 1);
+        }
+        if self.old.is_some() {
+            // Before the probe: moving entries changes the new slots. (A growth begun just
+            // above has every entry in the old slots.)
+            self.step();
+            if let Some(i) = self.old_slot(h, hh) {
+                let old = self.old.as_deref_mut().expect("a growth under way");
+                return (&mut old.slots[i].1, false);
+            }
         }
         let i = self.probe_hashed(h, hh).expect("room was made");
         let fresh = self.slots[i].0.get() == EMPTY_HASH;
@@ -277,37 +361,81 @@ impl<V: Copy + Default> IntMap<V> {
         if h == EMPTY_HASH {
             return self.at_empty.take();
         }
-        let i = self.probe(h)?;
-        if self.slots[i].0.get() != h {
-            return None;
+        let hh = hash_u64(h);
+        if let Some(i) = self
+            .probe_hashed(h, hh)
+            .filter(|&i| self.slots[i].0.get() == h)
+        {
+            let out = self.slots[i].1;
+            remove_slot(&mut self.slots, i);
+            self.len -= 1;
+            return Some(out);
         }
-        let out = self.slots[i].1;
-        let cap = self.slots.len();
-        close_hole(
-            &mut self.slots,
-            i,
-            (H64::new(EMPTY_HASH), V::default()),
-            |e| e.0.get() == EMPTY_HASH,
-            |e| scaled(hash_u64(e.0.get()), cap),
-        );
-        self.len -= 1;
+        let i = self.old_slot(h, hh)?;
+        let old = self.old.as_deref_mut().expect("a growth under way");
+        let out = old.slots[i].1;
+        // Within the entry's run, which has not moved: the runs left stay whole.
+        remove_slot(&mut old.slots, i);
+        old.len -= 1;
         Some(out)
     }
 
-    /// Room for `want` entries in the slots: grow by half until they fit, and re-place every
-    /// entry.
-    fn grow_to(&mut self, want: usize) {
+    /// Entries in the slots, new and old.
+    #[inline]
+    fn held(&self) -> usize {
+        self.len + self.old.as_deref().map_or(0, |o| o.len)
+    }
+
+    /// Room for `want` entries: finish a growth under way, then grow by half until they fit,
+    /// a few runs at a time past `INT_MOVE_FROM` entries (`OldSlots`), else at once.
+    fn make_room(&mut self, want: usize) {
+        self.finish();
+        let cap = self.grown(want);
+        if cap == self.slots.len() {
+            return;
+        }
+        if self.len < INT_MOVE_FROM {
+            self.grow_to(want);
+            return;
+        }
+        let slots = std::mem::replace(&mut self.slots, empty_slots(cap));
+        let len = std::mem::take(&mut self.len);
+        // The runs move from an empty slot on (one always is: at most 7/8 full).
+        let at = slots
+            .iter()
+            .position(|e| e.0.get() == EMPTY_HASH)
+            .expect("an empty slot");
+        // Every slot is visited within `MOVE_SPREAD` of the entries the new slots take before
+        // they grow again.
+        let room = int_map_load(cap).saturating_sub(len);
+        let pace = slots.len().div_ceil((room / MOVE_SPREAD).max(1)) + 1;
+        self.old = Some(Box::new(OldSlots {
+            todo: slots.len(),
+            slots,
+            len,
+            at,
+            pace,
+        }));
+    }
+
+    /// The capacity that holds `want` entries: the slots' grown by half until they fit.
+    fn grown(&self, want: usize) -> usize {
         let mut cap = self.slots.len().max(4);
         while int_map_load(cap) < want {
             cap += cap / 2;
         }
+        cap
+    }
+
+    /// Room for `want` entries in the slots, made at once: grow by half until they fit, and
+    /// re-place every entry (a growth under way finishes first).
+    fn grow_to(&mut self, want: usize) {
+        self.finish();
+        let cap = self.grown(want);
         if cap == self.slots.len() {
             return;
         }
-        let old = std::mem::replace(
-            &mut self.slots,
-            vec![(H64::new(EMPTY_HASH), V::default()); cap],
-        );
+        let old = std::mem::replace(&mut self.slots, empty_slots(cap));
         for e in old {
             if e.0.get() != EMPTY_HASH {
                 let i = self.probe(e.0.get()).expect("slots");
@@ -316,14 +444,56 @@ impl<V: Copy + Default> IntMap<V> {
         }
     }
 
+    /// Move the next runs of a growth under way (at least `pace` slots, then on to the end of
+    /// the run); the old slots go once every one was visited.
+    #[inline(never)]
+    fn step(&mut self) {
+        let Some(old) = self.old.as_deref_mut() else {
+            return;
+        };
+        let cap = old.slots.len();
+        let mut visited = 0usize;
+        while old.todo > 0 {
+            let e = old.slots[old.at];
+            let empty = e.0.get() == EMPTY_HASH;
+            if !empty {
+                let i = probe_slots(&self.slots, e.0.get(), hash_u64(e.0.get())).expect("slots");
+                self.slots[i] = e;
+                self.len += 1;
+                old.slots[old.at].0 = H64::new(EMPTY_HASH);
+                old.len -= 1;
+            }
+            old.at += 1;
+            if old.at == cap {
+                old.at = 0;
+            }
+            old.todo -= 1;
+            visited += 1;
+            // Stop only after an empty slot: the runs left are whole.
+            if empty && visited >= old.pace {
+                return;
+            }
+        }
+        debug_assert_eq!(old.len, 0, "every entry moved");
+        self.old = None;
+    }
+
+    /// Move every entry a growth under way has left.
+    fn finish(&mut self) {
+        if let Some(old) = self.old.as_deref_mut() {
+            old.pace = usize::MAX;
+            self.step();
+        }
+    }
+
     /// Room for `more` entries beyond those held, made at once: a store of many new blocks
     /// re-places the entries once, where growing by half entry by entry could re-place them
     /// two or three times over one store into a small table. The capacity is the one those
     /// inserts would have grown it to.
     fn reserve(&mut self, more: usize) {
-        let want = self.len + more;
+        let want = self.held() + more;
         if want > int_map_load(self.slots.len()) {
-            self.grow_to(want);
+            self.make_room(want);
         }
     }
 
@@ -333,21 +503,21 @@ impl<V: Copy + Default> IntMap<V> {
     /// bytes at 7/12 full and more near 7/8.
     #[inline]
     fn prefetch_hashed(&self, hh: u64) {
-        if !self.slots.is_empty() {
-            let home = self
-                .slots
-                .as_ptr()
-                .wrapping_add(scaled(hh, self.slots.len()));
-            prefetch_lines(home.cast(), 128);
+        for slots in std::iter::once(&self.slots).chain(self.old.as_deref().map(|o| &o.slots)) {
+            if !slots.is_empty() {
+                let home = slots.as_ptr().wrapping_add(scaled(hh, slots.len()));
+                prefetch_lines(home.cast(), 128);
+            }
         }
     }
 
     fn len(&self) -> usize {
-        self.len + usize::from(self.at_empty.is_some())
+        self.held() + usize::from(self.at_empty.is_some())
     }
 
     fn iter(&self) -> impl Iterator<Item = (u64, &V)> {
         (self.slots.iter())
+            .chain(self.old.as_deref().into_iter().flat_map(|o| o.slots.iter()))
             .filter(|e| e.0.get() != EMPTY_HASH)
             .map(|e| (e.0.get(), &e.1))
             .chain(self.at_empty.iter().map(|v| (EMPTY_HASH, v)))
@@ -355,13 +525,15 @@ impl<V: Copy + Default> IntMap<V> {
 
     fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
         (self.slots.iter_mut())
+            .chain((self.old.as_deref_mut().into_iter()).flat_map(|o| o.slots.iter_mut()))
             .filter(|e| e.0.get() != EMPTY_HASH)
             .map(|e| &mut e.1)
             .chain(self.at_empty.iter_mut())
     }
 
     fn memory_bytes(&self) -> usize {
-        self.slots.capacity() * std::mem::size_of::<(H64, V)>()
+        let old = self.old.as_deref().map_or(0, |o| o.slots.capacity());
+        (self.slots.capacity() + old) * std::mem::size_of::<(H64, V)>()
     }
 }
 
@@ -514,7 +686,7 @@ impl<V: Copy + Default> EMap<V> {
             .iter()
             .filter(|h| matches!(h, BlockHash::Int(i) if *i != EMPTY_HASH))
             .count();
-        self.ints.grow_to(self.ints.len + ints);
+        self.ints.grow_to(self.ints.held() + ints);
     }
 
     /// Bytes the map has allocated (slots and buckets; a bytes key's own allocation too).
@@ -1126,6 +1298,94 @@ mod tests {
             .max()
             .unwrap();
         assert!(longest < 1_000, "longest probe {longest} of {cap} slots");
+    }
+
+    /// A growth moves a worker table's entries a few runs at a time (`OldSlots`): throughout
+    /// one, every entry is found, updated and removed in whichever slots hold it, and listed
+    /// once. Checked after every step against std's HashMap.
+    #[test]
+    fn an_engine_hash_map_is_a_map_while_a_growth_moves_it() {
+        let mut m: IntMap<u32> = IntMap::default();
+        let mut model: std::collections::HashMap<u64, u32> = std::collections::HashMap::new();
+        let mut keys: Vec<u64> = Vec::new();
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let (mut growths, mut gone_old, mut set_old) = (0, 0, 0);
+        for step in 0..30_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let was = m.old.is_some();
+            let in_old = |m: &IntMap<u32>, k: u64| m.old_slot(k, hash_u64(k)).is_some();
+            if x % 5 < 3 || keys.is_empty() {
+                // A new hash (some share a home: their low bits are all that differs), or one
+                // held already (found wherever it is, even as a growth begins).
+                let k = match x % 11 {
+                    0 if !keys.is_empty() => keys[(x >> 24) as usize % keys.len()],
+                    1..=2 => (x >> 20) << 20 | u64::from(step % 64),
+                    _ => x >> 1,
+                };
+                let fresh = model.insert(k, step).is_none();
+                if fresh {
+                    keys.push(k);
+                }
+                let (at, inserted) = m.entry(k, step);
+                *at = step;
+                assert_eq!(inserted, fresh, "step {step}");
+            } else {
+                let at = (x >> 32) as usize % keys.len();
+                let k = keys[at];
+                if x % 5 == 3 {
+                    gone_old += usize::from(in_old(&m, k));
+                    assert_eq!(m.remove(k), model.remove(&k), "step {step}");
+                    keys.swap_remove(at);
+                } else {
+                    set_old += usize::from(in_old(&m, k));
+                    *m.get_mut(k).expect("held") = step;
+                    model.insert(k, step);
+                }
+            }
+            growths += usize::from(!was && m.old.is_some());
+            assert_eq!(m.len(), model.len(), "step {step}");
+            for j in 0..keys.len().min(4) {
+                let k = keys[(x as usize >> (8 * j)) % keys.len()];
+                assert_eq!(m.get(k), model.get(&k), "step {step}");
+            }
+            if step % 1_000 == 0 || (m.old.is_some() && step % 50 == 0) || (was && m.old.is_none())
+            {
+                let mut got: Vec<(u64, u32)> = m.iter().map(|(k, &v)| (k, v)).collect();
+                got.sort_unstable();
+                let mut want: Vec<(u64, u32)> = model.iter().map(|(&k, &v)| (k, v)).collect();
+                want.sort_unstable();
+                assert_eq!(got, want, "step {step}");
+            }
+        }
+        assert!(growths >= 4, "{growths} growths moved entries");
+        assert!(
+            gone_old > 0 && set_old > 0,
+            "{gone_old} removed, {set_old} set in old slots"
+        );
+        for (&k, v) in &model {
+            assert_eq!(m.get(k), Some(v));
+        }
+    }
+
+    /// The insert that begins a growth may be of a hash held already: every entry is in the
+    /// old slots then, and it is found there, not inserted a second time.
+    #[test]
+    fn a_held_hash_is_found_by_the_insert_that_begins_a_growth() {
+        let mut m: IntMap<u32> = IntMap::default();
+        let key = |n: u64| n.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut n = 0u64;
+        while m.old.is_some() || m.held() < INT_MOVE_FROM || m.held() < int_map_load(m.slots.len())
+        {
+            m.entry(key(n), 1);
+            n += 1;
+        }
+        let (v, inserted) = m.entry(key(n / 2), 2);
+        assert_eq!((*v, inserted), (1, false));
+        assert!(m.old.is_some(), "the insert began a growth");
+        assert_eq!(m.len(), n as usize);
+        assert_eq!(m.iter().count(), n as usize);
     }
 
     #[test]
