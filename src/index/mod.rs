@@ -357,7 +357,8 @@ impl<V: Copy + Default> IntMap<V> {
         (&mut self.slots[i].1, fresh)
     }
 
-    fn remove(&mut self, h: u64) -> Option<V> {
+    /// The entry under `h` taken out of the slots that hold it.
+    fn take_out(&mut self, h: u64) -> Option<V> {
         if h == EMPTY_HASH {
             return self.at_empty.take();
         }
@@ -378,6 +379,17 @@ impl<V: Copy + Default> IntMap<V> {
         remove_slot(&mut old.slots, i);
         old.len -= 1;
         Some(out)
+    }
+
+    /// Take the entry under `h` out, and move the next runs of a growth under way: a growth ends
+    /// even while no new engine hash comes (a worker that only evicts), and lookups stop probing
+    /// two tables.
+    fn remove(&mut self, h: u64) -> Option<V> {
+        let out = self.take_out(h);
+        if self.old.is_some() {
+            self.step();
+        }
+        out
     }
 
     /// Entries in the slots, new and old.
@@ -1386,6 +1398,35 @@ mod tests {
         assert!(m.old.is_some(), "the insert began a growth");
         assert_eq!(m.len(), n as usize);
         assert_eq!(m.iter().count(), n as usize);
+    }
+
+    /// Removals alone move a growth under way on, to its end (a worker that only evicts).
+    #[test]
+    fn removals_alone_end_a_growth() {
+        let mut m: IntMap<u32> = IntMap::default();
+        let key = |n: u64| n.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut n = 0u64;
+        while m.old.is_none() || n < 2 * INT_MOVE_FROM as u64 {
+            m.entry(key(n), n as u32);
+            n += 1;
+            if m.old.is_some() && n >= 2 * INT_MOVE_FROM as u64 {
+                break;
+            }
+        }
+        assert!(m.old.is_some(), "a growth under way");
+        let mut gone = 0u64;
+        while m.old.is_some() {
+            assert_eq!(m.remove(key(gone)), Some(gone as u32));
+            gone += 1;
+        }
+        assert!(
+            gone < n,
+            "the growth ended with {} of {n} entries left",
+            n - gone
+        );
+        for i in gone..n {
+            assert_eq!(m.get(key(i)), Some(&(i as u32)));
+        }
     }
 
     #[test]

@@ -842,16 +842,22 @@ impl Ids {
         self.cur.insert(h, id);
     }
 
-    /// Take `id` (hashed `h`) out of the table that holds it.
+    /// Take `id` (hashed `h`) out of the table that holds it. A removal moves the next records
+    /// of a growth under way too, so a growth ends even while no new key comes (a fleet that only
+    /// evicts), and lookups stop probing two tables.
     fn remove(&mut self, h: u64, id: u32, recs: &[Rec]) {
-        if let Some(m) = self.moving.as_deref_mut() {
-            if m.next <= id && id < m.end {
-                m.old.remove(h, id, recs);
-                m.left -= 1;
-                return;
-            }
+        let Some(m) = self.moving.as_deref_mut() else {
+            self.cur.remove(h, id, recs);
+            return;
+        };
+        if m.next <= id && id < m.end {
+            m.old.remove(h, id, recs);
+            m.left -= 1;
+        } else {
+            self.cur.remove(h, id, recs);
         }
-        self.cur.remove(h, id, recs);
+        // `id`'s record is no longer live (its caller frees it): a step passes it by.
+        self.step(recs);
     }
 
     /// Every indexed id, once.
@@ -1516,6 +1522,30 @@ mod tests {
         for (k, &id) in &want {
             assert_eq!(t.id(k), Some(id));
         }
+    }
+
+    /// Releases alone move a growth under way on, to its end (an index that only evicts).
+    #[test]
+    fn releases_alone_end_a_growth() {
+        let mut t = KeyTable::default();
+        let mut ids = Vec::new();
+        while !t.ids.moving() || ids.len() < 2 * MOVE_FROM {
+            ids.push(t.retain_key(&spread_key(ids.len() as u32)));
+            if t.ids.moving() && ids.len() >= 2 * MOVE_FROM {
+                break;
+            }
+        }
+        assert!(t.ids.moving(), "a growth under way");
+        let mut gone = 0;
+        while t.ids.moving() {
+            t.release(ids[gone]);
+            gone += 1;
+        }
+        assert!(gone < ids.len(), "the growth ended with keys left");
+        for (i, &id) in ids.iter().enumerate().skip(gone) {
+            assert_eq!(t.id(&spread_key(i as u32)), Some(id));
+        }
+        assert_eq!(t.ids.len(), ids.len() - gone);
     }
 
     /// The id index against a plain map through churn: keys come and go in a pseudo-random
