@@ -204,7 +204,7 @@ struct OldSlots<V> {
     at: usize,
     /// slots not visited yet
     todo: usize,
-    /// slots visited per entry inserted (then on to the end of the run)
+    /// slots visited per entry inserted or removed (then on to the end of the run)
     pace: usize,
 }
 

@@ -656,7 +656,8 @@ const MOVE_FROM: usize = if cfg!(test) { 64 } else { 1 << 16 };
 pub(crate) const MOVE_SPREAD: usize = if cfg!(test) { 4 } else { 32 };
 
 /// The id index as the key table keeps it: one `IdIndex` and, while a growth is under way, the
-/// one it replaces (`Moving`), whose keys move into the new one a few records per key interned.
+/// one it replaces (`Moving`), whose keys move into the new one a few records per key interned
+/// or freed.
 ///
 /// Re-placing every key at once stalled the store that grew the table, and every query waiting
 /// for the index's lock, for a time that grows with the index: 14 ms at 1.3M keys, 33 ms at
@@ -683,7 +684,7 @@ struct Moving {
     end: u32,
     /// live records in `next..end`, each in `old` and not yet in the new table
     left: usize,
-    /// records moved per key interned
+    /// records moved per key interned or freed
     pace: u32,
 }
 
