@@ -53,7 +53,7 @@ pub use snapshot::{
     read as read_snapshot, SnapFile, SnapGroup, SnapKey, SnapReadError, SnapWorker,
 };
 pub(crate) use table::prefetch;
-use table::{close_hole, huge_pages, prefetch_lines, scaled, KeyTable, MOVE_SPREAD};
+use table::{close_hole, huge_pages, prefetch_lines, scaled, KeyTable, MOVE_FROM, MOVE_SPREAD};
 
 /// What identifies a worker (a `WorkerKey` in Python): hashable, cheap to clone, printable.
 pub trait WorkerName: Clone + Eq + Hash + Send + Sync {
@@ -207,10 +207,6 @@ struct OldSlots<V> {
     /// slots visited per entry inserted or removed (then on to the end of the run)
     pace: usize,
 }
-
-/// Fewest entries a worker table's growth moves a few runs at a time (below it, all at once:
-/// well under a millisecond). The unit tests move small tables too.
-const INT_MOVE_FROM: usize = if cfg!(test) { 48 } else { 1 << 16 };
 
 impl<V> Default for IntMap<V> {
     fn default() -> Self {
@@ -399,15 +395,15 @@ impl<V: Copy + Default> IntMap<V> {
     }
 
     /// Room for `want` entries: finish a growth under way, then grow by half until they fit,
-    /// a few runs at a time past `INT_MOVE_FROM` entries (`OldSlots`), else at once.
+    /// a few runs at a time past `MOVE_FROM` entries (`OldSlots`), else at once.
     fn make_room(&mut self, want: usize) {
         self.finish();
-        let cap = self.grown(want);
-        if cap == self.slots.len() {
+        if self.len < MOVE_FROM {
+            self.grow_to(want);
             return;
         }
-        if self.len < INT_MOVE_FROM {
-            self.grow_to(want);
+        let cap = self.grown(want);
+        if cap == self.slots.len() {
             return;
         }
         let slots = std::mem::replace(&mut self.slots, empty_slots(cap));
@@ -1388,8 +1384,7 @@ mod tests {
         let mut m: IntMap<u32> = IntMap::default();
         let key = |n: u64| n.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         let mut n = 0u64;
-        while m.old.is_some() || m.held() < INT_MOVE_FROM || m.held() < int_map_load(m.slots.len())
-        {
+        while m.old.is_some() || m.held() < MOVE_FROM || m.held() < int_map_load(m.slots.len()) {
             m.entry(key(n), 1);
             n += 1;
         }
@@ -1406,10 +1401,10 @@ mod tests {
         let mut m: IntMap<u32> = IntMap::default();
         let key = |n: u64| n.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         let mut n = 0u64;
-        while m.old.is_none() || n < 2 * INT_MOVE_FROM as u64 {
+        while m.old.is_none() || n < 2 * MOVE_FROM as u64 {
             m.entry(key(n), n as u32);
             n += 1;
-            if m.old.is_some() && n >= 2 * INT_MOVE_FROM as u64 {
+            if m.old.is_some() && n >= 2 * MOVE_FROM as u64 {
                 break;
             }
         }

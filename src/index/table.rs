@@ -50,6 +50,14 @@ struct Rec {
     one: u32,
 }
 
+impl Rec {
+    /// Whether the record is in use (referenced or held): exactly the records the id index holds.
+    #[inline]
+    fn live(&self) -> bool {
+        self.refs != 0 || self.one != NO_HOLDER
+    }
+}
+
 /// The holders of a key with many: a bit per slot, and the holders whose flags are not `H`.
 #[derive(Default)]
 struct Bits {
@@ -502,7 +510,7 @@ impl IdIndex {
         }
     }
 
-    /// Widen the id bits to hold ids of `need_bits` bits (with `grow`'s headroom) without moving
+    /// Widen the id bits to hold ids of `need_bits` bits (with `grown`'s headroom) without moving
     /// any slot: a slot's home is its hash scaled to the capacity, which is unchanged, and its
     /// new, shorter tag is the low bits of the tag it has, so no record is read. The records'
     /// passing 2^20 ids at ~1M keys rebuilt the table from every record instead (a random write
@@ -550,18 +558,27 @@ impl IdIndex {
         self.id_bits = id_bits;
         let len = self.len;
         self.len = 0;
-        // The records stream in order, but their homes in the new table are random: the slot of
-        // the record `REBUILD_AHEAD` places on is prefetched, so the misses overlap (the rebuild
-        // stalled on each in turn: most of a fill's time in the key index).
-        for (id, rec) in recs.iter().enumerate() {
-            if let Some(ahead) = recs.get(id + REBUILD_AHEAD) {
+        self.place_live(recs, 0..recs.len() as u32);
+        debug_assert_eq!(self.len, len, "every indexed key is a live record");
+    }
+
+    /// Index the live records among ids `ids` (none indexed yet); how many there were. The
+    /// records stream in order, but their homes in the table are random: the slot of the record
+    /// `REBUILD_AHEAD` places on is prefetched, so the misses overlap (a rebuild stalled on each
+    /// in turn: most of a fill's time in the key index).
+    fn place_live(&mut self, recs: &[Rec], ids: std::ops::Range<u32>) -> usize {
+        let mut placed = 0;
+        let span = &recs[ids.start as usize..ids.end as usize];
+        for (id, rec) in ids.zip(span) {
+            if let Some(ahead) = recs.get(id as usize + REBUILD_AHEAD) {
                 self.prefetch(hash(&ahead.key));
             }
-            if rec.refs != 0 || rec.one != NO_HOLDER {
-                self.insert(hash(&rec.key), id as u32);
+            if rec.live() {
+                self.insert(hash(&rec.key), id);
+                placed += 1;
             }
         }
-        debug_assert_eq!(self.len, len, "every indexed key is a live record");
+        placed
     }
 
     /// Index `id` under hash `h` at `vacancy`, the empty slot `find_or_vacancy` ended on (no
@@ -643,9 +660,10 @@ impl IdIndex {
     }
 }
 
-/// Fewest keys a growth moves a few at a time (`Moving`); a smaller table re-places them all at
-/// once (at 64k keys that takes well under a millisecond). The unit tests move small tables too.
-const MOVE_FROM: usize = if cfg!(test) { 64 } else { 1 << 16 };
+/// Fewest entries a growth moves a few at a time (`Moving` here, `OldSlots` for a worker's
+/// table); a smaller table re-places them all at once (at 64k entries that takes well under a
+/// millisecond). The unit tests move small tables too.
+pub(crate) const MOVE_FROM: usize = if cfg!(test) { 64 } else { 1 << 16 };
 
 /// A growth moves every entry within this fraction of the inserts the new table takes before it
 /// grows again. Filling to 6.6M entries with `find_matches` on another thread (session 17): 1/8
@@ -689,12 +707,16 @@ struct Moving {
 }
 
 impl Moving {
+    /// Whether record `id` is indexed in the old table: one of its records not moved yet.
+    #[inline]
+    fn unmoved(&self, id: u32) -> bool {
+        self.next <= id && id < self.end
+    }
+
     /// The id of `key` in the old table, if that record has not moved yet.
     #[inline]
     fn find(&self, h: u64, key: &Key, recs: &[Rec]) -> Option<u32> {
-        self.old
-            .find(h, key, recs)
-            .filter(|&id| self.next <= id && id < self.end)
+        self.old.find(h, key, recs).filter(|&id| self.unmoved(id))
     }
 }
 
@@ -803,18 +825,7 @@ impl Ids {
             return false;
         };
         let stop = m.next.saturating_add(m.pace).min(m.end);
-        for id in m.next..stop {
-            // Records stream in order, their new homes are random: prefetched ahead, as a
-            // rebuild does.
-            if let Some(ahead) = recs.get(id as usize + REBUILD_AHEAD) {
-                self.cur.prefetch(hash(&ahead.key));
-            }
-            let rec = &recs[id as usize];
-            if rec.refs != 0 || rec.one != NO_HOLDER {
-                self.cur.insert(hash(&rec.key), id);
-                m.left -= 1;
-            }
-        }
+        m.left -= self.cur.place_live(recs, m.next..stop);
         m.next = stop;
         if stop == m.end {
             debug_assert_eq!(m.left, 0, "every live record moved");
@@ -851,7 +862,7 @@ impl Ids {
             self.cur.remove(h, id, recs);
             return;
         };
-        if m.next <= id && id < m.end {
+        if m.unmoved(id) {
             m.old.remove(h, id, recs);
             m.left -= 1;
         } else {
@@ -866,7 +877,7 @@ impl Ids {
         let unmoved = self
             .moving
             .as_deref()
-            .map(|m| m.old.iter().filter(move |id| m.next <= *id && *id < m.end));
+            .map(|m| m.old.iter().filter(move |&id| m.unmoved(id)));
         self.cur.iter().chain(unmoved.into_iter().flatten())
     }
 
@@ -1020,7 +1031,7 @@ impl KeyTable {
 
     fn maybe_free(&mut self, id: u32) {
         let rec = self.recs[id as usize];
-        if rec.refs == 0 && rec.one == NO_HOLDER {
+        if !rec.live() {
             self.ids.remove(hash(&rec.key), id, &self.recs);
             self.free.push(id);
         }
