@@ -30,8 +30,10 @@ One run, every figure with its baseline beside it (the machine is shared and noi
 from __future__ import annotations
 
 import argparse
+import array
 import cProfile
 import faulthandler
+import gc
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -67,6 +69,36 @@ from kvroute import (
 from kvroute._transports.jetstream import JetStreamSource  # the client's log source: its on_applied hook
 
 STREAM = "BENCH"
+GC_LOG = "KVROUTE_BENCH_GC_LOG"  # set by --gc-log; the spawned processes inherit it
+
+
+class _GcPauses:
+    """This process's generation-2 collections (``--gc-log``): when each began and how long it held the GIL."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float]] = []
+        self._began = 0.0
+        if os.environ.get(GC_LOG):
+            gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                self._began = time.perf_counter()
+            else:
+                self.pauses.append((self._began, time.perf_counter() - self._began))
+
+    def report(self, who: str, since: float) -> None:
+        """Print the collections since ``since`` (a ``perf_counter`` time: the round's start)."""
+        if os.environ.get(GC_LOG):
+            ps = [(t - since, d) for t, d in self.pauses if t >= since]
+            longest = max((d for _, d in ps), default=0.0)
+            print(
+                f"#   gc {who}: {len(ps)} generation-2 collections in the round, longest {longest * 1e3:.0f} ms"
+                f" ({gc.get_count()}, {len(gc.get_objects())} tracked objects): "
+                + ", ".join(f"{d * 1e3:.0f} ms at {t:.1f} s" for t, d in ps),
+                flush=True,
+            )
 
 
 def _free_port() -> int:
@@ -93,13 +125,16 @@ def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Con
         socks.append(sock)
     # With the CPU used so far (imports, the payloads): the first round counts only its own sending.
     conn.send(([s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in socks], time.process_time()))  # type: ignore[union-attr]
+    pauses = _GcPauses()
     while True:
         cmd = conn.recv()
         if cmd is None:
             break
         lo, hi, rate = cmd
         c_round = time.process_time()
-        sent: list[tuple[int, int, float]] = []
+        # Send times per source, by seq - lo: floats in arrays, so the bench's own records are no objects the
+        # collector walks (a list of tuples grew by 128k in a 10-s round, and each generation-2 pass walked it).
+        sent = [array.array("d") for _ in payloads]
         t0 = time.perf_counter()
         n = 0
         for i in range(lo, hi):
@@ -110,14 +145,15 @@ def _publisher(payloads: list[list[bytes]], conn: multiprocessing.connection.Con
                     wait = t0 + n / rate - time.perf_counter()
                     if wait > slack:
                         time.sleep(wait)
-                sent.append((s, i, time.time()))
+                sent[s].append(time.time())
                 sock.send_multipart([b"", seq8, ps[i]])
                 n += 1
         # The round's CPU at once, the send times when asked: unpickling tens of thousands of tuples in the
         # relay's process while the pipeline still drains would be counted as the relay's and hold its GIL.
         conn.send(time.process_time() - c_round)
+        pauses.report("engines", t0)
         if conn.recv() == "sent":
-            conn.send(sent)
+            conn.send((lo, sent))
     for sock in socks:
         sock.close()
     ctx.term()
@@ -146,7 +182,9 @@ def _replica_process(
     logging.getLogger("kvroute.jetstream").setLevel(logging.INFO)
 
     async def main() -> None:
-        applied: dict[tuple[WorkerKey, int], float] = {}
+        # Per worker, seq -> apply time: dicts of numbers, untracked by the collector (tuple keys were 128k
+        # objects each generation-2 pass walked, 30-45 ms each).
+        applied: dict[WorkerKey, dict[int, float]] = {}
         profile_to = [profile] if profile is not None else []
 
         # The round's last seq per worker: the hook sees each worker reach it (no polling), and when the last did.
@@ -158,7 +196,10 @@ def _replica_process(
         def on_applied(_sseq: int, key: WorkerKey, seq: int | None) -> None:
             # Per batch in the measured process: as little as it can be (keys turned into numbers after the round).
             if seq is not None:
-                t = applied[(key, seq)] = wall()
+                times = applied.get(key)
+                if times is None:
+                    times = applied[key] = {}
+                t = times[seq] = wall()
                 last = want.get(key)
                 if last is not None and seq >= last:
                     del want[key]
@@ -169,8 +210,9 @@ def _replica_process(
         async def record_applies(stream: EventStream) -> None:
             async for env in stream:
                 if env.seq is not None:
-                    applied.setdefault((env.source.key, env.seq), time.time())
+                    applied.setdefault(env.source.key, {}).setdefault(env.seq, time.time())
 
+        pauses = _GcPauses()
         t0, c0 = time.perf_counter(), time.process_time()
         sync_profiler = cProfile.Profile(time.process_time) if profile is not None and profile_sync else None
         if sync_profiler is not None:
@@ -201,7 +243,7 @@ def _replica_process(
                     tg.cancel_scope.cancel()
                     return
                 round_want, lag = got
-                c_round = time.process_time()
+                c_round, t_round = time.process_time(), time.perf_counter()
                 hooked = not listen or kind != "client"
                 reached = anyio.Event()
                 done_at.clear()
@@ -236,8 +278,11 @@ def _replica_process(
                     await stream.aclose()
                 # The CPU first; the apply times (tens of thousands) only once the bench has read every process's CPU.
                 conn.send((done, time.process_time() - c_round))
+                pauses.report(f"replica {os.getpid()}", t_round)
                 if await anyio.to_thread.run_sync(conn.recv) == "applied":
-                    conn.send({(int(k.worker_id[1:]), seq): t for (k, seq), t in applied.items()})
+                    conn.send(
+                        {(int(k.worker_id[1:]), seq): t for k, times in applied.items() for seq, t in times.items()}
+                    )
                 applied = {}
 
     anyio.run(main, backend=backend)
@@ -336,7 +381,8 @@ async def run(args: argparse.Namespace) -> None:
         await anyio.sleep(0.5)
         endpoints, _ = parent.recv()
         sources = [EventSource(worker_id=f"w{i}", endpoint=ep, hwm=0) for i, ep in enumerate(endpoints)]
-        config = SubscriberConfig(quiet_interval=3600.0, native_receive=not args.python_receive)
+        # As the relay's own default (`RELAY_CONFIG`): its receive thread at the event loop's priority.
+        config = SubscriberConfig(quiet_interval=3600.0, native_receive=not args.python_receive, receive_nice=0)
         # The default lease (3 s): renewed from its own thread, a loaded machine does not make it lapse.
         async with JetStreamRelay(url, sources, stream=STREAM, config=config, snapshot_interval=3600.0) as relay:
             await relay.wait_active(20)
@@ -365,18 +411,26 @@ async def run(args: argparse.Namespace) -> None:
             # When the relay's own client applied each batch: the engines -> client part of the lag, without
             # NATS, in the same run. Timed inside the relay's raw tap (an events() listener would take the
             # client off the fast path the relay uses).
-            at_relay: dict[tuple[str, int], float] = {}
+            # Per worker id, seq -> time: dicts of numbers, which the collector does not track.
+            at_relay: dict[str, dict[int, float]] = {}
+
+            def relay_applied(worker_id: str, seq: int) -> None:
+                times = at_relay.get(worker_id)
+                if times is None:
+                    times = at_relay[worker_id] = {}
+                times.setdefault(seq, time.time())
+
             relay_tap = client.raw_tap
             assert relay_tap is not None
 
             class TimedTap:
                 def raw(self, source: EventSource, seq: int, ts: float, payload: bytes, blocks: int) -> None:
-                    at_relay.setdefault((source.worker_id, seq), time.time())
+                    relay_applied(source.worker_id, seq)
                     relay_tap.raw(source, seq, ts, payload, blocks)
 
                 def push(self, env: Envelope) -> None:
                     if env.seq is not None:
-                        at_relay.setdefault((env.source.worker_id, env.seq), time.time())
+                        relay_applied(env.source.worker_id, env.seq)
                     relay_tap.push(env)
 
             def cpu_round(part: str, now: float) -> float:
@@ -394,6 +448,7 @@ async def run(args: argparse.Namespace) -> None:
             cpu_round("relay", relay_cpu())
             cpu_round("nats", nats_cpu())
             cpu: dict[str, float] = {}
+            pauses = _GcPauses()
 
             async def round_(lo: int, hi: int, rate: float) -> tuple[float, list[float], list[float], list[str]]:
                 # Each process's CPU in this round only (the publisher and the replicas count their own from the
@@ -405,7 +460,7 @@ async def run(args: argparse.Namespace) -> None:
                 for _, conn in replicas:
                     conn.send((want, rate > 0))  # apply times (a listener) for the paced round
                 at_relay.clear()
-                t0 = time.time()
+                t0, t_round = time.time(), time.perf_counter()
                 parent.send((lo, hi, rate))
                 cpu["engines"] = await anyio.to_thread.run_sync(parent.recv)
                 done = t0
@@ -417,8 +472,10 @@ async def run(args: argparse.Namespace) -> None:
                 # (a quarter of its samples in session 14's py-spy) and holding its GIL while the pipeline drained.
                 cpu["relay"] = cpu_round("relay", relay_cpu())
                 cpu["nats-server"] = cpu_round("nats", nats_cpu())
+                pauses.report("relay", t_round)
                 parent.send("sent")
-                sent_at = {(s, i): t for s, i, t in await anyio.to_thread.run_sync(parent.recv)}
+                first, sent = await anyio.to_thread.run_sync(parent.recv)
+                sent_at = {(s, first + i): t for s, times in enumerate(sent) for i, t in enumerate(times)}
                 lags = []
                 # (second of the round it was sent in, lag): the tail second by second, for --per-second
                 by_second: dict[int, list[float]] = {}
@@ -430,8 +487,18 @@ async def run(args: argparse.Namespace) -> None:
                             lag = applied[k] - sent_at[k]
                             lags.append(lag)
                             by_second.setdefault(int(sent_at[k] - t0), []).append(lag)
-                relay_lags = [at_relay[(f"w{s}", i)] - t for (s, i), t in sent_at.items() if (f"w{s}", i) in at_relay]
-                seconds = [f"{_pct(by_second[k], 0.99) * 1e3:.0f}" for k in sorted(by_second)]
+                relay_lags = []
+                relay_by_second: dict[int, list[float]] = {}
+                for (s, i), t in sent_at.items():
+                    if i in at_relay.get(f"w{s}", {}):
+                        lag = at_relay[f"w{s}"][i] - t
+                        relay_lags.append(lag)
+                        relay_by_second.setdefault(int(t - t0), []).append(lag)
+                seconds = [
+                    f"{_pct(by_second[k], 0.99) * 1e3:.0f}"
+                    + (f" ({_pct(relay_by_second[k], 0.99) * 1e3:.0f})" if k in relay_by_second else "")
+                    for k in sorted(by_second)
+                ]
                 return done - t0, lags, relay_lags, seconds
 
             profiler = cProfile.Profile(time.process_time) if args.profile else None
@@ -517,7 +584,10 @@ async def run(args: argparse.Namespace) -> None:
                 f" p50 {_pct(relay_lags, 0.5) * 1e3:.1f} ms, p90 {_pct(relay_lags, 0.9) * 1e3:.1f} ms,"
                 f" p99 {_pct(relay_lags, 0.99) * 1e3:.1f} ms"
             )
-            print(f"#   apply lag p99 per second of the paced round (ms, by send time): {', '.join(seconds)}")
+            print(
+                "#   apply lag p99 per second of the paced round (ms, by send time; in brackets the relay's client's):"
+                f" {', '.join(seconds)}"
+            )
             for proc, conn in replicas:
                 conn.send(None)
                 proc.join(10)
@@ -593,6 +663,11 @@ def main() -> None:
         " per batch (default 0: a sleep before every batch that is not yet due)",
     )
     parser.add_argument(
+        "--gc-log",
+        action="store_true",
+        help="print each process's generation-2 garbage collections per round (when, how long)",
+    )
+    parser.add_argument(
         "--profile",
         metavar="FILE",
         help="cProfile (CPU time) the relay's process (FILE) and one replica's (FILE.replica) during the throughput"
@@ -605,6 +680,8 @@ def main() -> None:
         " during the throughput round, and the catch-up follower until synced (FILE.catchup): folded stacks",
     )
     args = parser.parse_args()
+    if args.gc_log:
+        os.environ[GC_LOG] = "1"
     # The relay's warnings (a session restart, a lost lease) explain a slow or stuck round.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid>: where a stuck run waits

@@ -769,6 +769,12 @@ class KvEventClient:
         client to see every batch from the first. One tap at a time; it must not block.
         """
         self._hub.set_tap(tap)
+        if self._tg is not None:
+            # A receive thread's fast paths opened for the previous listeners (without payloads
+            # for a tap, say) close before it applies again (`NativeReceiver.hold`).
+            for t in self._transports:
+                if t.hold():
+                    t.release()
 
     def stats(self) -> ClientStats:
         """A snapshot of every source's counters, their totals, and the client's own."""

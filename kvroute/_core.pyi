@@ -283,7 +283,7 @@ class NativeReceiver:
     ) -> None: ...
     def stop(self, token: int) -> None: ...
     def remove(self, token: int) -> None: ...
-    def open(self, token: int, next_seq: int, consumed: int) -> None: ...
+    def open(self, token: int, next_seq: int, consumed: int, keep: bool = False) -> None: ...
     def close_fast(self, token: int) -> None: ...
     def park(self, token: int, parked: bool) -> None: ...
     def replay(
@@ -314,7 +314,18 @@ class NativeReceiver:
     def drain(
         self,
     ) -> tuple[
-        list[tuple[int, list[int], list[float], list[float], int, int, dict[str, int] | None]],
+        list[
+            tuple[
+                int,
+                list[int],
+                list[float],
+                list[float],
+                int,
+                int,
+                dict[str, int] | None,
+                list[tuple[int, float, int, bytes]] | None,
+            ]
+        ],
         list[tuple[Any, ...]],
         list[str],
         str | None,

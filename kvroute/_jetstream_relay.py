@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import anyio.abc
@@ -196,10 +196,20 @@ class _LeaseKeeper:
         await self._nl.close()
 
 
+#: The relay's client's settings when it is given none: `SubscriberConfig`'s defaults but ``receive_nice``
+#: 0. A router's receive thread runs below its event loop so that requests go first; in a relay both
+#: are ingest (the loop publishes what the thread applied), and a thread niced 5 got about a third of
+#: its share beside the replicas and the NATS server on a shared machine: the relay's client's apply
+#: lag p99 220-322 ms at 5 against 72-184 ms at 0 in `bench_jetstream.py`'s paced round
+#: (docs/performance.md, "Session 18").
+RELAY_CONFIG: Final = SubscriberConfig(receive_nice=0)
+
+
 class JetStreamRelay:
     """Follows engines like `KvEventClient` and republishes what it applied to a JetStream stream.
 
-    ``sources`` / ``targets`` / ``config`` / ``discovery_*`` are `KvEventClient`'s. Run it with
+    ``sources`` / ``targets`` / ``config`` / ``discovery_*`` are `KvEventClient`'s (no ``config``:
+    `RELAY_CONFIG`, the defaults with the receive thread at the event loop's priority). Run it with
     ``async with JetStreamRelay(...) as relay:`` (or ``await relay.run()``). Several relays may run
     for one stream: the lease decides which one publishes (see the module docs). Leaving the block
     releases the lease, so a standby takes over at once; a relay that dies keeps it until
@@ -249,7 +259,7 @@ class JetStreamRelay:
         self._sources = list(sources)
         self._targets = list(targets)
         self.stream = stream
-        self._config = config or SubscriberConfig()
+        self._config = config or RELAY_CONFIG
         self._discovery = (discovery_interval, discovery_grace, discovery_options)
         self._snapshot_interval = snapshot_interval
         self._lease_ttl = lease_ttl

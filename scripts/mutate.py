@@ -350,6 +350,15 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_recv.py::test_cursors_match_the_index_while_the_thread_applies",),
     ),
     Mutation(
+        "native-tap-payload-dropped",
+        "a raw tap (the JetStream relay) gets every batch the native thread applies for it, as the engine's bytes",
+        "src/recv/mod.rs",
+        "                            let payload = src.keep.then(|| frames[2].to_vec());\n",
+        "                            let payload: Option<Vec<u8>> = None;\n",
+        ("tests/test_relay_tap.py", "tests/test_jetstream_client.py"),
+        ("tests/test_relay_tap.py::test_the_receive_thread_applies_for_a_tap_alone_and_hands_it_every_payload",),
+    ),
+    Mutation(
         "native-monitor-left-attached",
         "the native thread detaches a SUB's monitor before closing it (a churned source cannot stall libzmq's I/O)",
         "src/recv/mod.rs",

@@ -11,10 +11,11 @@ from __future__ import annotations
 import anyio
 import msgspec
 import pytest
-from _publisher_helpers import FAST, Workload, first_batch_lands
+from _publisher_helpers import FAST, Workload, assert_index_equal, first_batch_lands, truth_index
 
 from kvroute import BlockStored, Envelope, KvEventClient, WorkerKey
 from kvroute._jetstream_publish import _Publisher, _Tap
+from kvroute._transports.zmq.driver import SourceDriver
 from kvroute._wire import encode_batch
 from kvroute.sim import EventPublisher
 
@@ -88,6 +89,45 @@ async def test_the_tap_gets_the_engines_payload_bytes_in_order() -> None:
             pub.publish(wl.batch())
             await _until(tap, 1)
             assert type(tap.items[0]) is tuple and tap.items[0][1] == first + 40
+
+
+@pytest.mark.anyio
+async def test_the_receive_thread_applies_for_a_tap_alone_and_hands_it_every_payload() -> None:
+    # The relay's path on the native receiver: the thread applies in-order batches itself (the
+    # event loop only does rule 1's bookkeeping) and keeps each payload for the tap; a tap attached
+    # to a running client (none before) gets every batch from the next one on, as bytes.
+    wl = Workload(seed=9)
+    config = msgspec.structs.replace(TAP, native_receive=True)
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        client = KvEventClient([src], config=config)
+        async with client:
+            await client.wait_synced(10)
+            await first_batch_lands(client, pub, src.key, wl)
+            driver = client._subs[src.key].driver  # type: ignore[attr-defined]
+            assert isinstance(driver, SourceDriver) and driver._native is not None
+            tap = _Tap(100_000)
+            client.set_raw_tap(tap)
+            first = pub.next_seq
+            # The first batch after attaching reaches Python (attaching closed the thread's fast path,
+            # which reopens keeping payloads at that hand-over); the rest, the thread applies.
+            pub.publish(wl.batch())
+            await _until(tap, 1)
+            before = driver.native_batches
+            for _ in range(20):  # rounds of 10: none lost to the PUB's queue on a loaded host
+                for _ in range(10):
+                    pub.publish(wl.batch())
+                await _until(tap, pub.next_seq - first)
+            items = list(tap.items)
+            assert all(type(i) is tuple for i in items), [i for i in items if type(i) is not tuple][:3]
+            assert [i[1] for i in items] == list(range(first, first + 201))
+            for source, seq, ts, payload, blocks in items:  # type: ignore[misc]
+                batch = pub.history[seq]
+                assert source.key == src.key and ts == batch.ts
+                assert payload == encode_batch(batch, form=pub.form, signed_hashes=pub.signed_hashes)
+                assert blocks == sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
+            assert driver.native_batches == before + 200
+            assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
 
 
 def test_a_full_tap_takes_nothing_more() -> None:

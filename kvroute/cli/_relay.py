@@ -13,7 +13,7 @@ from typing import TextIO
 
 import anyio
 
-from kvroute import DiscoveryOptions, JetStreamRelay, KvRouteError, SubscriberConfig
+from kvroute import DiscoveryOptions, JetStreamRelay, KvRouteError
 from kvroute._discovery import ENGINES
 
 from ._display import EXIT_FAILED, EXIT_OK, EXIT_USAGE, error
@@ -43,7 +43,6 @@ async def relay(
         servers,
         targets=targets,
         stream=stream,
-        config=SubscriberConfig(),
         discovery_options=DiscoveryOptions(engine=engine, timeout=timeout),
         snapshot_interval=snapshot_interval,
         lease_ttl=lease_ttl,

@@ -151,12 +151,15 @@ impl PyNativeReceiver {
     }
 
     /// Let the thread apply ``token``'s batches from ``next_seq`` on, if ``consumed`` (the
-    /// hand-overs Python has taken for it) is all it handed over.
-    fn open(&self, token: u64, next_seq: u64, consumed: u64) {
+    /// hand-overs Python has taken for it) is all it handed over; with ``keep``, `drain` lists
+    /// each applied batch's payload too (for a raw tap).
+    #[pyo3(signature = (token, next_seq, consumed, keep=false))]
+    fn open(&self, token: u64, next_seq: u64, consumed: u64, keep: bool) {
         self.shared.command(Command::Open {
             token,
             next_seq,
             consumed,
+            keep,
         });
     }
 
@@ -269,8 +272,9 @@ impl PyNativeReceiver {
     }
 
     /// Everything waiting: ``(applied, handovers, logs, dead)``. ``applied``: per source
-    /// ``(token, seqs, ts, lags, elided, blocks, skipped)`` (``skipped`` None when no event was left
-    /// out); ``handovers`` in order: ``(0,
+    /// ``(token, seqs, ts, lags, elided, blocks, skipped, payloads)`` (``skipped`` None when no
+    /// event was left out; ``payloads`` None unless the source keeps them: ``(seq, ts, blocks,
+    /// payload)`` for every applied batch, in order); ``handovers`` in order: ``(0,
     /// token, frames)`` a message, ``(1, token, event, value, endpoint)`` a monitor event,
     /// ``(2, token)`` a quiet tick, ``(3, token, id, applied, items, complete, cut, cancelled,
     /// good, junk_frames, bad, bad_count, skipped, replies)`` a replay request's end (`replay_outcome`);
@@ -303,7 +307,16 @@ impl PyNativeReceiver {
                 }
                 Some(d)
             };
-            applied.append((token, seqs, ts, lags, a.elided, a.blocks, skipped))?;
+            // A kept source's payloads: one tuple per batch, the only Python objects they cost.
+            let payloads = if a.payloads.is_empty() {
+                None
+            } else {
+                let items = a.payloads.iter().map(|(seq, ts, stored, p)| {
+                    (*seq, *ts, *stored, PyBytes::new(py, p)).into_pyobject(py)
+                });
+                Some(PyList::new(py, items.collect::<PyResult<Vec<_>>>()?)?)
+            };
+            applied.append((token, seqs, ts, lags, a.elided, a.blocks, skipped, payloads))?;
         }
         let handovers = PyList::empty(py);
         for h in out.handovers {

@@ -154,6 +154,10 @@ pub struct Applied {
     pub blocks: u64,
     /// Events left out of decoded batches, per reason.
     pub skipped: HashMap<String, u64>,
+    /// Every applied batch's payload, oldest first, while the source keeps them (`Command::Open`'s
+    /// `keep`): (seq, ts, stored blocks, the engine's payload bytes). Never elided: a raw tap (the
+    /// JetStream relay) republishes each one.
+    pub payloads: Vec<(u64, f64, u64, Vec<u8>)>,
 }
 
 /// Everything waiting for Python.
@@ -187,11 +191,13 @@ pub enum Command<K> {
     },
     /// Stop watching the source and close its sockets.
     Remove { token: u64 },
-    /// Open the fast path at `next_seq`, if Python consumed all `consumed` hand-overs.
+    /// Open the fast path at `next_seq`, if Python consumed all `consumed` hand-overs; with
+    /// `keep`, each batch applied on it keeps its payload for Python (`Applied::payloads`).
     Open {
         token: u64,
         next_seq: u64,
         consumed: u64,
+        keep: bool,
     },
     /// Close the fast path (a listener wants every batch as an event).
     Close { token: u64 },
@@ -492,6 +498,8 @@ struct Source<K> {
     mon_fd: RawFd,
     next_seq: u64,
     open: bool,
+    /// The fast path keeps each applied batch's payload (`Command::Open`).
+    keep: bool,
     /// Not read while set (its monitor still is): see `Command::Park`.
     parked: bool,
     /// Hand-overs of this source so far (Python opens the fast path only when it consumed all).
@@ -625,8 +633,9 @@ pub fn start<K: WorkerName + 'static>(
     Ok(shared)
 }
 
-/// One applied batch before it reaches the outbox: (seq, ts, stored blocks, skipped events).
-type Record = (u64, f64, u64, Vec<(String, u64)>);
+/// One applied batch before it reaches the outbox: (seq, ts, stored blocks, skipped events,
+/// its payload if the source keeps them).
+type Record = (u64, f64, u64, Vec<(String, u64)>, Option<Vec<u8>>);
 
 /// How a visit to a source ended.
 enum Visit {
@@ -809,6 +818,7 @@ impl<K: WorkerName> Loop<K> {
                             mon_fd,
                             next_seq: 0,
                             open: false,
+                            keep: false,
                             parked: false,
                             handed: 0,
                             risky: 0,
@@ -834,12 +844,14 @@ impl<K: WorkerName> Loop<K> {
                     token,
                     next_seq,
                     consumed,
+                    keep,
                 } => {
                     if let Some(src) = self.sources.get_mut(&token) {
                         // A stale open (hand-overs Python has not seen yet) is ignored: Python
                         // opens again once it has.
                         if consumed == src.handed && next_seq != u64::MAX {
                             src.open = true;
+                            src.keep = keep;
                             src.next_seq = next_seq;
                         }
                     }
@@ -1053,9 +1065,10 @@ impl<K: WorkerName> Loop<K> {
             }
             return Visit::Done;
         }
-        if !src.open && shared.outbox.lock().bytes >= self.settings.outbox_bytes {
-            // No room for more hand-overs: leave this source's messages in libzmq's queue
-            // until Python drains. It has something, so it is not quiet (kvroute is slow).
+        if (!src.open || src.keep) && shared.outbox.lock().bytes >= self.settings.outbox_bytes {
+            // No room for more hand-overs (or kept payloads): leave this source's messages in
+            // libzmq's queue until Python drains. It has something, so it is not quiet (kvroute
+            // is slow).
             src.last_read = Instant::now();
             process_commands(&src.sub);
             let mut out = shared.outbox.lock();
@@ -1115,7 +1128,8 @@ impl<K: WorkerName> Loop<K> {
                             };
                             src.next_seq = seq + 1;
                             src.applied += 1;
-                            applied.push((seq, batch.ts, stored, batch.skipped));
+                            let payload = src.keep.then(|| frames[2].to_vec());
+                            applied.push((seq, batch.ts, stored, batch.skipped, payload));
                             continue;
                         }
                     }
@@ -1139,8 +1153,9 @@ impl<K: WorkerName> Loop<K> {
         let mut out = shared.outbox.lock();
         let n_applied = applied.len();
         if !applied.is_empty() {
+            let mut kept = 0;
             let entry = out.applied.entry(token).or_default();
-            for (seq, ts, stored, skipped) in applied {
+            for (seq, ts, stored, skipped, payload) in applied {
                 if entry.records.len() == KEEP_RECORDS {
                     entry.records.pop_front();
                     entry.elided += 1;
@@ -1150,7 +1165,12 @@ impl<K: WorkerName> Loop<K> {
                 for (why, n) in skipped {
                     *entry.skipped.entry(why).or_default() += n;
                 }
+                if let Some(p) = payload {
+                    kept += p.len();
+                    entry.payloads.push((seq, ts, stored, p));
+                }
             }
+            out.bytes += kept;
         }
         for h in &out_pending {
             if let Handover::Message { frames, .. } = h {
@@ -1384,6 +1404,7 @@ mod tests {
                 token,
                 next_seq: 0,
                 consumed,
+                keep: false,
             });
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -1554,11 +1575,13 @@ mod tests {
             token: 7,
             next_seq: 0,
             consumed: consumed + 1,
+            keep: false,
         });
         shared.command(Command::Open {
             token: 7,
             next_seq: 0,
             consumed,
+            keep: false,
         });
         std::thread::sleep(Duration::from_millis(100));
         for seq in 0..5 {
@@ -1582,6 +1605,7 @@ mod tests {
             token: 7,
             next_seq: 8,
             consumed,
+            keep: false,
         });
         std::thread::sleep(Duration::from_millis(100));
         send(&pub_, 8, &payload(9.0, 9));
@@ -1597,6 +1621,59 @@ mod tests {
         drop(pub_);
         assert!(shared.drain().dead.is_none());
     }
+    #[test]
+    fn a_kept_source_hands_over_every_applied_payload_and_waits_for_room() {
+        // Room for two payloads in the outbox: once Python has not drained three, the next
+        // wait in libzmq's queue (applied later, in order) rather than pile up in the outbox.
+        let sent: Vec<Vec<u8>> = (0..6).map(|i| payload(1.0 + i as f64, i + 1)).collect();
+        let (ctx, index, shared) = started(64, Duration::from_secs(60), 2 * sent[0].len());
+        let alive = Arc::new(AtomicBool::new(true));
+        let (pub_, got) = subscribed(&ctx, &shared, 4, "k", alive);
+        let consumed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
+        shared.command(Command::Open {
+            token: 4,
+            next_seq: 0,
+            consumed,
+            keep: true,
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        for (seq, p) in sent.iter().enumerate().take(3) {
+            send(&pub_, seq as u64, p);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(index.read().num_blocks(Some(&W("k"))), 3);
+        for (seq, p) in sent.iter().enumerate().skip(3) {
+            send(&pub_, seq as u64, p);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(
+            index.read().num_blocks(Some(&W("k"))),
+            3,
+            "no room: not read"
+        );
+        let mut kept = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while kept.len() < 6 && Instant::now() < deadline {
+            let out = shared.drain();
+            assert!(out.handovers.is_empty());
+            for a in out.applied.into_values() {
+                assert_eq!(a.records.len(), a.payloads.len());
+                kept.extend(a.payloads);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let seqs: Vec<u64> = kept.iter().map(|k| k.0).collect();
+        assert_eq!(seqs, vec![0, 1, 2, 3, 4, 5]);
+        for (k, p) in kept.iter().zip(&sent) {
+            assert_eq!(&k.3, p, "the engine's bytes as sent");
+            assert_eq!(k.2, 1, "stored blocks");
+        }
+        assert_eq!(index.read().num_blocks(Some(&W("k"))), 6);
+        shared.command(Command::Stop);
+        drop(pub_);
+        assert!(shared.drain().dead.is_none());
+    }
+
     #[test]
     fn a_pause_between_looks_ends_when_python_asks_something() {
         // The thread waits up to MIN_LOOK between two looks; a command or a hold must not wait
@@ -1637,6 +1714,7 @@ mod tests {
             token: 1,
             next_seq: 0,
             consumed,
+            keep: false,
         });
         std::thread::sleep(Duration::from_millis(100));
         // Each try: one batch, stamped with its send time; watched (not drained) until the
@@ -1755,6 +1833,7 @@ mod tests {
                 token: 5,
                 next_seq: 9,
                 consumed: handed,
+                keep: false,
             });
             std::thread::sleep(Duration::from_millis(100));
         }

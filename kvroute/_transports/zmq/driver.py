@@ -77,8 +77,8 @@ class NativeThread(Protocol):
         """Apply nothing more for ``token`` from now on."""
         ...
 
-    def open(self, token: int, next_seq: int, consumed: int) -> None:
-        """Let the thread apply ``token``'s batches from ``next_seq``."""
+    def open(self, token: int, next_seq: int, consumed: int, keep: bool) -> None:
+        """Let the thread apply ``token``'s batches from ``next_seq`` (``keep``: with their payloads, for a raw tap)."""
         ...
 
     def close_fast(self, token: int) -> None:
@@ -227,7 +227,8 @@ class SourceDriver(DriverBase):
         # The batches the thread's fast path applied this session that the machine has recorded
         # (a replay answer is applied whole only if that was all of them: `NativeReceiver.replay`).
         self._native_fast_seen = 0
-        self._native_opened: tuple[int, int] | None = None
+        # What the fast path was last opened with: (next_seq, hand-overs consumed, payloads kept).
+        self._native_opened: tuple[int, int, bool] | None = None
         # Whether this side last asked the thread to park the SUB (a replay in flight).
         self._native_parked = False
         # Replay requests go to the thread too when its endpoint is one the thread can reach.
@@ -372,12 +373,15 @@ class SourceDriver(DriverBase):
         elided: int,
         blocks: int,
         skipped: dict[str, int] | None,
+        payloads: list[tuple[int, float, int, bytes]] | None = None,
     ) -> None:
         """What the native thread applied for this source since the last drain: rule 1's bookkeeping, in bulk.
 
         ``seqs``/``tss``: the newest applied batches in order (at most the ts ring's worth);
         ``elided`` older ones only counted; ``lags``: wall clock at apply minus ts; ``skipped``:
-        events left out of those batches, per reason (None: none).
+        events left out of those batches, per reason (None: none); ``payloads``: with the fast
+        path opened for a raw tap, every one of those batches as ``(seq, ts, blocks, payload)``,
+        handed to the tap as the Python fast path hands it each payload.
         """
         applied = len(seqs) + elided
         self._native_fast_seen += applied
@@ -394,10 +398,31 @@ class SourceDriver(DriverBase):
             self._decoder.count_skipped(skipped)
         if lags:
             self.apply_lag = max(0.0, lags[-1])
-        if self._sink.active and self._native is not None and self._native_token is not None:
-            # A listener wants every batch as an event: the general path from here on.
+        if payloads:
+            # Applied, so the tap takes them even if an iterator came meanwhile (the tap must see
+            # every applied batch; the iterator sees envelopes from its first drain on).
+            tap = getattr(self._sink, "tap", None)
+            if tap is not None:
+                source, raw = self.source, tap.raw
+                for seq, ts, stored, payload in payloads:
+                    raw(source, seq, ts, payload, stored)
+        opened = self._native_opened
+        if (
+            self._sink.active
+            and opened is not None
+            and not (opened[2] and self._sink_raw() is not None)
+            and self._native is not None
+            and self._native_token is not None
+        ):
+            # A listener wants every batch as an event (or a raw tap its payload): the general
+            # path from here on, until `_sync_fast` opens it as the sink needs.
             self._native.close_fast(self._native_token)
             self._native_opened = None
+
+    def _sink_raw(self) -> Callable[[EventSource, int, float, bytes, int], None] | None:
+        """The raw tap's ``raw`` while it is the sink's only listener (`kvroute._fanout.Hub.raw`), else None."""
+        raw: Callable[[EventSource, int, float, bytes, int], None] | None = getattr(self._sink, "raw", None)
+        return raw
 
     def _sync_fast(self) -> None:
         """Open the native fast path where rule 1 holds now (the thread closes it itself at each hand-over).
@@ -413,7 +438,10 @@ class SourceDriver(DriverBase):
         m = self.machine
         if self._stopped or self._recreate:
             return
-        if self._sink.active or not m.in_order(m.last_seq + 1):
+        # A raw tap alone keeps the fast path, its batches' payloads kept for it (as the Python
+        # fast path hands it each payload); an iterator needs the envelopes of the general path.
+        keep = self._sink_raw() is not None
+        if (self._sink.active and not keep) or not m.in_order(m.last_seq + 1):
             park = m.replay_in_flight is not None
             if park != self._native_parked:
                 self._native_parked = park
@@ -422,7 +450,7 @@ class SourceDriver(DriverBase):
         if self._native_parked:
             self._native_parked = False
             native.park(token, False)
-        want = (m.last_seq + 1, self._native_consumed)
+        want = (m.last_seq + 1, self._native_consumed, keep)
         if want != self._native_opened:
             self._native_opened = want
             native.open(token, *want)
@@ -450,7 +478,7 @@ class SourceDriver(DriverBase):
         # The fast path builds no EventBatch for listeners: with an events() iterator (or
         # once stopped) every message takes the general path. A raw tap alone (the JetStream
         # relay, `kvroute._fanout.Hub.raw`) keeps it and is handed each applied payload as is.
-        raw = getattr(self._sink, "raw", None)
+        raw = self._sink_raw()
         fast = (raw is not None or not self._sink.active) and not self._stopped
         index, key, decoder = self._index, self.key, self._decoder
         nan = math.nan

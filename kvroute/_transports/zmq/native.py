@@ -141,10 +141,13 @@ class NativeReceiver(_LoopLeader):
         if self._core is not None and token in self._drivers:
             self._core.stop(token)
 
-    def open(self, token: int, next_seq: int, consumed: int) -> None:
-        """Let the thread apply ``token``'s batches from ``next_seq`` (see `kvroute._core.NativeReceiver.open`)."""
+    def open(self, token: int, next_seq: int, consumed: int, keep: bool) -> None:
+        """Let the thread apply ``token``'s batches from ``next_seq`` (see `kvroute._core.NativeReceiver.open`).
+
+        ``keep``: each batch applied so comes back with its payload (for a raw tap).
+        """
         if self._core is not None and token in self._drivers:
-            self._core.open(token, next_seq, consumed)
+            self._core.open(token, next_seq, consumed, keep)
 
     def close_fast(self, token: int) -> None:
         """Hand every message of ``token`` over until it is opened again."""
@@ -253,7 +256,10 @@ class NativeReceiver(_LoopLeader):
         if not any(sink.active for sink, _ in self._sinks.values()):
             return newly
         for token, d in self._drivers.items():
-            if d._native_opened is not None and d._sink.active:
+            opened = d._native_opened
+            # Open as the sink now needs it or closed: applying without envelopes while an
+            # iterator listens, or without payloads while a raw tap is its only listener, is not.
+            if opened is not None and d._sink.active and not (opened[2] and d._sink_raw() is not None):
                 core.close_fast(token)
                 d._native_opened = None
             if d._sink.active:
@@ -285,10 +291,10 @@ class NativeReceiver(_LoopLeader):
             return
         applied, handovers, logs, dead = core.drain()
         drivers = self._drivers
-        for token, seqs, tss, lags, elided, blocks, skipped in applied:
+        for token, seqs, tss, lags, elided, blocks, skipped, payloads in applied:
             d = drivers.get(token)
             if d is not None:
-                d._native_applied(seqs, tss, lags, elided, blocks, skipped)
+                d._native_applied(seqs, tss, lags, elided, blocks, skipped, payloads)
         for msg in logs:
             _index_log.warning("%s", msg)
         touched: dict[SourceDriver, None] = {}
