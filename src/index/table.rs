@@ -779,6 +779,14 @@ impl Ids {
         if fits && need_bits <= self.cur.id_bits {
             return stepped;
         }
+        self.make_room(fits, need_bits, recs)
+    }
+
+    /// `reserve_one`'s rare part, out of line so that its common path stays small enough to
+    /// inline: widen the id bits, or begin a growth. Always true (slots moved).
+    #[cold]
+    #[inline(never)]
+    fn make_room(&mut self, fits: bool, need_bits: u32, recs: &[Rec]) -> bool {
         if fits {
             // Only the ids outgrew their bits: re-encode the new table's slots where they are
             // (the old table's ids all fit its own bits).
