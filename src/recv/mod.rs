@@ -1288,6 +1288,18 @@ mod tests {
 
     /// A PUB on loopback and source `token` (worker `name`) subscribed to it on the thread,
     /// once its handshake is handed over: the PUB, and the outboxes drained until then.
+    /// Open `token`'s fast path at seq 0, every hand-over of its subscribing (`got`) taken.
+    fn open_at_zero(shared: &Shared<W>, token: u64, got: &[Outbox], keep: bool) {
+        let consumed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
+        shared.command(Command::Open {
+            token,
+            next_seq: 0,
+            consumed,
+            keep,
+        });
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
     fn subscribed(
         ctx: &Context,
         shared: &Shared<W>,
@@ -1629,14 +1641,7 @@ mod tests {
         let (ctx, index, shared) = started(64, Duration::from_secs(60), 2 * sent[0].len());
         let alive = Arc::new(AtomicBool::new(true));
         let (pub_, got) = subscribed(&ctx, &shared, 4, "k", alive);
-        let consumed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
-        shared.command(Command::Open {
-            token: 4,
-            next_seq: 0,
-            consumed,
-            keep: true,
-        });
-        std::thread::sleep(Duration::from_millis(100));
+        open_at_zero(&shared, 4, &got, true);
         for (seq, p) in sent.iter().enumerate().take(3) {
             send(&pub_, seq as u64, p);
         }
@@ -1709,14 +1714,7 @@ mod tests {
     fn an_applied_batch_wakes_python_within_the_note_delay_and_a_hand_over_at_once() {
         let (ctx, index, shared) = started(64, Duration::from_secs(60), 1 << 20);
         let (pub_, got) = subscribed(&ctx, &shared, 1, "a", Arc::new(AtomicBool::new(true)));
-        let consumed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
-        shared.command(Command::Open {
-            token: 1,
-            next_seq: 0,
-            consumed,
-            keep: false,
-        });
-        std::thread::sleep(Duration::from_millis(100));
+        open_at_zero(&shared, 1, &got, false);
         // Each try: one batch, stamped with its send time; watched (not drained) until the
         // thread applied it. Seen within half the note delay of its visit's start (the
         // record's wall clock, taken before the apply), Python must not have been woken yet; a
