@@ -8,6 +8,8 @@ the decoded envelopes instead (the relay then encodes them back), and raw bytes 
 
 from __future__ import annotations
 
+import contextlib
+
 import anyio
 import msgspec
 import pytest
@@ -23,6 +25,7 @@ from kvroute.sim import EventPublisher
 # applies them, which reaches the tap as envelopes by design (`set_raw_tap`); FAST's 0.3 s interval let one
 # fire between two publishes when a CPU hog ran beside the suite.
 TAP = msgspec.structs.replace(FAST, quiet_interval=60.0)
+
 
 async def _until(tap: _Tap, n: int) -> None:
     with anyio.fail_after(10):
@@ -128,6 +131,59 @@ async def test_the_receive_thread_applies_for_a_tap_alone_and_hands_it_every_pay
                 assert blocks == sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
             assert driver.native_batches == before + 200
             assert_index_equal(client.index, truth_index({src.key: pub}), wl.queries)
+
+
+@pytest.mark.anyio
+async def test_a_tap_attached_to_a_running_client_gets_every_batch_after_it() -> None:
+    # Four engines publishing without pause while the receive thread applies on its fast paths
+    # (no listener: no payloads kept). Attaching the tap holds the thread and closes those paths
+    # before it applies again (the closes are carried out before its next visit, not at the end of
+    # its round), so the tap gets every batch applied after it was attached, as the engine's bytes
+    # or as envelopes, and the paths reopen keeping payloads.
+    workloads = [Workload(seed=11 + i) for i in range(4)]
+    config = msgspec.structs.replace(TAP, native_receive=True)
+    async with contextlib.AsyncExitStack() as stack:
+        pubs = [await stack.enter_async_context(EventPublisher()) for _ in workloads]
+        sources = [p.source(f"w{i}") for i, p in enumerate(pubs)]
+        client = KvEventClient(sources, config=config)
+        await stack.enter_async_context(client)
+        await client.wait_synced(10)
+        for p, src, wl in zip(pubs, sources, workloads):
+            await first_batch_lands(client, p, src.key, wl)
+        stop = anyio.Event()
+
+        async def publish() -> None:
+            while not stop.is_set():
+                for p, wl in zip(pubs, workloads):
+                    p.publish(wl.batch())
+                await anyio.sleep(0.002)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(publish)
+            await anyio.sleep(0.3)
+            tap = _Tap(1_000_000)
+            client.set_raw_tap(tap)
+            # Held while attaching: every batch applied so far is recorded, and the tap gets the rest.
+            at_attach = {src.key: client.stats().sources[src.key].last_seq for src in sources}
+            await anyio.sleep(0.5)
+            stop.set()
+        with anyio.fail_after(10):
+            while any(  # noqa: ASYNC110 (the client's task applies them)
+                client.stats().sources[src.key].last_seq != p.next_seq - 1 for p, src in zip(pubs, sources)
+            ):
+                await anyio.sleep(0.01)
+        seen: dict[WorkerKey, list[int]] = {src.key: [] for src in sources}
+        for item in tap.items:
+            if type(item) is tuple:
+                seen[item[0].key].append(item[1])  # type: ignore[index, union-attr]
+            elif isinstance(item, Envelope) and item.seq is not None:
+                got = seen[item.source.key]
+                if not got or got[-1] != item.seq:  # one envelope per event of a batch
+                    got.append(item.seq)
+        for p, src in zip(pubs, sources):
+            seqs = seen[src.key]
+            assert seqs == list(range(at_attach[src.key] + 1, p.next_seq)), (src.key, at_attach, seqs[:3])
+        assert sum(type(i) is tuple for i in tap.items) > len(tap.items) // 2
 
 
 def test_a_full_tap_takes_nothing_more() -> None:

@@ -396,11 +396,12 @@ impl<K> Shared<K> {
         self.hold_cv.notify_all();
     }
 
-    /// Called by the thread between visits: wait while Python holds it.
-    fn held(&self) {
+    /// Called by the thread between visits: wait while Python holds it. True when it did (the
+    /// commands Python sent meanwhile are then carried out before the next visit).
+    fn held(&self) -> bool {
         let mut h = self.hold.lock();
         if !h.wanted {
-            return;
+            return false;
         }
         h.holding = true;
         self.hold_cv.notify_all();
@@ -408,6 +409,7 @@ impl<K> Shared<K> {
             self.hold_cv.wait(&mut h);
         }
         h.holding = false;
+        true
     }
 
     fn exited(&self) {
@@ -758,7 +760,9 @@ impl<K: WorkerName> Loop<K> {
                     }
                 }
             }
-            self.round();
+            if !self.round()? {
+                return Ok(());
+            }
             self.replay_round();
             // Quiet is judged as of a look, never as of the end of the round: a round can
             // last long (a flood, a busy core, the index lock) while sources it already read
@@ -881,15 +885,19 @@ impl<K: WorkerName> Loop<K> {
         Ok(true)
     }
 
-    /// One round: a visit to every source in the backlog, in turn.
-    fn round(&mut self) {
+    /// One round: a visit to every source in the backlog, in turn; false on `Stop`.
+    fn round(&mut self) -> Result<bool, String> {
         let n = self.backlog.len();
         for _ in 0..n {
             let Some(token) = self.backlog.pop_front() else {
                 break;
             };
             self.in_backlog.remove(&token);
-            self.shared.held();
+            // Python held the thread: what it asked meanwhile (a fast path closed for a new
+            // listener, `NativeReceiver.hold`) is carried out before anything more is applied.
+            if self.shared.held() && !self.commands()? {
+                return Ok(false);
+            }
             match self.visit(token) {
                 Visit::Done => {}
                 Visit::More => {
@@ -903,6 +911,7 @@ impl<K: WorkerName> Loop<K> {
                 }
             }
         }
+        Ok(true)
     }
 
     /// Open a replay request's DEALER and send it; a request that cannot be sent ends at once.
@@ -1286,8 +1295,6 @@ mod tests {
             .unwrap();
     }
 
-    /// A PUB on loopback and source `token` (worker `name`) subscribed to it on the thread,
-    /// once its handshake is handed over: the PUB, and the outboxes drained until then.
     /// Open `token`'s fast path at seq 0, every hand-over of its subscribing (`got`) taken.
     fn open_at_zero(shared: &Shared<W>, token: u64, got: &[Outbox], keep: bool) {
         let consumed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
@@ -1300,6 +1307,8 @@ mod tests {
         std::thread::sleep(Duration::from_millis(100));
     }
 
+    /// A PUB on loopback and source `token` (worker `name`) subscribed to it on the thread,
+    /// once its handshake is handed over: the PUB, and the outboxes drained until then.
     fn subscribed(
         ctx: &Context,
         shared: &Shared<W>,
@@ -1635,10 +1644,12 @@ mod tests {
     }
     #[test]
     fn a_kept_source_hands_over_every_applied_payload_and_waits_for_room() {
-        // Room for two payloads in the outbox: once Python has not drained three, the next
-        // wait in libzmq's queue (applied later, in order) rather than pile up in the outbox.
+        // Room for just under three payloads in the outbox (a visit stops only at its start,
+        // so the first three are read however visits split them): once Python has not drained
+        // three, the next wait in libzmq's queue (applied later, in order) rather than pile up
+        // in the outbox.
         let sent: Vec<Vec<u8>> = (0..6).map(|i| payload(1.0 + i as f64, i + 1)).collect();
-        let (ctx, index, shared) = started(64, Duration::from_secs(60), 2 * sent[0].len());
+        let (ctx, index, shared) = started(64, Duration::from_secs(60), 3 * sent[0].len() - 1);
         let alive = Arc::new(AtomicBool::new(true));
         let (pub_, got) = subscribed(&ctx, &shared, 4, "k", alive);
         open_at_zero(&shared, 4, &got, true);

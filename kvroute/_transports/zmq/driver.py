@@ -408,14 +408,14 @@ class SourceDriver(DriverBase):
                     raw(source, seq, ts, payload, stored)
         opened = self._native_opened
         if (
-            self._sink.active
-            and opened is not None
-            and not (opened[2] and self._sink_raw() is not None)
+            opened is not None
+            and not self._native_fits(opened[2])
             and self._native is not None
             and self._native_token is not None
         ):
-            # A listener wants every batch as an event (or a raw tap its payload): the general
-            # path from here on, until `_sync_fast` opens it as the sink needs.
+            # A listener wants every batch as an event (or a raw tap its payload, or nobody the
+            # payloads kept): the general path from here on, until `_sync_fast` opens it as the
+            # sink needs.
             self._native.close_fast(self._native_token)
             self._native_opened = None
 
@@ -423,6 +423,11 @@ class SourceDriver(DriverBase):
         """The raw tap's ``raw`` while it is the sink's only listener (`kvroute._fanout.Hub.raw`), else None."""
         raw: Callable[[EventSource, int, float, bytes, int], None] | None = getattr(self._sink, "raw", None)
         return raw
+
+    def _native_fits(self, keep: bool) -> bool:
+        """A fast path open with ``keep`` is what the sink needs now: payloads kept for a raw tap that is the
+        only listener, none for no listener (an ``events()`` iterator needs the general path)."""
+        return self._sink_raw() is not None if keep else not self._sink.active
 
     def _sync_fast(self) -> None:
         """Open the native fast path where rule 1 holds now (the thread closes it itself at each hand-over).

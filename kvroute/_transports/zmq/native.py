@@ -259,7 +259,7 @@ class NativeReceiver(_LoopLeader):
             opened = d._native_opened
             # Open as the sink now needs it or closed: applying without envelopes while an
             # iterator listens, or without payloads while a raw tap is its only listener, is not.
-            if opened is not None and d._sink.active and not (opened[2] and d._sink_raw() is not None):
+            if opened is not None and not d._native_fits(opened[2]):
                 core.close_fast(token)
                 d._native_opened = None
             if d._sink.active:
