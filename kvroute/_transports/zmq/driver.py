@@ -409,6 +409,8 @@ class SourceDriver(DriverBase):
         opened = self._native_opened
         if (
             opened is not None
+            # (the common case, nobody listening and no payloads kept, without a call: per source per drain)
+            and (opened[2] or self._sink.active)
             and not self._native_fits(opened[2])
             and self._native is not None
             and self._native_token is not None
