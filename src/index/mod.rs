@@ -1404,9 +1404,6 @@ mod tests {
         while m.old.is_none() || n < 2 * MOVE_FROM as u64 {
             m.entry(key(n), n as u32);
             n += 1;
-            if m.old.is_some() && n >= 2 * MOVE_FROM as u64 {
-                break;
-            }
         }
         assert!(m.old.is_some(), "a growth under way");
         let mut gone = 0u64;

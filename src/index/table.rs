@@ -1482,12 +1482,8 @@ mod tests {
         let mut fresh = 0u32;
         for round in 0..40_000u32 {
             let was = t.ids.moving();
-            let unmoved = |t: &KeyTable, id: u32| {
-                t.ids
-                    .moving
-                    .as_deref()
-                    .is_some_and(|m| m.next <= id && id < m.end)
-            };
+            let unmoved =
+                |t: &KeyTable, id: u32| t.ids.moving.as_deref().is_some_and(|m| m.unmoved(id));
             let r = next() % 10;
             if r < 6 || live.is_empty() {
                 let k = spread_key(fresh);
@@ -1551,9 +1547,6 @@ mod tests {
         let mut ids = Vec::new();
         while !t.ids.moving() || ids.len() < 2 * MOVE_FROM {
             ids.push(t.retain_key(&spread_key(ids.len() as u32)));
-            if t.ids.moving() && ids.len() >= 2 * MOVE_FROM {
-                break;
-            }
         }
         assert!(t.ids.moving(), "a growth under way");
         let mut gone = 0;

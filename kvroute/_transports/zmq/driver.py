@@ -448,7 +448,7 @@ class SourceDriver(DriverBase):
         # A raw tap alone keeps the fast path, its batches' payloads kept for it (as the Python
         # fast path hands it each payload); an iterator needs the envelopes of the general path.
         keep = self._sink_raw() is not None
-        if (self._sink.active and not keep) or not m.in_order(m.last_seq + 1):
+        if not self._native_fits(keep) or not m.in_order(m.last_seq + 1):
             park = m.replay_in_flight is not None
             if park != self._native_parked:
                 self._native_parked = park
