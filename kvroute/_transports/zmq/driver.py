@@ -406,12 +406,11 @@ class SourceDriver(DriverBase):
                 source, raw = self.source, tap.raw
                 for seq, ts, stored, payload in payloads:
                     raw(source, seq, ts, payload, stored)
-        opened = self._native_opened
+        keep = self._native_opened is not None and self._native_opened[2]
         if (
-            opened is not None
             # (the common case, nobody listening and no payloads kept, without a call: per source per drain)
-            and (opened[2] or self._sink.active)
-            and not self._native_fits(opened[2])
+            (keep or self._sink.active)
+            and not self._native_fits(keep)
             and self._native is not None
             and self._native_token is not None
         ):
