@@ -19,7 +19,7 @@ from kvroute._index import PrefixIndex
 from kvroute._models import WorkerKey
 from kvroute._transports.zmq import sockets as _zmq
 from kvroute._transports.zmq.config import SubscriberConfig
-from kvroute._wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EventBatch
+from kvroute._wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EventBatch, encode_batch
 from kvroute.sim._publisher import EventPublisher
 
 BLOCK_SIZE = 4
@@ -337,6 +337,34 @@ async def following_live(client: KvEventClient, pub: EventPublisher, key: Worker
                 await anyio.sleep(0.02)
     finally:
         pub.corrupt_rate = rate
+
+
+async def subscribed(client: KvEventClient, pub: EventPublisher, key: WorkerKey) -> None:
+    """Send frames with a malformed seq until ``key``'s source counts one: the SUB's subscription reached the PUB.
+
+    As `following_live`, for a test whose live batches must reach the SUB (quiet probes off, or a
+    count only the live stream makes), but it publishes no batch: no seq is taken and no gap can
+    follow (a skipped frame touches no source state), for a test that counts gaps or exact seqs.
+    """
+    before = client.stats().sources[key].skipped_frames
+    with anyio.fail_after(10):
+        while client.stats().sources[key].skipped_frames == before:
+            pub.publish_raw([pub.topic.encode(), b"\x00\x01", b"\x90"])
+            await anyio.sleep(0.02)
+
+
+async def duplicates_arrive(pub: EventPublisher, messages: Callable[[], int]) -> None:
+    """Resend ``pub``'s newest batch (a duplicate, dropped by rule 2) until ``messages()`` counts one arrived live.
+
+    As `subscribed`, for a test that counts the skipped frames itself: this takes no seq and
+    counts neither a decode error nor a skipped frame.
+    """
+    seq = pub.next_seq - 1
+    frames = [pub.topic.encode(), seq.to_bytes(8, "big"), encode_batch(pub.history[seq])]
+    with anyio.fail_after(10):
+        while messages() == 0:
+            pub.publish_raw(frames)
+            await anyio.sleep(0.02)
 
 
 def _ipv6_loopback() -> bool:

@@ -17,7 +17,7 @@ import anyio
 import msgspec
 import pytest
 import zmq
-from _publisher_helpers import FAST
+from _publisher_helpers import FAST, subscribed
 
 from kvroute import BlockRemoved, BlockStored, EventBatch, EventSource, KvEventClient, WorkerKey, encode_batch
 from kvroute._errors import ConfigError
@@ -93,11 +93,14 @@ async def test_a_synced_source_keeps_one_task_and_no_replay_task() -> None:
 
             await until(one_task_a_source, seconds=10)
             # And a replay asked later still runs (a gap): the task starts again, and ends again.
+            # The gap must reach the SUB live: synced is not subscribed (a slow joiner), and with no
+            # quiet probe a batch the PUB sent before the subscription would show no gap at all.
+            key = WorkerKey("w0", 0)
+            await subscribed(client, pubs[0], key)
             pubs[0].drop_rate = 1.0
             pubs[0].publish([_event(100)])  # lost on the wire, kept in the replay buffer
             pubs[0].drop_rate = 0.0
             pubs[0].publish([_event(101)])
-            key = WorkerKey("w0", 0)
             await until(lambda: client.stats().sources[key].gaps >= 1 and client.index.num_blocks(key) == 3)
             await until(one_task_a_source, seconds=10)
 
@@ -284,6 +287,9 @@ async def test_apply_lag_is_in_the_stats_and_the_metrics() -> None:
         config = msgspec.structs.replace(FAST, quiet_interval=5.0)
         async with KvEventClient([pub.source("w")], config=config) as client:
             await client.wait_synced(20)
+            # The lag is the live stream's: synced is not subscribed (a slow joiner), and a batch the
+            # PUB sent before the subscription would come by the quiet probe's replay, with no lag.
+            await subscribed(client, pub, pub.source("w").key)
             # A batch stamped 2 s in the past is applied about 2 s "late" by the engine's clock.
             pub.publish([_event(1)], ts=time.time() - 2.0)
             await until(lambda: client.stats().totals.batches >= 1)

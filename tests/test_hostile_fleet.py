@@ -121,6 +121,19 @@ async def until(check: Callable[[], bool], limit: float = 20.0) -> float:
     return time.perf_counter() - start
 
 
+def _all_live(client: KvEventClient, honest: Honest) -> bool:
+    """Whether every source took a live message yet; if not, ``honest`` takes one more step (for `until`).
+
+    A synced source is not yet subscribed (a slow joiner: its subscription may reach the PUB
+    later), and with FLEET's quiet probes off a tail the PUB dropped would stay lost: a test
+    waiting for the exact state after some steps first steps until every SUB is taking them.
+    """
+    if all(st.messages > 0 for st in client.stats().sources.values()):
+        return True
+    honest.step()
+    return False
+
+
 def _seq8(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 
@@ -537,6 +550,7 @@ async def test_an_advertised_hwm_past_int32_is_clamped_not_an_overflow() -> None
         sources = [honest.source(f"w{i}", dp_rank=i, hwm=hwm) for i, hwm in enumerate((2**31, 2**32 - 1, 2**63))]
         async with KvEventClient(sources, config=FLEET) as client:
             await client.wait_synced(20)
+            await until(lambda: _all_live(client, honest))
             honest.steps(5)
             for src in sources:
                 await until(lambda src=src: honest.exact(client.index, src.key))  # type: ignore[misc]
@@ -612,6 +626,7 @@ async def test_an_engine_on_ipv6_loopback_is_followed() -> None:
             assert src.endpoint.startswith("tcp://[::1]:")
             async with KvEventClient([src], config=FLEET) as client:  # the client's own context
                 await client.wait_synced(10)
+                await until(lambda: _all_live(client, v6))
                 v6.steps(5)
                 await until(lambda: v6.exact(client.index, src.key))
     finally:
@@ -646,6 +661,7 @@ async def test_three_hundred_sources_fit_the_context_and_the_descriptors() -> No
         sources = [honest.source(f"w{i}") for i in range(300)]
         async with KvEventClient(sources, config=config) as client:
             await synced_while_progressing(client, len(sources))
+            await until(lambda: _all_live(client, honest), limit=60)
             honest.steps(5)
             await until(lambda: all(honest.exact(client.index, s.key) for s in sources[::50]), limit=60)
             st = client.stats()

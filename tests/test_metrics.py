@@ -9,7 +9,7 @@ import urllib.request
 import anyio
 import msgspec
 import pytest
-from _publisher_helpers import FAST, Workload, settle, truth_index
+from _publisher_helpers import FAST, Workload, following_live, settle, truth_index
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -89,11 +89,14 @@ async def test_scrape_matches_the_stats_end_to_end() -> None:
             assert collector.index is client.index
             stream = client.events()
             await settle(client, stream, {a.key: 3, b.key: 3})
+            # Synced is not subscribed (a slow joiner): the garbage below must reach the SUB live.
+            await following_live(client, pa, a.key, wa)
             # Garbage on a stale seq (counted, dropped) and a message of the wrong shape.
             pa.publish_raw([b"", (0).to_bytes(8, "big"), b"\xc1"])
             pa.publish_raw([b"only one frame"])
             pa.publish(wa.batch())
-            await settle(client, stream, {a.key: 4})
+            last_a = pa.next_seq - 1
+            await settle(client, stream, {a.key: last_a})
             # A query a holds (by the engine-side truth, not kvroute's index): the newest full chain.
             truth = truth_index({a.key: pa, b.key: pb})
             query = list(next(q for q in reversed(wa.queries) if truth.find_matches(q).get(a.key)))
@@ -112,8 +115,8 @@ async def test_scrape_matches_the_stats_end_to_end() -> None:
             assert samples[("kvroute_source_decode_errors_total", la)] == 1
             assert samples[("kvroute_source_skipped_frames_total", la)] == 1
             assert samples[("kvroute_source_decode_errors_total", lb)] == 0
-            assert samples[("kvroute_source_last_seq", la)] == 4 and samples[("kvroute_source_last_seq", lb)] == 3
-            assert samples[("kvroute_source_batches_total", la)] == 5
+            assert samples[("kvroute_source_last_seq", la)] == last_a and samples[("kvroute_source_last_seq", lb)] == 3
+            assert samples[("kvroute_source_batches_total", la)] == last_a + 1
             assert samples[("kvroute_source_replayed_batches_total", lb)] >= 4
             assert samples[("kvroute_source_synced", la)] == samples[("kvroute_source_connected", la)] == 1
             assert samples[("kvroute_client_sources", ())] == samples[("kvroute_client_sources_synced", ())] == 2

@@ -26,6 +26,7 @@ from _publisher_helpers import (
     following_live,
     needs_ipv6,
     settle,
+    subscribed,
     truth_index,
     wait_for,
 )
@@ -213,6 +214,9 @@ async def test_a_lost_tail_is_found_by_the_threads_quiet_tick() -> None:
     async with EventPublisher() as pub:
         src = pub.source("w")
         async with _following(pub, src) as (client, _):
+            # Synced is not subscribed (a slow joiner): a first batch the PUB sent before the
+            # subscription, then one after it, would be a gap.
+            await subscribed(client, pub, src.key)
             for _ in range(5):
                 pub.publish(wl.batch())
             await _caught_up(client, src, 4)
@@ -307,6 +311,10 @@ async def test_many_sources_on_one_thread_and_drops_past_the_buffer() -> None:
         sources = [p.source(f"w{i}") for i, p in enumerate(pubs)]
         client = await stack.enter_async_context(KvEventClient(sources, config=NATIVE))
         await client.wait_synced(10)
+        # Synced is not subscribed (a slow joiner): a burst the PUB sent before a source's
+        # subscription would all come by replay, none applied by the thread.
+        for s, p in zip(sources, pubs):
+            await subscribed(client, p, s.key)
         for _ in range(20):
             for p, wl in zip(pubs, workloads):
                 p.publish(wl.batch())
@@ -528,3 +536,4 @@ async def test_sources_churning_on_a_shared_endpoint_leave_the_kept_one_followed
             # Applied by the thread itself, not only by the recovery machine's replays.
             assert driver.native_batches >= before + 20
             assert_index_equal(client.index, truth_index({keep.key: pub}), wl.queries)
+

@@ -9,7 +9,7 @@ import anyio
 import msgspec
 import pytest
 import zmq
-from _publisher_helpers import FAST, Workload, assert_index_equal, nothing_arrives, recv_frames
+from _publisher_helpers import FAST, Workload, assert_index_equal, duplicates_arrive, nothing_arrives, recv_frames
 
 from kvroute._events import Envelope
 from kvroute._index import PrefixIndex
@@ -268,6 +268,8 @@ async def test_driver_counts_malformed_replies_and_follows_the_socket(
                 tg.start_soon(_serve_bad_replays, router, [encode_batch(b) for b in pub.history])
                 tg.start_soon(driver.run)
                 await sink.until(lambda: "synced" in sink.kinds())
+                # What follows must arrive live: this endpoint's replay knows only seqs 0-4.
+                await duplicates_arrive(pub, lambda: driver.stats().messages)
                 # Garbage on the live stream too: counted, logged once, never fatal.
                 with caplog.at_level(logging.WARNING, logger="kvroute.subscriber"):
                     for _ in range(50):

@@ -348,6 +348,9 @@ async def test_a_batch_applied_off_the_event_loop_as_the_client_leaves_is_in_its
         async with client:
             async with client.events() as stream:
                 await settle(client, stream, {src.key: pub.next_seq - 1})
+            # Synced is not subscribed (a slow joiner): with no quiet probe, a batch the PUB sent before
+            # the subscription would never be recorded (the loop below publishes the next only then).
+            await joined(client, pub, src)
             # No listener now: the fast path reopens at the next hand-over, then applies on the thread.
             applied_off_loop = False
             for _ in range(200):
