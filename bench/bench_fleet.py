@@ -205,12 +205,16 @@ class _LagIndex(PrefixIndex):
         self.recording = False
         self.lags = array("d")
         self.applied_blocks = 0
+        # Live batches applied by the Python fast path / by the native receive thread itself.
+        self.python_live = 0
+        self.thread_live = 0
 
     def apply_payload(self, worker: WorkerKey, payload: bytes, limits: Limits | None = None) -> Any:
         """Apply raw bytes (the subscriber's in-order fast path), and count the blocks and the lag."""
         report = super().apply_payload(worker, payload, limits)
         if report.ok:
             self.applied_blocks += BLOCKS
+            self.python_live += 1
             if self.recording:
                 self.lags.append(time.time() - report.ts)
         return report
@@ -305,6 +309,14 @@ def _replay_line(counts: Counter[tuple[str, str]], before: Counter[tuple[str, st
     )
 
 
+def _live_line(python: int, thread: int) -> str:
+    """Where the phase's live in-order batches were applied: on the receive thread (native) or by Python."""
+    if not thread:
+        return ""
+    share = thread / (python + thread)
+    return f"; live batches applied by Python {python:,}, by the receive thread {thread:,} ({share:.1%})"
+
+
 def _ms(x: float) -> str:
     if math.isnan(x):
         return "-"
@@ -359,12 +371,14 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             elided: int,
             blocks: int,
             skipped: dict[str, int] | None,
+            payloads: Any = None,
         ) -> None:
             # The thread applied these to the index itself: count them and their lags here.
             index.applied_blocks += BLOCKS * (len(seqs) + elided)
+            index.thread_live += len(seqs) + elided
             if index.recording:
                 index.lags.extend(lags)
-            native_applied(driver, seqs, tss, lags, elided, blocks, skipped)
+            native_applied(driver, seqs, tss, lags, elided, blocks, skipped, payloads)
 
         native_replay_done = driver_type._native_replay_done
 
@@ -434,6 +448,7 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                 replays0 = Counter(replay_counts)
                 pub0 = sum(published)
                 app0 = index.applied_blocks
+                live0 = (index.python_live, index.thread_live)
                 cpu0 = time.process_time()
                 index.lags = array("d")
                 loop_lags.clear()
@@ -490,7 +505,8 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                 print(
                     "#   recovery in this phase: "
                     + ", ".join(f"{name} {getattr(t1, name) - getattr(st0, name):,}" for name in _RECOVERY_COUNTERS)
-                    + f"; peak held batches {peak_held[0]:,}",
+                    + f"; peak held batches {peak_held[0]:,}"
+                    + _live_line(index.python_live - live0[0], index.thread_live - live0[1]),
                     flush=True,
                 )
                 print(f"#   replay requests in this phase: {_replay_line(replay_counts, replays0)}", flush=True)

@@ -883,6 +883,15 @@ MUTATIONS: list[Mutation] = [
         "        None\n",
         ("tests/test_index.py",),
     ),
+    Mutation(
+        "stale-open-read-on",
+        "a stale open leaves the native thread's source unread until Python's next command (a flood converges)",
+        "src/recv/mod.rs",
+        "                            src.awaiting_open = true;\n",
+        "                            src.awaiting_open = false;\n",
+        ("tests/test_native_recv.py",),
+        ("tests/test_native_recv.py::test_a_stale_open_leaves_the_source_unread_until_python_takes_the_rest",),
+    ),
 ]
 
 

@@ -2062,6 +2062,45 @@ mod tests {
     }
 
     #[test]
+    fn uint_run_reads_every_order_of_forms_as_rmp_does() {
+        // Each form a token takes beside each other (uint 16 then 32 and the reverse, a fixint or
+        // uint 8 between stretches), in sequences from a fixed LCG, then a form it does not take;
+        // each prefix of the bytes, each cap on the count.
+        let forms: [u64; 5] = [7, 200, 40_000, 3_000_000_000, 65_536];
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..200 {
+            let mut values = Vec::new();
+            let mut buf = Vec::new();
+            for _ in 0..9 {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1);
+                let v = forms[(state >> 33) as usize % forms.len()] + (state >> 60);
+                rmp::encode::write_uint(&mut buf, v).unwrap();
+                values.push(v);
+            }
+            rmp::encode::write_sint(&mut buf, -3).unwrap();
+            for end in 0..=buf.len() {
+                for max in [1, 2, 3, values.len()] {
+                    let mut out = Vec::with_capacity(max);
+                    let p = uint_run(&buf[..end], &mut out, max);
+                    let mut r = Bytes::new(&buf[..p]);
+                    for (i, &v) in out.iter().enumerate() {
+                        assert_eq!(rd::read_int::<i64, _>(&mut r).ok(), Some(v), "item {i}");
+                        assert_eq!(v as u64, values[i]);
+                    }
+                    assert!(r.remaining_slice().is_empty());
+                    let stopped_early = out.len() < max;
+                    assert!(
+                        !stopped_early || p + 8 > end,
+                        "end {end} max {max} {values:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
     fn deep_nesting_is_an_error_not_a_stack_overflow() {
         let mut p = b"\x92\x00\x91".to_vec();
         p.extend(std::iter::repeat_n(0x91u8, 1_000_000));

@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -537,3 +538,69 @@ async def test_sources_churning_on_a_shared_endpoint_leave_the_kept_one_followed
             assert driver.native_batches >= before + 20
             assert_index_equal(client.index, truth_index({keep.key: pub}), wl.queries)
 
+
+async def test_a_stale_open_leaves_the_source_unread_until_python_takes_the_rest() -> None:
+    """The thread's side of rule 1's mirror in a flood, on the binding (`kvroute._core.NativeReceiver`).
+
+    An open that lands while hand-overs Python has not taken are queued is stale: the thread does
+    not open, and leaves the source unread (its messages wait in libzmq's queue) until Python's
+    next command. Read on, it would hand over faster than a busy event loop takes them, and every
+    open after it would be stale too (the source stayed on the slow path for a whole flood).
+    """
+    from kvroute import _core
+    from kvroute._index import PrefixIndex
+
+    def batch(seq: int) -> list[bytes]:
+        stored = BlockStored(block_hashes=[seq + 1], parent_block_hash=None, token_ids=[seq] * 4, block_size=4)
+        return [b"", seq.to_bytes(8, "big"), encode_batch(EventBatch(1.0 + seq, [stored], 0))]
+
+    async def drained(until: float = 0.0, *, want: int = 0) -> tuple[list[int], list[int]]:
+        """Applied seqs and handed-over message seqs, drained for ``until`` s or until ``want`` of either came."""
+        applied: list[int] = []
+        handed: list[int] = []
+        deadline = time.monotonic() + (until or 10.0)
+        while time.monotonic() < deadline:
+            got, handovers, _, dead = core.drain()
+            assert dead is None
+            applied += [s for a in got for s in a[1]]
+            handed += [int.from_bytes(h[2][1], "big") for h in handovers if h[0] == 0]
+            taken[0] += len(handovers)
+            if want and len(applied) + len(handed) >= want:
+                break
+            await anyio.sleep(0.01)
+        return applied, handed
+
+    cfg = SubscriberConfig()
+    index = PrefixIndex()
+    core = _core.NativeReceiver(
+        index._core, 64, cfg.wakeup_bytes, 60.0, cfg.held_bytes, 1024,
+        cfg.limits.max_events_per_batch, cfg.limits.max_blocks_per_event, cfg.limits.max_block_size, 0,
+    )  # fmt: skip
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    taken = [0]  # hand-overs "Python" took so far
+    try:
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        key = WorkerKey("w", 0)
+        core.add(1, key, f"tcp://127.0.0.1:{port}", b"", 1000, -1, 100, 1000, False)
+        # Closed: messages are handed over. Seq 0 until one arrives (a slow joiner), then 1-3.
+        while not (await drained(0.05))[1]:
+            pub.send_multipart(batch(0))
+        await drained(0.2)
+        for seq in (1, 2, 3):
+            pub.send_multipart(batch(seq))
+        assert await drained(want=3) == ([], [1, 2, 3])
+        # An open that has not seen those three: stale. Nothing is read meanwhile.
+        core.open(1, 1, taken[0] - 3)
+        await anyio.sleep(0.1)
+        for seq in (4, 5):
+            pub.send_multipart(batch(seq))
+        assert await drained(0.3) == ([], [])
+        # Python took the three: its open is exact, and what waited in libzmq's queue is applied.
+        core.open(1, 4, taken[0])
+        assert await drained(want=2) == ([4, 5], [])
+        assert index.num_blocks(key) == 2
+    finally:
+        core.close()
+        pub.close(linger=0)
+        ctx.term()

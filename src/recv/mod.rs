@@ -51,6 +51,9 @@ pub const MONITOR_EVENTS: i32 = (zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED
 const KEEP_RECORDS: usize = 4096;
 /// How often the thread looks for quiet sources (and wakes when nothing arrives).
 const QUIET_SCAN: Duration = Duration::from_millis(250);
+/// Longest a source waits unread after a stale open for Python's next command (see
+/// `Source::awaiting_open`; a flood's drain takes far less): a safety net, then it is read again.
+const AWAIT_OPEN: Duration = Duration::from_secs(1);
 /// Longest an applied batch's record waits in the outbox before Python is woken for it alone.
 /// The index has it already (the apply lag is taken at apply); what waits is rule 1's
 /// bookkeeping and the counters in `stats()`, far below any interval recovery acts on
@@ -504,6 +507,16 @@ struct Source<K> {
     keep: bool,
     /// Not read while set (its monitor still is): see `Command::Park`.
     parked: bool,
+    /// Not read while set (its monitor still is), until Python's next command for it: set by a
+    /// stale open (hand-overs Python had not taken when it sent it). In a flood the thread hands
+    /// a closed source's messages over faster than the event loop takes them, so every open
+    /// Python sent was stale when it landed and the source stayed on the slow path until the
+    /// flood ended (23-30 batches a source at a burst's start; never under a profiler). Unread,
+    /// its hand-overs stop growing: Python takes the rest, and the open it sends then is exact.
+    /// Python follows every open it sent with a command (an open, or a park or unpark where
+    /// the machine cannot be followed on the fast path); should none come, the source is read
+    /// again after `AWAIT_OPEN` (`Loop::scan`), as before there was this wait. Since when.
+    awaiting_open: Option<Instant>,
     /// Hand-overs of this source so far (Python opens the fast path only when it consumed all).
     handed: u64,
     /// Of those, the ones that may change the machine's mind about a replay answer: messages,
@@ -824,6 +837,7 @@ impl<K: WorkerName> Loop<K> {
                             open: false,
                             keep: false,
                             parked: false,
+                            awaiting_open: None,
                             handed: 0,
                             risky: 0,
                             applied: 0,
@@ -851,18 +865,27 @@ impl<K: WorkerName> Loop<K> {
                     keep,
                 } => {
                     if let Some(src) = self.sources.get_mut(&token) {
-                        // A stale open (hand-overs Python has not seen yet) is ignored: Python
-                        // opens again once it has.
+                        // A stale open (hand-overs Python has not seen yet) is not carried
+                        // out, and the source waits unread for Python's next command (see
+                        // `Source::awaiting_open`): Python opens again once it has them all.
                         if consumed == src.handed && next_seq != u64::MAX {
                             src.open = true;
                             src.keep = keep;
                             src.next_seq = next_seq;
+                            if src.awaiting_open.take().is_some() {
+                                // Unread since the stale open: no edge will say it has more.
+                                src.last_read = Instant::now();
+                                self.mark(token);
+                            }
+                        } else if next_seq != u64::MAX {
+                            src.awaiting_open.get_or_insert_with(Instant::now);
                         }
                     }
                 }
                 Command::Park { token, parked } => {
                     if let Some(src) = self.sources.get_mut(&token) {
-                        let was = std::mem::replace(&mut src.parked, parked);
+                        let awaiting = src.awaiting_open.take().is_some();
+                        let was = std::mem::replace(&mut src.parked, parked) || awaiting;
                         if was && !parked {
                             // Silence is measured from here (it was not read while parked), and
                             // it was not read to EAGAIN: no edge will say it has more.
@@ -874,6 +897,10 @@ impl<K: WorkerName> Loop<K> {
                 Command::Close { token } => {
                     if let Some(src) = self.sources.get_mut(&token) {
                         src.open = false;
+                        if src.awaiting_open.take().is_some() && !src.parked {
+                            src.last_read = Instant::now();
+                            self.mark(token);
+                        }
                     }
                 }
                 Command::Replay(req) => self.begin_replay(*req),
@@ -1062,9 +1089,10 @@ impl<K: WorkerName> Loop<K> {
                 endpoint: String::from_utf8_lossy(&frames[1]).into_owned(),
             });
         }
-        if src.parked && !src.open {
+        if (src.parked || src.awaiting_open.is_some()) && !src.open {
             // Its messages wait in libzmq's queue (then the engine's PUB queue); it has
-            // something, or will, so it is not quiet: Python asked, a replay is in flight.
+            // something, or will, so it is not quiet: Python asked (a replay is in flight), or
+            // has hand-overs of it to take.
             src.last_read = Instant::now();
             process_commands(&src.sub);
             if !out_pending.is_empty() {
@@ -1201,7 +1229,18 @@ impl<K: WorkerName> Loop<K> {
     fn scan(&mut self, looked: Instant) {
         let quiet = self.settings.quiet;
         let mut ticks = Vec::new();
+        let now = Instant::now();
+        let mut released = Vec::new();
         for (token, src) in self.sources.iter_mut() {
+            if let Some(since) = src.awaiting_open {
+                // No command came for a stale open: read it again (see `Source::awaiting_open`).
+                if now.duration_since(since) >= AWAIT_OPEN {
+                    src.awaiting_open = None;
+                    src.last_read = now;
+                    released.push(*token);
+                }
+                continue;
+            }
             // `duration_since` saturates: a source read after the look is not quiet.
             if src.parked
                 || self.in_backlog.contains_key(token)
@@ -1219,6 +1258,9 @@ impl<K: WorkerName> Loop<K> {
             let mut out = self.shared.outbox.lock();
             out.handovers.append(&mut ticks);
             self.shared.signal(&mut out);
+        }
+        for token in released {
+            self.mark(token);
         }
     }
 }
@@ -1642,6 +1684,77 @@ mod tests {
         drop(pub_);
         assert!(shared.drain().dead.is_none());
     }
+    #[test]
+    fn a_stale_open_leaves_the_source_unread_until_the_next_command() {
+        let (ctx, index, shared) = started(64, Duration::from_secs(60), 1 << 20);
+        let (pub_, got) = subscribed(&ctx, &shared, 7, "a", Arc::new(AtomicBool::new(true)));
+        let consumed = got.iter().map(|o| o.handovers.len() as u64).sum::<u64>();
+        // Closed: three messages handed over, which Python has not taken when it opens.
+        for seq in 0..3 {
+            send(&pub_, seq, &payload(1.0 + seq as f64, seq + 1));
+        }
+        let got = wait(&shared, |g| handed(g).len() == 3);
+        assert_eq!(handed(&got), vec![Some(0), Some(1), Some(2)]);
+        shared.command(Command::Open {
+            token: 7,
+            next_seq: 0,
+            consumed,
+            keep: false,
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        // Stale: not opened, and nothing more read (no hand-over, nothing applied).
+        for seq in 3..5 {
+            send(&pub_, seq, &payload(1.0 + seq as f64, seq + 1));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let idle = shared.drain();
+        assert!(idle.handovers.is_empty() && applied(&[idle]).is_empty());
+        // Python took the three and opens at 3: exact, and what waited in libzmq is applied.
+        shared.command(Command::Open {
+            token: 7,
+            next_seq: 3,
+            consumed: consumed + 3,
+            keep: false,
+        });
+        let got = wait(&shared, |g| applied(g).len() == 2);
+        assert_eq!(applied(&got), vec![3, 4]);
+        assert_eq!(index.read().num_blocks(Some(&W("a"))), 2);
+        // Stale again (a gap handed over after it), then an unpark: read again, handed over.
+        send(&pub_, 9, &payload(10.0, 10));
+        wait(&shared, |g| handed(g) == vec![Some(9)]);
+        shared.command(Command::Open {
+            token: 7,
+            next_seq: 5,
+            consumed: consumed + 3,
+            keep: false,
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        send(&pub_, 10, &payload(11.0, 11));
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(shared.drain().handovers.is_empty());
+        shared.command(Command::Park {
+            token: 7,
+            parked: false,
+        });
+        wait(&shared, |g| handed(g) == vec![Some(10)]);
+        // Stale once more, and no command follows: read again after `AWAIT_OPEN`.
+        shared.command(Command::Open {
+            token: 7,
+            next_seq: 5,
+            consumed: consumed + 4,
+            keep: false,
+        });
+        let since = Instant::now();
+        std::thread::sleep(Duration::from_millis(100));
+        send(&pub_, 11, &payload(12.0, 12));
+        wait(&shared, |g| handed(g) == vec![Some(11)]);
+        assert!(since.elapsed() >= AWAIT_OPEN);
+        shared.command(Command::Remove { token: 7 });
+        shared.command(Command::Stop);
+        drop(pub_);
+        assert!(shared.drain().dead.is_none());
+    }
+
     #[test]
     fn a_kept_source_hands_over_every_applied_payload_and_waits_for_room() {
         // Room for just under three payloads in the outbox (a visit stops only at its start,

@@ -449,7 +449,9 @@ class SourceDriver(DriverBase):
         keep = self._sink_raw() is not None
         if not self._native_fits(keep) or not m.in_order(m.last_seq + 1):
             park = m.replay_in_flight is not None
-            if park != self._native_parked:
+            # After an open the thread may have found stale, it leaves the source unread until
+            # the next command for it (`src/recv`, `Source::awaiting_open`): this (un)park is it.
+            if park != self._native_parked or self._native_opened is not None:
                 self._native_parked = park
                 native.park(token, park)
             return
