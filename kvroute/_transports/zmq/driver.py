@@ -231,6 +231,9 @@ class SourceDriver(DriverBase):
         self._native_opened: tuple[int, int, bool] | None = None
         # Whether this side last asked the thread to park the SUB (a replay in flight).
         self._native_parked = False
+        # An open was sent and no park or unpark since: if the thread found it stale, the source
+        # waits unread for the next command (`src/recv`, `Source::awaiting_open`).
+        self._native_open_sent = False
         # Replay requests go to the thread too when its endpoint is one the thread can reach.
         rep = source.replay_endpoint
         self._native_replays = self._native is not None and rep is not None and rep.startswith(("tcp://", "ipc://"))
@@ -347,6 +350,7 @@ class SourceDriver(DriverBase):
         self._native_fast_seen = 0
         self._native_opened = None
         self._native_parked = False
+        self._native_open_sent = False
         token: int | None = None
         try:
             with anyio.CancelScope() as session:
@@ -450,9 +454,10 @@ class SourceDriver(DriverBase):
         if not self._native_fits(keep) or not m.in_order(m.last_seq + 1):
             park = m.replay_in_flight is not None
             # After an open the thread may have found stale, it leaves the source unread until
-            # the next command for it (`src/recv`, `Source::awaiting_open`): this (un)park is it.
-            if park != self._native_parked or self._native_opened is not None:
+            # the next command for it: this (un)park is it.
+            if park != self._native_parked or self._native_open_sent:
                 self._native_parked = park
+                self._native_open_sent = False
                 native.park(token, park)
             return
         if self._native_parked:
@@ -461,6 +466,7 @@ class SourceDriver(DriverBase):
         want = (m.last_seq + 1, self._native_consumed, keep)
         if want != self._native_opened:
             self._native_opened = want
+            self._native_open_sent = True
             native.open(token, *want)
 
     def _on_messages(self, msgs: list[list[bytes]], wall: float) -> None:
