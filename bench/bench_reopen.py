@@ -90,8 +90,7 @@ async def measure(n: int, rate: float) -> dict[str, float]:
     """One round: the flood, the listener's second, and the 3 s after it (see the module docstring)."""
     import anyio
 
-    from kvroute import KvEventClient, SubscriberConfig
-    from kvroute._models import EventSource
+    from kvroute import EventSource, KvEventClient, SubscriberConfig
 
     mgr = mp.Manager()
     ports = mgr.list()

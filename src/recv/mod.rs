@@ -1697,6 +1697,7 @@ mod tests {
         drop(pub_);
         assert!(shared.drain().dead.is_none());
     }
+
     #[test]
     fn a_stale_open_leaves_the_source_unread_until_the_next_command() {
         let (ctx, index, shared) = started(64, Duration::from_secs(60), 1 << 20);
