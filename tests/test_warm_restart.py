@@ -15,6 +15,7 @@ from _publisher_helpers import (
     assert_index_subset,
     next_event,
     settle,
+    subscribed,
     truth_index,
     wait_for,
 )
@@ -350,7 +351,7 @@ async def test_a_batch_applied_off_the_event_loop_as_the_client_leaves_is_in_its
                 await settle(client, stream, {src.key: pub.next_seq - 1})
             # Synced is not subscribed (a slow joiner): with no quiet probe, a batch the PUB sent before
             # the subscription would never be recorded (the loop below publishes the next only then).
-            await joined(client, pub, src)
+            await subscribed(client, pub, src.key)
             # No listener now: the fast path reopens at the next hand-over, then applies on the thread.
             applied_off_loop = False
             for _ in range(200):
@@ -435,23 +436,6 @@ async def test_restored_workers_without_a_source_or_position_are_dropped(tmp_pat
         assert set(PrefixIndex.restore(path).restored_cursors) == {a.key}
 
 
-async def joined(client: KvEventClient, pub: EventPublisher, src: EventSource) -> None:
-    """Return once the client's SUB receives what the PUB sends (slow joiner).
-
-    It sends frames with a malformed seq, which the client counts and skips without touching
-    any source state, until one is counted: the batches published after it reach the SUB.
-    """
-    before = client.stats().sources[src.key].skipped_frames
-
-    def arrived() -> bool:
-        if client.stats().sources[src.key].skipped_frames > before:
-            return True
-        pub.publish_raw([src.topic.encode(), b"\x00\x01", b"\x90"])
-        return False
-
-    await wait_for(arrived, "the SUB joined the PUB")
-
-
 @pytest.mark.anyio
 async def test_restored_state_of_a_source_without_replay_is_dropped(tmp_path: Path) -> None:
     wl = Workload(37)
@@ -460,7 +444,7 @@ async def test_restored_state_of_a_source_without_replay_is_dropped(tmp_path: Pa
         src = pub.source("w")
         async with KvEventClient([src], config=FAST) as client:
             stream = client.events()
-            await joined(client, pub, src)
+            await subscribed(client, pub, src.key)
             for _ in range(5):
                 pub.publish(wl.batch())
             await settle(client, stream, {src.key: 4})
@@ -471,7 +455,7 @@ async def test_restored_state_of_a_source_without_replay_is_dropped(tmp_path: Pa
         async with KvEventClient([src], config=FAST, index=index) as client:
             assert client.index.num_blocks(src.key) == 0
             stream = client.events()
-            await joined(client, pub, src)
+            await subscribed(client, pub, src.key)
             pub.publish(wl.batch())
             await settle(client, stream, {src.key: 5})
             assert client.stats().sources[src.key].partial
@@ -591,8 +575,8 @@ async def test_restored_state_a_source_cannot_resume_is_announced_with_a_reset(t
         a, b = pa.source("a"), pb.source("b")
         async with KvEventClient([a, b], config=FAST) as client:
             stream = client.events()
-            await joined(client, pa, a)
-            await joined(client, pb, b)
+            await subscribed(client, pa, a.key)
+            await subscribed(client, pb, b.key)
             for _ in range(5):
                 pa.publish(wl_a.batch())
                 pb.publish(wl_b.batch())

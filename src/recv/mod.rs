@@ -868,21 +868,19 @@ impl<K: WorkerName> Loop<K> {
                         // A stale open (hand-overs Python has not seen yet) is not carried
                         // out, and the source waits unread for Python's next command (see
                         // `Source::awaiting_open`): Python opens again once it has them all.
-                        if consumed == src.handed && next_seq != u64::MAX {
-                            src.open = true;
-                            src.keep = keep;
-                            src.next_seq = next_seq;
+                        if consumed != src.handed {
+                            src.awaiting_open.get_or_insert_with(Instant::now);
+                        } else {
+                            if next_seq != u64::MAX {
+                                src.open = true;
+                                src.keep = keep;
+                                src.next_seq = next_seq;
+                            }
                             if src.awaiting_open.take().is_some() {
                                 // Unread since the stale open: no edge will say it has more.
                                 src.last_read = Instant::now();
                                 self.mark(token);
                             }
-                        } else if consumed != src.handed {
-                            src.awaiting_open.get_or_insert_with(Instant::now);
-                        } else if src.awaiting_open.take().is_some() {
-                            // Not an open (no seq to open at), but a command: read it again.
-                            src.last_read = Instant::now();
-                            self.mark(token);
                         }
                     }
                 }
