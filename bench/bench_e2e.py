@@ -21,6 +21,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import random
 import time
+from collections import deque
 
 import anyio
 import zmq
@@ -43,14 +44,23 @@ BS = 16
 VOCAB = 150_000
 
 
-def make_payloads(n_batches: int, n_sources: int, seed: int) -> tuple[list[list[bytes]], int]:
+def make_payloads(
+    n_batches: int, n_sources: int, seed: int, capacity: int | None = None
+) -> tuple[list[list[bytes]], int]:
     """vLLM-like batches per source: 1-4 events, 1-32 blocks each, chained on earlier blocks, some evictions.
+
+    With ``capacity``, each source is an engine holding at most that many blocks: once full, every store evicts
+    its oldest blocks first, before the store, one `BlockRemoved` of one hash per block as vLLM's block pool
+    emits them (``_maybe_evict_cached_block``), so the index stops growing, as it does in production. An evicted
+    block is no longer a parent (an engine holds a parent block while a child is stored). Without it, a random
+    chain end is evicted now and then and the index keeps growing.
 
     Returns the payloads per source and the number of blocks they store in total.
     """
     rng = random.Random(seed)
     out: list[list[bytes]] = [[] for _ in range(n_sources)]
     tails: list[list[int | bytes]] = [[] for _ in range(n_sources)]
+    held: list[deque[int | bytes]] = [deque() for _ in range(n_sources)]  # oldest first
     blocks = 0
     for i in range(n_batches):
         s = i % n_sources
@@ -58,15 +68,26 @@ def make_payloads(n_batches: int, n_sources: int, seed: int) -> tuple[list[list[
         for _ in range(rng.randint(1, 4)):
             n = rng.randint(1, 32)
             tail = tails[s]
+            if capacity is not None:
+                # vLLM takes free blocks (evicting cached ones) before it stores what it computed in them.
+                pool = held[s]
+                while pool and len(pool) + n > capacity:
+                    victim = pool.popleft()
+                    if victim in tail:
+                        tail.remove(victim)
+                    events.append(BlockRemoved(block_hashes=[victim], medium="GPU"))
             parent = rng.choice(tail) if tail and rng.random() < 0.7 else None
             hashes: list[int | bytes] = [rng.getrandbits(64) for _ in range(n)]
             tokens = [rng.randrange(VOCAB) for _ in range(n * BS)]
             events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS))
             blocks += n
             tail.extend(hashes[-1:])
+            if capacity is not None:
+                held[s].extend(hashes)
             if len(tail) > 64:
                 victim = tail.pop(rng.randrange(len(tail)))
-                events.append(BlockRemoved(block_hashes=[victim], medium="GPU"))
+                if capacity is None:
+                    events.append(BlockRemoved(block_hashes=[victim], medium="GPU"))
         out[s].append(encode_batch(EventBatch(1_700_000_000.0 + i, events, 0)))
     return out, blocks
 

@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import index_only, make_payloads
 
 from kvroute import (
+    BlockStored,
     Envelope,
     EventSource,
     EventStream,
@@ -65,6 +66,7 @@ from kvroute import (
     PrefixIndex,
     SubscriberConfig,
     WorkerKey,
+    decode_batch,
 )
 from kvroute._transports.jetstream import JetStreamSource  # the client's log source: its on_applied hook
 
@@ -337,6 +339,17 @@ def _apply_payload_only(payloads: list[list[bytes]]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def _stored_blocks(payloads: list[list[bytes]]) -> int:
+    """Blocks the payloads store (every source, every batch)."""
+    return sum(
+        len(event.block_hashes)
+        for ps in payloads
+        for payload in ps
+        for event in decode_batch(payload).events
+        if isinstance(event, BlockStored)
+    )
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")  # none timed (a relay that lost its lease under load: its new client has no tap)
@@ -351,8 +364,15 @@ async def run(args: argparse.Namespace) -> None:
     n_sources = 4
     n_batches = 2_000 if args.quick else 6_500  # per source, ~40 blocks each: >= 1M index entries
     paced = args.lag_batches or (200 if args.quick else 500)  # per source
-    payloads, blocks = make_payloads(n_batches * n_sources, n_sources, seed=1)
-    paced_payloads, paced_blocks = make_payloads(paced * n_sources, n_sources, seed=2)
+    if args.engine_blocks:
+        # One stream per engine across both rounds: the engines are full (evicting) from the first paced second.
+        both, _ = make_payloads((n_batches + paced) * n_sources, n_sources, seed=1, capacity=args.engine_blocks)
+        payloads = [ps[:n_batches] for ps in both]
+        paced_payloads = [ps[n_batches:] for ps in both]
+        blocks, paced_blocks = _stored_blocks(payloads), _stored_blocks(paced_payloads)
+    else:
+        payloads, blocks = make_payloads(n_batches * n_sources, n_sources, seed=1)
+        paced_payloads, paced_blocks = make_payloads(paced * n_sources, n_sources, seed=2)
     all_payloads = [a + b for a, b in zip(payloads, paced_payloads)]
     base = index_only(payloads)
     raw, raw_cpu = _apply_payload_only(payloads)
@@ -653,6 +673,14 @@ def main() -> None:
         metavar="N",
         help="batches per source in the paced lag round (default 500, 200 with --quick: under a second at the"
         " issue's 500k blocks/s, a burst's figures; a few thousand give a steady state's)",
+    )
+    parser.add_argument(
+        "--engine-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="each simulated engine holds at most N blocks and evicts its oldest to store more, as a full engine"
+        " does (default 0: engines never fill, the index grows all run long)",
     )
     parser.add_argument(
         "--pace-slack",
