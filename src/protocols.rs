@@ -1,12 +1,33 @@
 //! The events the engines publish, as the wire decoder produces them and the index consumes them.
 //! Field for field the Python Structs of `kvroute/_wire.py` (docs/protocol.md §3).
 
+use smallvec::SmallVec;
+use std::borrow::Cow;
+
 /// A block hash as an engine sends it, normalised: ints in the uint64 space (SGLang's int64 folded
 /// onto it), bytes kept as sent.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum BlockHash {
     Int(u64),
     Bytes(Vec<u8>),
+}
+
+/// A storage medium as an engine names it (`BlockStored.medium`, `BlockRemoved.medium`). The names
+/// the tiers know are borrowed, not allocated: a removal is one event per block in vLLM, and an
+/// allocation for its `"GPU"` was a tenth of decoding one (session 20, `perf`).
+pub type Medium = Cow<'static, str>;
+
+/// `name` as a `Medium`: a known name borrowed from the binary, any other copied.
+pub fn medium_of(name: &str) -> Medium {
+    match name {
+        "GPU" => Cow::Borrowed("GPU"),
+        "CPU" => Cow::Borrowed("CPU"),
+        "CPU_PINNED" => Cow::Borrowed("CPU_PINNED"),
+        "DISK" => Cow::Borrowed("DISK"),
+        "STORAGE" => Cow::Borrowed("STORAGE"),
+        "EXTERNAL" => Cow::Borrowed("EXTERNAL"),
+        other => Cow::Owned(other.to_owned()),
+    }
 }
 
 /// A decoded msgpack value that the index looks into but does not type (extra keys, locality, ...).
@@ -34,7 +55,7 @@ pub struct BlockStored {
     pub token_ids: Vec<i64>,
     pub block_size: i64,
     pub lora_id: Option<i64>,
-    pub medium: Option<String>,
+    pub medium: Option<Medium>,
     pub lora_name: Option<String>,
     pub extra_keys: Option<Vec<Option<Vec<Value>>>>,
     pub group_idx: Option<i64>,
@@ -53,10 +74,14 @@ pub struct BlockStored {
     pub bigram: bool,
 }
 
+/// A removal's hashes: vLLM's block pool sends one removal per evicted block, so the one hash is
+/// kept inline, not allocated (at a full engine's steady state, as many removals as stored blocks).
+pub type RemovedHashes = SmallVec<[BlockHash; 1]>;
+
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct BlockRemoved {
-    pub block_hashes: Vec<BlockHash>,
-    pub medium: Option<String>,
+    pub block_hashes: RemovedHashes,
+    pub medium: Option<Medium>,
     pub group_idx: Option<i64>,
     pub locality: Value,
     pub ownership: Value,

@@ -1229,7 +1229,7 @@ mod tests {
                 stored(&[1, 2], None, &[1, 2, 3, 4], 2),
                 stored(&[3], Some(2), &[5, 6], 2),
                 Event::Removed(BlockRemoved {
-                    block_hashes: vec![BlockHash::Int(3)],
+                    block_hashes: smallvec::smallvec![BlockHash::Int(3)],
                     ..BlockRemoved::default()
                 }),
             ],
@@ -1281,7 +1281,7 @@ mod tests {
             idx.apply(
                 &W("a"),
                 &Event::Removed(BlockRemoved {
-                    block_hashes: vec![BlockHash::Int(1), BlockHash::Int(2)],
+                    block_hashes: smallvec::smallvec![BlockHash::Int(1), BlockHash::Int(2)],
                     ..BlockRemoved::default()
                 }),
             );

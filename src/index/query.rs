@@ -776,7 +776,7 @@ mod bigram_tests {
 mod tests {
     use super::*;
     use crate::index::Limits;
-    use crate::protocols::{BlockHash, BlockStored, Event};
+    use crate::protocols::{medium_of, BlockHash, BlockStored, Event};
 
     #[derive(Clone, PartialEq, Eq, Hash, Debug)]
     struct W(u32);
@@ -796,7 +796,7 @@ mod tests {
                 block_hashes: (1..=depth as u64).map(BlockHash::Int).collect(),
                 token_ids: tokens[..depth * BS].iter().map(|&t| i64::from(t)).collect(),
                 block_size: BS as i64,
-                medium: medium.map(str::to_owned),
+                medium: medium.map(medium_of),
                 ..BlockStored::default()
             })),
         );

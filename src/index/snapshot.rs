@@ -817,7 +817,7 @@ fn positions(hashes: &[BlockHash]) -> Option<EMap<u32>> {
 mod tests {
     use super::*;
     use crate::index::Limits;
-    use crate::protocols::{BlockStored, Event};
+    use crate::protocols::{medium_of, BlockStored, Event};
     use rmp::encode as e;
 
     #[derive(Clone, PartialEq, Eq, Hash, Debug)]
@@ -835,7 +835,7 @@ mod tests {
             parent_block_hash: parent.map(BlockHash::Int),
             token_ids: tokens.to_vec(),
             block_size: 2,
-            medium: medium.map(str::to_owned),
+            medium: medium.map(medium_of),
             ..BlockStored::default()
         }))
     }

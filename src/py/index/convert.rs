@@ -10,7 +10,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyT
 
 use crate::index::QueryInput;
 use crate::keys::{self, MmItem};
-use crate::protocols::{BlockHash, BlockRemoved, BlockStored, Event, Value};
+use crate::protocols::{medium_of, BlockHash, BlockRemoved, BlockStored, Event, Value};
 
 /// The event classes of kvroute._wire, looked up once.
 struct EventTypes {
@@ -216,7 +216,9 @@ fn stored<'py>(ev: &Bound<'py, PyAny>) -> PyResult<BlockStored> {
         token_ids: event_tokens(&get(intern!(py, "token_ids"))?)?,
         block_size: saturating_i64(&get(intern!(py, "block_size"))?)?,
         lora_id: None,
-        medium: opt_str(&get(intern!(py, "medium"))?)?,
+        medium: opt_str(&get(intern!(py, "medium"))?)?
+            .as_deref()
+            .map(medium_of),
         lora_name: opt_str(&get(intern!(py, "lora_name"))?)?,
         extra_keys: extra_keys(&get(intern!(py, "extra_keys"))?)?,
         group_idx: opt_i64(&get(intern!(py, "group_idx"))?)?,
@@ -235,8 +237,10 @@ fn stored<'py>(ev: &Bound<'py, PyAny>) -> PyResult<BlockStored> {
 fn removed(ev: &Bound<'_, PyAny>) -> PyResult<BlockRemoved> {
     let py = ev.py();
     Ok(BlockRemoved {
-        block_hashes: hashes(&ev.getattr(intern!(py, "block_hashes"))?)?,
-        medium: opt_str(&ev.getattr(intern!(py, "medium"))?)?,
+        block_hashes: hashes(&ev.getattr(intern!(py, "block_hashes"))?)?.into(),
+        medium: opt_str(&ev.getattr(intern!(py, "medium"))?)?
+            .as_deref()
+            .map(medium_of),
         group_idx: opt_i64(&ev.getattr(intern!(py, "group_idx"))?)?,
         locality: str_or_nil(&ev.getattr(intern!(py, "locality"))?),
         ownership: Value::Nil,
