@@ -264,7 +264,7 @@ pub(crate) fn prefetch(p: *const u8) {
 ///   expose its buckets: the lookup pass stalled on each one in turn, ~17 % of a 1,024-worker
 ///   `select`);
 /// - a slot is 4 bytes with no control byte, and the table grows by half, not by doubling, at
-///   most 7/8 full: ~1.4 slots per key on average (hashbrown: ~1.65 buckets of 5 bytes).
+///   most 3/4 full: ~1.6 slots per key on average (hashbrown: ~1.65 buckets of 5 bytes).
 ///
 /// A slot holds `tag << id_bits | (id + 1)` (0: empty), where `id_bits` covers every id the
 /// records can name and the tag is the key hash's low bits in the rest of the word: a probe
@@ -282,7 +282,7 @@ struct IdIndex {
 const REBUILD_AHEAD: usize = 16;
 
 /// Most records after a removed id's slot whose keys a removal prefetches (a probe run past
-/// this is rare below 7/8 full).
+/// this is rare below 3/4 full).
 const REMOVE_AHEAD: usize = 32;
 
 /// The id bits an `IdIndex` takes for ids of `need_bits` bits: one bit of headroom, so the
@@ -382,9 +382,15 @@ fn group_hits_scalar(group: &[u32; 4], tag: u32, hi: u32) -> u32 {
     hits
 }
 
-/// Most keys an `IdIndex` of `cap` slots holds: 7/8 full.
+/// Most keys an `IdIndex` of `cap` slots holds: 3/4 full. A removal shifts back every entry
+/// of the run after it, reading each one's record (a cache miss at 1M keys) to find its home:
+/// ~30 at 7/8 full (linear probing's unsuccessful search), ~8 at 3/4. At a full engine's
+/// steady state there are as many removals as stores, and 7/8 → 3/4 took a steady-state apply
+/// to ~0.85 × its CPU (session 20, alternated); a fill from empty was level, and memory per
+/// (block, worker) entry at 1M entries unchanged (the slots are 4 bytes: ~0.8 B a key more on
+/// average). The workers' `IntMap`s stay at 7/8: at 12 bytes a slot, 3/4 cost 4 B an entry.
 fn max_load(cap: usize) -> usize {
-    cap - cap / 8
+    cap - cap / 4
 }
 
 impl IdIndex {
@@ -413,8 +419,8 @@ impl IdIndex {
     }
 
     /// Start bringing the two lines a new key's probe of hash `h` reads into cache: its home's
-    /// and the next. A new key's probe runs to an empty slot, on average ~6 slots at 7/12 full
-    /// and ~30 at 7/8 (linear probing's unsuccessful search), past its home's line about half
+    /// and the next. A new key's probe runs to an empty slot, on average ~3 slots at 1/2 full
+    /// and ~8 at 3/4 (linear probing's unsuccessful search), past its home's line about half
     /// the time; a present key's is a slot or two, where `prefetch` does.
     #[inline]
     fn prefetch_run(&self, h: u64) {
@@ -470,7 +476,7 @@ impl IdIndex {
         loop {
             // Four slots a step: which of them end the probe (empty) or may hold the key (its
             // tag), as one bit mask. A new key's probe (most of a fill's lookups) runs to an
-            // empty slot, ~8 slots on average between 7/12 and 7/8 full; slot by slot that was
+            // empty slot, ~5 slots on average between 1/2 and 3/4 full; slot by slot that was
             // 14 instructions a slot (callgrind, `bench/callgrind_ingest.py`).
             if let Some(group) = self.slots.get(i..).and_then(|g| g.first_chunk::<4>()) {
                 let mut hits = group_hits(group, tag, !mask);
