@@ -1196,6 +1196,9 @@ impl<K: WorkerName> Index<K> {
                 self.unknown_removals += 1;
                 continue;
             };
+            if id != NOKEY {
+                self.table.prefetch_key_slot(id);
+            }
             if pos == 0 && w.copies.contains(ehash) {
                 drop_copy(&mut w.copies, ehash);
                 continue;
