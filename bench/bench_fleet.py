@@ -6,7 +6,8 @@ Setup (exactly the issue's, scaled by the options): ``--procs`` publisher proces
 (multiprocessing, pinned to the other core) hold the ranks between them; each rank has a real
 ZMQ PUB socket sending ``[topic, seq8, payload]`` with its own seq from 0 and a ROUTER replay
 buffer (the newest ``--buffer`` batches) answering docs/protocol.md §4 requests. Payloads are
-vLLM map-form batches of one 16-block ``BlockStored`` event, precomputed per rank (a cycle of
+vLLM map-form batches of one 16-block ``BlockStored`` event (``--evict``: after 16 one-block ``BlockRemoved``
+events, a full engine's steady state), precomputed per rank (a cycle of
 ``--distinct`` of them, so the index stays bounded); only the ts (the send time, 8 bytes) is
 written into each copy at send time. The publishers offer ``--rate`` blocks/s between them.
 
@@ -71,6 +72,7 @@ import msgspec
 import zmq
 
 from kvroute import (
+    BlockRemoved,
     BlockStored,
     EventBatch,
     EventSource,
@@ -89,19 +91,37 @@ _TS_MARK = 1234567.890625  # a ts whose float64 bytes are found in the encoded p
 _TS_AT = 2
 
 
-def _payloads(rank: int, distinct: int) -> list[tuple[bytes, bytes]]:
-    """``distinct`` vLLM map-form payloads of rank ``rank``, each split around its 8 ts bytes."""
+def _hashes(rank: int, distinct: int, k: int) -> list[int]:
+    """The block hashes of rank ``rank``'s payload ``k``."""
+    base = (rank * distinct + k) * BLOCKS
+    return [(base + i) * 2654435761 % (1 << 63) + 1 for i in range(BLOCKS)]
+
+
+def _payloads(rank: int, distinct: int, evict: bool = False) -> list[tuple[bytes, bytes]]:
+    """``distinct`` vLLM map-form payloads of rank ``rank``, each split around its 8 ts bytes.
+
+    With ``evict``, payload ``k`` first removes the blocks of payload ``k + 1`` (cycled), the ones the rank stored
+    longest ago, one ``BlockRemoved`` a block as vLLM's block pool evicts: a full engine's steady state, as many
+    removals as stored blocks (the rank then holds ``distinct - 1`` payloads' blocks).
+    """
     out = []
     mark = b"\xcb" + struct.pack(">d", _TS_MARK)
     for k in range(distinct):
+        events: list[BlockStored | BlockRemoved] = []
+        if evict:
+            events += [
+                BlockRemoved(block_hashes=[h], medium="GPU") for h in _hashes(rank, distinct, (k + 1) % distinct)
+            ]
         base = (rank * distinct + k) * BLOCKS
-        ev = BlockStored(
-            block_hashes=[(base + i) * 2654435761 % (1 << 63) + 1 for i in range(BLOCKS)],
-            parent_block_hash=None,
-            token_ids=[(base + i) % 150_000 for i in range(BLOCKS * 16)],
-            block_size=16,
+        events.append(
+            BlockStored(
+                block_hashes=_hashes(rank, distinct, k),
+                parent_block_hash=None,
+                token_ids=[(base + i) % 150_000 for i in range(BLOCKS * 16)],
+                block_size=16,
+            )
         )
-        payload = encode_batch(EventBatch(_TS_MARK, [ev], rank % 8), form="map")
+        payload = encode_batch(EventBatch(_TS_MARK, events, rank % 8), form="map")
         at = payload.index(mark) + 1
         assert at == _TS_AT, "the batch's ts moved: _LagIndex.apply_payloads reads it there"
         out.append((payload[:at], payload[at + 8 :]))
@@ -111,6 +131,7 @@ def _payloads(rank: int, distinct: int) -> list[tuple[bytes, bytes]]:
 def _publisher(
     ranks: list[int],
     distinct: int,
+    evict: bool,
     buffer: int,
     rate: Any,
     stop: Any,
@@ -138,7 +159,7 @@ def _publisher(
         routers.append(router)
         bufs.append(deque(maxlen=buffer))
         seqs.append(0)
-        templates.append(_payloads(r, distinct))
+        templates.append(_payloads(r, distinct, evict))
         eps.append((r, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
     endpoints.put(eps)
     poller = zmq.Poller()
@@ -551,6 +572,12 @@ def main() -> None:
     ap.add_argument("--then", nargs="*", default=[], metavar="RATE:SECONDS", help="further phases")
     ap.add_argument("--procs", type=int, default=8, help="publisher processes")
     ap.add_argument("--distinct", type=int, default=8, help="distinct payloads per rank (cycled)")
+    ap.add_argument(
+        "--evict",
+        action="store_true",
+        help="each batch first removes the 16 blocks its rank stored longest ago (a full engine's steady state: one"
+        " BlockRemoved a block, as many removals as stores)",
+    )
     ap.add_argument("--buffer", type=int, default=256, help="replay buffer per rank (batches)")
     ap.add_argument("--sync-rate", type=float, default=None, help="offered blocks/s until synced (default --rate)")
     ap.add_argument("--sync-timeout", type=float, default=60.0)
@@ -610,7 +637,7 @@ def main() -> None:
         mine = list(range(p, args.ranks, args.procs))
         proc = mpctx.Process(
             target=_publisher,
-            args=(mine, args.distinct, args.buffer, rate, stop, published, p, endpoints, pub_core),
+            args=(mine, args.distinct, args.evict, args.buffer, rate, stop, published, p, endpoints, pub_core),
             daemon=True,
         )
         proc.start()
