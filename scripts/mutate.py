@@ -892,6 +892,15 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_recv.py",),
         ("tests/test_native_recv.py::test_a_stale_open_leaves_the_source_unread_until_python_takes_the_rest",),
     ),
+    Mutation(
+        "medium-borrowed-wrong",
+        "a medium the decoder keeps without a copy is the name the engine sent (CPU stays CPU, not a GPU block)",
+        "src/protocols.rs",
+        '        "CPU" => Cow::Borrowed("CPU"),\n',
+        '        "CPU" => Cow::Borrowed("GPU"),\n',
+        ("tests/test_wire_differential.py",),
+        ("tests/test_wire_differential.py",),
+    ),
 ]
 
 

@@ -140,6 +140,7 @@ def maybe(good: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
 
 TYPES = ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
 KINDS = [None, "full_attention", "sliding_window", "mamba", "MLAAttentionSpec"]
+MEDIA = [None, "GPU", "CPU", "CPU_PINNED", "DISK", "gpu", "LocalDisk", "ssd\u00e9"]
 
 
 @st.composite
@@ -164,7 +165,8 @@ def store_fields(draw: st.DrawFn) -> list[tuple[str, bytes]]:
     ]
     optional = {
         "lora_id": st.one_of(st.none(), ints).map(E),
-        "medium": st.sampled_from([None, "GPU", "CPU"]).map(E),
+        # The names kvroute's tiers know are kept without a copy; any other (case kept) is copied as sent.
+        "medium": st.sampled_from(MEDIA).map(E),
         "lora_name": st.sampled_from([None, "ad"]).map(E),
         "extra_keys": st.one_of(
             st.none().map(E),
@@ -307,7 +309,7 @@ def stored_event(draw: st.DrawFn) -> BlockStored:
         token_ids=draw(st.lists(st.integers(0, 200_000), min_size=nt, max_size=nt)),
         block_size=0 if shape == "placeholder" else bs,
         lora_id=draw(st.one_of(st.none(), st.integers(0, 9))),
-        medium=draw(st.sampled_from([None, "CPU"])),
+        medium=draw(st.sampled_from(MEDIA)),
         lora_name=draw(st.sampled_from([None, "adapter"])),
         extra_keys=draw(
             st.one_of(st.none(), st.lists(st.one_of(st.none(), st.lists(st.text(max_size=4))), min_size=n, max_size=n))
@@ -327,7 +329,7 @@ engine_event = st.one_of(
     st.builds(
         BlockRemoved,
         block_hashes=st.lists(hash_val, max_size=4),
-        medium=st.sampled_from([None, "CPU"]),
+        medium=st.sampled_from(MEDIA),
         group_idx=st.one_of(st.none(), st.integers(0, 3)),
     ),
     st.just(AllBlocksCleared()),
