@@ -898,8 +898,8 @@ MUTATIONS: list[Mutation] = [
         "src/protocols.rs",
         '        "CPU" => Cow::Borrowed("CPU"),\n',
         '        "CPU" => Cow::Borrowed("GPU"),\n',
-        ("tests/test_wire_differential.py",),
-        ("tests/test_wire_differential.py",),
+        ("tests/test_wire_differential.py", "tests/test_client.py"),
+        ("tests/test_client.py::test_a_removal_from_another_tier_leaves_the_gpu_block_claimed",),
     ),
 ]
 

@@ -30,7 +30,7 @@ from kvroute._events import Overflow, Removed, Reset
 from kvroute._index import PrefixIndex
 from kvroute._models import EventSource, WorkerKey
 from kvroute._transports.zmq import sockets as _zmq
-from kvroute._wire import BlockStored, EventBatch
+from kvroute._wire import BlockRemoved, BlockStored, EventBatch
 from kvroute.sim._grpc import VllmControlService, serve_grpc
 from kvroute.sim._publisher import EventPublisher
 
@@ -637,3 +637,18 @@ async def test_a_restart_behind_a_forwarder_is_told_from_duplicates_by_its_ts() 
         finally:
             await anyio.to_thread.run_sync(fwd_ctx.term)
             thread.join(5)
+
+
+async def test_a_removal_from_another_tier_leaves_the_gpu_block_claimed() -> None:
+    # The engine's medium reaches the index as sent: a removal of a block's CPU copy (none was stored) is an
+    # unknown removal and the GPU copy stays claimed, over real sockets and the compiled decoder.
+    tokens = list(range(32))
+    async with EventPublisher() as pub:
+        pub.publish_batch(EventBatch(1.0, [BlockStored(block_hashes=[10, 11], token_ids=tokens, block_size=16)]))
+        pub.publish_batch(EventBatch(2.0, [BlockRemoved(block_hashes=[10], medium="CPU")]))
+        src = pub.source("w")
+        async with KvEventClient([src], config=FAST) as client:
+            await client.wait_synced(10)
+            assert client.stats().sources[src.key].last_seq == 1
+            assert dict(client.index.find_matches([*tokens, 1]).items()) == {src.key: 2}
+            assert client.index.stats().unknown_removals == 1
