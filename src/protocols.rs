@@ -105,3 +105,22 @@ pub struct Batch {
     pub skipped: Vec<(String, u64)>,
     pub untrusted: Option<String>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_medium_is_the_name_sent_borrowed_only_when_the_tiers_know_it() {
+        for name in ["GPU", "CPU", "CPU_PINNED", "DISK", "STORAGE", "EXTERNAL"] {
+            let m = medium_of(name);
+            assert!(matches!(m, Cow::Borrowed(_)), "{name}");
+            assert_eq!(m, name);
+        }
+        for name in ["gpu", "Cpu", "LocalDisk", "ssdé", ""] {
+            let m = medium_of(name);
+            assert!(matches!(m, Cow::Owned(_)), "{name}");
+            assert_eq!(m, name);
+        }
+    }
+}
