@@ -51,9 +51,10 @@ def make_payloads(
 
     With ``capacity``, each source is an engine holding at most that many blocks: once full, every store evicts
     its oldest blocks first, before the store, one `BlockRemoved` of one hash per block as vLLM's block pool
-    emits them (``_maybe_evict_cached_block``), so the index stops growing, as it does in production. An evicted
-    block is no longer a parent (an engine holds a parent block while a child is stored). Without it, a random
-    chain end is evicted now and then and the index keeps growing.
+    emits them (0.34.0's ``_maybe_evict_cached_block``, ``medium`` and ``group_idx`` 0 written; its stores
+    name group 0 too), so the index stops growing, as it does in production. An evicted block is no longer a
+    parent (an engine holds a parent block while a child is stored). Without it, a random chain end is evicted
+    now and then and the index keeps growing.
 
     Returns the payloads per source and the number of blocks they store in total.
     """
@@ -75,11 +76,17 @@ def make_payloads(
                     victim = pool.popleft()
                     if victim in tail:
                         tail.remove(victim)
-                    events.append(BlockRemoved(block_hashes=[victim], medium="GPU"))
+                    events.append(BlockRemoved(block_hashes=[victim], medium="GPU", group_idx=0))
             parent = rng.choice(tail) if tail and rng.random() < 0.7 else None
             hashes: list[int | bytes] = [rng.getrandbits(64) for _ in range(n)]
             tokens = [rng.randrange(VOCAB) for _ in range(n * BS)]
-            events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS))
+            # A full engine is a current vLLM (0.34): its events name their KV-cache group.
+            group = None if capacity is None else 0
+            events.append(
+                BlockStored(
+                    block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, group_idx=group
+                )
+            )
             blocks += n
             tail.extend(hashes[-1:])
             if capacity is not None:

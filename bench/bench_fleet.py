@@ -110,7 +110,8 @@ def _payloads(rank: int, distinct: int, evict: bool = False) -> list[tuple[bytes
         events: list[BlockStored | BlockRemoved] = []
         if evict:
             events += [
-                BlockRemoved(block_hashes=[h], medium="GPU") for h in _hashes(rank, distinct, (k + 1) % distinct)
+                BlockRemoved(block_hashes=[h], medium="GPU", group_idx=0)
+                for h in _hashes(rank, distinct, (k + 1) % distinct)
             ]
         base = (rank * distinct + k) * BLOCKS
         events.append(
@@ -119,6 +120,7 @@ def _payloads(rank: int, distinct: int, evict: bool = False) -> list[tuple[bytes
                 parent_block_hash=None,
                 token_ids=[(base + i) % 150_000 for i in range(BLOCKS * 16)],
                 block_size=16,
+                group_idx=0 if evict else None,  # a full engine is a current vLLM (0.34): events name their group
             )
         )
         payload = encode_batch(EventBatch(_TS_MARK, events, rank % 8), form="map")
