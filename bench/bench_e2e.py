@@ -62,6 +62,8 @@ def make_payloads(
     out: list[list[bytes]] = [[] for _ in range(n_sources)]
     tails: list[list[int | bytes]] = [[] for _ in range(n_sources)]
     held: list[deque[int | bytes]] = [deque() for _ in range(n_sources)]  # oldest first
+    # A full engine is a current vLLM (0.34): its events name their KV-cache group.
+    group = None if capacity is None else 0
     blocks = 0
     for i in range(n_batches):
         s = i % n_sources
@@ -80,8 +82,6 @@ def make_payloads(
             parent = rng.choice(tail) if tail and rng.random() < 0.7 else None
             hashes: list[int | bytes] = [rng.getrandbits(64) for _ in range(n)]
             tokens = [rng.randrange(VOCAB) for _ in range(n * BS)]
-            # A full engine is a current vLLM (0.34): its events name their KV-cache group.
-            group = None if capacity is None else 0
             events.append(
                 BlockStored(
                     block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, group_idx=group

@@ -1283,20 +1283,21 @@ impl<'a> Dec<'a> {
         }
     }
 
-    fn opt_str(&mut self) -> Result<Option<String>, E> {
+    /// A str or nil, borrowed from the payload.
+    fn opt_str_ref(&mut self) -> Result<Option<&'a str>, E> {
         match self.tok()? {
-            Tok::Str(s) => Ok(Some(utf8(s)?.to_owned())),
+            Tok::Str(s) => Ok(Some(utf8(s)?)),
             Tok::Nil => Ok(None),
             t => Err(expected("str | null", &t)),
         }
     }
 
+    fn opt_str(&mut self) -> Result<Option<String>, E> {
+        Ok(self.opt_str_ref()?.map(str::to_owned))
+    }
+
     fn opt_medium(&mut self) -> Result<Option<Medium>, E> {
-        match self.tok()? {
-            Tok::Str(s) => Ok(Some(medium_of(utf8(s)?))),
-            Tok::Nil => Ok(None),
-            t => Err(expected("str | null", &t)),
-        }
+        Ok(self.opt_str_ref()?.map(medium_of))
     }
 
     fn opt_hash(&mut self) -> Result<Option<BlockHash>, E> {
