@@ -876,6 +876,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_index.py",),
     ),
     Mutation(
+        "key-distance-stale",
+        "a key the id index shifts back after a removal keeps a true distance from its home, so it is found again",
+        "src/index/table.rs",
+        "                s & !dist_field | dist(k)\n",
+        "                s\n",
+        ("tests/test_index.py", "tests/test_production_shapes.py", "tests/test_client.py"),
+    ),
+    Mutation(
         "worker-growth-lookup-skips-old",
         "while a worker's table grows a few runs at a time, an engine hash not moved yet is found in the old slots",
         "src/index/mod.rs",

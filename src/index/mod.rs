@@ -248,7 +248,8 @@ fn remove_slot<V: Copy + Default>(slots: &mut [(H64, V)], i: usize) {
         i,
         (H64::new(EMPTY_HASH), V::default()),
         |e| e.0.get() == EMPTY_HASH,
-        |e| scaled(hash_u64(e.0.get()), cap),
+        |e, _| scaled(hash_u64(e.0.get()), cap),
+        |e, _, _| e,
     );
 }
 

@@ -266,24 +266,48 @@ pub(crate) fn prefetch(p: *const u8) {
 /// - a slot is 4 bytes with no control byte, and the table grows by half, not by doubling, at
 ///   most 3/4 full: ~1.6 slots per key on average (hashbrown: ~1.65 buckets of 5 bytes).
 ///
-/// A slot holds `tag << id_bits | (id + 1)` (0: empty), where `id_bits` covers every id the
-/// records can name and the tag is the key hash's low bits in the rest of the word: a probe
-/// compares a record's key only when the tag matches (a 1-in-4,096 false match at 1M keys).
+/// A slot holds `tag << (id_bits + d) | dist << id_bits | (id + 1)` (0: empty), where `id_bits`
+/// covers every id the records can name, `dist` (`d` bits, `DIST_BITS` while the ids leave room)
+/// is how far the entry sits past its home, saturated at `2^d - 1`, and the tag is the key
+/// hash's low bits in the rest of the word. A probe `k` slots past a key's home compares a
+/// record's key only when tag and distance both match (an entry at another home has another
+/// distance there): a false match is rarer than the tag alone would make it. The distance is
+/// what a removal needs: it shifts back the run after the hole, and each shifted entry's home
+/// is its slot less its distance, where it was a read of its record's key (a cache miss each
+/// at 1M keys: 48 % of the removal's time, `perf`, a full engine's steady state; session 21).
 /// The home is the hash's high bits scaled to the capacity, so any capacity works.
 #[derive(Default)]
 struct IdIndex {
     slots: Vec<u32>,
     len: usize,
-    /// bits of a slot the id (+ 1) takes; the tag takes the other `32 - id_bits`
+    /// bits of a slot the id (+ 1) takes
     id_bits: u32,
+    /// bits below the tag: the id's and the distance's (`set_id_bits`)
+    low: u32,
+    /// the saturated distance, `2^d - 1` for `d` distance bits (0 when the ids leave none:
+    /// every entry's home is then read from its record)
+    far: usize,
+}
+
+/// The empty slot a new key's probe ended on (`IdIndex::find_or_vacancy`), and how far past the
+/// key's home it lies: the distance its entry will hold, known without computing the home again.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Vacancy {
+    at: usize,
+    past: usize,
 }
 
 /// How many records ahead of its insert a rebuild prefetches a record's new slot.
 const REBUILD_AHEAD: usize = 16;
 
-/// Most records after a removed id's slot whose keys a removal prefetches (a probe run past
-/// this is rare below 3/4 full).
+/// Most slots after a removed id's slot a removal looks at to prefetch the records of entries
+/// whose distance saturated (a probe run past this is rare below 3/4 full).
 const REMOVE_AHEAD: usize = 32;
+
+/// Bits of a slot that hold its entry's distance from its home, where the ids leave room (up to
+/// 2^28 ids): distances 0..=14 exact, 15 for any farther (whose home is then read from its
+/// record). Linear probing at most 3/4 full puts an entry 1.5 slots past its home on average.
+const DIST_BITS: u32 = 4;
 
 /// The id bits an `IdIndex` takes for ids of `need_bits` bits: one bit of headroom, so the
 /// records' growth does not re-encode the slots at each doubling; at least 16, at most 32.
@@ -300,14 +324,16 @@ pub(crate) fn scaled(h: u64, cap: usize) -> usize {
 
 /// Empty the slot `hole` of a linear-probing table, shifting back the entries after it whose
 /// probe runs through it, so that no probe sequence has a hole (no tombstones: lookups never
-/// slow down with churn). `is_empty` tells a slot that ends a run, `home` an entry's home slot;
-/// the slot left over at the end becomes `empty`.
+/// slow down with churn). `is_empty` tells a slot that ends a run, `home` an entry's home slot
+/// (given the slot it is in), `moved` what an entry becomes in a new slot (given that slot and
+/// its home); the slot left over at the end becomes `empty`.
 pub(crate) fn close_hole<S: Copy>(
     slots: &mut [S],
     mut hole: usize,
     empty: S,
     is_empty: impl Fn(&S) -> bool,
-    home: impl Fn(&S) -> usize,
+    home: impl Fn(&S, usize) -> usize,
+    moved: impl Fn(S, usize, usize) -> S,
 ) {
     let cap = slots.len();
     let mut j = hole;
@@ -320,7 +346,7 @@ pub(crate) fn close_hole<S: Copy>(
         if is_empty(&s) {
             break;
         }
-        let h = home(&s);
+        let h = home(&s, j);
         // The entry at j may fill the hole unless its home lies cyclically in (hole, j].
         let stays = if hole <= j {
             hole < h && h <= j
@@ -328,7 +354,7 @@ pub(crate) fn close_hole<S: Copy>(
             hole < h || h <= j
         };
         if !stays {
-            slots[hole] = s;
+            slots[hole] = moved(s, hole, h);
             hole = j;
         }
     }
@@ -383,12 +409,13 @@ fn group_hits_scalar(group: &[u32; 4], tag: u32, hi: u32) -> u32 {
 }
 
 /// Most keys an `IdIndex` of `cap` slots holds: 3/4 full. A removal shifts back every entry
-/// of the run after it, reading each one's record (a cache miss at 1M keys) to find its home:
-/// ~30 at 7/8 full (linear probing's unsuccessful search), ~8 at 3/4. At a full engine's
-/// steady state there are as many removals as stores, and 7/8 → 3/4 took a steady-state apply
-/// to ~0.85 × its CPU (session 20, alternated); a fill from empty was level, and memory per
-/// (block, worker) entry at 1M entries unchanged (the slots are 4 bytes: ~0.8 B a key more on
-/// average). The workers' `IntMap`s stay at 7/8: at 12 bytes a slot, 3/4 cost 4 B an entry.
+/// of the run after it: ~30 at 7/8 full (linear probing's unsuccessful search), ~8 at 3/4. When
+/// each shifted entry's home was a read of its record (a cache miss at 1M keys; session 21 keeps
+/// the distance in the slot instead), 7/8 → 3/4 took a full engine's steady-state apply (as
+/// many removals as stores) to ~0.85 × its CPU (session 20, alternated); a fill from empty was
+/// level, and memory per (block, worker) entry at 1M entries unchanged (the slots are 4 bytes:
+/// ~0.8 B a key more on average). The workers' `IntMap`s stay at 7/8: at 12 bytes a slot, 3/4
+/// cost 4 B an entry.
 fn max_load(cap: usize) -> usize {
     cap - cap / 4
 }
@@ -399,15 +426,67 @@ impl IdIndex {
         scaled(h, self.slots.len())
     }
 
+    /// An empty table of `cap` slots for ids of `id_bits` bits.
+    fn new(cap: usize, id_bits: u32) -> IdIndex {
+        let slots = vec![0; cap];
+        huge_pages(&slots);
+        let mut ix = IdIndex {
+            slots,
+            ..IdIndex::default()
+        };
+        ix.set_id_bits(id_bits);
+        ix
+    }
+
+    /// Give the ids `id_bits` bits (1..=32), the distance `DIST_BITS` of what they leave, the
+    /// tag the rest (the slots are not re-encoded: `widen` does that).
+    fn set_id_bits(&mut self, id_bits: u32) {
+        debug_assert!((1..=32).contains(&id_bits));
+        let dist_bits = (32 - id_bits).min(DIST_BITS);
+        self.id_bits = id_bits;
+        self.low = id_bits + dist_bits;
+        self.far = (1 << dist_bits) - 1;
+    }
+
+    /// A slot's tag bits for hash `h` (the distance and id bits 0).
     #[inline]
     fn tag(&self, h: u64) -> u32 {
-        // `id_bits` is 1..=32: the shifts stay in range in u64.
-        ((h & ((1u64 << (32 - self.id_bits)) - 1)) << self.id_bits) as u32
+        // `low` is at most 32: the shifts stay in range in u64.
+        ((h & ((1u64 << (32 - self.low)) - 1)) << self.low) as u32
+    }
+
+    /// The bits of a slot that hold its tag.
+    #[inline]
+    fn tag_mask(&self) -> u32 {
+        !(((1u64 << self.low) - 1) as u32)
     }
 
     #[inline]
     fn id_mask(&self) -> u32 {
         ((1u64 << self.id_bits) - 1) as u32
+    }
+
+    /// The distance bits of an entry `k` slots past its home.
+    #[inline]
+    fn dist_field(&self, k: usize) -> u32 {
+        // (`far` is 0 when `id_bits` is 32: the shift, masked to 0 then, shifts a 0)
+        (k.min(self.far) as u32).wrapping_shl(self.id_bits)
+    }
+
+    /// The distance slot `s` holds (`far` when saturated).
+    #[inline]
+    fn dist_of(&self, s: u32) -> usize {
+        (u64::from(s) >> self.id_bits) as usize & self.far
+    }
+
+    /// How far slot `i` lies past slot `home`, cyclically.
+    #[inline]
+    fn past(&self, home: usize, i: usize) -> usize {
+        if i >= home {
+            i - home
+        } else {
+            i + self.slots.len() - home
+        }
     }
 
     /// Start bringing the slot a lookup of hash `h` reads first into cache.
@@ -440,18 +519,24 @@ impl IdIndex {
         if cap == 0 {
             return None;
         }
-        let (tag, mask) = (self.tag(h), self.id_mask());
+        let mask = self.id_mask();
+        // What the key's slot holds above its id, `k` slots past its home: the tag, and the
+        // distance, which grows by one a slot until it saturates.
+        let (mut want, unit, last) = (self.tag(h), self.dist_field(1), self.dist_field(usize::MAX));
         let mut i = self.home(h);
         loop {
             let s = self.slots[i];
             if s == 0 {
                 return None;
             }
-            if s & !mask == tag {
+            if s & !mask == want {
                 let id = (s & mask) - 1;
                 if recs[id as usize].key == *key {
                     return Some(id);
                 }
+            }
+            if want & !self.tag_mask() != last {
+                want += unit;
             }
             i += 1;
             if i == cap {
@@ -461,38 +546,50 @@ impl IdIndex {
     }
 
     /// The id whose record holds `key` (hashed `h`), or else the empty slot its probe ended on
-    /// (`usize::MAX` when there are no slots): a new key goes there unless the table is rebuilt
+    /// (at `usize::MAX` when there are no slots): a new key goes there unless the table is rebuilt
     /// first, so an insert does not probe a second time. The store path's lookup (`retain_key`),
     /// always inlined there: with the four-slot step LLVM left it out of line, whose call cost
     /// ~25 instructions a key (callgrind).
     #[inline(always)]
-    fn find_or_vacancy(&self, h: u64, key: &Key, recs: &[Rec]) -> Result<u32, usize> {
+    fn find_or_vacancy(&self, h: u64, key: &Key, recs: &[Rec]) -> Result<u32, Vacancy> {
         let cap = self.slots.len();
         if cap == 0 {
-            return Err(usize::MAX);
+            return Err(Vacancy {
+                at: usize::MAX,
+                past: 0,
+            });
         }
         let (tag, mask) = (self.tag(h), self.id_mask());
         let mut i = self.home(h);
+        // slots probed so far: the distance a key at `i` would hold
+        let mut k = 0;
         loop {
             // Four slots a step: which of them end the probe (empty) or may hold the key (its
-            // tag), as one bit mask. A new key's probe (most of a fill's lookups) runs to an
-            // empty slot, ~5 slots on average between 1/2 and 3/4 full; slot by slot that was
-            // 14 instructions a slot (callgrind, `bench/callgrind_ingest.py`).
+            // tag), as one bit mask; a tagged slot's distance is checked before its record is
+            // read. A new key's probe (most of a fill's lookups) runs to an empty slot, ~5 slots
+            // on average between 1/2 and 3/4 full; slot by slot that was 14 instructions a slot
+            // (callgrind, `bench/callgrind_ingest.py`).
             if let Some(group) = self.slots.get(i..).and_then(|g| g.first_chunk::<4>()) {
-                let mut hits = group_hits(group, tag, !mask);
+                let mut hits = group_hits(group, tag, self.tag_mask());
                 while hits != 0 {
                     let j = hits.trailing_zeros() as usize;
                     let s = group[j];
                     if s == 0 {
-                        return Err(i + j);
+                        return Err(Vacancy {
+                            at: i + j,
+                            past: k + j,
+                        });
                     }
-                    let id = (s & mask) - 1;
-                    if recs[id as usize].key == *key {
-                        return Ok(id);
+                    if s & !mask == tag | self.dist_field(k + j) {
+                        let id = (s & mask) - 1;
+                        if recs[id as usize].key == *key {
+                            return Ok(id);
+                        }
                     }
                     hits &= hits - 1;
                 }
                 i += 4;
+                k += 4;
                 if i == cap {
                     i = 0;
                 }
@@ -501,15 +598,16 @@ impl IdIndex {
             // The last three slots, one by one, then on from slot 0.
             let s = self.slots[i];
             if s == 0 {
-                return Err(i);
+                return Err(Vacancy { at: i, past: k });
             }
-            if s & !mask == tag {
+            if s & !mask == tag | self.dist_field(k) {
                 let id = (s & mask) - 1;
                 if recs[id as usize].key == *key {
                     return Ok(id);
                 }
             }
             i += 1;
+            k += 1;
             if i == cap {
                 i = 0;
             }
@@ -526,17 +624,21 @@ impl IdIndex {
         let bits = id_bits_for(need_bits);
         let old = self.id_bits;
         debug_assert!(old >= 1 && bits > old);
-        let old_mask = self.id_mask();
-        // The tag's bits: `32 - bits` of them, 0..=16 (u64, so a 32-bit id leaves none).
-        let tag_mask = (1u64 << (32 - bits)) - 1;
+        let (old_mask, old_low, old_far) = (self.id_mask(), self.low, self.far);
+        self.set_id_bits(bits);
+        // The distance keeps its value (saturated anew when the ids leave fewer bits for it);
+        // the tag keeps its low bits, `32 - low` of them (u64, so a 32-bit id leaves none).
+        let (low, far) = (self.low, self.far as u64);
+        let tag_mask = (1u64 << (32 - low)) - 1;
         // No branch on empty slots: an empty slot (0) maps to 0 by the same arithmetic, and
         // the loop vectorises. With the branch, a pass over 6.8M slots took 26 ms (session 17:
         // a mispredicted branch on every other slot), one store's stall at 4.2M keys.
         for s in &mut self.slots {
-            let tag = (u64::from(*s >> old) & tag_mask) << bits;
-            *s = tag as u32 | (*s & old_mask);
+            let w = u64::from(*s);
+            let tag = ((w >> old_low) & tag_mask) << low;
+            let d = ((w >> old) & old_far as u64).min(far) << bits;
+            *s = (tag | d) as u32 | (*s & old_mask);
         }
-        self.id_bits = bits;
     }
 
     /// The capacity and id bits a growth to room for `want` keys and ids of `need_bits` bits
@@ -559,11 +661,8 @@ impl IdIndex {
     /// are read in order (a live record is one `maybe_free` has not freed: referenced or held),
     /// so a rebuild streams through them instead of missing the cache on each.
     fn rebuild(&mut self, cap: usize, id_bits: u32, recs: &[Rec]) {
-        debug_assert!(id_bits <= 32);
-        self.slots = vec![0; cap];
-        self.id_bits = id_bits;
         let len = self.len;
-        self.len = 0;
+        *self = IdIndex::new(cap, id_bits);
         self.place_live(recs, 0..recs.len() as u32);
         debug_assert_eq!(self.len, len, "every indexed key is a live record");
     }
@@ -590,9 +689,11 @@ impl IdIndex {
     /// Index `id` under hash `h` at `vacancy`, the empty slot `find_or_vacancy` ended on (no
     /// rebuild since).
     #[inline]
-    fn insert_at(&mut self, vacancy: usize, h: u64, id: u32) {
-        debug_assert_eq!(self.slots[vacancy], 0);
-        self.slots[vacancy] = self.tag(h) | (id + 1);
+    fn insert_at(&mut self, vacancy: Vacancy, h: u64, id: u32) {
+        let Vacancy { at, past } = vacancy;
+        debug_assert_eq!(self.slots[at], 0);
+        debug_assert_eq!(past, self.past(self.home(h), at));
+        self.slots[at] = self.tag(h) | self.dist_field(past) | (id + 1);
         self.len += 1;
     }
 
@@ -600,14 +701,15 @@ impl IdIndex {
     #[inline]
     fn insert(&mut self, h: u64, id: u32) {
         let cap = self.slots.len();
-        let mut i = self.home(h);
+        let home = self.home(h);
+        let mut i = home;
         while self.slots[i] != 0 {
             i += 1;
             if i == cap {
                 i = 0;
             }
         }
-        self.slots[i] = self.tag(h) | (id + 1);
+        self.slots[i] = self.tag(h) | self.dist_field(self.past(home, i)) | (id + 1);
         self.len += 1;
     }
 
@@ -628,9 +730,10 @@ impl IdIndex {
                 i = 0;
             }
         }
-        // `close_hole` reads the key of every entry after the hole up to the run's end, to find
-        // its home: at 1M keys each record is a miss, taken one after another. Requested first,
-        // they overlap (the run's slots are a line or two, read again just after).
+        // `close_hole` needs the home of every entry after the hole up to the run's end: its slot
+        // less its distance, or, where the distance saturated, its record's key (at 1M keys a
+        // miss each, taken one after another: requested first, they overlap).
+        let far = self.far;
         let mut j = i;
         for _ in 0..REMOVE_AHEAD {
             j += 1;
@@ -641,14 +744,35 @@ impl IdIndex {
             if s == 0 {
                 break;
             }
-            prefetch(recs.as_ptr().wrapping_add(((s & mask) - 1) as usize).cast());
+            if self.dist_of(s) == far {
+                prefetch(recs.as_ptr().wrapping_add(((s & mask) - 1) as usize).cast());
+            }
         }
+        let (id_bits, dist_field) = (self.id_bits, (far as u32).wrapping_shl(self.id_bits));
+        let dist = |k: usize| (k.min(far) as u32).wrapping_shl(id_bits);
         close_hole(
             &mut self.slots,
             i,
             0,
             |&s| s == 0,
-            |&s| scaled(hash(&recs[((s & mask) - 1) as usize].key), cap),
+            |&s, at| {
+                let d = (u64::from(s) >> id_bits) as usize & far;
+                if d == far {
+                    scaled(hash(&recs[((s & mask) - 1) as usize].key), cap)
+                } else if at >= d {
+                    at - d
+                } else {
+                    at + cap - d
+                }
+            },
+            |s, to, home| {
+                let k = if to >= home {
+                    to - home
+                } else {
+                    to + cap - home
+                };
+                s & !dist_field | dist(k)
+            },
         );
         self.len -= 1;
     }
@@ -748,7 +872,7 @@ impl Ids {
 
     /// `IdIndex::find_or_vacancy` over both tables: the vacancy is always the new table's.
     #[inline(always)]
-    fn find_or_vacancy(&self, h: u64, key: &Key, recs: &[Rec]) -> Result<u32, usize> {
+    fn find_or_vacancy(&self, h: u64, key: &Key, recs: &[Rec]) -> Result<u32, Vacancy> {
         let got = self.cur.find_or_vacancy(h, key, recs);
         if let (Err(_), Some(m)) = (&got, &self.moving) {
             if let Some(id) = m.find(h, key, recs) {
@@ -807,16 +931,7 @@ impl Ids {
             self.cur.rebuild(cap, bits, recs);
             return true;
         }
-        let slots = vec![0; cap];
-        huge_pages(&slots);
-        let old = std::mem::replace(
-            &mut self.cur,
-            IdIndex {
-                slots,
-                len: 0,
-                id_bits: bits,
-            },
-        );
+        let old = std::mem::replace(&mut self.cur, IdIndex::new(cap, bits));
         // Every record moves within `MOVE_SPREAD` of the keys the new table takes before it
         // grows again.
         let room = max_load(cap) - old.len;
@@ -858,7 +973,7 @@ impl Ids {
 
     /// Index `id` under hash `h` at `vacancy` (`find_or_vacancy`'s, no slot moved since).
     #[inline]
-    fn insert_at(&mut self, vacancy: usize, h: u64, id: u32) {
+    fn insert_at(&mut self, vacancy: Vacancy, h: u64, id: u32) {
         self.cur.insert_at(vacancy, h, id);
     }
 
@@ -1293,6 +1408,97 @@ mod tests {
     /// its first eight bytes).
     fn spread_key(i: u32) -> Key {
         crate::keys::xxh128(&i.to_le_bytes())
+    }
+
+    /// Every entry of `ix` holds its distance from its home (saturated) and its key's tag, and
+    /// `find` and `find_or_vacancy` find every id of `live`.
+    fn check_ids(ix: &IdIndex, recs: &[Rec], live: &[u32]) {
+        let (cap, mask) = (ix.slots.len(), ix.id_mask());
+        for (at, &s) in ix.slots.iter().enumerate() {
+            if s == 0 {
+                continue;
+            }
+            let h = hash(&recs[((s & mask) - 1) as usize].key);
+            let k = (at + cap - ix.home(h)) % cap;
+            assert_eq!(ix.dist_of(s), k.min(ix.far), "slot {at}");
+            assert_eq!(s & ix.tag_mask(), ix.tag(h), "slot {at}");
+        }
+        assert_eq!(ix.iter().count(), live.len());
+        for &id in live {
+            let key = &recs[id as usize].key;
+            assert_eq!(ix.find(hash(key), key, recs), Some(id));
+            assert_eq!(ix.find_or_vacancy(hash(key), key, recs), Ok(id));
+        }
+    }
+
+    /// A key whose id-index hash is `h` (the rest of its digest from `i`).
+    fn key_hashed(h: u64, i: u32) -> Key {
+        let mut k = spread_key(i);
+        k[..8].copy_from_slice(&h.to_le_bytes());
+        k
+    }
+
+    #[test]
+    fn removals_keep_each_entry_distance_through_long_runs_and_the_wrap() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for round in 0..40u32 {
+            let cap = 64;
+            let mut ix = IdIndex::new(cap, 16);
+            // Half the keys share a home near the table's end (runs past 15 slots, across the
+            // wrap: saturated distances), the rest spread; their tags collide often.
+            let recs: Vec<Rec> = (0..44u32)
+                .map(|i| {
+                    let h = if i % 2 == 0 {
+                        (60u64 << 58) | u64::from(i % 3)
+                    } else {
+                        next() & !0xfff | u64::from(i % 3)
+                    };
+                    Rec {
+                        key: key_hashed(h, i + 100 * round),
+                        refs: 1,
+                        one: NO_HOLDER,
+                    }
+                })
+                .collect();
+            let mut live: Vec<u32> = Vec::new();
+            for step in 0..400 {
+                let add = live.len() < 8 || (live.len() < 44 && next() % 2 == 0);
+                if add {
+                    let free: Vec<u32> = (0..44).filter(|i| !live.contains(i)).collect();
+                    let id = free[(next() % free.len() as u64) as usize];
+                    let key = &recs[id as usize].key;
+                    match ix.find_or_vacancy(hash(key), key, &recs) {
+                        Err(at) if step % 2 == 0 => ix.insert_at(at, hash(key), id),
+                        Err(_) => ix.insert(hash(key), id),
+                        Ok(got) => panic!("id {id} found as {got} before it was indexed"),
+                    }
+                    live.push(id);
+                } else {
+                    let id = live.swap_remove((next() % live.len() as u64) as usize);
+                    ix.remove(hash(&recs[id as usize].key), id, &recs);
+                    let key = &recs[id as usize].key;
+                    assert_eq!(ix.find(hash(key), key, &recs), None);
+                }
+                check_ids(&ix, &recs, &live);
+            }
+            // Wider ids leave the distance fewer bits (2 at 30 id bits, none at 32): every
+            // entry keeps it, saturated anew, and removals go on by the records' keys.
+            for need in [29, 31] {
+                ix.widen(need);
+                check_ids(&ix, &recs, &live);
+            }
+            assert_eq!(ix.far, 0);
+            while let Some(id) = live.pop() {
+                ix.remove(hash(&recs[id as usize].key), id, &recs);
+                check_ids(&ix, &recs, &live);
+            }
+        }
     }
 
     #[test]
