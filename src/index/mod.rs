@@ -512,10 +512,17 @@ impl<V: Copy + Default> IntMap<V> {
     /// bytes at 7/12 full and more near 7/8.
     #[inline]
     fn prefetch_hashed(&self, hh: u64) {
+        self.prefetch_from_home(hh, 128);
+    }
+
+    /// Start bringing `bytes` of slots from the home of hash `hh` on into cache (in the slots
+    /// of a growth under way too).
+    #[inline]
+    fn prefetch_from_home(&self, hh: u64, bytes: usize) {
         for slots in std::iter::once(&self.slots).chain(self.old.as_deref().map(|o| &o.slots)) {
             if !slots.is_empty() {
                 let home = slots.as_ptr().wrapping_add(scaled(hh, slots.len()));
-                prefetch_lines(home.cast(), 128);
+                prefetch_lines(home.cast(), bytes);
             }
         }
     }
@@ -622,6 +629,16 @@ impl<V: Copy + Default> EMap<V> {
     #[inline]
     pub(crate) fn prefetch_hashed(&self, hh: u64) {
         self.ints.prefetch_hashed(hh);
+    }
+
+    /// Start bringing what a removal of engine hash `h` reads into cache: its slot and the run
+    /// after it, which the removal shifts back to the run's end (~30 slots of 12 bytes at 7/8
+    /// full: the first four lines of it). A bytes hash: nothing.
+    #[inline]
+    pub(crate) fn prefetch_removal(&self, h: &BlockHash) {
+        if let BlockHash::Int(i) = h {
+            self.ints.prefetch_from_home(hash_u64(*i), 256);
+        }
     }
 
     /// Start bringing the slot of engine hash `h` into cache (a bytes hash: nothing).
@@ -1497,6 +1514,70 @@ mod tests {
         // last token is never served from cache).
         let prompt: Vec<u32> = (0..20_001).collect();
         assert_eq!(matches(&idx, &prompt), vec![("a", 10_000)]);
+    }
+
+    /// Past `FAR_TABLE_BYTES` a batch's removals are prefetched a link or two ahead
+    /// (`prefetch_removals_ahead`): only hints, so a batch applies exactly as its events one by
+    /// one do, whatever the removals name (held, unknown, removed earlier in the batch, another
+    /// tier's, several hashes).
+    #[test]
+    fn a_far_worker_applies_a_batch_of_removals_as_its_events_one_by_one() {
+        let h = |n: u64| n.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let removal = |ns: &[u64], medium: &'static str| {
+            Event::Removed(BlockRemoved {
+                block_hashes: ns.iter().map(|&n| BlockHash::Int(h(n))).collect(),
+                medium: Some(std::borrow::Cow::Borrowed(medium)),
+                ..BlockRemoved::default()
+            })
+        };
+        let (per, events) = (512u64, 100u64); // 51,200 blocks: > 512 KB of 12-byte slots
+        let fill: Vec<Event> = (0..events)
+            .map(|e| {
+                let hashes: Vec<u64> = (e * per..(e + 1) * per).map(h).collect();
+                let tokens: Vec<i64> = (0..per as i64).map(|t| t + (e * per) as i64).collect();
+                stored(
+                    &hashes,
+                    e.checked_sub(1).map(|p| h((p + 1) * per - 1)),
+                    &tokens,
+                    1,
+                )
+            })
+            .collect();
+        let batch = Batch {
+            events: vec![
+                removal(&[40_000], "GPU"),
+                removal(&[40_001], "GPU"),
+                removal(&[40_000], "GPU"),     // removed two events before
+                removal(&[99_999_999], "GPU"), // never stored
+                removal(&[40_003, 40_004], "GPU"),
+                removal(&[40_005], "CPU"), // another tier's: an unknown removal
+                stored(&[h(40_001)], Some(h(39_999)), &[40_000], 1),
+                removal(&[40_001], "GPU"), // stored again just before
+                removal(&[45_000], "GPU"),
+                removal(&[51_199], "GPU"),
+            ],
+            ..Batch::default()
+        };
+        let (mut whole, mut each): (Index<W>, Index<W>) =
+            (Index::new(Limits::default()), Index::new(Limits::default()));
+        for ev in &fill {
+            whole.apply(&W("a"), ev);
+            each.apply(&W("a"), ev);
+        }
+        let slot = whole.by_key[&W("a")];
+        let w = whole.workers[slot as usize].as_ref().expect("live worker");
+        assert!(w.blocks.slot_bytes() > super::store::FAR_TABLE_BYTES);
+        whole.apply_batch(&W("a"), &batch);
+        for ev in &batch.events {
+            each.apply(&W("a"), ev);
+        }
+        assert_eq!(whole.stats(), each.stats());
+        assert_eq!(whole.stats().unknown_removals, 3);
+        assert_eq!(whole.num_blocks(Some(&W("a"))), events * per - 6);
+        let prompt: Vec<u32> = (0..45_000).collect();
+        assert_eq!(matches(&whole, &prompt), matches(&each, &prompt));
+        // (block n holds token n: the chain breaks at block 40,000)
+        assert_eq!(matches(&whole, &prompt), vec![("a", 40_000)]);
     }
 
     #[test]

@@ -20,6 +20,12 @@ pub(crate) const FAR_TABLE_BYTES: usize = 512 << 10;
 /// keeps in flight, a few times over).
 const BATCH_PREFETCH: usize = 64;
 
+/// How many events ahead of a removal its key's record is prefetched, and its id-index slot
+/// (`prefetch_removals_ahead`), and how many of each removal's hashes (vLLM sends one a removal).
+const RECORD_AHEAD: usize = 4;
+const KEY_SLOT_AHEAD: usize = 2;
+const AHEAD_HASHES: usize = 2;
+
 /// `Scratch::held` in `store_fresh`: a key interned by the store itself (no holder at all)...
 const FRESH_KEY: u8 = 0;
 /// ...a key interned before that the worker does not hold...
@@ -231,9 +237,12 @@ pub(crate) fn mask_of_flags(f: u8) -> u8 {
 impl<K: WorkerName> Index<K> {
     /// Apply every event of one decoded batch, in order; what it named, counted.
     pub fn apply_batch(&mut self, worker: &K, batch: &Batch) -> ApplyCounts {
-        self.prefetch_batch(worker, batch);
+        let far = self.prefetch_batch(worker, batch);
         let mut counts = ApplyCounts::default();
-        for ev in &batch.events {
+        for (i, ev) in batch.events.iter().enumerate() {
+            if let Some(slot) = far {
+                self.prefetch_removals_ahead(slot, &batch.events, i);
+            }
             counts.events += 1;
             match ev {
                 Event::Stored(s) => counts.stored_blocks += s.block_hashes.len() as u64,
@@ -251,18 +260,17 @@ impl<K: WorkerName> Index<K> {
     /// record; a removed hash's slot, then its record); requested together before the first
     /// event, they overlap each other and the events before them. Only a hint: the events still
     /// apply in order, and a table that grows meanwhile only makes a prefetch useless.
-    fn prefetch_batch(&self, worker: &K, batch: &Batch) {
+    ///
+    /// Returns the worker's slot when it did (its table is far): `prefetch_removals_ahead` then
+    /// follows each removal's chain further, an event or two ahead of it.
+    fn prefetch_batch(&self, worker: &K, batch: &Batch) -> Option<u32> {
         if batch.events.len() < 2 {
-            return; // the one event's lookups come at once: nothing to overlap them with
+            return None; // the one event's lookups come at once: nothing to overlap them with
         }
-        let Some(&slot) = self.by_key.get(worker) else {
-            return;
-        };
-        let Some(w) = self.workers[slot as usize].as_deref() else {
-            return;
-        };
+        let &slot = self.by_key.get(worker)?;
+        let w = self.workers[slot as usize].as_deref()?;
         if w.blocks.slot_bytes() <= FAR_TABLE_BYTES {
-            return;
+            return None;
         }
         let mut left = BATCH_PREFETCH;
         for ev in &batch.events {
@@ -276,7 +284,40 @@ impl<K: WorkerName> Index<K> {
             }
             left = left.saturating_sub(named.len());
             if left == 0 {
-                return;
+                break;
+            }
+        }
+        Some(slot)
+    }
+
+    /// Before event `i` of a batch: start bringing into cache the next links of the removals
+    /// `RECORD_AHEAD` and `KEY_SLOT_AHEAD` events on. A removal's misses depend on each other:
+    /// the engine hash's slot in the worker's table (`prefetch_batch` asked for it), then its
+    /// key's record, then the key's slot in the id index, which the release of the block's last
+    /// holder empties. At a full engine's steady state (a removal per stored block, each event
+    /// one hash) each event waited on its own two later misses in turn; asked for an event or
+    /// two ahead, they overlap the events before. Only a hint, as `prefetch_batch`.
+    fn prefetch_removals_ahead(&self, slot: u32, events: &[Event], i: usize) {
+        let Some(w) = self.workers[slot as usize].as_deref() else {
+            return;
+        };
+        if let Some(Event::Removed(r)) = events.get(i + RECORD_AHEAD) {
+            for h in r.block_hashes.iter().take(AHEAD_HASHES) {
+                w.blocks.prefetch_removal(h);
+                if let Some(&id) = w.blocks.get(h) {
+                    if id != NOKEY {
+                        self.table.prefetch_record(id);
+                    }
+                }
+            }
+        }
+        if let Some(Event::Removed(r)) = events.get(i + KEY_SLOT_AHEAD) {
+            for h in r.block_hashes.iter().take(AHEAD_HASHES) {
+                if let Some(&id) = w.blocks.get(h) {
+                    if id != NOKEY {
+                        self.table.prefetch_key_slot(id);
+                    }
+                }
             }
         }
     }
