@@ -879,9 +879,17 @@ MUTATIONS: list[Mutation] = [
         "key-distance-stale",
         "a key the id index shifts back after a removal keeps a true distance from its home, so it is found again",
         "src/index/table.rs",
-        "                s & !dist_field | dist(k)\n",
+        "                s & !dist_mask | dist(k)\n",
         "                s\n",
         ("tests/test_index.py", "tests/test_production_shapes.py", "tests/test_client.py"),
+    ),
+    Mutation(
+        "vllm-removal-misread",
+        "vLLM's removal, decoded by its fixed bytes, names the block the engine removed (the hash big-endian, as msgpack writes it)",
+        "src/wire.rs",
+        "            block_hashes: smallvec::smallvec![BlockHash::Int(u64::from_be_bytes(*hash))],\n",
+        "            block_hashes: smallvec::smallvec![BlockHash::Int(u64::from_le_bytes(*hash))],\n",
+        ("tests/test_wire.py", "tests/test_wire_differential.py", "tests/test_client.py", "tests/test_production_shapes.py"),
     ),
     Mutation(
         "worker-growth-lookup-skips-old",

@@ -1017,6 +1017,9 @@ impl<'a> Dec<'a> {
     /// decode as the struct of the first `type` key (what msgspec's tagged union read), which must
     /// agree with every other `type` key.
     fn map_event(&mut self, st: &mut State<'_>, start: usize) -> EvResult {
+        if let Some(ev) = self.vllm_removal() {
+            return Ok(Some(ev));
+        }
         // Engines write `type` first: decode straight away, and take the long way (which reads
         // the type first, then the fields) only when that fails.
         if let Some(kind) = self.leading_type() {
@@ -1050,6 +1053,38 @@ impl<'a> Dec<'a> {
         self.map_struct(as_kind, bigrams)
             .map(Some)
             .map_err(|e| (Some(kind), e))
+    }
+
+    /// vLLM's own removal, byte for byte as its block pool writes one (`_emit_block_removed_events`
+    /// in vLLM 0.34.0's `block_pool.py`: one event an evicted block, `medium` "GPU", `group_idx`
+    /// its KV-cache group; msgspec writes the tag first, then the fields in order, `locality` and
+    /// `ownership` left out as defaults): decoded by comparing its fixed bytes, taking the hash
+    /// (a uint 64) and the group (a positive fixint) from between them. The event the general
+    /// path makes of the same bytes, exactly (the tests hold the two to each other); anything else
+    /// (another medium, another form of the hash or the group, another key order, a cap of no
+    /// blocks) goes the general way. At a full engine's steady state a router decodes one of these
+    /// for every block stored: the general path took ~150 ns on each (session 20).
+    #[inline]
+    fn vllm_removal(&mut self) -> Option<Decd> {
+        const HEAD: &[u8] = b"\x84\xa4type\xacBlockRemoved\xacblock_hashes\x91\xcf";
+        const TAIL: &[u8] = b"\xa6medium\xa3GPU\xa9group_idx";
+        if self.limits.max_blocks_per_event < 1 {
+            return None;
+        }
+        let rest = self.rest().strip_prefix(HEAD)?;
+        let (hash, rest) = rest.split_first_chunk::<8>()?;
+        let group = *rest.strip_prefix(TAIL)?.first()?;
+        if group > 0x7f {
+            return None;
+        }
+        self.pos += HEAD.len() + 8 + TAIL.len() + 1;
+        let rm = BlockRemoved {
+            block_hashes: smallvec::smallvec![BlockHash::Int(u64::from_be_bytes(*hash))],
+            medium: Some(medium_of("GPU")),
+            group_idx: Some(i64::from(group)),
+            ..BlockRemoved::default()
+        };
+        Some(Decd::Removed(rm, 1, None))
     }
 
     /// The known type of a map event whose first key is `type`, without moving.
@@ -1927,6 +1962,78 @@ mod tests {
                 clears: 0,
                 unknown_events: 0,
             }
+        );
+    }
+
+    /// A map-form removal of one hash written in `order` (of "type", "block_hashes", "medium",
+    /// "group_idx"; a key left out is not written).
+    fn removal(out: &mut Vec<u8>, order: &[&str], hash: u64, medium: &str, group: u64) {
+        en::write_map_len(out, order.len() as u32).unwrap();
+        for &key in order {
+            en::write_str(out, key).unwrap();
+            match key {
+                "type" => en::write_str(out, "BlockRemoved").map(drop).unwrap(),
+                "block_hashes" => {
+                    en::write_array_len(out, 1).unwrap();
+                    en::write_u64(out, hash).unwrap(); // always uint 64 (0xcf), as msgspec writes a big one
+                }
+                "medium" => en::write_str(out, medium).unwrap(),
+                _ => en::write_uint(out, group).map(drop).unwrap(),
+            }
+        }
+    }
+
+    /// vLLM's removal (fixed bytes compared, `Dec::vllm_removal`) decodes to exactly what the
+    /// general path makes of the same event with its keys in another order, for every hash, group
+    /// and medium around the fast path's edges, and every cap; each truncation is an error.
+    #[test]
+    fn a_vllm_removal_decodes_as_the_general_path_does() {
+        const VLLM: [&str; 4] = ["type", "block_hashes", "medium", "group_idx"];
+        const OTHER: [&str; 4] = ["type", "medium", "block_hashes", "group_idx"];
+        for hash in [0, 1, 0x7f, 1 << 32, u64::MAX - 1, u64::MAX] {
+            for group in [0, 1, 0x7f, 0x80, 1 << 20] {
+                for medium in ["GPU", "CPU", "gpu", "GPUS"] {
+                    for max_blocks in [0, 1, 1_000] {
+                        let lim = Limits {
+                            max_blocks_per_event: max_blocks,
+                            ..Limits::default()
+                        };
+                        let (mut fast, mut general) = (Vec::new(), Vec::new());
+                        removal(&mut fast, &VLLM, hash, medium, group);
+                        removal(&mut general, &OTHER, hash, medium, group);
+                        let (fast, general) =
+                            (batch(&[&fast, &fast]), batch(&[&general, &general]));
+                        let got = decode(&fast, &lim);
+                        let want = decode(&general, &lim);
+                        assert_eq!(
+                            format!("{got:?}"),
+                            format!("{want:?}"),
+                            "{hash} {group} {medium}"
+                        );
+                        assert_eq!(got.is_ok(), max_blocks > 0, "a cap of no blocks refuses it");
+                        for cut in 0..fast.len() {
+                            assert!(decode(&fast[..cut], &lim).is_err(), "cut at {cut}");
+                        }
+                    }
+                }
+            }
+        }
+        // The bytes the fast path compares are vLLM's: a 4-key map, the tag first.
+        let mut ev = Vec::new();
+        removal(&mut ev, &VLLM, 7, "GPU", 0);
+        assert!(ev.starts_with(b"\x84\xa4type\xacBlockRemoved\xacblock_hashes\x91\xcf"));
+        assert!(ev.ends_with(b"\xa6medium\xa3GPU\xa9group_idx\x00"));
+        // Without group_idx (a 3-key map) it is the general path's too.
+        let mut three = Vec::new();
+        removal(&mut three, &VLLM[..3], 7, "GPU", 0);
+        let b = decode(&batch(&[&three]), &Limits::default()).unwrap();
+        assert_eq!(
+            b.events,
+            vec![Event::Removed(BlockRemoved {
+                block_hashes: smallvec::smallvec![BlockHash::Int(7)],
+                medium: Some(medium_of("GPU")),
+                ..BlockRemoved::default()
+            })]
         );
     }
 

@@ -332,6 +332,14 @@ engine_event = st.one_of(
         medium=st.sampled_from(MEDIA),
         group_idx=st.one_of(st.none(), st.integers(0, 3)),
     ),
+    # vLLM's own removal, one a block (the decoder compares its fixed bytes: `Dec::vllm_removal`), and the
+    # hashes and groups at the edges of that path's forms.
+    st.builds(
+        BlockRemoved,
+        block_hashes=st.lists(st.one_of(st.integers(2**32, 2**64 - 1), st.integers(0, 2**32)), min_size=1, max_size=1),
+        medium=st.just("GPU"),
+        group_idx=st.integers(0, 130),
+    ),
     st.just(AllBlocksCleared()),
 )
 

@@ -748,7 +748,7 @@ impl IdIndex {
                 prefetch(recs.as_ptr().wrapping_add(((s & mask) - 1) as usize).cast());
             }
         }
-        let (id_bits, dist_field) = (self.id_bits, (far as u32).wrapping_shl(self.id_bits));
+        let (id_bits, dist_mask) = (self.id_bits, (far as u32).wrapping_shl(self.id_bits));
         let dist = |k: usize| (k.min(far) as u32).wrapping_shl(id_bits);
         close_hole(
             &mut self.slots,
@@ -771,7 +771,7 @@ impl IdIndex {
                 } else {
                     to + cap - home
                 };
-                s & !dist_field | dist(k)
+                s & !dist_mask | dist(k)
             },
         );
         self.len -= 1;
@@ -1097,8 +1097,9 @@ impl KeyTable {
     }
 
     /// Start bringing the id-index slot that a removal of key `id` would start at into cache,
-    /// for a `release` a little later that may free the key: at a full engine's steady state
-    /// nearly every removal frees its key, and that slot was a cache miss on the removal's path.
+    /// with the line after it (the run the removal shifts back), for a `release` a little later
+    /// that may free the key: at a full engine's steady state nearly every removal frees its key,
+    /// and that slot was a cache miss on the removal's path.
     #[inline]
     pub(crate) fn prefetch_key_slot(&self, id: u32) {
         self.ids.prefetch_run(hash(&self.recs[id as usize].key));
