@@ -885,11 +885,17 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "vllm-removal-misread",
-        "vLLM's removal, decoded by its fixed bytes, names the block the engine removed (the hash big-endian, as msgpack writes it)",
+        "vLLM's removal, decoded by its fixed bytes, names the block the engine removed (its hash big-endian)",
         "src/wire.rs",
         "            block_hashes: smallvec::smallvec![BlockHash::Int(u64::from_be_bytes(*hash))],\n",
         "            block_hashes: smallvec::smallvec![BlockHash::Int(u64::from_le_bytes(*hash))],\n",
-        ("tests/test_wire.py", "tests/test_wire_differential.py", "tests/test_client.py", "tests/test_production_shapes.py"),
+        (
+            "tests/test_wire.py",
+            "tests/test_wire_differential.py",
+            "tests/test_client.py",
+            "tests/test_production_shapes.py",
+        ),
+        ("tests/test_client.py::test_vllm_removals_byte_for_byte_drop_exactly_their_blocks",),
     ),
     Mutation(
         "worker-growth-lookup-skips-old",

@@ -30,7 +30,7 @@ from kvroute._events import Overflow, Removed, Reset
 from kvroute._index import PrefixIndex
 from kvroute._models import EventSource, WorkerKey
 from kvroute._transports.zmq import sockets as _zmq
-from kvroute._wire import BlockRemoved, BlockStored, EventBatch
+from kvroute._wire import BlockRemoved, BlockStored, EventBatch, encode_batch
 from kvroute.sim._grpc import VllmControlService, serve_grpc
 from kvroute.sim._publisher import EventPublisher
 
@@ -652,3 +652,25 @@ async def test_a_removal_from_another_tier_leaves_the_gpu_block_claimed() -> Non
             assert client.stats().sources[src.key].last_seq == 1
             assert dict(client.index.find_matches([*tokens, 1]).items()) == {src.key: 2}
             assert client.index.stats().unknown_removals == 1
+
+
+async def test_vllm_removals_byte_for_byte_drop_exactly_their_blocks() -> None:
+    # A full vLLM (0.33 / 0.34) evicts a block for each one it stores: one removal a block, written as its block
+    # pool writes it (one uint64 hash, medium "GPU", group_idx), which the compiled decoder reads by its fixed
+    # bytes. Over real sockets, exactly the blocks removed stop being claimed, and no removal goes unknown.
+    tokens = list(range(64))
+    hashes = [(0x9E37_79B9 << 32) + i for i in range(4)]
+    removal = EventBatch(2.0, [BlockRemoved(block_hashes=[h], medium="GPU", group_idx=0) for h in hashes[2:]])
+    vllm_bytes = b"\x84\xa4type\xacBlockRemoved\xacblock_hashes\x91\xcf"
+    assert encode_batch(removal).count(vllm_bytes) == 2, "the removals are no longer vLLM's bytes"
+    async with EventPublisher() as pub:
+        stored = BlockStored(block_hashes=hashes, token_ids=tokens, block_size=16, medium="GPU", group_idx=0)
+        pub.publish_batch(EventBatch(1.0, [stored]))
+        pub.publish_batch(removal)
+        src = pub.source("w")
+        async with KvEventClient([src], config=FAST) as client:
+            await client.wait_synced(10)
+            assert client.stats().sources[src.key].last_seq == 1
+            assert dict(client.index.find_matches([*tokens, 1]).items()) == {src.key: 2}
+            assert client.index.num_blocks(src.key) == 2
+            assert client.index.stats().unknown_removals == 0
