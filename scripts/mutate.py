@@ -879,8 +879,8 @@ MUTATIONS: list[Mutation] = [
         "key-distance-stale",
         "a key the id index shifts back after a removal keeps a true distance from its home, so it is found again",
         "src/index/table.rs",
-        "                s & !dist_mask | dist(k)\n",
-        "                s\n",
+        "            |s, to, home| s & !dist_mask | dist_field(past(home, to, cap), id_bits, far),\n",
+        "            |s, _, _| s,\n",
         ("tests/test_index.py", "tests/test_production_shapes.py", "tests/test_client.py"),
     ),
     Mutation(

@@ -301,24 +301,21 @@ impl<K: WorkerName> Index<K> {
         let Some(w) = self.workers[slot as usize].as_deref() else {
             return;
         };
-        if let Some(Event::Removed(r)) = events.get(i + RECORD_AHEAD) {
-            for h in r.block_hashes.iter().take(AHEAD_HASHES) {
-                w.blocks.prefetch_removal(h);
-                if let Some(&id) = w.blocks.get(h) {
-                    if id != NOKEY {
-                        self.table.prefetch_record(id);
-                    }
-                }
+        // The first hashes of the removal at event `at` (none if it is another event).
+        let removed = |at: usize| match events.get(at) {
+            Some(Event::Removed(r)) => &r.block_hashes[..r.block_hashes.len().min(AHEAD_HASHES)],
+            _ => &[],
+        };
+        // The key a removed hash names in the worker's table, if it names one.
+        let key = |h: &BlockHash| w.blocks.get(h).copied().filter(|&id| id != NOKEY);
+        for h in removed(i + RECORD_AHEAD) {
+            w.blocks.prefetch_removal(h);
+            if let Some(id) = key(h) {
+                self.table.prefetch_record(id);
             }
         }
-        if let Some(Event::Removed(r)) = events.get(i + KEY_SLOT_AHEAD) {
-            for h in r.block_hashes.iter().take(AHEAD_HASHES) {
-                if let Some(&id) = w.blocks.get(h) {
-                    if id != NOKEY {
-                        self.table.prefetch_key_slot(id);
-                    }
-                }
-            }
+        for id in removed(i + KEY_SLOT_AHEAD).iter().filter_map(key) {
+            self.table.prefetch_key_slot(id);
         }
     }
 

@@ -420,6 +420,30 @@ fn max_load(cap: usize) -> usize {
     cap - cap / 4
 }
 
+/// The distance bits (above `id_bits`, saturated at `far`) of an entry `k` slots past its home.
+/// Free functions, as `IdIndex::remove` needs them while its slots are borrowed for `close_hole`.
+#[inline]
+fn dist_field(k: usize, id_bits: u32, far: usize) -> u32 {
+    // (`far` is 0 when `id_bits` is 32: the shift, masked to 0 then, shifts a 0)
+    (k.min(far) as u32).wrapping_shl(id_bits)
+}
+
+/// The distance slot `s` holds (`far` when saturated).
+#[inline]
+fn dist_of(s: u32, id_bits: u32, far: usize) -> usize {
+    (u64::from(s) >> id_bits) as usize & far
+}
+
+/// How far slot `i` of a table of `cap` slots lies past slot `home`, cyclically.
+#[inline]
+fn past(home: usize, i: usize, cap: usize) -> usize {
+    if i >= home {
+        i - home
+    } else {
+        i + cap - home
+    }
+}
+
 impl IdIndex {
     #[inline]
     fn home(&self, h: u64) -> usize {
@@ -469,24 +493,19 @@ impl IdIndex {
     /// The distance bits of an entry `k` slots past its home.
     #[inline]
     fn dist_field(&self, k: usize) -> u32 {
-        // (`far` is 0 when `id_bits` is 32: the shift, masked to 0 then, shifts a 0)
-        (k.min(self.far) as u32).wrapping_shl(self.id_bits)
+        dist_field(k, self.id_bits, self.far)
     }
 
     /// The distance slot `s` holds (`far` when saturated).
     #[inline]
     fn dist_of(&self, s: u32) -> usize {
-        (u64::from(s) >> self.id_bits) as usize & self.far
+        dist_of(s, self.id_bits, self.far)
     }
 
     /// How far slot `i` lies past slot `home`, cyclically.
     #[inline]
     fn past(&self, home: usize, i: usize) -> usize {
-        if i >= home {
-            i - home
-        } else {
-            i + self.slots.len() - home
-        }
+        past(home, i, self.slots.len())
     }
 
     /// Start bringing the slot a lookup of hash `h` reads first into cache.
@@ -748,31 +767,19 @@ impl IdIndex {
                 prefetch(recs.as_ptr().wrapping_add(((s & mask) - 1) as usize).cast());
             }
         }
-        let (id_bits, dist_mask) = (self.id_bits, (far as u32).wrapping_shl(self.id_bits));
-        let dist = |k: usize| (k.min(far) as u32).wrapping_shl(id_bits);
+        let id_bits = self.id_bits;
+        let dist_mask = dist_field(far, id_bits, far);
         close_hole(
             &mut self.slots,
             i,
             0,
             |&s| s == 0,
-            |&s, at| {
-                let d = (u64::from(s) >> id_bits) as usize & far;
-                if d == far {
-                    scaled(hash(&recs[((s & mask) - 1) as usize].key), cap)
-                } else if at >= d {
-                    at - d
-                } else {
-                    at + cap - d
-                }
+            |&s, at| match dist_of(s, id_bits, far) {
+                d if d == far => scaled(hash(&recs[((s & mask) - 1) as usize].key), cap),
+                // `at` less `d`, cyclically
+                d => past(d, at, cap),
             },
-            |s, to, home| {
-                let k = if to >= home {
-                    to - home
-                } else {
-                    to + cap - home
-                };
-                s & !dist_mask | dist(k)
-            },
+            |s, to, home| s & !dist_mask | dist_field(past(home, to, cap), id_bits, far),
         );
         self.len -= 1;
     }
