@@ -538,25 +538,22 @@ impl IdIndex {
         if cap == 0 {
             return None;
         }
-        let mask = self.id_mask();
-        // What the key's slot holds above its id, `k` slots past its home: the tag, and the
-        // distance, which grows by one a slot until it saturates.
-        let (mut want, unit, last) = (self.tag(h), self.dist_field(1), self.dist_field(usize::MAX));
+        let (tag, mask) = (self.tag(h), self.id_mask());
         let mut i = self.home(h);
+        // slots probed so far: the distance the key's entry holds if it is at `i`
+        let mut k = 0;
         loop {
             let s = self.slots[i];
             if s == 0 {
                 return None;
             }
-            if s & !mask == want {
+            if s & !mask == tag | self.dist_field(k) {
                 let id = (s & mask) - 1;
                 if recs[id as usize].key == *key {
                     return Some(id);
                 }
             }
-            if want & !self.tag_mask() != last {
-                want += unit;
-            }
+            k += 1;
             i += 1;
             if i == cap {
                 i = 0;
