@@ -18,9 +18,11 @@ subscribed ranks, applied ÷ published, apply lag p50/p99 (the batch's ts, its s
 against the time the index applied it), event-loop lag p99 (a task sleeping 5 ms and measuring
 how late it wakes), client CPU (this process, libzmq's I/O thread included) and peak RSS, the
 client CPU time per applied batch (the per-message cost, whatever share of its core the
-machine left the client), the quiet probes sent to sources (all healthy here: every probe is
-kvroute's own slowness) and what bounded the run. The client is behind when it applied < 95 %
-of what the publishers sent (or its apply lag p50 is over 1 s); then the bound is the replays
+machine left the client; a comment line splits it by thread: the event loop, the native receive
+thread, and the rest, libzmq's I/O threads among them), the quiet probes sent to sources (all
+healthy here: every probe is kvroute's own slowness) and what bounded the run. The client is
+behind when it applied < 95 % of what the publishers sent (or its apply lag p50 is over 1 s);
+then the bound is the replays
 when at least 1 % of the sources waited on one on average (their SUBs are not read meanwhile),
 else the client's CPU when it used >= 90 % of its core, else its share of the core (other
 processes on a loaded machine: the load average is printed); a client that kept up says so.
@@ -284,6 +286,26 @@ def _rss() -> int:
     return 0
 
 
+def _thread_cpu() -> Counter[str]:
+    """This process's CPU seconds so far by thread group: the event loop (the main thread), the
+    native receive thread, and every other thread (libzmq's I/O threads, the interpreter's)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    pid = os.getpid()
+    out: Counter[str] = Counter()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        # comm is in parentheses and may hold spaces; utime and stime are fields 14 and 15.
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        group = "event loop" if int(tid) == pid else "receive thread" if comm == "kvroute-recv" else "other threads"
+        out[group] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _pct(values: list[float] | array[float], q: float) -> float:
     if not len(values):
         return math.nan
@@ -403,6 +425,18 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                 index.lags.extend(lags)
             native_applied(driver, seqs, tss, lags, elided, blocks, skipped, payloads)
 
+        # (None in a build before the one-batch lane: bench_fleet.py runs against one for a same-run pair)
+        native_applied_one = getattr(driver_type, "_native_applied_one", None)
+
+        def counted_one(driver: Any, seq: int, ts: float, lag: float, blocks: int) -> None:
+            # The same for a source's one batch of a drain (the common case at 1,024+ ranks).
+            index.applied_blocks += BLOCKS
+            index.thread_live += 1
+            if index.recording:
+                index.lags.append(lag)
+            assert native_applied_one is not None
+            native_applied_one(driver, seq, ts, lag, blocks)
+
         native_replay_done = driver_type._native_replay_done
 
         def replay_counted(driver: Any, rid: int, applied: Any, *rest: Any) -> None:
@@ -415,10 +449,14 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
             native_replay_done(driver, rid, applied, *rest)
 
         driver_type._native_applied = counted
+        if native_applied_one is not None:
+            driver_type._native_applied_one = counted_one
         driver_type._native_replay_done = replay_counted
 
         def undo() -> None:
             driver_type._native_applied = native_applied
+            if native_applied_one is not None:
+                driver_type._native_applied_one = native_applied_one
             driver_type._native_replay_done = native_replay_done
 
         return undo
@@ -473,6 +511,7 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                 app0 = index.applied_blocks
                 live0 = (index.python_live, index.thread_live)
                 cpu0 = time.process_time()
+                threads0 = _thread_cpu()
                 index.lags = array("d")
                 loop_lags.clear()
                 waiting.clear()
@@ -533,6 +572,18 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                     flush=True,
                 )
                 print(f"#   replay requests in this phase: {_replay_line(replay_counts, replays0)}", flush=True)
+                threads = _thread_cpu()
+                threads.subtract(threads0)
+                batches = max(1, applied_in_window // BLOCKS)
+                print(
+                    "#   client CPU per applied batch by thread: "
+                    + ", ".join(
+                        f"{g} {threads[g] / batches * 1e6:.1f} µs"
+                        for g in ("event loop", "receive thread", "other threads")
+                    )
+                    + " (libzmq's I/O threads are among the others)",
+                    flush=True,
+                )
             tg.cancel_scope.cancel()
     finally:
         if undo_replays is not None:

@@ -314,6 +314,7 @@ class NativeReceiver:
     def drain(
         self,
     ) -> tuple[
+        tuple[list[int], list[float]],
         list[
             tuple[
                 int,

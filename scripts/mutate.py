@@ -464,6 +464,20 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_recv.py::test_every_batch_after_events_returns_comes_with_its_envelope",),
     ),
     Mutation(
+        "native-one-batch-unrecorded",
+        "a batch the native thread applied alone for its source (a drain's common case at 1,024+ ranks) "
+        "is recorded in the source's position",
+        "kvroute/_transports/zmq/driver.py",
+        "        self.machine.on_applied(seq, ts)\n",
+        "        pass\n",
+        ("tests/test_native_recv.py", "tests/test_warm_restart.py", "tests/test_native_replay.py"),
+        (
+            "tests/test_native_recv.py::test_the_stats_follow_what_the_thread_applied_without_a_hand_over",
+            "tests/test_warm_restart.py::"
+            "test_a_batch_applied_off_the_event_loop_as_the_client_leaves_is_in_its_position",
+        ),
+    ),
+    Mutation(
         "removed-source-applies-unrecorded",
         "what the native thread applied for a source before it leaves is recorded in the source's position",
         "kvroute/_client.py",

@@ -560,9 +560,9 @@ async def test_a_stale_open_leaves_the_source_unread_until_python_takes_the_rest
         handed: list[int] = []
         deadline = time.monotonic() + (until or 10.0)
         while time.monotonic() < deadline:
-            got, handovers, _, dead = core.drain()
+            (ints, _), got, handovers, _, dead = core.drain()
             assert dead is None
-            applied += [s for a in got for s in a[1]]
+            applied += ints[1::3] + [s for a in got for s in a[1]]
             handed += [int.from_bytes(h[2][1], "big") for h in handovers if h[0] == 0]
             taken[0] += len(handovers)
             if want and len(applied) + len(handed) >= want:

@@ -78,10 +78,11 @@ async def _drain_until(recv: Any, taken: list[Any], done: Any, applied: list[int
     until = time.monotonic() + 10
     while not done(taken):
         assert time.monotonic() < until, f"timed out; hand-overs so far: {taken}, applied: {applied}"
-        records, handovers, _, dead = recv.drain()
+        (ints, _), records, handovers, _, dead = recv.drain()
         assert dead is None
         taken.extend(handovers)
         if applied is not None:
+            applied.extend(ints[1::3])  # one batch a source: token, seq, blocks
             for _, seqs, *_ in records:
                 applied.extend(seqs)
         await anyio.sleep(0.005)

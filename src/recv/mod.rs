@@ -70,8 +70,11 @@ const NOTE_DELAY: Duration = Duration::from_millis(2);
 /// (`Shared::wake`: a command, a hold, room after a stall); messages wait at most this long.
 const MIN_LOOK: Duration = Duration::from_millis(1);
 /// Applied records that wake Python without waiting for `NOTE_DELAY`: a drain's Python work
-/// grows with them, and the event loop's other tasks wait behind it.
-const NOTE_RECORDS: usize = 64;
+/// grows with them (~2.5 µs a record at 4,096 ranks, where each is a source's own: 0.6 ms for
+/// these), and the event loop's other tasks wait behind it. At 64, a million blocks a second
+/// from 4,096 ranks woke Python every millisecond: ~0.7 µs of event-loop time a batch more
+/// than at 256, of ~3.6 (bench_fleet.py, docs/performance.md "Session 22").
+const NOTE_RECORDS: usize = 256;
 /// Readiness events taken per poll call (a look repeats the call while the list comes back full).
 const POLL_EVENTS: usize = 4096;
 const WAKER: Token = Token(usize::MAX);
@@ -1907,8 +1910,8 @@ mod tests {
             early, 3,
             "too few batches were looked at soon after their apply"
         );
-        // A burst, queued while the index is locked so that one visit (64 messages) applies
-        // `NOTE_RECORDS` at once: Python is woken with them, not after the delay.
+        // A burst, queued while the index is locked so that one round's visits (64 messages
+        // each) apply `NOTE_RECORDS` at once: Python is woken with them, not after the delay.
         {
             let _held = index.write();
             for seq in next..next + 2 * NOTE_RECORDS as u64 {

@@ -289,8 +289,14 @@ class NativeReceiver(_LoopLeader):
         core = self._core
         if core is None:
             return
-        applied, handovers, logs, dead = core.drain()
+        (ints, floats), applied, handovers, logs, dead = core.drain()
         drivers = self._drivers
+        # The common case flat: a source's token, seq, blocks and ts, lag (`PyNativeReceiver.drain`).
+        i, f = iter(ints), iter(floats)
+        for token, seq, blocks, ts, lag in zip(i, i, i, f, f):
+            d = drivers.get(token)
+            if d is not None:
+                d._native_applied_one(seq, ts, lag, blocks)
         for token, seqs, tss, lags, elided, blocks, skipped, payloads in applied:
             d = drivers.get(token)
             if d is not None:
