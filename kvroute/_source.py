@@ -47,7 +47,9 @@ says the run does not reach back to that process's seq 0.
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from array import array
 from collections.abc import Callable
 from typing import Literal
@@ -102,6 +104,63 @@ __all__ = [
     "RecoveryStats",
     "SourceMachine",
 ]
+
+
+def _regrown(ring_seq: array[int], ring_ts: array[float], cap: int) -> tuple[array[int], array[float]]:
+    """The ts ring ``ring_seq``/``ring_ts`` at capacity ``cap`` (a multiple of its own): every seq in slot seq % cap.
+
+    Two seqs in different slots mod the old capacity are in different slots mod a multiple of it.
+    """
+    new_seq = array("Q", [REPLAY_END_SEQ]) * cap
+    new_ts = array("d", [0.0]) * cap
+    for old, ts in zip(ring_seq, ring_ts):
+        if old != REPLAY_END_SEQ:
+            new_seq[old % cap] = old
+            new_ts[old % cap] = ts
+    return new_seq, new_ts
+
+
+@functools.cache
+def _run_digits(n: int) -> tuple[int, int]:
+    """For `_regrown_run`: n 64-bit digits, as one integer in this machine's byte order, of 1 each and of 0..n-1."""
+    return (
+        int.from_bytes(array("Q", [1]) * n, sys.byteorder),
+        int.from_bytes(array("Q", range(n)), sys.byteorder),
+    )
+
+
+def _regrown_run(
+    ring_seq: array[int], ring_ts: array[float], newest: int, cap: int
+) -> tuple[array[int], array[float]] | None:
+    """`_regrown` of a full ring that holds exactly the seqs ``newest - n + 1 .. newest`` (n its size), with
+    slices instead of a loop over its slots; None for any other ring (`_regrown` then).
+
+    In-order batches fill the ring that way, and every source's ring grows at the same seqs: a fleet's 4,096 rings
+    grown slot by slot at once held the event loop for ~0.2 s at 256 slots and 1.6 s at 2,048 (bench_fleet.py,
+    an apply lag spike each time; docs/performance.md "Session 22"). The check is exact and runs in C: the ring,
+    rotated to start at the oldest seq, read as one integer of 64-bit digits, equals ``lo * ones + ramp`` (each
+    digit ``lo + j``, below 2^64, so no digit carries into the next) only if every slot holds its seq.
+    """
+    n = len(ring_seq)
+    lo = newest - n + 1
+    if lo < 0:
+        return None
+    k = lo % n
+    run = ring_seq[k:] + ring_seq[:k]
+    ones, ramp = _run_digits(n)
+    if int.from_bytes(run, sys.byteorder) != lo * ones + ramp:
+        return None
+    run_ts = ring_ts[k:] + ring_ts[:k]
+    new_seq = array("Q", [REPLAY_END_SEQ]) * cap
+    new_ts = array("d", [0.0]) * cap
+    # The run's seqs take cap's slots from lo % cap on, wrapping at cap (n <= cap / 2: it fits).
+    at = lo % cap
+    head = min(n, cap - at)
+    new_seq[at : at + head] = run[:head]
+    new_ts[at : at + head] = run_ts[:head]
+    new_seq[: n - head] = run[head:]
+    new_ts[: n - head] = run_ts[head:]
+    return new_seq, new_ts
 
 
 def _first_ring_cap(ts_ring: int) -> int:
@@ -483,18 +542,13 @@ class RecoveryMachine(ReplayAnswers):
             i = seq % self._ring_cap
 
     def _grow(self) -> None:
-        """Double the ring's capacity (it divides ``ts_ring``, so it reaches it): every seq keeps its ts.
-
-        Two seqs in different slots mod the old capacity are in different slots mod a multiple of it.
-        """
+        """Double the ring's capacity (it divides ``ts_ring``, so it reaches it): every seq keeps its ts."""
         cap = self._ring_cap * 2
-        ring_seq = array("Q", [REPLAY_END_SEQ]) * cap
-        ring_ts = array("d", [0.0]) * cap
-        for old, ts in zip(self._ring_seq, self._ring_ts):
-            if old != REPLAY_END_SEQ:
-                ring_seq[old % cap] = old
-                ring_ts[old % cap] = ts
-        self._ring_cap, self._ring_seq, self._ring_ts = cap, ring_seq, ring_ts
+        grown = _regrown_run(self._ring_seq, self._ring_ts, self._newest, cap)
+        if grown is None:
+            grown = _regrown(self._ring_seq, self._ring_ts, cap)
+        self._ring_cap = cap
+        self._ring_seq, self._ring_ts = grown
 
     def _recorded(self, seq: int) -> float | None:
         """The ts ``seq`` was applied with, if the ring still holds it."""

@@ -7,6 +7,7 @@ hypothesis test plays a whole engine (publisher, lossy SUB, replay buffer, resta
 from __future__ import annotations
 
 import math
+from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -25,6 +26,8 @@ from kvroute._source import (
     RequestReplay,
     ResetWorker,
     SourceMachine,
+    _regrown,
+    _regrown_run,
 )
 from kvroute._wire import BlockRemoved, EventBatch
 
@@ -1084,6 +1087,48 @@ def test_the_ts_ring_grown_on_demand_keeps_what_a_full_ring_keeps(ts_ring: int, 
         assert m._recorded(seq) == (kept[1] if kept is not None and kept[0] == seq else None), seq
     if newest >= 0:
         assert m.applied == (newest, full[newest % ts_ring][1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    size=st.sampled_from([1, 2, 7, 64, 256, 2048]),
+    lo=st.one_of(st.integers(0, 10_000), st.integers(END - 5_000, END - 2_049)),
+    flaw=st.one_of(
+        st.none(),
+        st.tuples(st.just("hole"), st.integers(0, 2047)),
+        st.tuples(st.just("older"), st.integers(0, 2047)),
+        st.tuples(st.just("newer"), st.integers(0, 2047)),
+    ),
+    newest_off=st.sampled_from([0, 0, 0, -1, 1]),
+)
+def test_a_ring_of_consecutive_seqs_grows_by_slices_to_what_slot_by_slot_gives(
+    size: int, lo: int, flaw: tuple[str, int] | None, newest_off: int
+) -> None:
+    # `_regrown_run` takes a ring only when it holds exactly newest - size + 1 .. newest (checked here
+    # slot by slot), and then gives what `_regrown` does; a flaw (a slot empty, or holding a seq one lap
+    # older or newer) or another newest, and it declines.
+    ring_seq = array("Q", [END]) * size
+    ring_ts = array("d", [0.0]) * size
+    for seq in range(lo, lo + size):
+        ring_seq[seq % size] = seq
+        ring_ts[seq % size] = ts_of(seq % 100_000)
+    if flaw is not None:
+        kind, at = flaw
+        seq = lo + at % size
+        if kind == "hole":
+            ring_seq[seq % size] = END
+        elif kind == "older" and seq >= size:
+            ring_seq[seq % size] = seq - size
+        elif kind == "newer" and seq + size < END:
+            ring_seq[seq % size] = seq + size
+    newest = lo + size - 1 + newest_off
+    window = range(newest - size + 1, newest + 1)
+    run = window.start >= 0 and all(ring_seq[seq % size] == seq for seq in window)
+    grown = _regrown_run(ring_seq, ring_ts, newest, 2 * size)
+    if run:
+        assert grown == _regrown(ring_seq, ring_ts, 2 * size)
+    else:
+        assert grown is None
 
 
 def test_the_ts_ring_starts_small_and_grows_only_with_the_applied_seqs() -> None:
