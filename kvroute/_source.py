@@ -136,10 +136,11 @@ def _regrown_run(
     slices instead of a loop over its slots; None for any other ring (`_regrown` then).
 
     In-order batches fill the ring that way, and every source's ring grows at the same seqs: a fleet's 4,096 rings
-    grown slot by slot at once held the event loop for ~0.2 s at 256 slots and 1.6 s at 2,048 (bench_fleet.py,
-    an apply lag spike each time; docs/performance.md "Session 22"). The check is exact and runs in C: the ring,
-    rotated to start at the oldest seq, read as one integer of 64-bit digits, equals ``lo * ones + ramp`` (each
-    digit ``lo + j``, below 2^64, so no digit carries into the next) only if every slot holds its seq.
+    grown slot by slot at once held the event loop for ~0.2 s at 256 slots (bench_fleet.py: an apply lag spike
+    each time; docs/performance.md "Session 22"), and would for ~0.9 s at 2,048. The check is exact and runs in
+    C: the ring, rotated to start at the oldest seq, read as one integer of 64-bit digits, equals
+    ``lo * ones + ramp`` (each digit ``lo + j``, below 2^64, so no digit carries into the next) only if every
+    slot holds its seq.
     """
     n = len(ring_seq)
     lo = newest - n + 1
