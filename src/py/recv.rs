@@ -299,7 +299,7 @@ impl PyNativeReceiver {
         let floats = PyList::empty(py);
         let applied = PyList::empty(py);
         // At 4,096 sources a drain holds about one record per source: these objects are most
-        // of the drain's cost, and that common case goes into the flat list.
+        // of the drain's cost, and that common case goes into the two flat lists.
         for (token, a) in out.applied {
             if a.records.len() == 1
                 && a.elided == 0
