@@ -22,10 +22,10 @@ machine left the client; a comment line splits it by thread: the event loop, the
 thread, and the rest, libzmq's I/O threads among them), the quiet probes sent to sources (all
 healthy here: every probe is kvroute's own slowness) and what bounded the run. The client is
 behind when it applied < 95 % of what the publishers sent (or its apply lag p50 is over 1 s);
-then the bound is the replays
-when at least 1 % of the sources waited on one on average (their SUBs are not read meanwhile),
-else the client's CPU when it used >= 90 % of its core, else its share of the core (other
-processes on a loaded machine: the load average is printed); a client that kept up says so.
+then the bound is the replays when at least 1 % of the sources waited on one on average (their
+SUBs are not read meanwhile), else the client's CPU when it used >= 90 % of its core, else its
+share of the core (other processes on a loaded machine: the load average is printed); a client
+that kept up says so.
 Publishers that sent < 95 % of the offered rate are named beside it either way. A line after
 each row counts what the recovery machines did in the phase (gaps, replays, probes, probes
 deferred while every replay slot was busy, ...), and one more the replay requests the drivers

@@ -106,13 +106,17 @@ __all__ = [
 ]
 
 
+def _empty_ring(cap: int) -> tuple[array[int], array[float]]:
+    """A ts ring of ``cap`` empty slots: seqs (REPLAY_END_SEQ: empty) and their ts."""
+    return array("Q", [REPLAY_END_SEQ]) * cap, array("d", [0.0]) * cap
+
+
 def _regrown(ring_seq: array[int], ring_ts: array[float], cap: int) -> tuple[array[int], array[float]]:
     """The ts ring ``ring_seq``/``ring_ts`` at capacity ``cap`` (a multiple of its own): every seq in slot seq % cap.
 
     Two seqs in different slots mod the old capacity are in different slots mod a multiple of it.
     """
-    new_seq = array("Q", [REPLAY_END_SEQ]) * cap
-    new_ts = array("d", [0.0]) * cap
+    new_seq, new_ts = _empty_ring(cap)
     for old, ts in zip(ring_seq, ring_ts):
         if old != REPLAY_END_SEQ:
             new_seq[old % cap] = old
@@ -152,8 +156,7 @@ def _regrown_run(
     if int.from_bytes(run, sys.byteorder) != lo * ones + ramp:
         return None
     run_ts = ring_ts[k:] + ring_ts[:k]
-    new_seq = array("Q", [REPLAY_END_SEQ]) * cap
-    new_ts = array("d", [0.0]) * cap
+    new_seq, new_ts = _empty_ring(cap)
     # The run's seqs take cap's slots from lo % cap on, wrapping at cap (n <= cap / 2: it fits).
     at = lo % cap
     head = min(n, cap - at)
@@ -227,8 +230,7 @@ class RecoveryMachine(ReplayAnswers):
         # keeps: at 4,096 sources the full rings, allocated up front, were 256 MB and ~6 % of a
         # cold sync's CPU.
         self._ring_cap = _first_ring_cap(ts_ring)
-        self._ring_seq = array("Q", [REPLAY_END_SEQ]) * self._ring_cap
-        self._ring_ts = array("d", [0.0]) * self._ring_cap
+        self._ring_seq, self._ring_ts = _empty_ring(self._ring_cap)
         #: Newest seq recorded in the ring (-1: none since the last restart).
         self._newest = -1
         self._held: dict[int, Held] = {}
@@ -561,8 +563,7 @@ class RecoveryMachine(ReplayAnswers):
         self.last_seq = -1
         self._partial = False
         self._ring_cap = _first_ring_cap(self.ts_ring)
-        self._ring_seq = array("Q", [REPLAY_END_SEQ]) * self._ring_cap
-        self._ring_ts = array("d", [0.0]) * self._ring_cap
+        self._ring_seq, self._ring_ts = _empty_ring(self._ring_cap)
         self._newest = -1
         self._held.clear()
         self._held_size.clear()
