@@ -314,7 +314,8 @@ class NativeReceiver:
     def drain(
         self,
     ) -> tuple[
-        tuple[list[int], list[float]],
+        # chunks of plain records, native u64 / f64: token, n, elided, blocks, n seqs / n ts, n lags
+        list[tuple[bytes, bytes]],
         list[
             tuple[
                 int,

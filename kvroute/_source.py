@@ -51,7 +51,7 @@ import functools
 import math
 import sys
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from ._events import (
@@ -410,6 +410,30 @@ class RecoveryMachine(ReplayAnswers):
         self._newest = self.last_seq = seq
         self._holding = "run"
         self.stats.batches += 1
+
+    def on_applied_many(self, seqs: Sequence[int], tss: Sequence[float]) -> None:
+        """`on_applied` of each of ``seqs`` in turn (in order, non-empty), with its ts in ``tss``.
+
+        A receive thread's records of a source come so, several a drain (src/recv, `NOTE_MAX`): one
+        call, the ring written in a loop here, not a call a batch.
+        """
+        cap, ring_seq, ring_ts, ts_ring = self._ring_cap, self._ring_seq, self._ring_ts, self.ts_ring
+        newest = self._newest
+        for seq, ts in zip(seqs, tss):
+            i = seq % cap
+            if cap != ts_ring:
+                old = ring_seq[i]
+                if old != REPLAY_END_SEQ and (old - seq) % ts_ring:
+                    # `_ring_slot` grows the ring (`_regrown_run` reads the newest seq from it)
+                    self._newest = newest
+                    i = self._ring_slot(seq, i)
+                    cap, ring_seq, ring_ts = self._ring_cap, self._ring_seq, self._ring_ts
+            ring_seq[i] = seq
+            ring_ts[i] = ts
+            newest = seq
+        self._newest = self.last_seq = newest
+        self._holding = "run"
+        self.stats.batches += len(seqs)
 
     def on_live(self, seq: int, ts: float, batch: EventBatch | None, size: int = 0) -> list[Action]:
         """One live message; ``batch`` None = its payload failed to decode; ``size``: its bytes (``max_held_bytes``)."""

@@ -430,8 +430,8 @@ MUTATIONS: list[Mutation] = [
         "native-applied-records-never-signaled",
         "batches the native thread applied itself reach Python's bookkeeping within the note delay, hand-over or not",
         "src/recv/mod.rs",
-        "        out.note_due.get_or_insert(now + NOTE_DELAY);\n",
-        "        let _ = NOTE_DELAY;\n",
+        "        out.note_due.get_or_insert(now);\n",
+        "        let _ = now;\n",
         ("tests/test_native_recv.py",),
         ("tests/test_native_recv.py::test_the_stats_follow_what_the_thread_applied_without_a_hand_over",),
     ),
@@ -476,6 +476,16 @@ MUTATIONS: list[Mutation] = [
             "tests/test_warm_restart.py::"
             "test_a_batch_applied_off_the_event_loop_as_the_client_leaves_is_in_its_position",
         ),
+    ),
+    Mutation(
+        "native-records-ring-not-grown",
+        "a source's records the native thread hands over several at a time grow its ts ring as one at a time "
+        "does, so an old seq coming again is known for a duplicate (rule 2)",
+        "kvroute/_source.py",
+        "                if old != REPLAY_END_SEQ and (old - seq) % ts_ring:\n",
+        "                if False:\n",
+        ("tests/test_native_recv.py", "tests/test_source.py"),
+        ("tests/test_native_recv.py::test_a_batch_applied_hundreds_of_seqs_ago_is_a_duplicate_when_it_comes_again",),
     ),
     Mutation(
         "removed-source-applies-unrecorded",

@@ -378,3 +378,18 @@ def _ipv6_loopback() -> bool:
 
 #: For a test that runs an engine or server on [::1]: skipped where the machine has no IPv6 loopback.
 needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+
+
+def plain_seqs(plain: list[tuple[bytes, bytes]]) -> list[int]:
+    """The applied seqs in a native drain's plain records (`kvroute._core.NativeReceiver.drain`'s first item:
+    chunks whose first byte string holds native u64 ``token, n, elided, blocks`` then ``n`` seqs, a source after
+    another)."""
+    seqs: list[int] = []
+    for chunk, _ in plain:
+        ints = memoryview(chunk).cast("Q")
+        p = 0
+        while p < len(ints):
+            n = ints[p + 1]
+            seqs += ints[p + 4 : p + 4 + n].tolist()
+            p += 4 + n
+    return seqs

@@ -26,6 +26,7 @@ from _publisher_helpers import (
     first_batch_lands,
     following_live,
     needs_ipv6,
+    plain_seqs,
     settle,
     subscribed,
     truth_index,
@@ -166,6 +167,29 @@ async def test_the_stats_follow_what_the_thread_applied_without_a_hand_over() ->
             with anyio.fail_after(2):
                 await _caught_up(client, src, pub.next_seq - 1)
             assert driver.native_batches == before + 10
+
+
+async def test_a_batch_applied_hundreds_of_seqs_ago_is_a_duplicate_when_it_comes_again() -> None:
+    # The thread's records come to the machine several a source (`RecoveryMachine.on_applied_many`); its
+    # ts ring must grow with them as with one at a time, or an old seq coming again (a PUB's resend)
+    # would cost an identity check instead of being known for a duplicate (rule 2).
+    wl = Workload(6)
+    async with EventPublisher() as pub:
+        src = pub.source("w")
+        async with _following(pub, src) as (client, driver):
+            await first_batch_lands(client, pub, src.key, wl)
+            sent = {}
+            for _ in range(300):
+                batch = EventBatch(time.time(), wl.batch(), 0)
+                sent[pub.publish_batch(batch)] = batch
+            await _caught_up(client, src, pub.next_seq - 1)
+            assert driver.native_batches >= 250  # in order, so the thread applied them
+            st0 = msgspec.structs.replace(driver.machine.stats)
+            old = pub.next_seq - 250
+            pub.publish_raw([b"", old.to_bytes(8, "big"), encode_batch(sent[old], form=pub.form)])
+            await wait_for(lambda: driver.machine.stats.duplicates == st0.duplicates + 1, "the resend is seen")
+            st = driver.machine.stats
+            assert (st.identity_checks, st.stale, st.resets) == (st0.identity_checks, st0.stale, st0.resets)
 
 
 async def test_a_restart_is_handed_to_the_machine() -> None:
@@ -560,9 +584,9 @@ async def test_a_stale_open_leaves_the_source_unread_until_python_takes_the_rest
         handed: list[int] = []
         deadline = time.monotonic() + (until or 10.0)
         while time.monotonic() < deadline:
-            (ints, _), got, handovers, _, dead = core.drain()
+            plain, got, handovers, _, dead = core.drain()
             assert dead is None
-            applied += ints[1::3] + [s for a in got for s in a[1]]
+            applied += plain_seqs(plain) + [s for a in got for s in a[1]]
             handed += [int.from_bytes(h[2][1], "big") for h in handovers if h[0] == 0]
             taken[0] += len(handovers)
             if want and len(applied) + len(handed) >= want:

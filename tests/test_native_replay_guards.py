@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import pytest
 import zmq
+from _publisher_helpers import plain_seqs
 
 import kvroute._core as _core
 from kvroute import BlockStored, EventBatch, WorkerKey, encode_batch
@@ -78,11 +79,11 @@ async def _drain_until(recv: Any, taken: list[Any], done: Any, applied: list[int
     until = time.monotonic() + 10
     while not done(taken):
         assert time.monotonic() < until, f"timed out; hand-overs so far: {taken}, applied: {applied}"
-        (ints, _), records, handovers, _, dead = recv.drain()
+        plain, records, handovers, _, dead = recv.drain()
         assert dead is None
         taken.extend(handovers)
         if applied is not None:
-            applied.extend(ints[1::3])  # one batch a source: token, seq, blocks
+            applied.extend(plain_seqs(plain))
             for _, seqs, *_ in records:
                 applied.extend(seqs)
         await anyio.sleep(0.005)

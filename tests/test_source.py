@@ -1131,6 +1131,38 @@ def test_a_ring_of_consecutive_seqs_grows_by_slices_to_what_slot_by_slot_gives(
         assert grown is None
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    ts_ring=st.sampled_from([4096, 256, 96, 7, 1]),
+    before=st.lists(st.integers(1, 300), max_size=6),
+    runs=st.lists(st.integers(1, 700), min_size=1, max_size=8),
+)
+def test_applying_a_run_at_once_leaves_the_machine_as_applying_it_batch_by_batch(
+    ts_ring: int, before: list[int], runs: list[int]
+) -> None:
+    # A receive thread's records come several a source (`on_applied_many`); the machine must end as
+    # `on_applied` one at a time leaves it: the ring (its growths included, by slices or slot by slot
+    # when earlier jumps left holes), the newest seq, the count. ``before``: jumps between the runs
+    # applied first, so a ring is not always one run when it grows.
+    one, many = SourceMachine(has_replay=True, ts_ring=ts_ring), SourceMachine(has_replay=True, ts_ring=ts_ring)
+    seq = 0
+    for jump in before:
+        seq += jump
+        one.on_applied(seq, ts_of(seq))
+        many.on_applied(seq, ts_of(seq))
+    for n in runs:
+        seqs = list(range(seq + 1, seq + 1 + n))
+        for s in seqs:
+            one.on_applied(s, ts_of(s))
+        many.on_applied_many(seqs, [ts_of(s) for s in seqs])
+        seq = seqs[-1]
+        assert many._ring_cap == one._ring_cap
+        assert many._ring_seq == one._ring_seq
+        assert many._ring_ts == one._ring_ts
+        assert (many._newest, many.last_seq, many.stats.batches) == (one._newest, one.last_seq, one.stats.batches)
+        assert many.applied == one.applied == (seq, ts_of(seq))
+
+
 def test_the_ts_ring_starts_small_and_grows_only_with_the_applied_seqs() -> None:
     m = SourceMachine(has_replay=True)  # ts_ring 4,096: 64 KB a source when full
     assert m._ring_cap == 64

@@ -13,8 +13,10 @@
 //! The hand-over is one `Outbox` per receiver plus one pipe Python's event loop waits on: the
 //! pipe is written when a hand-over (or a log line) lands in an empty outbox, so Python wakes per
 //! batch of hand-overs. Batches the thread applied itself only need Python's bookkeeping (rule
-//! 1's `on_applied`, counters): they wake it `NOTE_DELAY` after the first of them at the latest,
-//! so a source that sends one batch at a time does not cost the event loop a wake per message.
+//! 1's `on_applied`, counters): they wake it `NOTE_DELAY` after the first of them, or, when
+//! they are one or two a source of many sources, up to `NOTE_MAX` after it (`note_due_at`), so
+//! a source that sends one batch at a time does not cost the event loop a wake per message, nor
+//! a fleet of them a drain per batch.
 //! Nothing here panics into Python: the thread body runs under `catch_unwind`, and a thread
 //! that stops for any reason leaves its reason in `Outbox::dead`.
 
@@ -69,12 +71,21 @@ const NOTE_DELAY: Duration = Duration::from_millis(2);
 /// up, so one look serves every source that sent. The wait ends early on anything Python asks
 /// (`Shared::wake`: a command, a hold, room after a stall); messages wait at most this long.
 const MIN_LOOK: Duration = Duration::from_millis(1);
-/// Applied records that wake Python without waiting for `NOTE_DELAY`: a drain's Python work
-/// grows with them (~2.5 µs a record at 4,096 ranks, where each is a source's own: 0.6 ms for
-/// these), and the event loop's other tasks wait behind it. At 64, a million blocks a second
-/// from 4,096 ranks woke Python every millisecond: ~0.7 µs of event-loop time a batch more
-/// than at 256, of ~3.6 (bench_fleet.py, docs/performance.md "Session 22").
-const NOTE_RECORDS: usize = 256;
+/// Sources with applied records waiting, at most, for a wake at `NOTE_DELAY`: Python's work
+/// per drain is mostly per source (~3 µs each, a record ~0.25 µs more), and the event loop's
+/// other tasks wait behind a drain's chunk of it. Past this many, records wait until there are
+/// `NOTE_BATCHING` a source or `NOTE_MAX` ran out: at 4,096 ranks each source sends a few
+/// batches a second, so a drain every 2 ms held about one record a source and cost the event
+/// loop ~2.9 µs a batch, the wake, the drain and the bookkeeping each paid per batch
+/// (bench_fleet.py, docs/performance.md "Session 23").
+const NOTE_SOURCES: usize = 64;
+/// Records a source, on average, that make a drain of more than `NOTE_SOURCES` sources due.
+const NOTE_BATCHING: usize = 8;
+/// Longest an applied batch's record waits for Python when many sources send: the staleness
+/// of rule 1's bookkeeping and of `stats()` (the index has the batch at once). Recovery reads
+/// that bookkeeping only after a drain (every hand-over drains what the thread applied first),
+/// and its intervals are seconds (`quiet_interval`, replay timeouts).
+const NOTE_MAX: Duration = Duration::from_millis(500);
 /// Readiness events taken per poll call (a look repeats the call while the list comes back full).
 const POLL_EVENTS: usize = 4096;
 const WAKER: Token = Token(usize::MAX);
@@ -177,7 +188,7 @@ pub struct Outbox {
     pub dead: Option<String>,
     bytes: usize,
     signaled: bool,
-    /// Applied records are waiting, not yet signaled: signal by then (`NOTE_DELAY`).
+    /// Applied records are waiting, not yet signaled, the first since this time (`note_due_at`).
     note_due: Option<Instant>,
     /// Applied records since the last drain.
     noted: usize,
@@ -440,18 +451,19 @@ impl<K> Shared<K> {
         taken
     }
 
-    /// `n` applied records joined the outbox: signal within `NOTE_DELAY` of the first.
+    /// `n` applied records joined the outbox: signal when they are due (`note_due_at`).
     fn note(&self, out: &mut Outbox, n: usize, now: Instant) {
         out.noted += n;
-        out.note_due.get_or_insert(now + NOTE_DELAY);
+        out.note_due.get_or_insert(now);
         self.signal_notes(out, now);
     }
 
-    /// Signal the applied records waiting unsignaled once their `NOTE_DELAY` ran out or
-    /// `NOTE_RECORDS` wait; else when they are due (None: nothing waits).
+    /// Signal the applied records waiting unsignaled once they are due (`note_due_at`); else
+    /// when they will be, unless more arrive first (None: nothing waits).
     fn signal_notes(&self, out: &mut Outbox, now: Instant) -> Option<Instant> {
-        let due = out.note_due.filter(|_| !out.signaled)?;
-        if due <= now || out.noted >= NOTE_RECORDS {
+        let first = out.note_due.filter(|_| !out.signaled)?;
+        let due = note_due_at(first, out.noted, out.applied.len(), out.bytes);
+        if due <= now {
             self.signal(out);
             return None;
         }
@@ -684,6 +696,19 @@ struct Loop<K: WorkerName> {
     // are closed. The replay DEALERs' context (see `start`).
     replay_ctx: Arc<Context>,
     _ctx: Arc<Context>,
+}
+
+/// When applied records waiting since `first` wake Python: `records` of them from `sources`
+/// sources, with `kept` payload bytes. `NOTE_DELAY` after the first while the drain is small
+/// (`NOTE_SOURCES`), batches enough a source (`NOTE_BATCHING`) or keeps payloads (a raw tap
+/// republishes them: its latency); else `NOTE_MAX` after it, or at the next record that makes
+/// it so (`note` checks again).
+fn note_due_at(first: Instant, records: usize, sources: usize, kept: usize) -> Instant {
+    if sources <= NOTE_SOURCES || records >= NOTE_BATCHING * sources || kept > 0 {
+        first + NOTE_DELAY
+    } else {
+        first + NOTE_MAX
+    }
 }
 
 fn now_wall() -> f64 {
@@ -1835,6 +1860,31 @@ mod tests {
     }
 
     #[test]
+    fn records_wake_python_at_the_note_delay_unless_many_sources_hold_one_or_two_each() {
+        let t = Instant::now();
+        assert_eq!(note_due_at(t, 1, 1, 0), t + NOTE_DELAY);
+        assert_eq!(
+            note_due_at(t, NOTE_SOURCES, NOTE_SOURCES, 0),
+            t + NOTE_DELAY
+        );
+        let many = NOTE_SOURCES + 1;
+        assert_eq!(note_due_at(t, many, many, 0), t + NOTE_MAX);
+        assert_eq!(
+            note_due_at(t, NOTE_BATCHING * many - 1, many, 0),
+            t + NOTE_MAX
+        );
+        assert_eq!(
+            note_due_at(t, NOTE_BATCHING * many, many, 0),
+            t + NOTE_DELAY
+        );
+        assert_eq!(
+            note_due_at(t, many, many, 1),
+            t + NOTE_DELAY,
+            "kept payloads: a tap waits"
+        );
+    }
+
+    #[test]
     fn a_pause_between_looks_ends_when_python_asks_something() {
         // The thread waits up to MIN_LOOK between two looks; a command or a hold must not wait
         // behind it. Here a pause ten thousand times as long, ended by a command.
@@ -1867,7 +1917,7 @@ mod tests {
 
     #[test]
     fn an_applied_batch_wakes_python_within_the_note_delay_and_a_hand_over_at_once() {
-        let (ctx, index, shared) = started(64, Duration::from_secs(60), 1 << 20);
+        let (ctx, _index, shared) = started(64, Duration::from_secs(60), 1 << 20);
         let (pub_, got) = subscribed(&ctx, &shared, 1, "a", Arc::new(AtomicBool::new(true)));
         open_at_zero(&shared, 1, &got, false);
         // Each try: one batch, stamped with its send time; watched (not drained) until the
@@ -1876,9 +1926,7 @@ mod tests {
         // slower look (a loaded machine) proves nothing, so the next seq tries again. Either
         // way the wake comes without a drain.
         let mut early = 0;
-        let mut next = 0;
         for seq in 0..200u64 {
-            next = seq + 1;
             send(&pub_, seq, &payload(now_wall(), seq + 1));
             let until = Instant::now() + Duration::from_secs(10);
             loop {
@@ -1910,31 +1958,59 @@ mod tests {
             early, 3,
             "too few batches were looked at soon after their apply"
         );
-        // A burst, queued while the index is locked so that one round's visits (64 messages
-        // each) apply `NOTE_RECORDS` at once: Python is woken with them, not after the delay.
+        // Records of more than `NOTE_SOURCES` sources, one each (as 4,096 ranks leave them):
+        // the thread does not wake Python at the note delay for them, but at `NOTE_MAX`.
+        let many = NOTE_SOURCES + 1;
         {
-            let _held = index.write();
-            for seq in next..next + 2 * NOTE_RECORDS as u64 {
-                send(&pub_, seq, &payload(now_wall(), seq + 1));
+            let mut out = shared.outbox.lock();
+            for token in 1000..1000 + many as u64 {
+                let a = out.applied.entry(token).or_default();
+                a.records.push_back((0, 1.0, 0.0));
             }
-            std::thread::sleep(Duration::from_millis(100));
+            shared.note(&mut out, many, Instant::now());
         }
+        // (the thread notes its own records and looks at once; here it is woken to look)
+        shared.wake();
+        let start = Instant::now();
+        std::thread::sleep(NOTE_DELAY * 10);
+        assert!(
+            !signaled(&shared),
+            "woken at the note delay for {many} sources' records"
+        );
         let until = Instant::now() + Duration::from_secs(10);
-        loop {
-            let out = shared.outbox.lock();
-            let waiting = out.applied.get(&1).map_or(0, |a| a.records.len());
-            if waiting >= NOTE_RECORDS {
-                assert!(
-                    signaled(&shared),
-                    "{waiting} records waiting, Python not woken"
-                );
-                break;
-            }
-            drop(out);
-            assert!(Instant::now() < until, "the burst was never applied");
-            std::hint::spin_loop();
+        while !signaled(&shared) {
+            assert!(
+                Instant::now() < until,
+                "never woken for {many} sources' records"
+            );
+            std::thread::sleep(Duration::from_micros(200));
         }
-        wait(&shared, |g| applied(g).len() == 2 * NOTE_RECORDS);
+        assert!(
+            start.elapsed() >= NOTE_MAX - NOTE_DELAY,
+            "{:?}",
+            start.elapsed()
+        );
+        assert_eq!(shared.drain().applied.len(), many);
+        // The same sources with `NOTE_BATCHING` records each: due at the note delay again.
+        {
+            let mut out = shared.outbox.lock();
+            for token in 1000..1000 + many as u64 {
+                let a = out.applied.entry(token).or_default();
+                a.records
+                    .extend((0..NOTE_BATCHING as u64).map(|s| (s, 1.0, 0.0)));
+            }
+            shared.note(&mut out, NOTE_BATCHING * many, Instant::now());
+        }
+        shared.wake();
+        let until = Instant::now() + NOTE_MAX / 2;
+        while !signaled(&shared) {
+            assert!(
+                Instant::now() < until,
+                "batched records waited for NOTE_MAX"
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert_eq!(shared.drain().applied.len(), many);
         // A gap is a hand-over: the pipe is written with it, under the same lock.
         send(&pub_, 1000, &payload(now_wall(), 1000));
         let until = Instant::now() + Duration::from_secs(10);

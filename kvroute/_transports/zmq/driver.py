@@ -371,9 +371,9 @@ class SourceDriver(DriverBase):
 
     def _native_applied(
         self,
-        seqs: list[int],
-        tss: list[float],
-        lags: list[float],
+        seqs: Sequence[int],
+        tss: Sequence[float],
+        lags: Sequence[float],
         elided: int,
         blocks: int,
         skipped: dict[str, int] | None,
@@ -392,9 +392,8 @@ class SourceDriver(DriverBase):
         if self._stopped:
             return
         self.native_batches += applied
-        on_applied = self.machine.on_applied
-        for seq, ts in zip(seqs, tss):
-            on_applied(seq, ts)
+        if seqs:
+            self.machine.on_applied_many(seqs, tss)
         self.counters.batches += elided
         self.counters.messages += applied
         self.counters.blocks += blocks
@@ -417,7 +416,7 @@ class SourceDriver(DriverBase):
 
     def _native_applied_one(self, seq: int, ts: float, lag: float, blocks: int) -> None:
         """`_native_applied` of one batch with no event skipped and no payload kept: at 1,024+ ranks
-        nearly every source's record of a drain, so its bookkeeping is written out here."""
+        many sources' record of a drain, so its bookkeeping is written out here."""
         self._native_fast_seen += 1
         if self._stopped:
             return

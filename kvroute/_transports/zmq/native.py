@@ -5,6 +5,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
+from collections.abc import Callable
+from functools import partial
+from typing import Any, cast
 
 import anyio
 import zmq
@@ -24,6 +28,11 @@ __all__ = ["NativeReceiver"]
 log = logging.getLogger("kvroute.subscriber")
 
 _tokens = itertools.count(1)
+# How long the feed of a drain's records pauses after each chunk, in multiples of the chunk's own time (`_loop`).
+_PACE = 4.0
+# Sources' records with events skipped or payloads kept fed to the drivers between two turns of the event
+# loop's other tasks (`_loop`; the plain records come in chunks, `kvroute._core.NativeReceiver.drain`).
+_SLICE = 128
 _replay_ids = itertools.count(1)
 _index_log = logging.getLogger("kvroute.index")
 
@@ -67,6 +76,8 @@ class NativeReceiver(_LoopLeader):
         self._held: _core.NativeReceiver | None = None
         # The replay requests the thread carries out, and whose they are.
         self._replays: dict[int, SourceDriver] = {}
+        # What drains took and the drivers were not fed yet, in order (`_take`, `_feed`).
+        self._backlog: deque[Callable[[], None]] = deque()
 
     @staticmethod
     def eligible(source: EventSource) -> bool:
@@ -283,24 +294,73 @@ class NativeReceiver(_LoopLeader):
                 await anyio.wait_readable(self._fd)
             except anyio.ClosedResourceError:
                 return
-            self._drain()
+            self._take()
+            # A drain of thousands of sources' records (the thread batches them, `NOTE_MAX` in
+            # src/recv) is fed a chunk at a time (~0.5 ms of Python each), paced: after each, the
+            # event loop leaves the core to the receive side (niced below it) `_PACE` times as
+            # long, its other tasks running meanwhile. Fed back to back, a drain's ~16 ms held off
+            # the receive thread: apply lag p99 ~25 ms a second against ~10 ms (bench_fleet.py,
+            # docs/performance.md "Session 23"). The bookkeeping can wait (it is behind by design);
+            # applying cannot.
+            backlog = self._backlog
+            while backlog:
+                t = time.perf_counter()
+                backlog.popleft()()
+                if backlog:
+                    await anyio.sleep(_PACE * (time.perf_counter() - t))
 
     def _drain(self) -> None:
+        """Feed the drivers everything the thread left, now: what an earlier drain still had waiting first."""
+        self._take()
+        backlog = self._backlog
+        while backlog:
+            backlog.popleft()()
+
+    def _take(self) -> None:
+        """Drain the thread into the backlog: chunks of plain records, the other sources' in slices, the hand-overs."""
         core = self._core
         if core is None:
             return
-        (ints, floats), applied, handovers, logs, dead = core.drain()
+        plain, applied, handovers, logs, dead = core.drain()
+        backlog = self._backlog
+        for ints, floats in plain:
+            backlog.append(partial(self._feed_plain, ints, floats))
+        for at in range(0, len(applied), _SLICE):
+            backlog.append(partial(self._feed_many, applied[at : at + _SLICE]))
+        if handovers or logs or dead is not None:
+            backlog.append(partial(self._feed_handovers, handovers, logs, dead))
+
+    def _feed_plain(self, ints_bytes: bytes, floats_bytes: bytes) -> None:
+        """A chunk of sources' plain records (`kvroute._core.NativeReceiver.drain`)."""
         drivers = self._drivers
-        # The common case flat: a source's token, seq, blocks and ts, lag (`PyNativeReceiver.drain`).
-        i, f = iter(ints), iter(floats)
-        for token, seq, blocks, ts, lag in zip(i, i, i, f, f):
+        ints: list[int] = memoryview(ints_bytes).cast("Q").tolist()
+        floats = cast("list[float]", memoryview(floats_bytes).cast("d").tolist())  # (typeshed: list[int])
+        p = q = 0
+        while p < len(ints):
+            token, n, elided, blocks = ints[p : p + 4]
+            p += 4
             d = drivers.get(token)
             if d is not None:
-                d._native_applied_one(seq, ts, lag, blocks)
+                if n == 1 and not elided:
+                    # (at 1,024+ ranks many sources have one batch a drain: its bookkeeping written out)
+                    d._native_applied_one(ints[p], floats[q], floats[q + 1], blocks)
+                else:
+                    seqs, tss, lags = ints[p : p + n], floats[q : q + n], floats[q + n : q + 2 * n]
+                    d._native_applied(seqs, tss, lags, elided, blocks, None)
+            p += n
+            q += 2 * n
+
+    def _feed_many(self, applied: list[tuple[Any, ...]]) -> None:
+        """Sources' records with events skipped or payloads kept, as tuples."""
+        drivers = self._drivers
         for token, seqs, tss, lags, elided, blocks, skipped, payloads in applied:
             d = drivers.get(token)
             if d is not None:
                 d._native_applied(seqs, tss, lags, elided, blocks, skipped, payloads)
+
+    def _feed_handovers(self, handovers: list[tuple[Any, ...]], logs: list[str], dead: str | None) -> None:
+        """A drain's hand-overs, in order, after its records; then the fast paths they closed, opened again."""
+        drivers = self._drivers
         for msg in logs:
             _index_log.warning("%s", msg)
         touched: dict[SourceDriver, None] = {}
