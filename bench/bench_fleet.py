@@ -9,7 +9,8 @@ buffer (the newest ``--buffer`` batches) answering docs/protocol.md §4 requests
 vLLM map-form batches of one 16-block ``BlockStored`` event (``--evict``: after 16 one-block ``BlockRemoved``
 events, a full engine's steady state), precomputed per rank (a cycle of
 ``--distinct`` of them, so the index stays bounded); only the ts (the send time, 8 bytes) is
-written into each copy at send time. The publishers offer ``--rate`` blocks/s between them.
+written into each copy at send time. The publishers offer ``--rate`` blocks/s between them, with
+Python's cyclic GC off (their collections, run together, held their messages ~100 ms: see `_publisher`).
 
 One `KvEventClient` (static sources, the default config) runs in this process, pinned to one
 core. After every source is synced from cold (its time is reported; the publishers offer
@@ -57,6 +58,7 @@ Each line is one row of docs/performance.md's fleet tables (the README keeps the
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import math
 import multiprocessing as mp
@@ -173,6 +175,12 @@ def _publisher(
     owner = {router: i for i, router in enumerate(routers)}
     n = len(ranks)
     nprocs = len(published)
+    # No cyclic GC here: the loop makes no cycles, and the eight publishers, started together and allocating alike
+    # (a tuple a message into each rank's replay buffer), ran their cyclic collections together 2-3 s into a phase,
+    # holding their messages, stamped with the send time, for ~100 ms while the client sat idle. Every run's worst
+    # second (54-137 ms apply lag p99) was that, the client's own seconds around it 6-20 ms (docs/performance.md,
+    # "Session 23").
+    gc.disable()
     credit = 0.0
     last = time.time()
     nxt = 0
