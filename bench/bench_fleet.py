@@ -441,11 +441,12 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                 index.lags.extend(lags)
             native_applied(driver, seqs, tss, lags, elided, blocks, skipped, payloads)
 
-        # (None in a build before the one-batch lane: bench_fleet.py runs against one for a same-run pair)
+        # (Builds of sessions 22-23 had a lane for a source's one batch of a drain; this one has not, but
+        # bench_fleet.py runs against such a build for a same-run pair.)
         native_applied_one = getattr(driver_type, "_native_applied_one", None)
 
         def counted_one(driver: Any, seq: int, ts: float, lag: float, blocks: int) -> None:
-            # The same for a source's one batch of a drain (the common case at 1,024+ ranks).
+            # The same for a source's one batch of a drain, in such a build.
             index.applied_blocks += BLOCKS
             index.thread_live += 1
             if index.recording:
@@ -528,7 +529,7 @@ async def _run(args: argparse.Namespace, sources: list[EventSource], rate: Any, 
                 live0 = (index.python_live, index.thread_live)
                 cpu0 = time.process_time()
                 threads0 = _thread_cpu()
-                # The receive thread's records reach Python up to 250 ms after their apply (src/recv,
+                # The receive thread's records reach Python up to 500 ms after their apply (src/recv,
                 # `NOTE_MAX`): drained at the window's edges, what it applied inside is what is counted.
                 flush(client)
                 index.lags = array("d")

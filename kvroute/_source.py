@@ -421,13 +421,11 @@ class RecoveryMachine(ReplayAnswers):
         newest = self._newest
         for seq, ts in zip(seqs, tss):
             i = seq % cap
-            if cap != ts_ring:
-                old = ring_seq[i]
-                if old != REPLAY_END_SEQ and (old - seq) % ts_ring:
-                    # `_ring_slot` grows the ring (`_regrown_run` reads the newest seq from it)
-                    self._newest = newest
-                    i = self._ring_slot(seq, i)
-                    cap, ring_seq, ring_ts = self._ring_cap, self._ring_seq, self._ring_ts
+            if cap != ts_ring and ring_seq[i] != REPLAY_END_SEQ:
+                # A taken slot: `_ring_slot` decides (it may grow the ring, and `_regrown_run` reads the newest seq).
+                self._newest = newest
+                i = self._ring_slot(seq, i)
+                cap, ring_seq, ring_ts = self._ring_cap, self._ring_seq, self._ring_ts
             ring_seq[i] = seq
             ring_ts[i] = ts
             newest = seq

@@ -430,7 +430,7 @@ MUTATIONS: list[Mutation] = [
         "native-applied-records-never-signaled",
         "batches the native thread applied itself reach Python's bookkeeping within the note delay, hand-over or not",
         "src/recv/mod.rs",
-        "        out.note_due.get_or_insert(now);\n",
+        "        out.first_noted.get_or_insert(now);\n",
         "        let _ = now;\n",
         ("tests/test_native_recv.py",),
         ("tests/test_native_recv.py::test_the_stats_follow_what_the_thread_applied_without_a_hand_over",),
@@ -464,12 +464,11 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_native_recv.py::test_every_batch_after_events_returns_comes_with_its_envelope",),
     ),
     Mutation(
-        "native-one-batch-unrecorded",
-        "a batch the native thread applied alone for its source (a drain's common case at 1,024+ ranks) "
-        "is recorded in the source's position",
+        "native-applied-unrecorded",
+        "the batches the native thread applied for a source are recorded in the source's position",
         "kvroute/_transports/zmq/driver.py",
-        "        self.machine.on_applied(seq, ts)\n",
-        "        pass\n",
+        "            self.machine.on_applied_many(seqs, tss)\n",
+        "            pass\n",
         ("tests/test_native_recv.py", "tests/test_warm_restart.py", "tests/test_native_replay.py"),
         (
             "tests/test_native_recv.py::test_the_stats_follow_what_the_thread_applied_without_a_hand_over",
@@ -482,8 +481,8 @@ MUTATIONS: list[Mutation] = [
         "a source's records the native thread hands over several at a time grow its ts ring as one at a time "
         "does, so an old seq coming again is known for a duplicate (rule 2)",
         "kvroute/_source.py",
-        "                if old != REPLAY_END_SEQ and (old - seq) % ts_ring:\n",
-        "                if False:\n",
+        "            if cap != ts_ring and ring_seq[i] != REPLAY_END_SEQ:\n",
+        "            if False:\n",
         ("tests/test_native_recv.py", "tests/test_source.py"),
         ("tests/test_native_recv.py::test_a_batch_applied_hundreds_of_seqs_ago_is_a_duplicate_when_it_comes_again",),
     ),

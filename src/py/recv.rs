@@ -27,8 +27,8 @@ type ReplayFlags = (Arc<AtomicBool>, Arc<AtomicU64>);
 /// Sources a chunk of a drain's plain records holds at most (`PyNativeReceiver::drain`): ~0.5 ms
 /// of Python work at a few records a source, the longest the event loop's other tasks wait for it.
 const PLAIN_CHUNK: usize = 128;
-/// u64s (a source's four and its seqs) past which a chunk ends before `PLAIN_CHUNK` sources (sources behind by thousands of
-/// records each, after the event loop was held up).
+/// u64s (a source's four and its seqs) past which a chunk ends before `PLAIN_CHUNK` sources
+/// (sources behind by thousands of records each, after the event loop was held up).
 const PLAIN_CHUNK_NUMBERS: usize = 1024;
 
 /// One receive thread over every SUB socket of a client.

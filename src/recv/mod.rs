@@ -188,8 +188,8 @@ pub struct Outbox {
     pub dead: Option<String>,
     bytes: usize,
     signaled: bool,
-    /// Applied records are waiting, not yet signaled, the first since this time (`note_due_at`).
-    note_due: Option<Instant>,
+    /// Applied records are waiting, not yet signaled: when the first of them came (`note_due_at`).
+    first_noted: Option<Instant>,
     /// Applied records since the last drain.
     noted: usize,
     /// The thread skipped closed sources for lack of room: wake it once Python drained.
@@ -454,14 +454,14 @@ impl<K> Shared<K> {
     /// `n` applied records joined the outbox: signal when they are due (`note_due_at`).
     fn note(&self, out: &mut Outbox, n: usize, now: Instant) {
         out.noted += n;
-        out.note_due.get_or_insert(now);
+        out.first_noted.get_or_insert(now);
         self.signal_notes(out, now);
     }
 
     /// Signal the applied records waiting unsignaled once they are due (`note_due_at`); else
     /// when they will be, unless more arrive first (None: nothing waits).
     fn signal_notes(&self, out: &mut Outbox, now: Instant) -> Option<Instant> {
-        let first = out.note_due.filter(|_| !out.signaled)?;
+        let first = out.first_noted.filter(|_| !out.signaled)?;
         let due = note_due_at(first, out.noted, out.applied.len(), out.bytes);
         if due <= now {
             self.signal(out);

@@ -414,23 +414,6 @@ class SourceDriver(DriverBase):
         if keep or self._sink.active:
             self._refit_native(keep)
 
-    def _native_applied_one(self, seq: int, ts: float, lag: float, blocks: int) -> None:
-        """`_native_applied` of one batch with no event skipped and no payload kept: at 1,024+ ranks
-        many sources' record of a drain, so its bookkeeping is written out here."""
-        self._native_fast_seen += 1
-        if self._stopped:
-            return
-        self.native_batches += 1
-        self.machine.on_applied(seq, ts)
-        counters = self.counters
-        counters.messages += 1
-        counters.blocks += blocks
-        self.apply_lag = lag if lag > 0.0 else 0.0
-        opened = self._native_opened
-        keep = opened is not None and opened[2]
-        if keep or self._sink.active:
-            self._refit_native(keep)
-
     def _refit_native(self, keep: bool) -> None:
         """Close the fast path opened with ``keep`` if the sink no longer fits it (`_native_fits`)."""
         if not self._native_fits(keep) and self._native is not None and self._native_token is not None:

@@ -341,12 +341,7 @@ class NativeReceiver(_LoopLeader):
             p += 4
             d = drivers.get(token)
             if d is not None:
-                if n == 1 and not elided:
-                    # (at 1,024+ ranks many sources have one batch a drain: its bookkeeping written out)
-                    d._native_applied_one(ints[p], floats[q], floats[q + 1], blocks)
-                else:
-                    seqs, tss, lags = ints[p : p + n], floats[q : q + n], floats[q + n : q + 2 * n]
-                    d._native_applied(seqs, tss, lags, elided, blocks, None)
+                d._native_applied(ints[p : p + n], floats[q : q + n], floats[q + n : q + 2 * n], elided, blocks, None)
             p += n
             q += 2 * n
 
