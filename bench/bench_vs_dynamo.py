@@ -105,25 +105,33 @@ def dynamo_json(payload: bytes, event_id: int = 0) -> bytes:
     return json.dumps({"event_id": event_id, "data": {"stored": stored}}).encode()
 
 
-def best_rates(runs: dict[str, Callable[[], float]], blocks: int, repeat: int) -> dict[str, float]:
+def best_rates(runs: dict[str, Callable[[], float]], blocks: int, repeat: int,
+               cpu: dict[str, float] | None = None) -> dict[str, float]:
     """Blocks per second of the fastest of ``repeat`` runs of each path (each returns its seconds).
 
     The paths take turns within each round, so a stretch of load on the shared machine falls on all of
     them alike and the same-run ratios hold up better than when each path's rounds run back to back.
+    ``cpu``, when given, gets each path's blocks per second of the process's CPU time (every thread's,
+    best round): Dynamo applies on a thread of its own, so its wall figure leaves out the second core's work.
     """
     times: dict[str, list[float]] = {name: [] for name in runs}
+    cpus: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeat):
         for name, run in runs.items():
             gc.collect()
+            c0 = time.process_time()
             times[name].append(run())
+            cpus[name].append(time.process_time() - c0)
+    if cpu is not None:
+        cpu.update({name: blocks / max(min(cs), 1e-9) for name, cs in cpus.items()})
     return {name: blocks / min(ts) for name, ts in times.items()}
 
 
 # ---------------------------------------------------------------- figure 1: ingest
 
 
-def ingest_figures(wl: Workload, repeat: int) -> tuple[dict[str, float], PrefixIndex, Any]:
-    """Blocks/s of each ingest path; returns the figures and the indexes of the last runs."""
+def ingest_figures(wl: Workload, repeat: int, cpu: dict[str, float]) -> tuple[dict[str, float], PrefixIndex, Any]:
+    """Blocks/s of each ingest path (per CPU second into ``cpu``); returns the figures and the last runs' indexes."""
     out: dict[str, float] = {}
     last: dict[str, Any] = {}
 
@@ -183,7 +191,7 @@ def ingest_figures(wl: Workload, repeat: int) -> tuple[dict[str, float], PrefixI
 
         runs["dynamo apply_event"] = dynamo_apply
         runs["dynamo from vLLM bytes"] = dynamo_from_vllm_bytes
-    out.update(best_rates(runs, wl.blocks, repeat))
+    out.update(best_rates(runs, wl.blocks, repeat, cpu))
     check_ingested(last["kvroute"], wl)
     if RadixTree is not None:
         check_dynamo_ingested(last["dynamo"], wl)
@@ -252,12 +260,13 @@ def match_figures(wl: Workload, idx: PrefixIndex, tree: Any, iters: int,
 # ---------------------------------------------------------------- figure 3: the table
 
 
-def report(ingest: dict[str, float], match: dict[str, tuple[float, float]], wl: Workload,
+def report(ingest: dict[str, float], cpu: dict[str, float], match: dict[str, tuple[float, float]], wl: Workload,
            dynamo: bool) -> None:
     """Absolute figures, then kvroute's ratios to the same run's baselines beside the targets."""
-    print(f"\ningest: {len(wl.payloads)} vLLM map-form batches, {wl.blocks:,} blocks of {BS} tokens")
+    print(f"\ningest: {len(wl.payloads)} vLLM map-form batches, {wl.blocks:,} blocks of {BS} tokens "
+          "(wall; per second of the process's CPU time, every thread)")
     for name, rate in ingest.items():
-        print(f"  {name:28} {rate:12,.0f} blocks/s")
+        print(f"  {name:28} {rate:12,.0f} blocks/s   {cpu[name]:12,.0f} blocks/CPU-s")
     print("\nfind_matches (µs, best p50 / best p99)")
     for name, (p50, p99) in match.items():
         print(f"  {name:28} p50 {p50:8.1f}   p99 {p99:8.1f}")
@@ -273,6 +282,8 @@ def report(ingest: dict[str, float], match: dict[str, tuple[float, float]], wl: 
     else:
         rows.append((f"ingest ({kv_ingest_name.removeprefix('kvroute ')}) / Dynamo apply_event",
                      f"{kv_ingest / ingest['dynamo apply_event']:.2f}", ">= 5"))
+        rows.append(("  the same per CPU second (Dynamo's apply thread counted)",
+                     f"{cpu[kv_ingest_name] / cpu['dynamo apply_event']:.2f}", ">= 5"))
         targets = {("full 512", "list"): "<= 0.25", ("full 512", "array"): "<= 0.25",
                    (f"{SHARED} of 8k", "list"): "<= 0.1", (f"{SHARED} of 8k", "array"): "<= 0.05"}
         for (name, form), target in targets.items():
@@ -300,9 +311,10 @@ def main() -> None:
           f"apply_payload {'present' if hasattr(PrefixIndex, 'apply_payload') else 'absent'}; "
           f"best of {args.repeat} rounds")
     wl = make_workload(workers, 12, 512, seed=18)
-    ingest, idx, tree = ingest_figures(wl, args.repeat)
+    cpu: dict[str, float] = {}
+    ingest, idx, tree = ingest_figures(wl, args.repeat, cpu)
     match = match_figures(wl, idx, tree, iters, args.repeat)
-    report(ingest, match, wl, tree is not None)
+    report(ingest, cpu, match, wl, tree is not None)
 
 
 if __name__ == "__main__":
