@@ -907,6 +907,15 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_index.py", "tests/test_production_shapes.py", "tests/test_client.py"),
     ),
     Mutation(
+        "token-walk-form-unchecked",
+        "a window of token ids is walked as uint 16 / uint 32 only when every marker in it is one of those two",
+        "src/wire.rs",
+        "        bad |= (w >> 56).wrapping_sub(0xcd) > 1;\n",
+        "",
+        ("tests/test_wire.py", "tests/test_wire_differential.py", "tests/test_client.py"),
+        ("tests/test_client.py::test_drops_inside_buffer_are_replayed",),
+    ),
+    Mutation(
         "vllm-removal-misread",
         "vLLM's removal, decoded by its fixed bytes, names the block the engine removed (its hash big-endian)",
         "src/wire.rs",
