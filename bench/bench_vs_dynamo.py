@@ -169,7 +169,7 @@ def ingest_figures(wl: Workload, repeat: int, cpu: dict[str, float]) -> tuple[di
         "msgspec decode": bare_decode, "kvroute decode+apply_batch": decode_apply}
     if hasattr(PrefixIndex, "apply_payload"):
         runs["kvroute apply_payload"] = apply_payload
-        runs[WORKING_SIZE] = working_size_run(wl)
+        runs[WORKING_SIZE] = WorkingSize(wl).run
 
     if RadixTree is not None:
         def dynamo_apply() -> float:
@@ -203,46 +203,54 @@ def ingest_figures(wl: Workload, repeat: int, cpu: dict[str, float]) -> tuple[di
     return out, last["kvroute"], last.get("dynamo")
 
 
-#: The ingest path into an index whose tables are at their working size (`working_size_run`).
+#: The ingest path into an index whose tables are at their working size (`WorkingSize`).
 WORKING_SIZE = "kvroute apply_payload, sized"
 
 
-def working_size_run(wl: Workload) -> Callable[[], tuple[float, float]]:
-    """The same stores applied to an index already at its working size, as a router's is after warm-up.
+class WorkingSize:
+    """The workload's stores applied to an index already at its working size, as a router's is after warm-up.
 
     A fill from empty (the figure above) grows every table as it goes: a worker's engine-hash table and the
     key index re-place their entries at each growth, about a third of that figure's time (session 24). Here
     each worker keeps one block of its own, so it and its tables stay; before each timed round the
-    workload's blocks are removed (vLLM's `BlockRemoved`, untimed), and the round stores them again. Returns
-    a run giving (wall, CPU) seconds of the stores alone.
+    workload's blocks are removed (vLLM's `BlockRemoved`, untimed), and the round stores them again.
     """
-    index = PrefixIndex()
-    own = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=list(range(BS)), block_size=BS,
-                      medium="GPU")
-    for worker in {w for w, _, _ in wl.payloads}:
-        index.apply_payload(worker, encode_batch(EventBatch(time.time(), [own], 0), form="map"))
-    kept = index.num_blocks()
-    removals = []
-    for worker, _, payload in wl.payloads:
-        (stored,) = msgspec.msgpack.decode(payload)[1]
-        removal = BlockRemoved(block_hashes=stored["block_hashes"], medium="GPU")
-        removals.append((worker, encode_batch(EventBatch(time.time(), [removal], 0), form="map")))
-    for worker, _, payload in wl.payloads:
-        index.apply_payload(worker, payload)
 
-    def run() -> tuple[float, float]:
-        apply = index.apply_payload
-        for worker, payload in removals:
-            apply(worker, payload)
-        assert index.num_blocks() == kept, (index.num_blocks(), kept)
-        c0, t0 = time.process_time(), time.perf_counter()
+    def __init__(self, wl: Workload) -> None:
+        self.wl = wl
+        self.index = PrefixIndex()
+        own = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=list(range(BS)), block_size=BS,
+                          medium="GPU")
+        for worker in {w for w, _, _ in wl.payloads}:
+            self.index.apply_payload(worker, encode_batch(EventBatch(time.time(), [own], 0), form="map"))
+        self.kept = self.index.num_blocks()
+        self.removals = []
         for worker, _, payload in wl.payloads:
-            apply(worker, payload)
-        took, used = time.perf_counter() - t0, time.process_time() - c0
-        assert index.num_blocks() == kept + wl.blocks, (index.num_blocks(), kept, wl.blocks)
-        return took, used
+            (stored,) = msgspec.msgpack.decode(payload)[1]
+            removal = BlockRemoved(block_hashes=stored["block_hashes"], medium="GPU")
+            self.removals.append((worker, encode_batch(EventBatch(time.time(), [removal], 0), form="map")))
+        self.store()  # the tables grow to their working size
 
-    return run
+    def store(self) -> None:
+        """Apply the workload's stores (the blocks not held)."""
+        apply = self.index.apply_payload
+        for worker, _, payload in self.wl.payloads:
+            apply(worker, payload)
+        assert self.index.num_blocks() == self.kept + self.wl.blocks, (self.index.num_blocks(), self.kept)
+
+    def remove(self) -> None:
+        """Remove the workload's blocks (each worker's own stays)."""
+        apply = self.index.apply_payload
+        for worker, payload in self.removals:
+            apply(worker, payload)
+        assert self.index.num_blocks() == self.kept, (self.index.num_blocks(), self.kept)
+
+    def run(self) -> tuple[float, float]:
+        """One round: the removals untimed, then the stores' (wall, CPU) seconds."""
+        self.remove()
+        c0, t0 = time.process_time(), time.perf_counter()
+        self.store()
+        return time.perf_counter() - t0, time.process_time() - c0
 
 
 def check_ingested(idx: PrefixIndex, wl: Workload) -> None:

@@ -7,17 +7,18 @@ zero and dump its counters at, so the dump holds the fill alone::
         .venv/bin/python bench/callgrind_ingest.py dynamo
     callgrind_annotate callgrind.out.<pid>.1      # the fill's instructions: its total ÷ the blocks printed
 
-Streams: ``dynamo`` is `bench_vs_dynamo.py`'s ingest (16 workers x 12 sequences x 512 blocks, one map-form
-store a batch); ``core`` is `bench_core.py`'s (16 workers, 1-4 events of 1-32 blocks a batch, 70 % chained on an
-earlier block); ``at1M`` is `bench_fill.py`'s ``at1M`` case (4 workers, `bench_e2e.py`'s batch shape): its first 1M
-stored blocks fill the index before the first marker (939,805 entries after the stream's removals), and only the
-next 131,116 blocks are marked. Its payloads are built once and kept in ``--cache``: building them under valgrind
-takes many minutes. For cache misses, run it under callgrind with ``--cache-sim=yes`` (cachegrind's simulator, with
-the markers) and ``--LL=33554432,16,64`` (valgrind misreads this machine's L3): ``DLmr + DLmw`` ÷ the blocks
-printed are last-level misses a block. The simulator ignores prefetch instructions: it counts misses, not whether
-they overlap. ``--msgspec`` marks a bare ``msgspec.msgpack.decode`` of the same payloads instead: the issue-18
-ratio's denominator in instructions. The stream is generated with a fixed seed, so every build (another venv's
-Python runs this file as well) sees the same bytes. Without valgrind it prints the fill's wall time (noisy).
+Streams: ``dynamo`` is `bench_vs_dynamo.py`'s ingest (16 workers x 12 sequences x 512 blocks, one map-form store a
+batch); ``sized`` the same stores into an index at its working size (`bench_vs_dynamo.WorkingSize`); ``core`` is
+`bench_core.py`'s (16 workers, 1-4 events of 1-32 blocks a batch, 70 % chained on an earlier block); ``at1M`` is
+`bench_fill.py`'s ``at1M`` case (4 workers, `bench_e2e.py`'s batch shape): its first 1M stored blocks fill the index
+before the first marker (939,805 entries after the stream's removals), and only the next 131,116 blocks are marked.
+Its payloads are built once and kept in ``--cache``: building them under valgrind takes many minutes. For cache
+misses, run it under callgrind with ``--cache-sim=yes`` (cachegrind's simulator, with the markers) and
+``--LL=33554432,16,64`` (valgrind misreads this machine's L3): ``DLmr + DLmw`` ÷ the blocks printed are last-level
+misses a block. The simulator ignores prefetch instructions: it counts misses, not whether they overlap.
+``--msgspec`` marks a bare ``msgspec.msgpack.decode`` of the same payloads instead: the issue-18 ratio's denominator
+in instructions. The stream is generated with a fixed seed, so every build (another venv's Python runs this file as
+well) sees the same bytes. Without valgrind it prints the fill's wall time (noisy).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def stream(name: str) -> tuple[list[tuple[object, bytes]], int]:
 def main() -> None:
     """Parse the options, build the stream, warm up, and run the marked fill."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stream", nargs="?", default="dynamo", choices=("dynamo", "core", "at1M"))
+    ap.add_argument("stream", nargs="?", default="dynamo", choices=("dynamo", "sized", "core", "at1M"))
     ap.add_argument("--msgspec", action="store_true", help="mark a bare msgspec decode of the payloads instead")
     ap.add_argument("--cache", default="/tmp/kvroute_at1M_payloads.pickle",
                     help="where the at1M stream's payloads are kept between runs")
@@ -73,6 +74,9 @@ def main() -> None:
     decode = msgspec.msgpack.decode
     if args.stream == "at1M":
         marked_at1m(args.cache, args.msgspec)
+        return
+    if args.stream == "sized":
+        marked_sized(args.msgspec)
         return
     pairs, blocks = stream(args.stream)
     # A first fill: the allocator's arenas and the code's pages as a running process has them.
@@ -105,6 +109,18 @@ def marked(index: PrefixIndex, pairs: list[tuple[object, bytes]], bare: bool) ->
     t1 = time.perf_counter()
     os.getegid()  # callgrind: --dump-before=os_getegid
     return t1 - t0
+
+
+def marked_sized(bare: bool) -> None:
+    """The ``dynamo`` stream into an index at its working size (`bench_vs_dynamo.WorkingSize`), marked."""
+    wl = bench_vs_dynamo.make_workload(16, 12, 512, seed=1)
+    sized = bench_vs_dynamo.WorkingSize(wl)
+    sized.remove()
+    pairs = [(w, p) for w, _, p in wl.payloads]
+    took = marked(sized.index, pairs, bare)
+    what = "msgspec decode" if bare else "apply_payload"
+    print(f"sized: {wl.blocks:,} blocks, {len(pairs):,} payloads into an index at its working size; {what} "
+          f"{took * 1e3:.1f} ms ({wl.blocks / took / 1e6:.2f}M blocks/s)", file=sys.stderr)
 
 
 def marked_at1m(cache: str, bare: bool) -> None:
