@@ -117,9 +117,10 @@ def interruptions(seconds: float = 1.0, floor_us: float = 10.0) -> tuple[float, 
     """What takes this thread's core away while it runs: a spin of ``seconds`` reading the clock, and each gap
     over ``floor_us``. Returns the gaps a second, their median and their longest (µs).
 
-    On the development VM a timer tick every 4 ms costs a running thread 20-47 µs (s24): a call of T µs meets
-    one with probability ~T / 4 ms, so every call over ~40 µs has a p99 of its p50 plus one tick, whatever the
-    code does. Printed beside the p99 figures so that they can be read on the machine that measured them.
+    On the development VM a timer tick every ~4 ms costs a running thread ~25 µs (median; up to ~100, s24): a
+    call of T µs meets one with probability ~T / 4 ms, so every call over ~40 µs has a p99 of its p50 plus one
+    tick, whatever the code does. Printed beside the p99 figures so that they can be read on the machine that
+    measured them.
     """
     gaps: list[float] = []
     clock = time.perf_counter
