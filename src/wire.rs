@@ -2246,6 +2246,21 @@ mod tests {
         }
     }
 
+    /// `uint_run` over `buf[..end]`, at most `max` items: what it read is rmp's reading of the
+    /// same bytes, item for item, and `values`' first items. Returns the items and bytes read.
+    fn run_as_rmp_reads(buf: &[u8], end: usize, max: usize, values: &[u64]) -> (usize, usize) {
+        let mut out = Vec::with_capacity(max);
+        let p = uint_run(&buf[..end], &mut out, max);
+        assert!(out.len() <= max && p <= end, "end {end} max {max}");
+        let mut r = Bytes::new(&buf[..p]);
+        for (i, &v) in out.iter().enumerate() {
+            assert_eq!(rd::read_int::<i64, _>(&mut r).ok(), Some(v), "item {i}");
+            assert_eq!(v as u64, values[i]);
+        }
+        assert!(r.remaining_slice().is_empty());
+        (out.len(), p)
+    }
+
     #[test]
     fn uint_run_reads_what_rmp_reads_and_stops_short_of_the_end() {
         // Every uint form a token takes (fixint, uint 8/16/32, at their bounds), then a form it
@@ -2269,18 +2284,9 @@ mod tests {
         rmp::encode::write_sint(&mut buf, -3).unwrap();
         for end in 0..=buf.len() {
             for max in [0, 1, 4, values.len(), values.len() + 1] {
-                let mut out = Vec::with_capacity(max);
-                let p = uint_run(&buf[..end], &mut out, max);
-                assert!(out.len() <= max && p <= end, "end {end} max {max}");
-                // What it read is rmp's reading of the same bytes, item for item.
-                let mut r = Bytes::new(&buf[..p]);
-                for (i, &v) in out.iter().enumerate() {
-                    assert_eq!(rd::read_int::<i64, _>(&mut r).ok(), Some(v), "item {i}");
-                    assert_eq!(v as u64, values[i]);
-                }
-                assert!(r.remaining_slice().is_empty());
-                // It stops only at the cap, the int 8, or with no whole 8-byte window left.
-                let stopped_early = out.len() < max.min(values.len());
+                let (read, p) = run_as_rmp_reads(&buf, end, max, &values);
+                // It stops only at the cap, the int 8, or at an item the prefix cuts.
+                let stopped_early = read < max.min(values.len());
                 assert!(!stopped_early || p + 8 > end, "end {end} max {max}");
             }
         }
@@ -2307,15 +2313,8 @@ mod tests {
             rmp::encode::write_sint(&mut buf, -3).unwrap();
             for end in 0..=buf.len() {
                 for max in [1, 2, 3, values.len()] {
-                    let mut out = Vec::with_capacity(max);
-                    let p = uint_run(&buf[..end], &mut out, max);
-                    let mut r = Bytes::new(&buf[..p]);
-                    for (i, &v) in out.iter().enumerate() {
-                        assert_eq!(rd::read_int::<i64, _>(&mut r).ok(), Some(v), "item {i}");
-                        assert_eq!(v as u64, values[i]);
-                    }
-                    assert!(r.remaining_slice().is_empty());
-                    let stopped_early = out.len() < max;
+                    let (read, p) = run_as_rmp_reads(&buf, end, max, &values);
+                    let stopped_early = read < max;
                     assert!(
                         !stopped_early || p + 8 > end,
                         "end {end} max {max} {values:?}"
@@ -2379,14 +2378,7 @@ mod tests {
             rmp::encode::write_sint(&mut buf, -3).unwrap();
             for end in 0..=buf.len() {
                 for max in [len, len / 2, len + 1, 13] {
-                    let mut out = Vec::with_capacity(max);
-                    let p = uint_run(&buf[..end], &mut out, max);
-                    let mut r = Bytes::new(&buf[..p]);
-                    for (i, &v) in out.iter().enumerate() {
-                        assert_eq!(rd::read_int::<i64, _>(&mut r).ok(), Some(v), "item {i}");
-                        assert_eq!(v as u64, values[i]);
-                    }
-                    assert!(r.remaining_slice().is_empty());
+                    let (read, _) = run_as_rmp_reads(&buf, end, max, &values);
                     // It takes every whole item up to the cap: it stops short only at the int 8
                     // or at an item the prefix cuts.
                     let mut whole = Bytes::new(&buf[..end]);
@@ -2394,7 +2386,7 @@ mod tests {
                     while can < max.min(len) && rd::read_int::<u64, _>(&mut whole).is_ok() {
                         can += 1;
                     }
-                    assert_eq!(out.len(), can, "round {round} end {end} max {max}");
+                    assert_eq!(read, can, "round {round} end {end} max {max}");
                 }
             }
         }
