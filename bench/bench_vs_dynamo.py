@@ -21,6 +21,9 @@ What is compared (issue 18, "Targets"):
    whose per-block ``tokens_hash`` Dynamo's publisher computes on the worker side, so it is built
    (with ``compute_block_hash_for_seq``) before the clock starts. That is Dynamo's best case; the
    same blocks taken from the vLLM bytes through Python (decode, hash, JSON, apply) are printed too.
+   Each path into an empty index (every table grows as it fills), and kvroute's ``apply_payload``
+   also into an index at its working size (`WorkingSize`); each path in wall time and per second of
+   the process's CPU time (Dynamo applies on a thread of its own).
 2. find_matches p50 / p99 on the index ingest built: a full 512-block prompt held by one worker,
    and an 8k-token prompt of which one worker holds the first 32 blocks; kvroute given a list of
    ints and an ``array('I')``. Dynamo matches block hashes, not tokens, so its figure is what a
