@@ -1516,27 +1516,20 @@ impl<'a> Dec<'a> {
             // a branch on the form (a branch between uint 16 and uint 32 mispredicts on every
             // other token of a real vocabulary). Anything else (wider or signed ints, another
             // type, an item the payload's end cuts) goes through rmp's `read_int`, then `tok`,
-            // and the items after such an item one at a time here.
+            // one item, and the ids after it through `uint_run` again.
             let whole: &'a [u8] = self.buf;
             let base = self.pos;
             let buf = &whole[base..];
             let n = n as usize;
             // Each token takes at least one byte: the payload bounds this allocation.
             let mut out = Vec::with_capacity(self.reserve_for(n as u32));
-            let mut p = uint_run(buf, &mut out, n);
-            for i in out.len()..n {
-                if let (Some(&b), Some(next)) = (buf.get(p), buf.get(p + 1..p + 9)) {
-                    let w = UINT_WIDTH[usize::from(b)];
-                    if w != NOT_UINT {
-                        let mut be = [0u8; 8];
-                        be.copy_from_slice(next);
-                        let wide = u64::from_be_bytes(be) >> (64 - 8 * u32::from(w.max(1)));
-                        let v = if w == 0 { u64::from(b) } else { wide };
-                        // At most u32::MAX: the forms above hold nothing wider.
-                        out.push(v as i64);
-                        p += 1 + usize::from(w);
-                        continue;
-                    }
+            let mut p = 0;
+            loop {
+                let left = n - out.len();
+                p += uint_run(&buf[p..], &mut out, left);
+                let i = out.len();
+                if i == n {
+                    break;
                 }
                 let mut r = Bytes::new(&buf[p..]);
                 if let Ok(v) = rd::read_int::<i64, _>(&mut r) {

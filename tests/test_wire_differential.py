@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from reference import wire as ref
 
@@ -412,6 +412,30 @@ def test_buffers_other_than_bytes() -> None:
     assert BatchDecoder().decode(bytearray(payload)) == want  # type: ignore[arg-type]
     with pytest.raises(DecodeError):
         BatchDecoder().decode("not bytes")  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    runs=st.lists(st.lists(st.integers(256, 150_000), min_size=0, max_size=60), min_size=1, max_size=5),
+    odd=st.lists(st.one_of(st.integers(0, 255), st.sampled_from([-1, -300, I64, 1 << 63, U64, (1 << 32) + 5])),
+                 max_size=4),
+)
+def test_long_token_lists_with_other_forms_between_runs_decode_as_the_reference(
+    runs: list[list[int]], odd: list[int]
+) -> None:
+    """Token ids past a window's length (the decoder reads 64 bytes of uint 16 / 32 ids at a time) with ids of
+    other forms between the runs: small, negative, past uint32 or int64; the ids after each come through the
+    window reading again."""
+    toks: list[int] = []
+    for i, run in enumerate(runs):
+        toks += run
+        if i < len(odd):
+            toks.append(odd[i])
+    assume(toks)
+    ev = mp([(E("type"), E("BlockStored")), (E("block_hashes"), E([1])), (E("token_ids"), E(toks)),
+             (E("block_size"), E(max(len(toks), 1)))])
+    got = check_same(arr([E(0.0), arr([ev])]))
+    assert got is not None and got.events[0].token_ids == toks
 
 
 def test_wide_ints_keep_their_value() -> None:
