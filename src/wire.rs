@@ -17,14 +17,19 @@
 //! `Batch::untrusted`, which the recovery machine logs), paths included.
 
 use std::fmt;
-use std::mem::MaybeUninit;
 
 use rmp::decode::{self as rd, Bytes, RmpRead};
 use rmp::Marker;
 
+#[cfg(fuzzing)]
+pub use token_ids::both_readers;
+use token_ids::{uint_run, WRITE_SLACK};
+
 use crate::protocols::{
     medium_of, Batch, BlockHash, BlockRemoved, BlockStored, Event, Medium, RemovedHashes, Value,
 };
+
+mod token_ids;
 
 /// Hard ceiling on the events of one batch, checked on the event array's length header.
 pub const MAX_EVENTS_PER_BATCH: u32 = 65_536;
@@ -619,176 +624,6 @@ fn hash_of(v: i128) -> BlockHash {
     // SGLang's signed int64 hashes fold onto uint64 (two's complement), so a block has one key
     // whatever the form. msgpack holds nothing below i64::MIN, so this never fails ("hash-range").
     BlockHash::Int(v as u64)
-}
-
-/// `UINT_WIDTH[marker]` when the marker is not a uint form a token id takes.
-const NOT_UINT: u8 = u8::MAX;
-
-/// Bytes after the marker for the uint forms token ids take (0: a positive fixint), by marker
-/// byte; `NOT_UINT` for every other marker. msgpack's markers: 0x00-0x7f positive fixint, 0xcc
-/// uint 8, 0xcd uint 16, 0xce uint 32 (the tests hold the table to rmp's `Marker::from_u8`).
-const UINT_WIDTH: [u8; 256] = {
-    let mut t = [NOT_UINT; 256];
-    let mut b = 0;
-    while b < 0x80 {
-        t[b] = 0;
-        b += 1;
-    }
-    t[0xcc] = 1;
-    t[0xcd] = 2;
-    t[0xce] = 4;
-    t
-};
-
-/// Decode the leading run of uint-form items of `buf` (`UINT_WIDTH`'s forms) into `dst`'s spare
-/// capacity, at most `max`, as many as fit: returns the bytes read (`dst`'s length grows by the
-/// items). It stops at the cap, at any other marker, or at an item cut short by `buf`'s end.
-///
-/// A real vocabulary's ids from 256 up come as uint 16 or uint 32 at random, so a store's token
-/// ids are mostly those two forms, 3 or 5 bytes, in random order. Read one after another, each
-/// item's place waits on the load of the marker before it. `walk_window` takes the markers of
-/// 64 bytes as bitmasks first, so the chain from one item's place to the next runs in registers
-/// and the loads of the values overlap: 2.2 ns an item against 3.1 with the payload in cache,
-/// 2.45 against 3.16 out of it (session 24; this loop was about half of `apply_payload`'s time
-/// into an index at its working size). A window holding any other form (an id below 256, the
-/// array's end) or too near `buf`'s end is read item by item (`exact_items`). Every read of an
-/// item is a checked slice of the window or of `buf`.
-#[inline(never)]
-fn uint_run(buf: &[u8], dst: &mut Vec<i64>, max: usize) -> usize {
-    let spare = dst.spare_capacity_mut();
-    let count = max.min(spare.len());
-    let (mut p, mut i) = (0usize, 0usize);
-    while i < count {
-        let walked = buf
-            .get(p..p + WALK_BYTES)
-            .and_then(|w| walk_window(w.try_into().ok()?, &mut spare[i..count]));
-        let (q, k, stopped) = match walked {
-            Some((q, k)) => (q, k, false),
-            None => exact_items(&buf[p..], &mut spare[i..count]),
-        };
-        p += q;
-        i += k;
-        if stopped {
-            break;
-        }
-    }
-    // SAFETY: `walk_window` and `exact_items` initialised the first `i` slots of the spare
-    // capacity, in order, and `i` cannot exceed it (a walk a window's check refused wrote past
-    // `i`, but `i` did not move). Filling the buffer in place instead of zeroing it first
-    // (`vec![0; n]`) saves a memset of 8 bytes per token id (64 KB for a 512-block store):
-    // callgrind, ~130 instructions per block of a 512-block store.
-    unsafe { dst.set_len(dst.len() + i) };
-    p
-}
-
-/// Items `walk_window` starts: those that start in a window's first 60 bytes (their marker bit
-/// is in the window's 64, their 8-byte read in `WALK_BYTES`).
-const WALK_ITEMS_BEFORE: usize = 60;
-/// Bytes `walk_window` reads: a window of 64 and the reach of an 8-byte read at byte 59.
-const WALK_BYTES: usize = 72;
-
-/// Read the uint 16 / uint 32 items that start in `win`'s first 60 bytes into `out` (at most
-/// its length): the bytes and items taken, or None (nothing taken) if any of them is another
-/// form. Each item's place is the one before it plus 3, plus 2 if the uint 32 markers' bit there
-/// is set: a shift, a mask and an add in registers. The places walked are checked against both
-/// markers' bits once, after the walk, off that chain; the one window in which any is neither is
-/// read again by `exact_items`.
-#[inline(always)]
-fn walk_window(win: &[u8; WALK_BYTES], out: &mut [MaybeUninit<i64>]) -> Option<(usize, usize)> {
-    let (ce, cd) = marker_masks(win);
-    let (mut q, mut k) = (0usize, 0usize);
-    let mut walked = 0u64;
-    while q < WALK_ITEMS_BEFORE && k < out.len() {
-        let w = u64::from_be_bytes(win[q..q + 8].try_into().ok()?);
-        // uint 16 (0xcd, `f` 0) or uint 32 (0xce, `f` 1): 3 or 5 bytes, the value the 16 or
-        // 32 bits after the marker.
-        let f = (ce >> q) & 1;
-        walked |= 1 << q;
-        out[k].write(((w << 8) >> (48 - 16 * f)) as i64);
-        q += 3 + 2 * f as usize;
-        k += 1;
-    }
-    (walked & !(ce | cd) == 0).then_some((q, k))
-}
-
-/// Where the uint 32 (0xce) and uint 16 (0xcd) markers are among `win`'s first 64 bytes: bit j
-/// of each set where byte j is that marker. SSE2 (part of x86-64's baseline) compares 16 bytes
-/// at a time, against `marker_bits`' 8: 2.2 against 2.6 ns an id (session 24).
-#[inline(always)]
-fn marker_masks(win: &[u8; WALK_BYTES]) -> (u64, u64) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{
-            _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_set1_epi8,
-        };
-        let (mut ce, mut cd) = (0u64, 0u64);
-        for k in 0..4 {
-            // SAFETY: SSE2 is enabled on every x86-64 target; the unaligned load reads bytes
-            // 16k..16k+16 of `win`, inside its 72.
-            let bits = unsafe {
-                let x = _mm_loadu_si128(win.as_ptr().add(16 * k).cast());
-                (
-                    _mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_set1_epi8(0xceu8 as i8))),
-                    _mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_set1_epi8(0xcdu8 as i8))),
-                )
-            };
-            // (each mask is 16 bits in the low half of an i32)
-            ce |= u64::from(bits.0 as u16) << (16 * k);
-            cd |= u64::from(bits.1 as u16) << (16 * k);
-        }
-        (ce, cd)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        (marker_bits(&win[..64], 0xce), marker_bits(&win[..64], 0xcd))
-    }
-}
-
-/// Bit j set where `bytes[j]` (j < 64) is `marker`: a zero-byte test on 8 bytes at a time, each
-/// byte's result gathered into one bit by a multiply (the bits land in distinct places). The
-/// portable form of `marker_masks` (on x86-64 the tests hold the two to each other).
-#[cfg(any(test, not(target_arch = "x86_64")))]
-#[inline(always)]
-fn marker_bits(bytes: &[u8], marker: u8) -> u64 {
-    const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
-    let mut bits = 0u64;
-    for (k, chunk) in bytes.chunks_exact(8).take(8).enumerate() {
-        let mut le = [0u8; 8];
-        le.copy_from_slice(chunk);
-        let y = u64::from_le_bytes(le) ^ (u64::from(marker) * 0x0101_0101_0101_0101);
-        // 0x80 in each byte of `y` that is zero (exact: no borrow from a neighbour).
-        let zero = !(((y & LOW7) + LOW7) | y | LOW7);
-        bits |= ((zero >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56) << (8 * k);
-    }
-    bits
-}
-
-/// Read `buf`'s leading uint-form items one at a time into `out` (at most its length), until
-/// past one window's worth of bytes: the bytes and items taken, and whether it stopped (at
-/// another marker or an item cut short by the end).
-fn exact_items(buf: &[u8], out: &mut [MaybeUninit<i64>]) -> (usize, usize, bool) {
-    let (mut p, mut k) = (0usize, 0usize);
-    while k < out.len() && p < WALK_ITEMS_BEFORE {
-        let Some(&m) = buf.get(p) else {
-            return (p, k, true);
-        };
-        let w = UINT_WIDTH[usize::from(m)];
-        if w == NOT_UINT {
-            return (p, k, true);
-        }
-        let Some(body) = buf.get(p + 1..p + 1 + usize::from(w)) else {
-            return (p, k, true);
-        };
-        let v = if w == 0 {
-            u64::from(m)
-        } else {
-            body.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b))
-        };
-        out[k].write(v as i64);
-        p += 1 + usize::from(w);
-        k += 1;
-    }
-    (p, k, false)
 }
 
 /// A decoded store before its checks: ints still wide, token cells (SGLang EAGLE) not yet folded.
@@ -1521,8 +1356,9 @@ impl<'a> Dec<'a> {
             let base = self.pos;
             let buf = &whole[base..];
             let n = n as usize;
-            // Each token takes at least one byte: the payload bounds this allocation.
-            let mut out = Vec::with_capacity(self.reserve_for(n as u32));
+            // Each token takes at least one byte: the payload bounds this allocation (and the
+            // few slots a window read may write past the last).
+            let mut out = Vec::with_capacity(self.reserve_for(n as u32) + WRITE_SLACK);
             let mut p = 0;
             loop {
                 let left = n - out.len();
@@ -2204,184 +2040,6 @@ mod tests {
             "origin\0",
         ] {
             assert_eq!(stored_field_index(other.as_bytes()), None, "{other:?}");
-        }
-    }
-
-    #[test]
-    fn the_uint_width_table_is_rmps_classification() {
-        for b in 0..=255u8 {
-            let want = match Marker::from_u8(b) {
-                Marker::FixPos(_) => 0,
-                Marker::U8 => 1,
-                Marker::U16 => 2,
-                Marker::U32 => 4,
-                _ => NOT_UINT,
-            };
-            assert_eq!(UINT_WIDTH[usize::from(b)], want, "marker {b:#x}");
-        }
-    }
-
-    #[test]
-    fn uint_run_reads_one_item_of_each_uint_marker_and_stops_at_any_other() {
-        for b in 0..=255u8 {
-            let mut buf = vec![b, 0x12, 0x34, 0x56, 0x78, 0x9a, 0xbc, 0xde, 0xf0];
-            buf.resize(17, 0);
-            let mut out = Vec::with_capacity(1);
-            let p = uint_run(&buf, &mut out, 1);
-            if UINT_WIDTH[usize::from(b)] == NOT_UINT {
-                assert_eq!((p, out.len()), (0, 0), "marker {b:#x}");
-                continue;
-            }
-            let mut r = Bytes::new(&buf);
-            let want = rd::read_int::<i64, _>(&mut r).unwrap();
-            assert_eq!(out, vec![want], "marker {b:#x}");
-            assert_eq!(p, buf.len() - r.remaining_slice().len(), "marker {b:#x}");
-        }
-    }
-
-    /// `uint_run` over `buf[..end]`, at most `max` items: what it read is rmp's reading of the
-    /// same bytes, item for item, and `values`' first items. Returns the items and bytes read.
-    fn run_as_rmp_reads(buf: &[u8], end: usize, max: usize, values: &[u64]) -> (usize, usize) {
-        let mut out = Vec::with_capacity(max);
-        let p = uint_run(&buf[..end], &mut out, max);
-        assert!(out.len() <= max && p <= end, "end {end} max {max}");
-        let mut r = Bytes::new(&buf[..p]);
-        for (i, &v) in out.iter().enumerate() {
-            assert_eq!(rd::read_int::<i64, _>(&mut r).ok(), Some(v), "item {i}");
-            assert_eq!(v as u64, values[i]);
-        }
-        assert!(r.remaining_slice().is_empty());
-        (out.len(), p)
-    }
-
-    #[test]
-    fn uint_run_reads_what_rmp_reads_and_stops_short_of_the_end() {
-        // Every uint form a token takes (fixint, uint 8/16/32, at their bounds), then a form it
-        // does not (int 8); each prefix of the bytes, each cap on the count.
-        let values: Vec<u64> = vec![
-            0,
-            1,
-            127,
-            128,
-            255,
-            256,
-            65_535,
-            65_536,
-            u64::from(u32::MAX),
-            5,
-        ];
-        let mut buf = Vec::new();
-        for &v in &values {
-            rmp::encode::write_uint(&mut buf, v).unwrap();
-        }
-        rmp::encode::write_sint(&mut buf, -3).unwrap();
-        for end in 0..=buf.len() {
-            for max in [0, 1, 4, values.len(), values.len() + 1] {
-                let (read, p) = run_as_rmp_reads(&buf, end, max, &values);
-                // It stops only at the cap, the int 8, or at an item the prefix cuts.
-                let stopped_early = read < max.min(values.len());
-                assert!(!stopped_early || p + 8 > end, "end {end} max {max}");
-            }
-        }
-    }
-
-    #[test]
-    fn uint_run_reads_every_order_of_forms_as_rmp_does() {
-        // Each form a token takes beside each other (uint 16 then 32 and the reverse, a fixint or
-        // uint 8 between stretches), in sequences from a fixed LCG, then a form it does not take;
-        // each prefix of the bytes, each cap on the count.
-        let forms: [u64; 5] = [7, 200, 40_000, 3_000_000_000, 65_536];
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        for _ in 0..200 {
-            let mut values = Vec::new();
-            let mut buf = Vec::new();
-            for _ in 0..9 {
-                state = state
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1);
-                let v = forms[(state >> 33) as usize % forms.len()] + (state >> 60);
-                rmp::encode::write_uint(&mut buf, v).unwrap();
-                values.push(v);
-            }
-            rmp::encode::write_sint(&mut buf, -3).unwrap();
-            for end in 0..=buf.len() {
-                for max in [1, 2, 3, values.len()] {
-                    let (read, p) = run_as_rmp_reads(&buf, end, max, &values);
-                    let stopped_early = read < max;
-                    assert!(
-                        !stopped_early || p + 8 > end,
-                        "end {end} max {max} {values:?}"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn marker_masks_agree_with_a_byte_by_byte_reading() {
-        // Windows dense in both markers and their neighbours, at every offset of a buffer.
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        for _ in 0..2_000 {
-            let mut win = [0u8; WALK_BYTES];
-            for b in win.iter_mut() {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                *b = [0xcd, 0xce, 0xcc, 0xcf, 0x4d, 0x4e, (state >> 40) as u8]
-                    [(state >> 61) as usize % 7];
-            }
-            let want = |m: u8| (0..64).fold(0u64, |acc, j| acc | (u64::from(win[j] == m) << j));
-            assert_eq!(marker_masks(&win), (want(0xce), want(0xcd)));
-            assert_eq!(marker_bits(&win[..64], 0xce), want(0xce));
-            assert_eq!(marker_bits(&win[..64], 0xcd), want(0xcd));
-        }
-    }
-
-    #[test]
-    fn uint_run_reads_long_runs_as_rmp_does_wherever_a_window_falls() {
-        // Runs long enough for the window walk (a window is 72 bytes): mostly uint 16 / 32 at
-        // random as a real vocabulary sends them, sometimes an id below 256 (fixint or uint 8)
-        // or a value at a form's bound, then a form it does not take (int 8); every prefix of
-        // the bytes, and caps that end inside a window.
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            state >> 33
-        };
-        for round in 0..60 {
-            let len = 20 + next() as usize % 60;
-            let mut values = Vec::new();
-            let mut buf = Vec::new();
-            for _ in 0..len {
-                let v = match next() % 40 {
-                    0 if round % 3 == 0 => next() % 128,
-                    1 if round % 3 == 0 => 128 + next() % 128,
-                    2 => 0xce,
-                    3 => 65_535,
-                    4 => 65_536,
-                    5 => u64::from(u32::MAX),
-                    r if r < 22 => 256 + next() % 65_280,
-                    _ => 65_536 + next() % 100_000,
-                };
-                rmp::encode::write_uint(&mut buf, v).unwrap();
-                values.push(v);
-            }
-            rmp::encode::write_sint(&mut buf, -3).unwrap();
-            for end in 0..=buf.len() {
-                for max in [len, len / 2, len + 1, 13] {
-                    let (read, _) = run_as_rmp_reads(&buf, end, max, &values);
-                    // It takes every whole item up to the cap: it stops short only at the int 8
-                    // or at an item the prefix cuts.
-                    let mut whole = Bytes::new(&buf[..end]);
-                    let mut can = 0;
-                    while can < max.min(len) && rd::read_int::<u64, _>(&mut whole).is_ok() {
-                        can += 1;
-                    }
-                    assert_eq!(read, can, "round {round} end {end} max {max}");
-                }
-            }
         }
     }
 
