@@ -25,7 +25,7 @@ Usage (from the repository root, with the test dependencies installed)::
 Adding a rule: append one `Mutation` to `MUTATIONS` (name, rule, file, the exact text to
 break, its broken form, the tests to run, the socket-level tests that claim the rule). A rule
 is broken where it is kept: the prefix index's and the wire decoder's in the Rust crate
-(src/index/, src/wire.rs; their broken form must compile, the copy's core is rebuilt), the
+(src/index/, src/wire.rs, src/wire/; their broken form must compile, the copy's core is rebuilt), the
 receive path's in kvroute/_transports/zmq/ (the in-order fast path applies through
 ``PrefixIndex.apply_payload``), the recovery rules in kvroute/_source.py and its replay side,
 kvroute/_replay_answers.py.
