@@ -42,8 +42,8 @@ pub(super) const WRITE_SLACK: usize = 15;
 /// payload in cache, 2.7 out of it; the vector reader 1.5 / 1.7. Into an index at its working
 /// size the vector reader alone gained nothing: its windows waited on the payload's cache
 /// misses, which the walk's longer chain had hidden. With the payload prefetched 512 bytes
-/// ahead, a store's ingest fell from ~112 to ~86 ns a block (`bench_vs_dynamo.py`'s working
-/// size); the prefetch alone, on the walk, changed nothing.
+/// ahead, a store's ingest into that index fell from ~112 to ~86 ns a block; the prefetch
+/// alone, on the walk, changed nothing (docs/performance.md, "Session 25").
 #[inline(never)]
 pub(super) fn uint_run(buf: &[u8], dst: &mut Vec<i64>, max: usize) -> usize {
     read_run(buf, dst, max, true)
@@ -81,8 +81,8 @@ fn read_run(buf: &[u8], dst: &mut Vec<i64>, max: usize, vector: bool) -> usize {
         }
     }
     // SAFETY: the readers initialised the first `i` slots of the spare capacity, in order, and
-    // `i` cannot exceed it (a window a check refused may have written past `i`, but `i` did
-    // not move). Filling the buffer in place instead of zeroing it first (`vec![0; n]`) saves a
+    // `i` cannot exceed it (a window read may write slots past its items, and a window a check
+    // refused may have written past `i`, but `i` counts only the items taken). Filling the buffer in place instead of zeroing it first (`vec![0; n]`) saves a
     // memset of 8 bytes per token id (64 KB for a 512-block store): callgrind, ~130
     // instructions per block of a 512-block store.
     unsafe { dst.set_len(dst.len() + i) };
@@ -317,7 +317,9 @@ mod vbmi {
             return None;
         }
         let wide = _mm512_permutexvar_epi8(pos, _mm512_movm_epi8(ce));
-        // Byte b of u32 lane j: item j's place (and whether it is a uint 32) at lane j's bytes.
+        // Byte b of the values' vector is in u32 lane b / 4 (the shift moves no set bit of a
+        // byte's neighbour into its low four): item j's place, and whether it is a uint 32, at
+        // each byte of lane j.
         let lane = _mm512_and_si512(_mm512_srli_epi16::<2>(iota), _mm512_set1_epi8(0x0f));
         let place4 = _mm512_permutexvar_epi8(lane, pos);
         let wide4 = _mm512_movepi8_mask(_mm512_permutexvar_epi8(lane, wide));
