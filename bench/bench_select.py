@@ -135,6 +135,14 @@ def interruptions(seconds: float = 1.0, floor_us: float = 10.0) -> tuple[float, 
     return len(gaps) / seconds, statistics.median(gaps), max(gaps)
 
 
+def tick_floor(p50_us: float) -> str:
+    """What this machine's interruptions (measured now, for a second) do to the p99 of a call of ``p50_us``."""
+    per_s, median, longest = interruptions()
+    return (f"{per_s:.0f} interruptions a second of a spinning thread, median {median:.0f} µs, longest "
+            f"{longest:.0f} µs: a call of {p50_us:.0f} µs meets one in {100 * per_s * p50_us * 1e-6:.1f} % of calls "
+            f"(over 1 %: its p99 is its p50 plus one, ~{p50_us + median:.0f} µs)")
+
+
 def interleaved(
     fns: dict[str, Callable[[], object]], iters: int, repeat: int, qs: tuple[float, ...] = (0.5, 0.99)
 ) -> dict[str, tuple[float, ...]]:
@@ -272,11 +280,8 @@ def figure_fleet(iters: int, repeat: int, n_workers: int, entries: int) -> None:
     for name, (p50, p99, p10, p90) in got.items():
         print(f"  {name:22} p10 {p10:8.1f}  p50 {p50:8.1f}  p90 {p90:8.1f}  p99 {p99:8.1f}   "
               f"÷ find_matches p50 {p50 / b50:5.2f}")
-    per_s, median, longest = interruptions()
     p50_idle = got["select, idle fleet"][0]
-    print(f"  this machine: {per_s:.0f} interruptions a second of a spinning thread, median {median:.0f} µs, longest "
-          f"{longest:.0f} µs: a call of {p50_idle:.0f} µs meets one in {100 * per_s * p50_idle * 1e-6:.1f} % of calls "
-          f"(over 1 %: its p99 is its p50 plus one, ~{p50_idle + median:.0f} µs)")
+    print(f"  this machine: {tick_floor(p50_idle)}")
     print(f"  select, idle fleet, alone ({10 * iters:,} calls a round): p50 {alone[0]:.1f}  p99 {alone[1]:.1f}  "
           f"p99.9 {alone[2]:.1f}")
     print(f"  target: select p99 <= 100 µs; now idle {alone[1]:.0f} µs alone, {got['select, idle fleet'][1]:.0f} µs "
@@ -416,16 +421,17 @@ def figure_ingest(seconds: float, repeat: int) -> None:
             threads += [threading.Thread(target=querying, args=(stop, queried, shared)) for _ in range(extra_queriers)]
             for th in threads:
                 th.start()
-            busy, n_busy, _ = select_p99(seconds, router)
+            busy, n_busy, busy50 = select_p99(seconds, router)
             stop.set()
             for th in threads:
                 th.join()
-            ratios.append((busy / idle, idle, busy, n_idle, n_busy, sum(applied), queried[0], idle50))
-        r, idle, busy, n_idle, n_busy, n_applied, n_q, idle50 = min(ratios)
+            ratios.append((busy / idle, idle, busy, n_idle, n_busy, sum(applied), queried[0], idle50, busy50))
+        r, idle, busy, n_idle, n_busy, n_applied, n_q, idle50, busy50 = min(ratios)
         print(f"  {label:30} idle p50 {idle50 * 1e6:4.0f} p99 {idle * 1e6:6.0f} µs ({n_idle} selects), "
-              f"busy p99 {busy * 1e6:6.0f} µs "
+              f"busy p50 {busy50 * 1e6:4.0f} p99 {busy * 1e6:6.0f} µs "
               f"({n_busy} selects, {n_applied} payloads applied, {n_q} selects by other threads): "
               f"ratio {r:.2f} (all rounds: {', '.join(f'{x[0]:.2f}' for x in ratios)})")
+        print(f"    busy, this machine: {tick_floor(busy50 * 1e6)}")
     print("  target: <= 3")
 
 
