@@ -639,6 +639,9 @@ struct RawStore {
     wide_tokens: Vec<(usize, u64)>,
     /// `[token, next_token]` cells: token_ids as SGLang with EAGLE speculative decoding sends them.
     cells: Option<Vec<(i128, i128)>>,
+    /// Whether a non-empty `token_ids` so far was cells (true) or ints (false): a map that repeats
+    /// the key is read against one form, as msgspec read it (`token_ids`).
+    cell_form: Option<bool>,
     lookahead: Option<Vec<Vec<i128>>>,
     /// The hashes header was past `max_blocks_per_event`: the rest was checked but not kept.
     n_hashes: usize,
@@ -1316,12 +1319,26 @@ impl<'a> Dec<'a> {
             t => return Err(expected("array", &t)),
         };
         self.enter()?;
-        let cells = bigrams
-            && matches!(
-                Marker::from_u8(self.rest().first().copied().unwrap_or(0)),
-                Marker::FixArray(_) | Marker::Array16 | Marker::Array32
-            )
-            && n > 0;
+        let cells = if n == 0 {
+            s.cell_form == Some(true)
+        } else {
+            bigrams
+                && matches!(
+                    Marker::from_u8(self.rest().first().copied().unwrap_or(0)),
+                    Marker::FixArray(_) | Marker::Array16 | Marker::Array32
+                )
+        };
+        // msgspec decoded a store against one schema, ints or (when any `token_ids` of the map
+        // was cells) cells, and the last of a repeated key won: a non-empty `token_ids` of the
+        // other form than one before it is an error, an empty one takes the form seen.
+        if n > 0 {
+            match s.cell_form {
+                Some(form) if form != cells => {
+                    return Err(invalid("Expected `array`, got `int`")).at(Seg::Index(0));
+                }
+                _ => s.cell_form = Some(cells),
+            }
+        }
         if !cells && n > MAX_TOKENS_PER_EVENT {
             return Err(invalid(format!(
                 "Expected `array` of length <= {MAX_TOKENS_PER_EVENT}"
@@ -1976,6 +1993,34 @@ mod tests {
         assert_eq!(s.lookahead_token_ids, Some(vec![vec![4], vec![6]]));
         assert!(s.bigram, "cells mark the store (SGLang EAGLE)");
         assert!(b.skipped.is_empty());
+    }
+
+    #[test]
+    fn a_repeated_token_ids_key_is_read_against_one_form() {
+        // {"type": "BlockStored", "block_hashes": [], "block_size": 0, "token_ids": A,
+        // "token_ids": B}: msgspec read the map against one schema (cells when any `token_ids`
+        // is cells), the last key winning: cells then [] is an empty bigram store; ints beside
+        // cells, a malformed one.
+        let store = |a: &[u8], b: &[u8]| {
+            let mut ev =
+                b"\x85\xa4type\xabBlockStored\xacblock_hashes\x90\xaablock_size\x00".to_vec();
+            for t in [a, b] {
+                ev.extend_from_slice(b"\xa9token_ids");
+                ev.extend_from_slice(t);
+            }
+            decode(&batch(&[&ev]), &Limits::default()).unwrap()
+        };
+        let cells = b"\x91\x92\x01\x02";
+        let b = store(cells, b"\x90");
+        let Some(Event::Stored(s)) = b.events.first() else {
+            panic!("{b:?}")
+        };
+        assert!(s.bigram && s.token_ids.is_empty(), "{s:?}");
+        for (a, z) in [(&b"\x91\x01"[..], &cells[..]), (cells, b"\x91\x01")] {
+            let b = store(a, z);
+            assert!(b.events.is_empty(), "{b:?}");
+            assert_eq!(b.skipped, vec![("malformed".to_string(), 1)]);
+        }
     }
 
     #[test]

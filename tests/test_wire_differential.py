@@ -438,6 +438,29 @@ def test_long_token_lists_with_other_forms_between_runs_decode_as_the_reference(
     assert got is not None and got.events[0].token_ids == toks
 
 
+@pytest.mark.parametrize("block_size", [0, 2])
+@pytest.mark.parametrize(
+    "forms",
+    [
+        ([[1, 2], [3, 4]], []),
+        ([], [[1, 2], [3, 4]]),
+        ([[1, 2]], [[5, 6], [7, 8]]),
+        ([1, 2], [[1, 2]]),
+        ([[1, 2]], [1, 2]),
+        ([1, 2], []),
+        ([], [1, 2]),
+        ([[1, 2]], [], [3]),
+    ],
+)
+def test_a_repeated_token_ids_key_decodes_as_the_reference(forms: tuple[list[Any], ...], block_size: int) -> None:
+    """A store whose map repeats `token_ids` (no engine sends one; hypothesis built it): msgspec read the map against
+    one schema, ints or (when any of them is cells) SGLang EAGLE cells, the last key winning, so an empty one after
+    cells is empty cells (a bigram store) and ints beside cells make the store malformed."""
+    ev = mp([(E("type"), E("BlockStored")), (E("block_hashes"), E([])),
+             *((E("token_ids"), E(f)) for f in forms), (E("block_size"), E(block_size))])
+    check_same(arr([E(0.0), arr([ev])]))
+
+
 def test_wide_ints_keep_their_value() -> None:
     """Ints past int64 in int fields come back exact (the Rust batch holds them saturated)."""
     ev = mp(
