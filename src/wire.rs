@@ -639,9 +639,9 @@ struct RawStore {
     wide_tokens: Vec<(usize, u64)>,
     /// `[token, next_token]` cells: token_ids as SGLang with EAGLE speculative decoding sends them.
     cells: Option<Vec<(i128, i128)>>,
-    /// Whether a non-empty `token_ids` so far was cells (true) or ints (false): a map that repeats
-    /// the key is read against one form, as msgspec read it (`token_ids`).
-    cell_form: Option<bool>,
+    /// Whether a non-empty `token_ids` of ints came before (that one of cells did is `cells`): a
+    /// map that repeats the key is read against one form, as msgspec read it (`token_ids`).
+    ints_seen: bool,
     lookahead: Option<Vec<Vec<i128>>>,
     /// The hashes header was past `max_blocks_per_event`: the rest was checked but not kept.
     n_hashes: usize,
@@ -1320,7 +1320,7 @@ impl<'a> Dec<'a> {
         };
         self.enter()?;
         let cells = if n == 0 {
-            s.cell_form == Some(true)
+            s.cells.is_some()
         } else {
             bigrams
                 && matches!(
@@ -1331,14 +1331,15 @@ impl<'a> Dec<'a> {
         // msgspec decoded a store against one schema, ints or (when any `token_ids` of the map
         // was cells) cells, and the last of a repeated key won: a non-empty `token_ids` of the
         // other form than one before it is an error, an empty one takes the form seen.
-        if n > 0 {
-            match s.cell_form {
-                Some(form) if form != cells => {
-                    return Err(invalid("Expected `array`, got `int`")).at(Seg::Index(0));
-                }
-                _ => s.cell_form = Some(cells),
-            }
+        let other_form_before = if cells {
+            s.ints_seen
+        } else {
+            s.cells.is_some()
+        };
+        if n > 0 && other_form_before {
+            return Err(invalid("Expected `array`, got `int`")).at(Seg::Index(0));
         }
+        s.ints_seen |= n > 0 && !cells;
         if !cells && n > MAX_TOKENS_PER_EVENT {
             return Err(invalid(format!(
                 "Expected `array` of length <= {MAX_TOKENS_PER_EVENT}"

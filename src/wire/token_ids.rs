@@ -3,7 +3,7 @@
 //! store's ids are mostly those two forms, 3 or 5 bytes, in random order: where an item starts
 //! depends on every item before it. Two readers, held to each other and to rmp by the tests:
 //!
-//! - `vbmi::step`, on CPUs with AVX-512 VBMI (Ice Lake, Sapphire Rapids, Zen 4 and later): all
+//! - `vbmi::Vbmi::step`, on CPUs with AVX-512 VBMI (Ice Lake, Sapphire Rapids, Zen 4 and later): all
 //!   the items of a 64-byte window found and read with byte permutes;
 //! - the window walk (`walk_window`, `exact_items`) everywhere, and for the windows the first
 //!   refuses (an id below 256, the array's end, the payload's end).
@@ -57,11 +57,11 @@ fn read_run(buf: &[u8], dst: &mut Vec<i64>, max: usize, vector: bool) -> usize {
     let count = max.min(spare.len());
     let (mut p, mut i) = (0usize, 0usize);
     #[cfg(target_arch = "x86_64")]
-    let vector = vector && vbmi::detected();
+    let vbmi = vbmi::Vbmi::detect().filter(|_| vector);
     while i < count {
         #[cfg(target_arch = "x86_64")]
-        if vector {
-            if let Some((q, k)) = vbmi::step(&buf[p..], &mut spare[i..], count - i) {
+        if let Some(vbmi) = vbmi {
+            if let Some((q, k)) = vbmi.step(&buf[p..], &mut spare[i..], count - i) {
                 p += q;
                 i += k;
                 continue;
@@ -82,9 +82,10 @@ fn read_run(buf: &[u8], dst: &mut Vec<i64>, max: usize, vector: bool) -> usize {
     }
     // SAFETY: the readers initialised the first `i` slots of the spare capacity, in order, and
     // `i` cannot exceed it (a window read may write slots past its items, and a window a check
-    // refused may have written past `i`, but `i` counts only the items taken). Filling the buffer in place instead of zeroing it first (`vec![0; n]`) saves a
-    // memset of 8 bytes per token id (64 KB for a 512-block store): callgrind, ~130
-    // instructions per block of a 512-block store.
+    // refused may have written past `i`, but `i` counts only the items taken). Filling the
+    // buffer in place instead of zeroing it first (`vec![0; n]`) saves a memset of 8 bytes per
+    // token id (64 KB for a 512-block store): callgrind, ~130 instructions per block of a
+    // 512-block store.
     unsafe { dst.set_len(dst.len() + i) };
     p
 }
@@ -227,36 +228,42 @@ mod vbmi {
     /// and 1,024 bytes measured the same.
     const AHEAD: usize = 512;
 
-    /// Whether this CPU has the features `walk16` is compiled for (asked once).
-    pub(super) fn detected() -> bool {
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| {
-            is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vbmi")
-        })
-    }
+    /// Proof that this CPU has the features `walk16` is compiled for: only `detect` makes one,
+    /// so a reader holding it asks the CPU once, not once a window.
+    #[derive(Clone, Copy)]
+    pub(super) struct Vbmi(());
 
-    /// Read the items that start in `buf`'s first 60 bytes, at most `want`: the bytes and items
-    /// taken, or None (nothing taken) when the CPU lacks the features, `buf` is shorter than 64
-    /// bytes, `out` has fewer than 16 slots, or any item taken is another form. Writes `out`'s
-    /// first 16 slots; the first `items` hold the items.
-    #[inline(always)]
-    pub(super) fn step(
-        buf: &[u8],
-        out: &mut [MaybeUninit<i64>],
-        want: usize,
-    ) -> Option<(usize, usize)> {
-        let win: &[u8; 64] = buf.get(..64)?.try_into().ok()?;
-        let out: &mut [MaybeUninit<i64>; ITEMS] = out.get_mut(..ITEMS)?.try_into().ok()?;
-        if !detected() {
-            return None;
+    impl Vbmi {
+        /// The proof, where this CPU has AVX-512 F, BW and VBMI (asked once a process).
+        pub(super) fn detect() -> Option<Vbmi> {
+            static HAS: OnceLock<bool> = OnceLock::new();
+            let has = *HAS.get_or_init(|| {
+                is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vbmi")
+            });
+            has.then_some(Vbmi(()))
         }
-        // SAFETY: SSE is part of x86-64's baseline, and a prefetch is a hint: it never faults,
-        // whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(buf.as_ptr().wrapping_add(AHEAD).cast()) };
-        // SAFETY: `detected` found AVX-512 F, BW and VBMI on this CPU.
-        unsafe { walk16(win, out, want) }
+
+        /// Read the items that start in `buf`'s first 60 bytes, at most `want`: the bytes and
+        /// items taken, or None (nothing taken) when `buf` is shorter than 64 bytes, `out` has
+        /// fewer than 16 slots, or any item taken is another form. Writes `out`'s first 16
+        /// slots; the first `items` hold the items.
+        #[inline(always)]
+        pub(super) fn step(
+            self,
+            buf: &[u8],
+            out: &mut [MaybeUninit<i64>],
+            want: usize,
+        ) -> Option<(usize, usize)> {
+            let win: &[u8; 64] = buf.get(..64)?.try_into().ok()?;
+            let out: &mut [MaybeUninit<i64>; ITEMS] = out.get_mut(..ITEMS)?.try_into().ok()?;
+            // SAFETY: SSE is part of x86-64's baseline, and a prefetch is a hint: it never
+            // faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(buf.as_ptr().wrapping_add(AHEAD).cast()) };
+            // SAFETY: `self` exists only where `detect` found AVX-512 F, BW and VBMI.
+            unsafe { walk16(win, out, want) }
+        }
     }
 
     /// Bytes 0..64 in order.
@@ -591,6 +598,6 @@ mod tests {
         // Which reader the tests above held to rmp: printed, so a run on a CPU without AVX-512
         // VBMI says it tested the walk alone.
         #[cfg(target_arch = "x86_64")]
-        println!("vector reader: {}", vbmi::detected());
+        println!("vector reader: {}", vbmi::Vbmi::detect().is_some());
     }
 }
