@@ -199,12 +199,14 @@ def ingest_figures(wl: Workload, repeat: int, cpu: dict[str, float]) -> tuple[di
             return time.perf_counter() - t0
 
         runs["dynamo apply_event"] = dynamo_apply
-        runs[DYNAMO_WORKING_SIZE] = DynamoWorkingSize(wl).run
+        dynamo_sized = DynamoWorkingSize(wl)
+        runs[DYNAMO_WORKING_SIZE] = dynamo_sized.run
         runs["dynamo from vLLM bytes"] = dynamo_from_vllm_bytes
     out.update(best_rates(runs, wl.blocks, repeat, cpu))
     check_ingested(last["kvroute"], wl)
     if RadixTree is not None:
         check_dynamo_ingested(last["dynamo"], wl)
+        check_dynamo_ingested(dynamo_sized.tree, wl)  # the last round's stores (each earlier one: `remove`)
     return out, last["kvroute"], last.get("dynamo")
 
 
@@ -214,7 +216,27 @@ WORKING_SIZE = "kvroute apply_payload, sized"
 DYNAMO_WORKING_SIZE = "dynamo apply_event, sized"
 
 
-class WorkingSize:
+class Rounds:
+    """Timed rounds of a workload's stores into an index kept at its working size: ``remove`` (untimed) takes the
+    workload's blocks out, ``store`` puts them back."""
+
+    def remove(self) -> None:
+        """Take the workload's blocks out (each worker's own stays)."""
+        raise NotImplementedError
+
+    def store(self) -> None:
+        """Apply the workload's stores (the blocks not held)."""
+        raise NotImplementedError
+
+    def run(self) -> tuple[float, float]:
+        """One round: the removals untimed, then the stores' (wall, CPU) seconds."""
+        self.remove()
+        c0, t0 = time.process_time(), time.perf_counter()
+        self.store()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+
+class WorkingSize(Rounds):
     """The workload's stores applied to an index already at its working size, as a router's is after warm-up.
 
     A fill from empty (the figure above) grows every table as it goes: a worker's engine-hash table and the
@@ -252,15 +274,8 @@ class WorkingSize:
             apply(worker, payload)
         assert self.index.num_blocks() == self.kept, (self.index.num_blocks(), self.kept)
 
-    def run(self) -> tuple[float, float]:
-        """One round: the removals untimed, then the stores' (wall, CPU) seconds."""
-        self.remove()
-        c0, t0 = time.process_time(), time.perf_counter()
-        self.store()
-        return time.perf_counter() - t0, time.process_time() - c0
 
-
-class DynamoWorkingSize:
+class DynamoWorkingSize(Rounds):
     """`WorkingSize` for Dynamo's tree: each worker keeps a block of its own, the workload's blocks are removed
     (Dynamo's JSON ``removed`` event, untimed) before each round, and the round stores them again."""
 
@@ -288,18 +303,14 @@ class DynamoWorkingSize:
             apply(worker, event)
         self.sync()
 
-    def run(self) -> tuple[float, float]:
-        """One round: the removals untimed, then the stores' (wall, CPU) seconds."""
+    def remove(self) -> None:
+        """Check the last round's stores (untimed), then remove the workload's blocks and wait for it."""
+        check_dynamo_ingested(self.tree, self.wl)
         apply = self.tree.apply_event
         for worker, event in self.removals:
             apply(worker, event)
         self.sync()
         assert not self.tree.find_matches(compute_block_hash_for_seq(self.wl.full_prompt, BS)).scores
-        c0, t0 = time.process_time(), time.perf_counter()
-        self.store()
-        took = time.perf_counter() - t0, time.process_time() - c0
-        check_dynamo_ingested(self.tree, self.wl)
-        return took
 
 
 def check_ingested(idx: PrefixIndex, wl: Workload) -> None:
